@@ -1,0 +1,209 @@
+"""The typed, validated view of lmcache_p2p's settings.
+
+Our settings live in the LMCache YAML (``LMCACHE_CONFIG_FILE``) under ``extra_config.p2p``::
+
+    extra_config:
+      storage_plugin.p2p.module_path: lmcache_p2p.backend
+      storage_plugin.p2p.class_name: ReceiverBackend
+      p2p:
+        role: receiver
+        buffer_size: 2GB
+        control_ports: [7300]
+
+Every key is checked once, at load; a mistake raises one :class:`ConfigError` naming the key
+(``p2p.buffer_size``) and what is allowed. Nothing else in the package reads raw YAML.
+This module imports nothing heavy (no torch, lmcache, zmq).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from lmcache_p2p.errors import ConfigError
+
+SECTION = "p2p"
+
+
+class Role(str, enum.Enum):
+    SENDER = "sender"
+    RECEIVER = "receiver"
+
+
+class TransportKind(str, enum.Enum):
+    NIXL = "nixl"
+    NCCL = "nccl"
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size_bytes(key: str, value: Any) -> int:
+    """Parse ``2GB``, ``512MiB``, ``1.5g`` or a plain integer into bytes.
+
+    As in LMCache's own sizes, K/M/G/T are binary (``2GB`` == ``2GiB`` == 2 * 2**30 bytes).
+    """
+    if isinstance(value, bool):
+        raise ConfigError(key, f"expected a size such as 2GB or 536870912, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, float) and value.is_integer():
+        size = int(value)
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        unit = (m.group(2) or "").lower().replace("i", "").replace("b", "")
+        size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    else:
+        raise ConfigError(key, f"expected a size such as 2GB, 512MiB or 536870912, got {value!r}")
+    if size <= 0:
+        raise ConfigError(key, f"must be positive, got {value!r}")
+    return size
+
+
+def _enum(key: str, value: Any, enum_type: type[enum.Enum]) -> Any:
+    allowed = [m.value for m in enum_type]
+    if isinstance(value, str) and value.lower() in allowed:
+        return enum_type(value.lower())
+    raise ConfigError(key, f"must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _positive_float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(key, f"must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _port(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ConfigError(key, f"must be a TCP port in 1..65535, got {value!r}")
+    return value
+
+
+def _ports(key: str, value: Any) -> tuple[int, ...] | int:
+    """A list of ports (one per TP rank) or one base port (rank r uses base + r)."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ConfigError(key, "must list at least one port (one per TP rank)")
+        return tuple(_port(f"{key}[{i}]", p) for i, p in enumerate(value))
+    return _port(key, value)
+
+
+def _str(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(key, f"must be a non-empty string, got {value!r}")
+    return value.strip()
+
+
+def _device(key: str, value: Any) -> str:
+    if isinstance(value, str) and re.fullmatch(r"cpu|cuda(:\d+)?", value.strip().lower()):
+        return value.strip().lower()
+    raise ConfigError(key, f"must be one of cpu, cuda, cuda:N; got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class P2PConfig:
+    """All lmcache_p2p settings; see the module docstring for where they live."""
+
+    role: Role
+    transport: TransportKind = TransportKind.NIXL
+    # Receiver: the preallocated buffer and where it listens.
+    buffer_size_bytes: int = 1 << 30
+    buffer_device: str = "cpu"
+    host: str = "127.0.0.1"
+    control_ports: tuple[int, ...] | int = 7300
+    transport_ports: tuple[int, ...] | int = 7400
+    # Registry: where to announce ourselves and report "KV ready"; optional.
+    proxy_url: str | None = None
+    http_url: str | None = None
+    instance_id: str | None = None
+    shared_secret: str | None = None
+    # Deadlines and leases.
+    connect_timeout_s: float = 5.0
+    alloc_timeout_s: float = 10.0
+    transfer_timeout_s: float = 30.0
+    reserve_lease_s: float = 30.0
+    ready_lease_s: float = 120.0
+    heartbeat_interval_s: float = 2.0
+    # NIXL: UCX backend parameters, e.g. {"ucx_error_handling_mode": "none"}.
+    nixl_backend_params: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def control_port(self, tp_rank: int) -> int:
+        return _rank_port("p2p.control_ports", self.control_ports, tp_rank)
+
+    def transport_port(self, tp_rank: int) -> int:
+        return _rank_port("p2p.transport_ports", self.transport_ports, tp_rank)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> P2PConfig:
+        """Validate the ``extra_config.p2p`` map."""
+        if raw is None:
+            raise ConfigError(SECTION, "missing: add a `p2p:` map under extra_config (role: sender|receiver)")
+        if not isinstance(raw, Mapping):
+            raise ConfigError(SECTION, f"must be a map, got {type(raw).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        aliases = {"buffer_size": "buffer_size_bytes"}
+        unknown = sorted(k for k in raw if aliases.get(k, k) not in fields)
+        if unknown:
+            allowed = sorted(set(fields) - {"buffer_size_bytes"} | {"buffer_size"})
+            raise ConfigError(f"{SECTION}.{unknown[0]}", f"unknown key; known keys: {', '.join(allowed)}")
+        if "role" not in raw:
+            raise ConfigError(f"{SECTION}.role", "missing; must be one of sender, receiver")
+
+        values: dict[str, Any] = {}
+        for name, value in raw.items():
+            key = f"{SECTION}.{name}"
+            name = aliases.get(name, name)
+            values[name] = _convert(key, name, value)
+        return cls(**values)
+
+    @classmethod
+    def from_lmcache(cls, lmcache_config: Any) -> P2PConfig:
+        """Read and validate our section of an ``LMCacheEngineConfig``."""
+        extra = getattr(lmcache_config, "extra_config", None) or {}
+        return cls.from_mapping(extra.get(SECTION))
+
+
+def _convert(key: str, name: str, value: Any) -> Any:
+    if name == "role":
+        return _enum(key, value, Role)
+    if name == "transport":
+        return _enum(key, value, TransportKind)
+    if name == "buffer_size_bytes":
+        return parse_size_bytes(key, value)
+    if name == "buffer_device":
+        return _device(key, value)
+    if name in ("control_ports", "transport_ports"):
+        return _ports(key, value)
+    if name.endswith("_s"):
+        return _positive_float(key, value)
+    if name == "proxy_url":
+        value = _str(key, value)
+        if not re.fullmatch(r"tcp://[^:/\s]+:\d+", value):
+            raise ConfigError(key, f"must look like tcp://HOST:PORT (the proxy's control address), got {value!r}")
+        return value
+    if name == "nixl_backend_params":
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, f"must be a map of UCX backend parameters, got {value!r}")
+        return {str(k): str(v) for k, v in value.items()}
+    if value is None and name in ("http_url", "instance_id", "shared_secret"):
+        return None
+    return _str(key, value)
+
+
+def _rank_port(key: str, ports: tuple[int, ...] | int, tp_rank: int) -> int:
+    if isinstance(ports, int):
+        return ports + tp_rank
+    if tp_rank >= len(ports):
+        raise ConfigError(key, f"lists {len(ports)} port(s) but TP rank {tp_rank} needs one: list one port per TP rank")
+    return ports[tp_rank]
+
+
+def check_lmcache_settings(lmcache_config: Any) -> None:
+    """Reject LMCache settings under which the plugin cannot work (FACTS.md, storage plugins)."""
+    if getattr(lmcache_config, "enable_pd", False):
+        raise ConfigError("enable_pd", "must be false: lmcache_p2p replaces LMCache's PD backend")
+    if not getattr(lmcache_config, "save_unfull_chunk", True):
+        raise ConfigError("save_unfull_chunk", "must be true, or a prompt's partial last chunk is never sent")

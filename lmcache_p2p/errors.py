@@ -1,0 +1,73 @@
+"""The one error hierarchy of lmcache_p2p.
+
+    P2PError
+    ├── ConfigError              a setting is missing, malformed or out of range (names the key)
+    ├── ProtocolError            a control frame that cannot be trusted or understood
+    │   ├── AuthError            the shared-secret tag is missing or wrong
+    │   └── VersionError         the peer speaks another protocol version
+    ├── TransportError           moving bytes failed
+    │   ├── PeerUnreachable      connecting to a peer failed
+    │   └── TransportTimeout     a transfer or a wait passed its deadline
+    ├── BufferFull               the receive buffer cannot hold what was asked for (a refusal)
+    ├── RequestFailed            a request's KV transfer ended without success (refused, cancelled, peer died)
+    └── ClosedError              the component was closed and cannot be used any more
+
+Third-party exceptions (NIXL, ZMQ, torch.distributed) are mapped at the edge with
+``raise ... from exc`` so callers only ever handle these types.
+"""
+
+from __future__ import annotations
+
+
+class P2PError(Exception):
+    """Base class of every error raised by lmcache_p2p."""
+
+
+class ConfigError(P2PError, ValueError):
+    """A configuration value is missing, malformed or out of range."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+class ProtocolError(P2PError):
+    """A control frame is malformed, unknown or otherwise not acceptable."""
+
+
+class AuthError(ProtocolError):
+    """A control frame's authentication tag is missing or does not match."""
+
+
+class VersionError(ProtocolError):
+    """The peer speaks a different protocol version."""
+
+
+class TransportError(P2PError):
+    """A data transfer failed."""
+
+
+class PeerUnreachable(TransportError):
+    """A peer could not be connected to."""
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """A transfer or a wait on the transport passed its deadline."""
+
+
+class BufferFull(P2PError):
+    """The receive buffer has no room for a reservation; nothing was reserved."""
+
+    def __init__(self, message: str, *, needed_slots: int, free_slots: int, capacity_slots: int) -> None:
+        self.needed_slots = needed_slots
+        self.free_slots = free_slots
+        self.capacity_slots = capacity_slots
+        super().__init__(message)
+
+
+class RequestFailed(P2PError):
+    """A request's KV transfer ended without success."""
+
+
+class ClosedError(P2PError):
+    """The component has been closed."""

@@ -1,0 +1,26 @@
+"""Transports: move bytes from local memory into a peer's registered memory.
+
+``base.py`` is the contract; ``nixl.py`` (UCX: tcp, shared memory, cuda_ipc) and ``nccl.py``
+(torch.distributed pair groups; Gloo on CPU) implement it. This package never interprets what it
+moves and never talks to LMCache; descriptors cross the wire as ``protocol`` messages only.
+"""
+
+from __future__ import annotations
+
+from lmcache_p2p.transport.base import Notification, Transport, WriteHandle, region_of
+
+
+def create_transport(kind: str, name: str, **options) -> Transport:
+    """Build the transport named by ``p2p.transport`` (imports its library lazily)."""
+    if kind == "nixl":
+        from lmcache_p2p.transport.nixl import NixlTransport
+
+        return NixlTransport(name, **options)
+    if kind == "nccl":
+        from lmcache_p2p.transport.nccl import NcclTransport
+
+        return NcclTransport(name, **options)
+    raise ValueError(f"unknown transport {kind!r}; expected nixl or nccl")
+
+
+__all__ = ["Notification", "Transport", "WriteHandle", "create_transport", "region_of"]

