@@ -72,7 +72,13 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def connect(self, peer: TransportInfo, timeout_s: float) -> str:
-        """Prepare writes to ``peer``; return its name. Idempotent per peer."""
+        """Sender side: prepare writes to ``peer``; return its name. Idempotent per peer."""
+
+    def accept(self, peer: TransportInfo) -> None:  # noqa: B027 - optional hook
+        """Receiver side: a sender said Hello. Two-sided transports (NCCL) start pairing here.
+
+        Must not block: the control thread calls it. One-sided transports (NIXL) need nothing.
+        """
 
     @abc.abstractmethod
     def write(self, peer: str, srcs: Sequence[torch.Tensor], dst_addrs: Sequence[int], notif: bytes) -> WriteHandle:
