@@ -38,6 +38,7 @@ class RefusalCode(str, enum.Enum):
     TOO_LARGE = "too_large"  # can never fit: a chunk exceeds a slot or the request exceeds the buffer
     UNKNOWN_PEER = "unknown_peer"  # the sender must say Hello first (e.g. after a receiver restart)
     CLOSED = "closed"  # the receiver is shutting down
+    FINISHED = "finished"  # the request already completed or failed here; start a new one
 
 
 # ---- data carried inside messages ---------------------------------------------------------------
@@ -67,8 +68,9 @@ class ChunkShape(msgspec.Struct, frozen=True, array_like=True):
     """Shape and dtype of one chunk as LMCache holds it (KV_2LTD: [2, layers, tokens, hidden])."""
 
     shape: list[int]
-    dtype: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
     nbytes: int
+    fmt: int = 1  # LMCache MemoryFormat value (1 = KV_2LTD)
 
 
 # ---- sender <-> receiver -----------------------------------------------------------------------
@@ -84,6 +86,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     version: int
     receiver_id: str
+    buffer_addr: int  # address of slot 0 in the receiver's registered buffer
     slot_bytes: int
     num_slots: int
     transport: TransportInfo

@@ -74,6 +74,8 @@ class SlotPool:
                     f"receive buffer has {len(self._free)} free of {self.num_slots} slots, {count} needed",
                     needed_slots=count, free_slots=len(self._free), capacity_slots=self.num_slots,
                 )
+            if count == 0:
+                return []
             deadline = self._clock() + lease_s
             slots = [self._free.pop() for _ in range(count)]
             owned = self._by_owner.setdefault(owner, set())

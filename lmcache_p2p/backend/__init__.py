@@ -1,0 +1,20 @@
+"""The LMCache storage plugin: ``SenderBackend`` (prefiller) and ``ReceiverBackend`` (decoder).
+
+Name one of them in the LMCache YAML::
+
+    storage_plugins: [p2p]
+    extra_config:
+      storage_plugin.p2p.module_path: lmcache_p2p.backend
+      storage_plugin.p2p.class_name: SenderBackend     # or ReceiverBackend
+      p2p: {role: sender, ...}
+
+``sender.py`` / ``receiver.py`` adapt LMCache's StoragePluginInterface (the only code here that
+imports lmcache) to ``send_service.py`` / ``receive_service.py``, which hold the logic and own
+the threads and sockets. This package never parses request ids: where KV goes comes from the
+request's DisaggSpec (``transfer_spec``).
+"""
+
+from lmcache_p2p.backend.receiver import ReceiverBackend
+from lmcache_p2p.backend.sender import SenderBackend
+
+__all__ = ["ReceiverBackend", "SenderBackend"]

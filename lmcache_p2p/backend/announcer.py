@@ -1,0 +1,70 @@
+"""Reports to the proxy: Announce (start + heartbeat), KvReady / KvFailed, Goodbye.
+
+Owned and called by exactly one thread (the backend's service thread): ZMQ sockets are not
+thread-safe. Sends never block: a proxy that is down or slow costs a dropped heartbeat (the next
+one repeats it), never a stuck engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from lmcache_p2p import protocol
+
+logger = logging.getLogger(__name__)
+
+
+class Announcer:
+    def __init__(self, proxy_url: str | None, codec: protocol.Codec, interval_s: float) -> None:
+        self._url = proxy_url
+        self._codec = codec
+        self._interval_s = interval_s
+        self._next_heartbeat = 0.0
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._dropped = 0
+        if proxy_url:
+            self._ctx = zmq.Context()
+            self._sock = self._ctx.socket(zmq.PUSH)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.SNDHWM, 1000)
+            self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing until the proxy is connected
+            self._sock.connect(proxy_url)
+
+    @property
+    def enabled(self) -> bool:
+        return self._sock is not None
+
+    def send(self, msg: protocol.Message) -> bool:
+        if self._sock is None:
+            return False
+        try:
+            self._sock.send_multipart(self._codec.pack(msg), flags=zmq.DONTWAIT)
+            return True
+        except zmq.Again:
+            self._dropped += 1
+            if self._dropped in (1, 10, 100) or self._dropped % 1000 == 0:
+                logger.warning("proxy %s is not reachable: %d report(s) dropped so far", self._url, self._dropped)
+            return False
+
+    def heartbeat_due(self) -> bool:
+        return self._sock is not None and time.monotonic() >= self._next_heartbeat
+
+    def heartbeat(self, announce: protocol.Announce) -> None:
+        self._next_heartbeat = time.monotonic() + self._interval_s
+        self.send(announce)
+
+    def close(self, goodbye: protocol.Goodbye | None = None) -> None:
+        if self._sock is None:
+            return
+        if goodbye is not None:
+            self.send(goodbye)
+            self._sock.setsockopt(zmq.LINGER, 200)  # give the goodbye a moment to leave
+        self._sock.close()
+        self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None

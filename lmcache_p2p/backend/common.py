@@ -1,0 +1,44 @@
+"""What both plugin roles share: reading our config section and building the transport."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lmcache_p2p.config import P2PConfig, Role, check_lmcache_settings
+from lmcache_p2p.errors import ConfigError
+from lmcache_p2p.transport import Transport, create_transport
+
+logger = logging.getLogger(__name__)
+
+
+def load_config(lmcache_config: Any, role: Role) -> P2PConfig:
+    """Validate our settings for ``role``; LMCache only logs plugin errors, so log loudly too."""
+    try:
+        check_lmcache_settings(lmcache_config)
+        cfg = P2PConfig.from_lmcache(lmcache_config)
+        if cfg.role is not role:
+            raise ConfigError("p2p.role", f"is {cfg.role.value} but the plugin class is the {role.value} "
+                                          f"(storage_plugin.<name>.class_name); make them agree")
+        return cfg
+    except ConfigError as exc:
+        logger.error("lmcache_p2p disabled: invalid configuration in LMCACHE_CONFIG_FILE: %s", exc)
+        raise
+
+
+def tp_rank_of(metadata: Any) -> tuple[int, int]:
+    """(rank, size) of this worker in its tensor-parallel group."""
+    if metadata is None:
+        return 0, 1
+    return int(getattr(metadata, "worker_id", 0) or 0), int(getattr(metadata, "world_size", 1) or 1)
+
+
+def build_transport(cfg: P2PConfig, name: str, tp_rank: int) -> Transport:
+    if cfg.transport.value == "nixl":
+        return create_transport("nixl", name, backend_params=dict(cfg.nixl_backend_params) or None)
+    return create_transport("nccl", name, host=cfg.host, port=cfg.transport_port(tp_rank),
+                            device=cfg.buffer_device, timeout_s=cfg.transfer_timeout_s)
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,148 @@
+"""``SenderBackend``: the prefiller side of the plugin, as LMCache sees it.
+
+``batched_submit_put_task`` runs on the engine's thread: it takes a reference on each chunk,
+hands the batch to the sender service and returns at once. Where the KV goes comes only from
+``transfer_spec`` (LMCache's DisaggSpec); a put without one (a request that was not routed for
+disaggregation) is a no-op that never breaks the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from lmcache_p2p import protocol
+from lmcache_p2p.backend.common import build_transport, dtype_name, load_config, tp_rank_of
+from lmcache_p2p.backend.receiver import chunk_key
+from lmcache_p2p.backend.send_service import Chunk, SendService, Target
+from lmcache_p2p.config import Role
+from lmcache_p2p.errors import ClosedError, P2PError
+
+logger = logging.getLogger(__name__)
+
+
+def target_of(spec: Any, tp_rank: int) -> Target:
+    """The receiver endpoint for this TP rank, from a DisaggSpec; ValueError names the bad field."""
+    host = getattr(spec, "receiver_host", None)
+    ports = getattr(spec, "receiver_alloc_port", None)
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"disagg_spec.receiver_host must be a host name, got {host!r}")
+    if isinstance(ports, int):
+        ports = [ports]
+    if not isinstance(ports, (list, tuple)) or len(ports) <= tp_rank:
+        raise ValueError(f"disagg_spec.receiver_alloc_port must list one port per TP rank (rank {tp_rank}), "
+                         f"got {ports!r}")
+    return Target(host, int(ports[tp_rank]))
+
+
+class SenderBackend(StoragePluginInterface):
+    """Prefiller side: pushes every stored chunk to the receiver named in the request's DisaggSpec."""
+
+    def __init__(self, config: Any = None, metadata: Any = None, dst_device: str = "cpu",
+                 local_cpu_backend: Any = None, loop: Any = None) -> None:
+        super().__init__(dst_device=dst_device, config=config, metadata=metadata,
+                         local_cpu_backend=local_cpu_backend, loop=loop)
+        self._service: SendService | None = None
+        self._transport = None
+        self.cfg = load_config(config, Role.SENDER)
+        self._tp_rank, tp_size = tp_rank_of(metadata)
+        self._warned_no_spec = False
+        try:
+            self._transport = build_transport(self.cfg, f"p2p-send-{self._tp_rank}-{id(self):x}", self._tp_rank)
+            self._register_allocator_memory()
+            self._service = SendService(self.cfg, tp_rank=self._tp_rank, tp_size=tp_size, transport=self._transport)
+        except Exception:
+            logger.exception("lmcache_p2p sender failed to start (p2p.* in LMCACHE_CONFIG_FILE)")
+            self.close()
+            raise
+        logger.info("lmcache_p2p sender rank %d ready (transport %s)", self._tp_rank, self.cfg.transport.value)
+
+    def _register_allocator_memory(self) -> None:
+        """Register LMCache's host buffer once, so chunks are written without per-chunk registration."""
+        allocator = getattr(self.local_cpu_backend, "memory_allocator", None)
+        buffer = getattr(allocator, "buffer", None)
+        if buffer is not None and buffer.numel() > 0:
+            self._transport.register(buffer)
+
+    def __str__(self) -> str:
+        return "P2PSenderBackend"
+
+    def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj],
+                                transfer_spec: Any = None, on_complete_callback: Any = None) -> None:
+        if transfer_spec is None:
+            if not self._warned_no_spec:
+                self._warned_no_spec = True
+                logger.info("a request without disagg_spec was stored: nothing is sent (not routed for PD)")
+            return None
+        service = self._service
+        if service is None:
+            raise ClosedError("sender backend is closed")
+        try:
+            target = target_of(transfer_spec, self._tp_rank)
+        except ValueError as exc:
+            logger.error("request %s: bad transfer_spec, KV not sent: %s", getattr(transfer_spec, "req_id", "?"), exc)
+            return None
+        chunks = []
+        for key, obj in zip(keys, objs):
+            obj.ref_count_up()
+            chunks.append(Chunk(chunk_key(key), _shape_of(obj), obj.tensor, obj.ref_count_down))
+        try:
+            service.submit(str(transfer_spec.req_id), target, chunks, bool(transfer_spec.is_last_prefill))
+        except P2PError as exc:
+            logger.error("request %s: KV not sent: %s", transfer_spec.req_id, exc)
+        return None
+
+    # ---- the sender serves no lookups ----
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        return False
+
+    def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        return 0
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        return False
+
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        return None
+
+    def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        return [None] * len(keys)
+
+    def pin(self, key: CacheEngineKey) -> bool:
+        return False
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        return False
+
+    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        return False
+
+    def touch_cache(self) -> None:
+        return None
+
+    def get_allocator_backend(self) -> Any:
+        return self.local_cpu_backend
+
+    @property
+    def service(self) -> SendService:
+        if self._service is None:
+            raise ClosedError("sender backend is closed")
+        return self._service
+
+    def close(self) -> None:
+        service, self._service = self._service, None
+        if service is not None:
+            service.close()
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.close()
+
+
+def _shape_of(obj: MemoryObj) -> protocol.ChunkShape:
+    return protocol.ChunkShape(shape=list(obj.get_shape()), dtype=dtype_name(obj.get_dtype()),
+                               nbytes=obj.get_size(), fmt=int(obj.get_memory_format().value))

@@ -1,0 +1,131 @@
+"""vLLM general plugin: give LMCacheConnectorV1 our CPU connector when vLLM runs on CPU.
+
+Entry point (pyproject.toml): ``vllm.general_plugins: lmcache_p2p_cpu_connector =
+"lmcache_p2p.cpu_connector.plugin:register"``. vLLM calls :func:`register` once in every process
+(API server, engine core, workers).
+
+How it hooks LMCache: LMCache's vLLM service factory does
+``from lmcache.v1.gpu_connector import CreateGPUConnector`` at engine creation, so replacing that
+module attribute is enough. lmcache must NOT be imported while plugins load (it broke vLLM-CPU's
+kernel scan), so :func:`register` only installs an import hook; the attribute is wrapped right
+after ``lmcache.v1.gpu_connector`` is first imported (or at once, if it already was). The wrapper
+returns :class:`~lmcache_p2p.cpu_connector.connector.CPUPagedKVConnector` only for vLLM engines on
+a CPU-only LMCache device; every other call goes to LMCache's original factory.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import threading
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TARGET_MODULE = "lmcache.v1.gpu_connector"
+_PATCHED_ATTR = "_lmcache_p2p_cpu_connector_patched"
+_lock = threading.Lock()
+
+
+def register() -> None:
+    """vLLM general-plugin entry point. Idempotent; does nothing unless vLLM's platform is CPU."""
+    if not _running_on_cpu():
+        logger.debug("vLLM platform is not CPU: LMCache CPU connector not installed")
+        return
+    install()
+
+
+def install() -> None:
+    """Make LMCache's ``CreateGPUConnector`` return the CPU connector for vLLM (idempotent)."""
+    with _lock:
+        module = sys.modules.get(TARGET_MODULE)
+        if module is not None:
+            _patch(module)
+            return
+        if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+            sys.meta_path.insert(0, _PatchOnImport())
+            logger.debug("import hook for %s installed", TARGET_MODULE)
+
+
+def _running_on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds ``lmcache.v1.gpu_connector`` through the other finders and patches it once loaded."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != TARGET_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._loader.exec_module(module)
+        _patch(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tooling
+        return getattr(self._loader, name)
+
+
+def _patch(module: types.ModuleType) -> None:
+    original = module.CreateGPUConnector
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+    wrapped = _wrap_factory(original)
+    setattr(wrapped, _PATCHED_ATTR, True)
+    module.CreateGPUConnector = wrapped
+    logger.info("LMCache CreateGPUConnector patched: vLLM on CPU gets lmcache_p2p's CPU connector")
+
+
+def _wrap_factory(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def create_gpu_connector(config: Any, metadata: Any, engine: Any, layout_hints: Any = None) -> Any:
+        from lmcache import torch_device_type
+        from lmcache.utils import EngineType
+
+        if engine != EngineType.VLLM or torch_device_type != "cpu":
+            return original(config, metadata, engine, layout_hints=layout_hints)
+        _check_supported_config(config)
+        from lmcache_p2p.cpu_connector.connector import CPUPagedKVConnector
+
+        connector = CPUPagedKVConnector.from_metadata(metadata)
+        logger.info(
+            "LMCache on vLLM-CPU uses CPUPagedKVConnector (layers=%d, kv_heads=%d, head_size=%d, dtype=%s)",
+            connector.num_layers,
+            connector.num_kv_heads,
+            connector.head_size,
+            connector.dtype,
+        )
+        return connector
+
+    return create_gpu_connector
+
+
+def _check_supported_config(config: Any) -> None:
+    for key in ("use_layerwise", "enable_blending", "use_gpu_connector_v3"):
+        if getattr(config, key, False):
+            raise ValueError(f"LMCache config {key}: true is not supported by the CPU connector; set it to false")

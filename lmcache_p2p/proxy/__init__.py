@@ -1,0 +1,17 @@
+"""The disaggregated-serving proxy: an OpenAI-compatible router with a live instance registry.
+
+Owns: the HTTP endpoints clients call (``app.py``), one request's prefill -> wait for KV ->
+decode orchestration (``flow.py``), the request and response shapes of the OpenAI API
+(``shaping.py``, ``responses.py``), the registry of prefillers and decoders (``registry.py``),
+routing policies (``routing.py``), the control socket where instances announce themselves and
+report "KV ready" (``control.py``, ``waiters.py``), upstream HTTP calls (``upstream.py``),
+Prometheus metrics (``metrics.py``), flags (``settings.py``) and process lifetime (``server.py``).
+
+Reading order: ``settings`` -> ``registry`` -> ``routing`` -> ``waiters`` -> ``control`` ->
+``shaping`` -> ``responses`` -> ``flow`` -> ``app`` -> ``server``.
+
+Must not: import lmcache, vllm, torch or nixl (it speaks to instances only over HTTP and the
+control protocol); parse addresses out of request ids (routing data travels in
+``kv_transfer_params.disagg_spec``); block the event loop; wait without a deadline; configure
+logging (only ``cli`` does).
+"""

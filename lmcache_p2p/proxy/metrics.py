@@ -1,0 +1,131 @@
+"""Prometheus metrics of one proxy, and the rolling TTFT / handover summary it logs.
+
+Each proxy owns its own ``CollectorRegistry`` (several proxies can live in one test process).
+Per-instance gauges are read from the registry at scrape time, so forgotten instances vanish.
+
+Definitions:
+  ttft      request received -> first token available (sent at once to a streaming client)
+  handover  prefill answer received -> first decode byte (includes the KV wait and any retry)
+  kv_wait   prefill answer received -> every rank's KV ready (0 when it was ready first), or failure
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from lmcache_p2p.proxy.registry import Instance
+
+_LATENCY_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
+                      5.0, 10.0, 30.0)
+_PREFIX = "lmcache_p2p_proxy_"
+
+
+class ProxyMetrics:
+    def __init__(self, instances: Callable[[], Iterable[Instance]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(_PREFIX + "requests", "Client requests by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.errors = Counter(_PREFIX + "errors", "Failed client requests by endpoint and cause",
+                              ["endpoint", "kind"], registry=r)
+        self.ttft = Histogram(_PREFIX + "ttft_seconds", "Request received -> first token",
+                              ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.handover = Histogram(_PREFIX + "handover_seconds", "Prefill answer -> first decode byte",
+                                  buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.kv_wait = Histogram(_PREFIX + "kv_wait_seconds", "Prefill answer -> KV ready on every rank (or failure)",
+                                 buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.kv_outcomes = Counter(_PREFIX + "kv_outcomes", "KV handovers by outcome (ready, failed, timeout)",
+                                   ["outcome"], registry=r)
+        self.kv_bytes = Counter(_PREFIX + "kv_bytes", "KV bytes decoders reported received", registry=r)
+        self.control_messages = Counter(_PREFIX + "control_messages", "Accepted control messages by type",
+                                        ["type"], registry=r)
+        self.control_rejected = Counter(_PREFIX + "control_rejected", "Rejected control messages by reason",
+                                        ["reason"], registry=r)
+        r.register(_InstanceCollector(instances))
+        self.ttft_window = SampleWindow()
+        self.handover_window = SampleWindow()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def take_summary(self) -> str | None:
+        """One log line over the samples since the last call (None when there were none)."""
+        ttft, handover = self.ttft_window.take(), self.handover_window.take()
+        if not ttft.count and not handover.count:
+            return None
+        return f"TTFT {ttft.describe_ms()} | handover {handover.describe_ms()}"
+
+
+class _InstanceCollector:
+    def __init__(self, instances: Callable[[], Iterable[Instance]]) -> None:
+        self._instances = instances
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["instance", "role", "url"]
+        requests = GaugeMetricFamily(_PREFIX + "instance_inflight_requests", "Requests in flight per instance",
+                                     labels=labels)
+        tokens = GaugeMetricFamily(_PREFIX + "instance_inflight_tokens", "Tokens in flight per instance",
+                                   labels=labels)
+        free = GaugeMetricFamily(_PREFIX + "instance_free_slots",
+                                 "Decoder receive slots free (announced minus promised)", labels=labels)
+        count = GaugeMetricFamily(_PREFIX + "instances", "Registered instances", labels=["role", "state"])
+        counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        for inst in self._instances():
+            values = [inst.instance_id, inst.role.value, inst.http_url]
+            requests.add_metric(values, inst.inflight_requests)
+            tokens.add_metric(values, inst.inflight_tokens)
+            if (slots := inst.free_slots()) is not None:
+                free.add_metric(values, slots)
+            state = inst.state.value if inst.complete else "incomplete"
+            counts[(inst.role.value, state)] += 1
+        for role, state in counts:
+            count.add_metric([role, state], counts[(role, state)])
+        yield from (requests, tokens, free, count)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    count: int
+    mean_s: float = math.nan
+    p50_s: float = math.nan
+    p99_s: float = math.nan
+
+    def describe_ms(self) -> str:
+        if not self.count:
+            return "n=0"
+        return (f"n={self.count} mean {self.mean_s * 1e3:.1f} ms, p50 {self.p50_s * 1e3:.1f} ms, "
+                f"p99 {self.p99_s * 1e3:.1f} ms")
+
+
+class SampleWindow:
+    """Samples since the last ``take`` (bounded; the oldest fall out under a flood)."""
+
+    def __init__(self, max_samples: int = 100_000) -> None:
+        self._samples: collections.deque[float] = collections.deque(maxlen=max_samples)
+
+    def add(self, value_s: float) -> None:
+        self._samples.append(value_s)
+
+    def take(self) -> Stats:
+        samples = sorted(self._samples)
+        self._samples.clear()
+        if not samples:
+            return Stats(0)
+        return Stats(len(samples), sum(samples) / len(samples), _percentile(samples, 50), _percentile(samples, 99))
+
+
+def _percentile(ordered: list[float], pct: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return ordered[rank - 1]
+

@@ -1,0 +1,318 @@
+"""The live set of prefillers and decoders, and the load the proxy has put on each.
+
+An instance announces itself once per TP rank (``Announce``, on start and every heartbeat); ranks
+are aggregated by ``instance_id`` and the instance is routable once every rank has announced. It
+is forgotten after ``ttl_s`` without a heartbeat from any one of its ranks. ``Goodbye`` drains it:
+no new work, in-flight work finishes, then it is forgotten. Static instances (from flags) never
+expire; an announced instance with the same HTTP URL takes their place while it is alive.
+
+Buffer credit: a decoder announces its free receive slots. Between heartbeats the proxy counts the
+slots it has itself promised (a :class:`Commit` per request); a promise stops counting once a
+heartbeat from every rank arrived after the request's KV settled (ready, failed, or never sent),
+since that heartbeat's ``free_slots`` already reflects it.
+
+Single-threaded (the event loop); nothing here awaits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from lmcache_p2p.config import Role
+from lmcache_p2p.errors import ProtocolError, VersionError
+from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Goodbye
+
+logger = logging.getLogger(__name__)
+
+
+class InstanceState(str, enum.Enum):
+    ACTIVE = "active"
+    DRAINING = "draining"
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticInstance:
+    """An instance named by a flag (``--prefill`` / ``--decode``, see ``settings.py``)."""
+
+    role: Role
+    http_url: str
+    control_host: str = ""
+    control_ports: tuple[int, ...] = ()
+    transport_ports: tuple[int, ...] = ()
+
+    @property
+    def tp_size(self) -> int:
+        return max(1, len(self.control_ports))
+
+
+@dataclasses.dataclass
+class RankInfo:
+    tp_rank: int
+    control_port: int = 0
+    transport_port: int = 0
+    capacity_slots: int = 0
+    free_slots: int = 0
+    slot_bytes: int = 0
+    chunk_tokens: int = 0
+    last_seen_s: float = math.inf
+
+
+@dataclasses.dataclass(eq=False)
+class Commit:
+    """Receive slots the proxy promised one request on one decoder."""
+
+    chunks: int
+    settled_at_s: float | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Instance:
+    instance_id: str
+    role: Role
+    http_url: str
+    tp_size: int
+    control_host: str = ""
+    static: bool = False
+    ranks: dict[int, RankInfo] = dataclasses.field(default_factory=dict)
+    state: InstanceState = InstanceState.ACTIVE
+    goodbye_ranks: set[int] = dataclasses.field(default_factory=set)
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
+    commits: list[Commit] = dataclasses.field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """Every TP rank announced (and, for a decoder, said where its receiver listens)."""
+        if len(self.ranks) < self.tp_size or any(r not in self.ranks for r in range(self.tp_size)):
+            return False
+        if self.role is Role.RECEIVER:
+            return bool(self.control_host) and all(
+                self.ranks[r].control_port > 0 and self.ranks[r].transport_port > 0 for r in range(self.tp_size)
+            )
+        return True
+
+    @property
+    def routable(self) -> bool:
+        return self.state is InstanceState.ACTIVE and self.complete
+
+    @property
+    def control_ports(self) -> list[int]:
+        return [self.ranks[r].control_port for r in range(self.tp_size)]
+
+    @property
+    def transport_ports(self) -> list[int]:
+        return [self.ranks[r].transport_port for r in range(self.tp_size)]
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per KV chunk (0 when unknown)."""
+        return max((r.chunk_tokens for r in self.ranks.values()), default=0)
+
+    @property
+    def capacity_slots(self) -> int | None:
+        """The smallest rank buffer, in chunks; None when not announced (static decoders)."""
+        known = [r.capacity_slots for r in self.ranks.values() if r.capacity_slots > 0]
+        return min(known) if known and len(known) == len(self.ranks) else None
+
+    def free_slots(self) -> int | None:
+        """Announced free slots minus what the proxy promised since; None when unknown."""
+        if self.capacity_slots is None:
+            return None
+        announced = min(r.free_slots for r in self.ranks.values())
+        return announced - sum(c.chunks for c in self.commits)
+
+    def _absorb_commits(self) -> None:
+        heard_s = min((r.last_seen_s for r in self.ranks.values()), default=-math.inf)
+        self.commits = [c for c in self.commits if c.settled_at_s is None or c.settled_at_s >= heard_s]
+
+
+class Lease:
+    """One request's claim on one instance: in-flight load and, on a decoder, buffer credit."""
+
+    def __init__(self, registry: Registry, instance: Instance, tokens: int, chunks: int) -> None:
+        self.instance = instance
+        self._registry = registry
+        self._tokens = tokens
+        self._commit = Commit(chunks) if chunks > 0 else None
+        self._released = False
+        instance.inflight_requests += 1
+        instance.inflight_tokens += tokens
+        if self._commit is not None:
+            instance.commits.append(self._commit)
+
+    def resize_commit(self, chunks: int) -> None:
+        """Replace the estimate with the exact chunk count once the prompt is tokenized."""
+        if self._commit is not None and self._commit.settled_at_s is None:
+            self._commit.chunks = chunks
+
+    def settle(self) -> None:
+        """The request's KV is ready or failed: the decoder's next heartbeat accounts for it."""
+        if self._commit is not None and self._commit.settled_at_s is None:
+            self._commit.settled_at_s = self._registry.now()
+
+    def release(self) -> None:
+        """Idempotent; safe inside a cancelled task (does not await)."""
+        if self._released:
+            return
+        self._released = True
+        self.settle()
+        self.instance._absorb_commits()
+        self.instance.inflight_requests -= 1
+        self.instance.inflight_tokens -= self._tokens
+        self._registry._on_release(self.instance)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Registry:
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._dynamic: dict[str, Instance] = {}
+        self._static: dict[str, Instance] = {}
+
+    def now(self) -> float:
+        return self._clock()
+
+    # ---- changes -----------------------------------------------------------------------------
+
+    def add_static(self, spec: StaticInstance) -> Instance:
+        ranks = {
+            r: RankInfo(r, control_port=c, transport_port=t)
+            for r, (c, t) in enumerate(zip(spec.control_ports, spec.transport_ports))
+        } or {0: RankInfo(0)}
+        inst = Instance(
+            instance_id=f"static-{spec.role.value}-{spec.http_url}",
+            role=spec.role,
+            http_url=spec.http_url,
+            tp_size=spec.tp_size,
+            control_host=spec.control_host,
+            static=True,
+            ranks=ranks,
+        )
+        self._static[inst.http_url] = inst
+        logger.info("static %s %s (tp %d)", _role_name(inst.role), inst.http_url, inst.tp_size)
+        return inst
+
+    def announce(self, msg: Announce) -> Instance:
+        """Add or refresh one rank; raises ProtocolError for an announce that cannot be used."""
+        if msg.version != PROTOCOL_VERSION:
+            raise VersionError(
+                f"instance {msg.instance_id} speaks protocol {msg.version}, the proxy {PROTOCOL_VERSION}: "
+                "run the same lmcache_p2p version everywhere"
+            )
+        role = _parse_role(msg)
+        if not 0 <= msg.tp_rank < msg.tp_size:
+            raise ProtocolError(f"instance {msg.instance_id}: tp_rank {msg.tp_rank} outside tp_size {msg.tp_size}")
+        inst = self._dynamic.get(msg.instance_id)
+        if inst is None or inst.role is not role or inst.tp_size != msg.tp_size:
+            inst = self._new_instance(msg, role)
+        inst.http_url = msg.http_url.rstrip("/")
+        inst.control_host = msg.control_host or inst.control_host
+        inst.ranks[msg.tp_rank] = _rank_info(msg, self.now())
+        self._return_from_goodbye(inst, msg.tp_rank)
+        inst._absorb_commits()
+        return inst
+
+    def goodbye(self, msg: Goodbye) -> Instance | None:
+        inst = self._dynamic.get(msg.instance_id)
+        if inst is None:
+            return None
+        inst.goodbye_ranks.add(msg.tp_rank)
+        if inst.state is InstanceState.ACTIVE:
+            inst.state = InstanceState.DRAINING
+            logger.info(
+                "%s %s (%s) said goodbye: draining %d in-flight request(s)",
+                _role_name(inst.role), inst.instance_id, inst.http_url, inst.inflight_requests,
+            )
+        self._forget_if_drained(inst)
+        return inst
+
+    def evict_expired(self) -> list[Instance]:
+        """Forget instances with a rank silent for longer than the TTL."""
+        deadline = self.now() - self._ttl_s
+        expired = [
+            inst for inst in self._dynamic.values() if any(r.last_seen_s < deadline for r in inst.ranks.values())
+        ]
+        for inst in expired:
+            del self._dynamic[inst.instance_id]
+            logger.warning(
+                "%s %s (%s) missed heartbeats for %.1f s (--instance-ttl-s): forgotten with %d request(s) in flight",
+                _role_name(inst.role), inst.instance_id, inst.http_url, self._ttl_s, inst.inflight_requests,
+            )
+        return expired
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    def routable(self, role: Role) -> list[Instance]:
+        """Instances of ``role`` that may take new work, expired ones evicted first."""
+        self.evict_expired()
+        announced_urls = {inst.http_url for inst in self._dynamic.values()}
+        dynamic = [i for i in self._dynamic.values() if i.role is role and i.routable]
+        static = [i for i in self._static.values() if i.role is role and i.http_url not in announced_urls]
+        return dynamic + static
+
+    def instances(self) -> list[Instance]:
+        return list(self._dynamic.values()) + list(self._static.values())
+
+    def lease(self, instance: Instance, tokens: int, chunks: int = 0) -> Lease:
+        return Lease(self, instance, tokens, chunks)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _new_instance(self, msg: Announce, role: Role) -> Instance:
+        inst = Instance(instance_id=msg.instance_id, role=role, http_url=msg.http_url, tp_size=msg.tp_size)
+        self._dynamic[msg.instance_id] = inst
+        logger.info("%s %s registered at %s (tp %d)", _role_name(role), msg.instance_id, msg.http_url, msg.tp_size)
+        return inst
+
+    def _return_from_goodbye(self, inst: Instance, tp_rank: int) -> None:
+        """A rank that said goodbye and announces again has restarted; all back: active again."""
+        inst.goodbye_ranks.discard(tp_rank)
+        if inst.state is InstanceState.DRAINING and not inst.goodbye_ranks:
+            inst.state = InstanceState.ACTIVE
+            logger.info("%s %s is back at %s", _role_name(inst.role), inst.instance_id, inst.http_url)
+
+    def _on_release(self, inst: Instance) -> None:
+        self._forget_if_drained(inst)
+
+    def _forget_if_drained(self, inst: Instance) -> None:
+        if inst.state is InstanceState.DRAINING and inst.inflight_requests == 0:
+            if self._dynamic.get(inst.instance_id) is inst:
+                del self._dynamic[inst.instance_id]
+                logger.info("%s %s drained and forgotten", _role_name(inst.role), inst.instance_id)
+
+
+def _parse_role(msg: Announce) -> Role:
+    try:
+        return Role(msg.role)
+    except ValueError:
+        raise ProtocolError(
+            f"instance {msg.instance_id} announced role {msg.role!r}; expected sender or receiver"
+        ) from None
+
+
+def _rank_info(msg: Announce, now_s: float) -> RankInfo:
+    return RankInfo(
+        tp_rank=msg.tp_rank,
+        control_port=msg.control_port,
+        transport_port=msg.transport_port,
+        capacity_slots=msg.capacity_slots,
+        free_slots=msg.free_slots,
+        slot_bytes=msg.slot_bytes,
+        chunk_tokens=msg.chunk_tokens,
+        last_seen_s=now_s,
+    )
+
+
+def _role_name(role: Role) -> str:
+    return "prefiller" if role is Role.SENDER else "decoder"

@@ -1,0 +1,203 @@
+"""The proxy's flags, validated once into :class:`ProxySettings`.
+
+Static instances (in addition to the ones that announce themselves on the control port)::
+
+    --prefill URL                                   repeatable
+    --decode URL[,host=H][,tp=N][,control=P][,transport=P]   repeatable
+
+``control`` / ``transport`` are the decoder's receiver ports (``p2p.control_ports`` /
+``p2p.transport_ports`` in its LMCache YAML): one base port (rank r uses base + r, as in the
+YAML) or one port per TP rank joined by ``+`` (``control=7300+7310``). Defaults: host = the URL's
+host, tp = 1, control = 7300, transport = 7400. Example::
+
+    --decode http://127.0.0.1:8200,control=7300,transport=7400
+    --decode http://10.0.0.5:8200,tp=2,control=7300+7301,transport=7400+7401
+
+A static decoder's buffer capacity is unknown, so the buffer-fit filter does not apply to it; it
+must still have ``p2p.proxy_url`` pointing at ``--control-port`` or every request waits
+``--kv-timeout-s`` and is recomputed. An instance that also announces itself replaces its static
+entry (matched by HTTP URL) while it is alive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import os
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from lmcache_p2p.config import Role
+from lmcache_p2p.errors import ConfigError
+from lmcache_p2p.proxy.registry import StaticInstance
+from lmcache_p2p.proxy.routing import Policy
+
+SECRET_ENV = "LMCACHE_P2P_SECRET"
+DEFAULT_CONTROL_PORT = 7300
+DEFAULT_TRANSPORT_PORT = 7400
+
+
+class KvFailurePolicy(str, enum.Enum):
+    """What to do when a request's KV failed or did not arrive within --kv-timeout-s."""
+
+    RETRY = "retry"  # prefill once more on another prefiller/decoder pair, then recompute
+    RECOMPUTE = "recompute"  # send the decode anyway: the decoder recomputes the prompt
+    FAIL = "fail"  # answer 502 (failed) / 504 (timeout): for tests that must see the KV path work
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxySettings:
+    host: str = "127.0.0.1"
+    port: int = 9100
+    control_host: str = "127.0.0.1"
+    control_port: int = 9101
+    shared_secret: str | None = None
+    policy: Policy = Policy.LEAST_LOADED
+    on_kv_failure: KvFailurePolicy = KvFailurePolicy.RETRY
+    kv_timeout_s: float = 10.0
+    instance_ttl_s: float = 10.0
+    connect_timeout_s: float = 5.0
+    prefill_timeout_s: float = 120.0
+    decode_idle_timeout_s: float = 120.0
+    graceful_shutdown_s: float = 10.0
+    summary_interval_s: float = 10.0
+    chars_per_token: float = 4.0
+    static_instances: tuple[StaticInstance, ...] = ()
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ProxySettings:
+        for name in ("kv_timeout_s", "instance_ttl_s", "connect_timeout_s", "prefill_timeout_s",
+                     "decode_idle_timeout_s", "graceful_shutdown_s", "chars_per_token"):
+            if getattr(args, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')}", f"must be positive, got {getattr(args, name)}")
+        if args.summary_interval_s < 0:
+            raise ConfigError("--summary-interval-s", f"must be >= 0 (0 turns the summary off), got {args.summary_interval_s}")
+        return cls(
+            host=args.host,
+            port=args.port,
+            control_host=args.control_host or args.host,
+            control_port=args.control_port,
+            shared_secret=args.shared_secret or os.environ.get(SECRET_ENV) or None,
+            policy=Policy(args.policy),
+            on_kv_failure=KvFailurePolicy(args.on_kv_failure),
+            kv_timeout_s=args.kv_timeout_s,
+            instance_ttl_s=args.instance_ttl_s,
+            connect_timeout_s=args.connect_timeout_s,
+            prefill_timeout_s=args.prefill_timeout_s,
+            decode_idle_timeout_s=args.decode_idle_timeout_s,
+            graceful_shutdown_s=args.graceful_shutdown_s,
+            summary_interval_s=args.summary_interval_s,
+            chars_per_token=args.chars_per_token,
+            static_instances=tuple(args.prefill or ()) + tuple(args.decode or ()),
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``lmcache-p2p proxy``."""
+    d = ProxySettings()
+    g = parser.add_argument_group("proxy")
+    g.add_argument("--host", default=d.host, help="HTTP bind address (default %(default)s)")
+    g.add_argument("--port", type=int, default=d.port, help="HTTP port (default %(default)s)")
+    g.add_argument("--control-host", default=None, help="control socket bind address (default: --host)")
+    g.add_argument("--control-port", type=int, default=d.control_port,
+                   help="control socket (ZMQ PULL) port; instances' p2p.proxy_url points here (default %(default)s)")
+    g.add_argument("--shared-secret", default=None,
+                   help=f"authenticate every control message (default: ${SECRET_ENV}, else none)")
+    g.add_argument("--prefill", action="append", type=_flag_type(parse_prefill_flag), metavar="URL",
+                   help="a static prefiller's HTTP URL (repeatable)")
+    g.add_argument("--decode", action="append", type=_flag_type(parse_decode_flag),
+                   metavar="URL[,host=H][,tp=N][,control=P][,transport=P]",
+                   help="a static decoder (repeatable); ports: one base port or one per TP rank joined by +")
+    g.add_argument("--policy", choices=[p.value for p in Policy], default=d.policy.value,
+                   help="routing policy (default %(default)s)")
+    g.add_argument("--on-kv-failure", choices=[p.value for p in KvFailurePolicy], default=d.on_kv_failure.value,
+                   help="on KV failure/timeout: retry once elsewhere then recompute, recompute, or fail "
+                        "(default %(default)s)")
+    g.add_argument("--kv-timeout-s", type=float, default=d.kv_timeout_s,
+                   help="longest wait for KV ready after the prefill answered (default %(default)s)")
+    g.add_argument("--instance-ttl-s", type=float, default=d.instance_ttl_s,
+                   help="forget an instance after this long without a heartbeat (default %(default)s)")
+    g.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s,
+                   help="connect timeout of every upstream call (default %(default)s)")
+    g.add_argument("--prefill-timeout-s", type=float, default=d.prefill_timeout_s,
+                   help="deadline of one prefill / tokenize / models call (default %(default)s)")
+    g.add_argument("--decode-idle-timeout-s", type=float, default=d.decode_idle_timeout_s,
+                   help="longest silence of a decode stream (default %(default)s)")
+    g.add_argument("--graceful-shutdown-s", type=float, default=d.graceful_shutdown_s,
+                   help="on shutdown, let in-flight requests finish this long, then cancel (default %(default)s)")
+    g.add_argument("--summary-interval-s", type=float, default=d.summary_interval_s,
+                   help="log a TTFT / handover summary this often; 0 = never (default %(default)s)")
+    g.add_argument("--chars-per-token", type=float, default=d.chars_per_token,
+                   help="prompt-length estimate for routing before tokenization (default %(default)s)")
+
+
+def parse_prefill_flag(value: str) -> StaticInstance:
+    return StaticInstance(role=Role.SENDER, http_url=_url("--prefill", value.strip()))
+
+
+def parse_decode_flag(value: str) -> StaticInstance:
+    url, *options = [part.strip() for part in value.split(",")]
+    url = _url("--decode", url)
+    opts: dict[str, str] = {}
+    for option in options:
+        key, sep, val = option.partition("=")
+        if not sep or key not in ("host", "tp", "control", "transport"):
+            raise ConfigError("--decode", f"unknown option {option!r}; known: host=H, tp=N, control=P, transport=P")
+        opts[key] = val
+    tp_size = _positive_int("--decode tp", opts.get("tp", "1"))
+    control = _rank_ports("--decode control", opts.get("control", str(DEFAULT_CONTROL_PORT)), tp_size, "tp" in opts)
+    transport = _rank_ports("--decode transport", opts.get("transport", str(DEFAULT_TRANSPORT_PORT)),
+                            len(control), True)
+    return StaticInstance(
+        role=Role.RECEIVER,
+        http_url=url,
+        control_host=opts.get("host") or urlsplit(url).hostname or "127.0.0.1",
+        control_ports=control,
+        transport_ports=transport,
+    )
+
+
+def _rank_ports(key: str, value: str, tp_size: int, tp_given: bool) -> tuple[int, ...]:
+    ports = tuple(_port(key, p) for p in value.split("+"))
+    if len(ports) == 1:
+        return tuple(ports[0] + rank for rank in range(tp_size))
+    if tp_given and len(ports) != tp_size:
+        raise ConfigError(key, f"lists {len(ports)} ports but tp={tp_size}: give one port per TP rank or one base port")
+    return ports
+
+
+def _port(key: str, value: str) -> int:
+    port = _positive_int(key, value)
+    if port > 65535:
+        raise ConfigError(key, f"must be a TCP port in 1..65535, got {value!r}")
+    return port
+
+
+def _positive_int(key: str, value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(key, f"must be a positive integer, got {value!r}") from None
+    if number <= 0:
+        raise ConfigError(key, f"must be a positive integer, got {value!r}")
+    return number
+
+
+def _url(key: str, value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(key, f"must be an http(s) URL such as http://127.0.0.1:8200, got {value!r}")
+    return value.rstrip("/")
+
+
+def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def convert(value: str) -> Any:
+        try:
+            return parse(value)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    convert.__name__ = parse.__name__
+    return convert

@@ -1,0 +1,165 @@
+"""HTTP calls to prefillers and decoders, with deadlines, mapped to :mod:`lmcache_p2p.proxy.errors`.
+
+One ``httpx.AsyncClient`` per proxy (connection reuse; no pool limit, so the proxy never queues
+requests the instances could take). Every call has a deadline: ``post_json`` / ``get_json`` a total
+one, ``stream_events`` a connect timeout plus an idle timeout between bytes. An upstream 4xx keeps
+its status and body; a 5xx becomes 502; an unreachable instance 502; a deadline 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import msgspec
+
+from lmcache_p2p.proxy.errors import (
+    UpstreamError,
+    UpstreamMalformed,
+    UpstreamStatus,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+    error_body,
+)
+
+logger = logging.getLogger(__name__)
+
+_FORWARDED_HEADERS = ("authorization",)
+
+
+def forwarded_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
+    """Client headers an instance needs too (its API key)."""
+    return {k: v for k in _FORWARDED_HEADERS if (v := client_headers.get(k))}
+
+
+class Upstream:
+    def __init__(self, connect_timeout_s: float) -> None:
+        self._connect_timeout_s = connect_timeout_s
+        self._client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            trust_env=False,  # never send loopback traffic through an environment proxy
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    def _timeout(self, read_timeout_s: float) -> httpx.Timeout:
+        c = self._connect_timeout_s
+        return httpx.Timeout(connect=c, read=read_timeout_s, write=read_timeout_s, pool=c)
+
+    async def post_json(self, base_url: str, path: str, body: dict[str, Any], *, timeout_s: float,
+                        headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        return await self._call("POST", base_url, path, body, timeout_s, headers)
+
+    async def get_json(self, base_url: str, path: str, *, timeout_s: float) -> dict[str, Any]:
+        return await self._call("GET", base_url, path, None, timeout_s, None)
+
+    async def _call(self, method: str, base_url: str, path: str, body: dict[str, Any] | None, timeout_s: float,
+                    headers: Mapping[str, str] | None) -> dict[str, Any]:
+        url = base_url + path
+        content = msgspec.json.encode(body) if body is not None else None
+        try:
+            async with asyncio.timeout(timeout_s):
+                resp = await self._client.request(
+                    method, url, content=content, headers=_json_headers(headers), timeout=self._timeout(timeout_s)
+                )
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            raise UpstreamTimeout(f"{method} {url}: no answer within {timeout_s:.1f} s") from exc
+        except httpx.TransportError as exc:
+            raise UpstreamUnreachable(f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}") from exc
+        if resp.status_code >= 400:
+            raise _status_error(url, resp.status_code, resp.content)
+        return _decode_object(url, resp.content)
+
+    @asynccontextmanager
+    async def stream_events(self, base_url: str, path: str, body: dict[str, Any], *, idle_timeout_s: float,
+                            headers: Mapping[str, str] | None = None) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """POST a streaming request; yields an iterator over its SSE ``data:`` events (JSON objects).
+
+        Leaving the context closes the connection, which makes vLLM abort the request.
+        """
+        url = base_url + path
+        request = self._client.build_request("POST", url, content=msgspec.json.encode(body),
+                                             headers=_json_headers(headers), timeout=self._timeout(idle_timeout_s))
+        try:
+            resp = await self._client.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimeout(f"POST {url}: no answer within {idle_timeout_s:.1f} s") from exc
+        except httpx.TransportError as exc:
+            raise UpstreamUnreachable(f"POST {url}: {type(exc).__name__}: {exc or 'connection failed'}") from exc
+        try:
+            if resp.status_code >= 400:
+                raise _status_error(url, resp.status_code, await resp.aread())
+            yield _sse_events(url, resp, idle_timeout_s)
+        finally:
+            await resp.aclose()
+
+
+async def _sse_events(url: str, resp: httpx.Response, idle_timeout_s: float) -> AsyncIterator[dict[str, Any]]:
+    try:
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            event = _decode_object(url, data.encode())
+            if "error" in event and "choices" not in event:
+                raise _stream_error(url, event)
+            yield event
+    except httpx.TimeoutException as exc:
+        raise UpstreamTimeout(f"POST {url}: stream silent for {idle_timeout_s:.1f} s "
+                              "(--decode-idle-timeout-s)") from exc
+    except httpx.TransportError as exc:
+        raise UpstreamUnreachable(f"POST {url}: stream broke: {type(exc).__name__}: {exc}") from exc
+
+
+def _json_headers(extra: Mapping[str, str] | None) -> dict[str, str]:
+    return {"content-type": "application/json", **(extra or {})}
+
+
+def _decode_object(url: str, content: bytes) -> dict[str, Any]:
+    try:
+        value = msgspec.json.decode(content)
+    except msgspec.DecodeError as exc:
+        raise UpstreamMalformed(f"{url} answered with invalid JSON: {content[:200]!r}") from exc
+    if not isinstance(value, dict):
+        raise UpstreamMalformed(f"{url} answered with JSON that is not an object: {content[:200]!r}")
+    return value
+
+
+def _status_error(url: str, status: int, content: bytes) -> UpstreamError:
+    try:
+        body = msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        body = None
+    message = _error_message(body) or content[:500].decode(errors="replace")
+    if 400 <= status < 500:
+        passthrough = body if isinstance(body, dict) and "error" in body else error_body(message, "BadRequestError",
+                                                                                           status)
+        return UpstreamStatus(f"{url} answered {status}: {message}", status_code=status, body=passthrough)
+    return UpstreamStatus(f"{url} answered {status}: {message}", status_code=502)
+
+
+def _stream_error(url: str, event: dict[str, Any]) -> UpstreamError:
+    code = event["error"].get("code") if isinstance(event["error"], dict) else None
+    status = code if isinstance(code, int) and 400 <= code < 500 else 502
+    return UpstreamStatus(f"{url} stream error: {_error_message(event)}", status_code=status,
+                          body=event if status < 500 else None)
+
+
+def _error_message(body: Any) -> str:
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if err is not None:
+            return str(err)
+        if "detail" in body:
+            return str(body["detail"])
+    return ""
+

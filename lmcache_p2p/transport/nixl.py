@@ -1,0 +1,435 @@
+"""The NIXL transport: one-sided UCX writes from local tensors into a peer's registered memory.
+
+Owns one NIXL agent (progress thread OFF: we poll, always with a deadline), its UCX backend, the
+memory it registered, the remote agents it loaded and the writes in flight. It never sets
+environment variables: the UCX transport is chosen by the caller's ``UCX_TLS`` /
+``UCX_NET_DEVICES`` (``tcp,self`` + ``lo``; ``sm,self``; ``cuda_ipc`` on GPUs).
+
+What crosses the wire is :class:`TransportInfo`: the agent metadata blob (parsed by NIXL itself)
+and our registered regions as plain (address, length, device) rows. Remote descriptors are built
+locally from those rows; NIXL's pickle-based ``get_serialized_descs``/``deserialize_descs`` are
+never used.
+
+NIXL quirks handled here (see shared/FACTS.md, "NIXL on CPU"):
+  * ``UCX_TLS=sm,self`` fails to create the backend unless ``ucx_error_handling_mode`` is
+    ``none``; ``none`` also works for tcp, so it is the default. With it a dead peer is seen as
+    a write that never completes (a :class:`TransportTimeout`) or as a failed write, not earlier.
+  * With the progress thread off, a receiver on UCX tcp only takes bytes in while it polls
+    (``get_notifications``): a receiver that never polls stalls its senders' writes.
+  * ``add_remote_agent`` returns bytes; ``get_new_notifs`` keys its dict by str.
+  * Statuses are the strings "DONE" / "PROC" / "ERR"; they are wrapped in :class:`_Status` here.
+
+Threads: every call into the agent holds one lock (the agent is created without NIXL's own
+locking), so writes, polls and notification polls may come from different threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lmcache_p2p.errors import ClosedError, PeerUnreachable, TransportError
+from lmcache_p2p.protocol import Region, TransportInfo
+from lmcache_p2p.transport.base import Notification, Transport, WriteHandle, region_of
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "UCX"
+DEFAULT_BACKEND_PARAMS: Mapping[str, str] = {"ucx_error_handling_mode": "none"}
+
+
+class _Status(enum.Enum):
+    """NIXL's transfer statuses, wrapped at the edge."""
+
+    DONE = "DONE"
+    PROC = "PROC"
+    ERR = "ERR"
+
+
+@dataclasses.dataclass
+class _Registration:
+    region: Region
+    descs: Any  # nixlRegDList, handed back to deregister_memory
+    tensor: torch.Tensor | None  # keeps registered memory alive while NIXL may touch it
+
+
+@dataclasses.dataclass
+class _Peer:
+    name: str
+    metadata: bytes
+    regions: list[Region]
+
+
+@dataclasses.dataclass
+class _Xfer:
+    """The mutable state behind a WriteHandle's token."""
+
+    peer: str
+    xfer: Any  # nixl_xfer_handle, None once released
+    temp: list[_Registration]  # sources registered for this write only
+    done: bool = False
+    error: str = ""
+
+
+def _mem_type(region: Region) -> str:
+    return "VRAM" if region.device == "cuda" else "DRAM"
+
+
+def _contains(region: Region, addr: int, nbytes: int) -> bool:
+    return region.addr <= addr and addr + nbytes <= region.addr + region.length
+
+
+def _find_region(regions: Sequence[Region], addr: int, nbytes: int, device: str, device_id: int) -> Region | None:
+    """The registered region holding [addr, addr + nbytes) on that device, or None.
+
+    A linear scan: a transport holds a handful of regions (one receive buffer, one allocator).
+    """
+    for region in regions:
+        if region.device == device and region.device_id == device_id and _contains(region, addr, nbytes):
+            return region
+    return None
+
+
+def _nixl_error_types(bindings: Any) -> tuple[type[BaseException], ...]:
+    """Every exception class NIXL's bindings raise (nixlBackendError, nixlNotFoundError, ...)."""
+    found = [
+        obj
+        for name, obj in vars(bindings).items()
+        if name.startswith("nixl") and name.endswith("Error") and isinstance(obj, type)
+    ]
+    return (*found, RuntimeError)
+
+
+class NixlTransport(Transport):
+    """A NIXL agent with a UCX backend; see the module docstring."""
+
+    kind = "nixl"
+
+    def __init__(self, name: str, *, backend_params: Mapping[str, str] | None = None) -> None:
+        # Every attribute close() touches is set before anything that can fail.
+        self._name = name
+        self._lock = threading.RLock()
+        self._closed = False
+        self._agent: Any = None
+        self._errors: tuple[type[BaseException], ...] = (RuntimeError,)
+        self._disconnected: tuple[type[BaseException], ...] = ()
+        self._regs: list[_Registration] = []
+        self._peers: dict[str, _Peer] = {}
+        self._inflight: dict[int, _Xfer] = {}
+        self._leaked: list[_Registration] = []  # temp sources of writes NIXL refused to cancel
+        params = dict(DEFAULT_BACKEND_PARAMS if backend_params is None else backend_params)
+        try:
+            self._agent = self._create_agent(name, params)
+        except BaseException:
+            self.close()
+            raise
+        logger.info("NIXL transport %s ready (UCX params %s)", name, params)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def _create_agent(self, name: str, params: dict[str, str]) -> Any:
+        try:
+            import nixl
+        except ImportError as exc:
+            raise TransportError("nixl is not importable: install nixl==1.5.1 (pyproject dependencies)") from exc
+        self._errors = _nixl_error_types(nixl._bindings)
+        gone = getattr(nixl._bindings, "nixlRemoteDisconnectError", None)
+        self._disconnected = (gone,) if isinstance(gone, type) else ()
+        try:
+            agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=[]))
+        except self._errors as exc:
+            raise TransportError(f"cannot create NIXL agent {name!r}: {exc}") from exc
+        try:
+            agent.create_backend(BACKEND, params)
+        except self._errors as exc:
+            raise TransportError(
+                f"cannot create NIXL's UCX backend with params {params} for agent {name!r} "
+                "(check UCX_TLS / UCX_NET_DEVICES; UCX_TLS=sm needs ucx_error_handling_mode=none)"
+            ) from exc
+        return agent
+
+    def close(self) -> None:
+        """Abort writes in flight, forget peers, deregister memory, drop the agent. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            agent, self._agent = self._agent, None
+            if agent is None:
+                return
+            for xfer in list(self._inflight.values()):
+                self._release(agent, xfer, "transport closed")
+            for peer in list(self._peers):
+                self._forget_peer(agent, peer)
+            for reg in self._regs + self._leaked:
+                self._deregister(agent, reg)
+            self._regs.clear()
+            self._leaked.clear()
+        logger.debug("NIXL transport %s closed", self._name)
+
+    def _check_open(self) -> Any:
+        if self._closed or self._agent is None:
+            raise ClosedError(f"NIXL transport {self._name!r} is closed")
+        return self._agent
+
+    # ---- memory -------------------------------------------------------------------------------
+
+    def register(self, tensor: torch.Tensor) -> Region:
+        """Register ``tensor``'s bytes once (DRAM for host tensors, VRAM with its device id).
+
+        A tensor inside an already registered one is not registered again: the enclosing region
+        is returned. The transport keeps a reference to each registered tensor until ``close``.
+        """
+        region = region_of(tensor)
+        with self._lock:
+            agent = self._check_open()
+            known = _find_region([reg.region for reg in self._regs], region.addr, region.length, region.device,
+                                 region.device_id)
+            if known is not None:
+                return known  # already registered (the same tensor, or one inside a registered one)
+            reg = self._register_regions(agent, [region])[0]
+            reg.tensor = tensor
+            self._regs.append(reg)
+        logger.debug("%s registered %d bytes at 0x%x (%s:%d)", self._name, region.length, region.addr,
+                     region.device, region.device_id)
+        return region
+
+    def _register_regions(self, agent: Any, regions: Sequence[Region]) -> list[_Registration]:
+        """One NIXL registration per region, so that each can be deregistered on its own."""
+        done: list[_Registration] = []
+        try:
+            for region in regions:
+                descs = agent.get_reg_descs([(region.addr, region.length, region.device_id, "")], _mem_type(region))
+                agent.register_memory(descs, backends=[BACKEND])
+                done.append(_Registration(region, descs, None))
+        except self._errors as exc:
+            for reg in done:
+                self._deregister(agent, reg)
+            raise TransportError(
+                f"NIXL could not register {_mem_type(region)} memory 0x{region.addr:x} (+{region.length} bytes): {exc}"
+            ) from exc
+        return done
+
+    def _deregister(self, agent: Any, reg: _Registration) -> None:
+        try:
+            agent.deregister_memory(reg.descs, backends=[BACKEND])
+        except self._errors:
+            logger.warning("%s: NIXL failed to deregister 0x%x (+%d bytes)", self._name, reg.region.addr,
+                           reg.region.length, exc_info=True)
+
+    def info(self) -> TransportInfo:
+        """Our agent metadata and registered regions; publish it after the last ``register``."""
+        with self._lock:
+            agent = self._check_open()
+            try:
+                metadata = agent.get_agent_metadata()
+            except self._errors as exc:
+                raise TransportError(f"NIXL could not export metadata of {self._name!r}: {exc}") from exc
+            regions = [reg.region for reg in self._regs]
+        return TransportInfo(kind=self.kind, name=self._name, metadata=bytes(metadata), regions=regions)
+
+    # ---- peers --------------------------------------------------------------------------------
+
+    def connect(self, peer: TransportInfo, timeout_s: float) -> str:
+        """Load the peer's agent metadata (local work only: UCX connects on the first write).
+
+        Idempotent; new metadata under a known name (the peer restarted or registered more
+        memory) replaces the old. ``timeout_s`` bounds nothing here: nothing waits.
+        """
+        if peer.kind != self.kind:
+            raise PeerUnreachable(f"peer {peer.name!r} speaks transport {peer.kind!r}, we speak {self.kind!r}")
+        with self._lock:
+            agent = self._check_open()
+            known = self._peers.get(peer.name)
+            if known is not None and known.metadata == peer.metadata:
+                known.regions = list(peer.regions)
+                return known.name
+            if known is not None:
+                self._forget_peer(agent, peer.name)
+            try:
+                loaded = agent.add_remote_agent(peer.metadata)
+            except self._errors as exc:
+                raise PeerUnreachable(
+                    f"NIXL rejected the metadata of peer {peer.name!r} ({len(peer.metadata)} bytes): {exc}"
+                ) from exc
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != peer.name:
+                self._remove_remote(agent, name)
+                raise PeerUnreachable(f"peer announced itself as {peer.name!r} but its NIXL agent is {name!r}")
+            self._peers[name] = _Peer(name, bytes(peer.metadata), list(peer.regions))
+        logger.debug("%s connected to %s (%d regions)", self._name, name, len(peer.regions))
+        return name
+
+    def disconnect(self, peer: str) -> None:
+        """Abort our writes to ``peer`` and unload its agent; unknown peers are ignored."""
+        with self._lock:
+            agent = self._check_open()
+            self._forget_peer(agent, peer)
+
+    def _forget_peer(self, agent: Any, peer: str) -> None:
+        if self._peers.pop(peer, None) is None:
+            return
+        for xfer in [x for x in self._inflight.values() if x.peer == peer]:
+            self._release(agent, xfer, f"peer {peer} disconnected")
+        self._remove_remote(agent, peer)
+
+    def _remove_remote(self, agent: Any, name: str) -> None:
+        try:
+            agent.remove_remote_agent(name)
+        except self._errors:
+            logger.warning("%s: NIXL failed to remove remote agent %s", self._name, name, exc_info=True)
+
+    # ---- writes -------------------------------------------------------------------------------
+
+    def write(self, peer: str, srcs: Sequence[torch.Tensor], dst_addrs: Sequence[int], notif: bytes) -> WriteHandle:
+        """Post ONE NIXL transfer with one descriptor per source tensor.
+
+        A source outside every registered region is registered for this write only and
+        deregistered when the write completes or is aborted. That costs a UCX memory
+        registration per such tensor per write (tens of microseconds for host memory on
+        tcp/sm; pinning on RDMA or CUDA is far dearer): register long-lived sources once.
+        An empty ``notif`` sends no notification.
+        """
+        if len(srcs) != len(dst_addrs) or not srcs:
+            raise ValueError(f"write needs one destination per source, got {len(srcs)} and {len(dst_addrs)}")
+        with self._lock:
+            agent = self._check_open()
+            target = self._peers.get(peer)
+            if target is None:
+                raise PeerUnreachable(f"not connected to peer {peer!r}: connect() it first")
+            src_rows, src_mem, temp = self._source_rows(agent, srcs)
+            dst_rows, dst_mem = self._dest_rows(target, src_rows, dst_addrs)
+            xfer = _Xfer(peer, None, temp)
+            try:
+                self._post(agent, xfer, src_rows, src_mem, dst_rows, dst_mem, notif)
+            except BaseException:
+                self._release(agent, xfer, "post failed")
+                raise
+            nbytes = sum(row[1] for row in src_rows)
+            if not xfer.done:
+                self._inflight[id(xfer)] = xfer
+        return WriteHandle(peer=peer, nbytes=nbytes, token=xfer)
+
+    def _source_rows(self, agent: Any, srcs: Sequence[torch.Tensor]) -> tuple[list[tuple[int, int, int]], str, list]:
+        """(addr, len, device id) per source; registers sources outside our regions (temporarily)."""
+        rows: list[tuple[int, int, int]] = []
+        missing: dict[tuple[int, int], Region] = {}
+        known = [reg.region for reg in self._regs]
+        device = None
+        for src in srcs:
+            region = region_of(src)
+            if device is None:
+                device = (region.device, region.device_id)
+            elif (region.device, region.device_id) != device:
+                raise ValueError(f"all sources of one write must be on one device, got {device} and {region.device}")
+            rows.append((region.addr, region.length, region.device_id))
+            if _find_region(known, region.addr, region.length, region.device, region.device_id) is None:
+                missing.setdefault((region.addr, region.length), region)
+        temp = self._register_regions(agent, list(missing.values())) if missing else []
+        if temp:
+            logger.debug("%s registered %d unregistered source(s) for one write", self._name, len(temp))
+        return rows, _mem_type(region_of(srcs[0])), temp
+
+    def _dest_rows(
+        self, peer: _Peer, src_rows: Sequence[tuple[int, int, int]], dst_addrs: Sequence[int]
+    ) -> tuple[list[tuple[int, int, int]], str]:
+        """Remote descriptors built from the peer's Region rows (never from pickled descriptors)."""
+        rows: list[tuple[int, int, int]] = []
+        mem = None
+        for (_, nbytes, _), addr in zip(src_rows, dst_addrs):
+            region = next((r for r in peer.regions if _contains(r, addr, nbytes)), None)
+            if region is None:
+                raise ValueError(f"destination 0x{addr:x} (+{nbytes} bytes) is outside every region of {peer.name}")
+            if mem is None:
+                mem = _mem_type(region)
+            elif _mem_type(region) != mem:
+                raise ValueError(f"destinations of one write must be one memory type ({peer.name})")
+            rows.append((addr, nbytes, region.device_id))
+        return rows, mem or "DRAM"
+
+    def _post(self, agent: Any, xfer: _Xfer, src_rows: list, src_mem: str, dst_rows: list, dst_mem: str,
+              notif: bytes) -> None:
+        try:
+            local = agent.get_xfer_descs(src_rows, src_mem)
+            remote = agent.get_xfer_descs(dst_rows, dst_mem)
+            xfer.xfer = agent.initialize_xfer("WRITE", local, remote, xfer.peer, notif)
+            status = _Status(agent.transfer(xfer.xfer))
+        except self._disconnected as exc:
+            raise PeerUnreachable(f"peer {xfer.peer} disconnected; write of {len(src_rows)} chunk(s) not posted") from exc
+        except self._errors as exc:
+            raise TransportError(f"NIXL could not post a write of {len(src_rows)} chunk(s) to {xfer.peer}: {exc}") from exc
+        if status is _Status.ERR:
+            raise TransportError(f"NIXL failed to post a write of {len(src_rows)} chunk(s) to {xfer.peer}")
+        if status is _Status.DONE:
+            self._finish(agent, xfer)
+
+    def poll(self, handle: WriteHandle) -> bool:
+        """True once the write completed (its handle is then released); TransportError if it failed."""
+        xfer: _Xfer = handle.token
+        with self._lock:
+            if not xfer.done and not xfer.error:
+                agent = self._check_open()
+                try:
+                    status = _Status(agent.check_xfer_state(xfer.xfer))
+                except self._errors as exc:
+                    self._release(agent, xfer, f"state check failed: {exc}")
+                    raise TransportError(f"write of {handle.nbytes} bytes to {handle.peer} failed: {exc}") from exc
+                if status is _Status.DONE:
+                    self._finish(agent, xfer)
+                elif status is _Status.ERR:
+                    self._release(agent, xfer, "NIXL reported ERR")
+        if xfer.error:
+            raise TransportError(f"write of {handle.nbytes} bytes to {handle.peer} failed: {xfer.error}")
+        return xfer.done
+
+    def abort(self, handle: WriteHandle) -> None:
+        """Release an unfinished write (NIXL cancels it where it can)."""
+        xfer: _Xfer = handle.token
+        with self._lock:
+            if xfer.done or xfer.error or self._agent is None:
+                return
+            self._release(self._agent, xfer, "aborted")
+
+    def _finish(self, agent: Any, xfer: _Xfer) -> None:
+        self._release(agent, xfer, "")
+        xfer.done = True
+
+    def _release(self, agent: Any, xfer: _Xfer, error: str) -> None:
+        """Free the NIXL handle and the write's temporary registrations; record ``error`` if any."""
+        self._inflight.pop(id(xfer), None)
+        if error and not xfer.done:
+            xfer.error = error
+        released = True
+        if xfer.xfer is not None:
+            try:
+                xfer.xfer.release()
+            except self._errors:
+                # NIXL could not cancel it: the memory may still be read; keep it registered till close.
+                logger.warning("%s: NIXL could not release a write to %s (%s)", self._name, xfer.peer, error)
+                released = False
+            xfer.xfer = None
+        for reg in xfer.temp:
+            if released:
+                self._deregister(agent, reg)
+            else:
+                self._leaked.append(reg)
+        xfer.temp = []
+
+    # ---- notifications ------------------------------------------------------------------------
+
+    def get_notifications(self) -> list[Notification]:
+        """Payloads of writes into our memory completed since the last call (also drives UCX progress)."""
+        with self._lock:
+            agent = self._check_open()
+            try:
+                new = agent.get_new_notifs()
+            except self._errors as exc:
+                raise TransportError(f"NIXL failed to read notifications of {self._name!r}: {exc}") from exc
+        return [Notification(peer=str(peer), payload=bytes(p)) for peer, payloads in new.items() for p in payloads]

@@ -1,0 +1,153 @@
+"""A real LMCache engine in its own process, driven by JSON lines on stdin/stdout.
+
+Used by the engine-level tests: one process is the prefiller (SenderBackend loaded from a YAML
+through ``storage_plugins``), another the decoder (ReceiverBackend). The only stand-in is the
+serving engine's KV memory: ``FlatKVConnector`` keeps one sequence's KV as a plain tensor
+[2, layers, tokens, hidden] (KV_2LTD), generated from a seed so both processes know the truth.
+
+Commands (one JSON object per line; each gets one JSON reply line):
+  {"op": "store", "seed", "num_tokens", "end", "skip", "req_id", "last", "port"}
+  {"op": "lookup", "seed", "num_tokens"}                 -> {"hit_tokens"}
+  {"op": "wait_ready", "seed", "num_tokens", "timeout_s"} -> {"hit_tokens"}
+  {"op": "retrieve", "seed", "num_tokens"}               -> {"retrieved", "equal"}
+  {"op": "slots"}                                        -> {"free", "capacity", "sent", "failed"}
+  {"op": "quit"}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import logging
+logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+for _n in ("lmcache",): logging.getLogger(_n).setLevel(logging.INFO)
+
+LAYERS, KV_HEADS, HEAD_SIZE, CHUNK = 2, 2, 32, 256
+HIDDEN = KV_HEADS * HEAD_SIZE
+DTYPE = torch.bfloat16
+VOCAB = 1000
+
+
+def tokens_of(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def kv_of(seed: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(2, LAYERS, n, HIDDEN, generator=g).to(DTYPE)
+
+
+def make_connector(kv_shape):
+    from lmcache.v1.gpu_connector import GPUConnectorInterface
+
+    class FlatKVConnector(GPUConnectorInterface):
+        """Moves KV between one flat [2, L, T, H] tensor and LMCache chunks (KV_2LTD)."""
+
+        def __init__(self) -> None:
+            self.kv = torch.zeros(2, LAYERS, 0, HIDDEN, dtype=DTYPE)
+
+        def from_gpu(self, memory_obj, start, end, **kwargs):
+            memory_obj.tensor.copy_(self.kv[:, :, start:end])
+
+        def to_gpu(self, memory_obj, start, end, **kwargs):
+            self.kv[:, :, start:end].copy_(memory_obj.tensor)
+
+        def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
+            for obj, s, e in zip(memory_objs, starts, ends):
+                self.from_gpu(obj, s, e)
+
+        def batched_to_gpu(self, memory_objs, starts, ends, **kwargs):
+            for obj, s, e in zip(memory_objs, starts, ends):
+                self.to_gpu(obj, s, e)
+
+        def get_shape(self, num_tokens):
+            return torch.Size([2, LAYERS, num_tokens, HIDDEN])
+
+    return FlatKVConnector()
+
+
+def build_engine(name: str):
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    config = LMCacheEngineConfig.from_file(os.environ["LMCACHE_CONFIG_FILE"])
+    kv_shape = (LAYERS, 2, CHUNK, KV_HEADS, HEAD_SIZE)
+    metadata = LMCacheMetadata(model_name="tiny", world_size=1, local_world_size=1, worker_id=0,
+                               local_worker_id=0, kv_dtype=DTYPE, kv_shape=kv_shape, role="worker")
+    connector = make_connector(kv_shape)
+    engine = LMCacheEngineBuilder.get_or_create(name, config, metadata, connector,
+                                                lambda t, r: None, lambda o, r: o)
+    engine.post_init()
+    return engine, connector
+
+
+def main() -> None:
+    name = sys.argv[1]
+    engine, connector = build_engine(name)
+    backend = engine.storage_manager.storage_backends.get("p2p")
+    reply({"ok": backend is not None, "backend": str(backend)})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "quit":
+            break
+        reply(handle(cmd, engine, connector, backend))
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    LMCacheEngineBuilder.destroy(name)
+    reply({"ok": True, "closed": True})
+
+
+def handle(cmd: dict, engine, connector, backend) -> dict:
+    op = cmd["op"]
+    if op == "store":
+        from lmcache.integration.vllm.vllm_v1_adapter import DisaggSpec
+
+        tokens = tokens_of(cmd["seed"], cmd["num_tokens"])[: cmd["end"]]
+        connector.kv = kv_of(cmd["seed"], cmd["num_tokens"])[:, :, : cmd["end"]].contiguous()
+        mask = torch.ones(len(tokens), dtype=torch.bool)
+        mask[: cmd.get("skip", 0)] = False
+        spec = DisaggSpec(req_id=cmd["req_id"], receiver_id="r", receiver_host="127.0.0.1",
+                          receiver_init_port=[cmd["port"] + 100], receiver_alloc_port=[cmd["port"]],
+                          is_last_prefill=cmd["last"])
+        engine.store(tokens, mask=mask, transfer_spec=spec)
+        return {"ok": True}
+    if op in ("lookup", "wait_ready"):
+        tokens = tokens_of(cmd["seed"], cmd["num_tokens"])
+        deadline = time.monotonic() + cmd.get("timeout_s", 0)
+        while True:
+            hit = engine.lookup(tokens)
+            if op == "lookup" or hit == len(tokens) or time.monotonic() > deadline:
+                return {"hit_tokens": hit}
+            time.sleep(0.01)
+    if op == "retrieve":
+        n = cmd["num_tokens"]
+        tokens = tokens_of(cmd["seed"], n)
+        connector.kv = torch.zeros(2, LAYERS, n, HIDDEN, dtype=DTYPE)
+        ret = engine.retrieve(tokens)
+        retrieved = int(ret.sum())
+        expected = kv_of(cmd["seed"], n)
+        equal = bool(torch.equal(connector.kv[:, :, :retrieved], expected[:, :, :retrieved]))
+        return {"retrieved": retrieved, "equal": equal}
+    if op == "slots":
+        if hasattr(backend, "free_slots"):
+            svc = backend._svc()
+            return {"free": backend.free_slots, "capacity": svc._pool.num_slots}
+        stats = backend.service.stats()
+        return {"sent": stats.requests_done, "failed": stats.requests_failed,
+                "pending": backend.service.pending_requests()}
+    return {"error": f"unknown op {op}"}
+
+
+def reply(obj: dict) -> None:
+    sys.stdout.write("@@" + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
