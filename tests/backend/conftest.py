@@ -61,15 +61,15 @@ class EngineProc:
         except queue.Empty:
             raise AssertionError(f"no reply within {timeout_s}s; see {self.log_path}") from None
 
-    def call(self, timeout_s: float = 60, **cmd) -> dict:
+    def call(self, reply_timeout_s: float = 60, **cmd) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        return self._next(timeout_s)
+        return self._next(reply_timeout_s)
 
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.call(timeout_s=20, op="quit")
+                self.call(reply_timeout_s=20, op="quit")
             except (AssertionError, BrokenPipeError, OSError):
                 pass
             try:

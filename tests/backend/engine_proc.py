@@ -17,14 +17,12 @@ Commands (one JSON object per line; each gets one JSON reply line):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
 
 import torch
-import logging
-logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-for _n in ("lmcache",): logging.getLogger(_n).setLevel(logging.INFO)
 
 LAYERS, KV_HEADS, HEAD_SIZE, CHUNK = 2, 2, 32, 256
 HIDDEN = KV_HEADS * HEAD_SIZE
@@ -87,6 +85,7 @@ def build_engine(name: str):
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     name = sys.argv[1]
     engine, connector = build_engine(name)
     backend = engine.storage_manager.storage_backends.get("p2p")

