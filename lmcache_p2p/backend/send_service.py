@@ -102,6 +102,7 @@ class _Request:
     retry_delay_s: float = _RETRY_FIRST_S
     writes: list[tuple[WriteHandle, list[Chunk], float]] = dataclasses.field(default_factory=list)
     last_granted: bool = False
+    granted_any: bool = False  # the receiver holds some of this request's chunks
     started: float = dataclasses.field(default_factory=time.monotonic)
     nbytes: int = 0
 
@@ -355,6 +356,7 @@ class SendService:
             if s < 0:
                 c.done()  # the receiver already holds this chunk (re-sent by a later store)
         req.last_granted = req.last_granted or batch.last
+        req.granted_any = req.granted_any or any(s >= 0 for s in msg.slots)
         if to_write:
             self._write(req, to_write)
         if req.req_id in self._requests:  # the write may have failed the request
@@ -417,7 +419,7 @@ class SendService:
             req.retry_delay_s = min(req.retry_delay_s * 2, _RETRY_MAX_S)
             return
         if msg.code is protocol.RefusalCode.UNKNOWN_PEER:
-            self._fail_peer(peer, f"receiver {peer.target.endpoint} restarted; it lost this request")
+            self._on_receiver_restarted(peer)
             return
         if msg.code is protocol.RefusalCode.FULL:
             reason = (f"decoder buffer stayed full for {self._cfg.alloc_timeout_s:.1f}s (p2p.alloc_timeout_s): "
@@ -425,6 +427,27 @@ class SendService:
         else:
             reason = f"refused by receiver ({msg.code.value}): {msg.reason}"
         self._fail(req.req_id, reason)
+
+    def _on_receiver_restarted(self, peer: _Peer) -> None:
+        """The receiver forgot us (it restarted): greet it afresh; requests that lost chunks fail."""
+        logger.warning("receiver %s restarted; greeting it again", peer.target.endpoint)
+        resumable = []
+        for req in [r for r in self._requests.values() if r.target == peer.target]:
+            if req.granted_any or req.writes:
+                self._fail(req.req_id, f"receiver {peer.target.endpoint} restarted and lost this request's KV",
+                           cancel=False)
+                continue
+            if req.alloc_seq is not None:
+                self._by_seq.pop(req.alloc_seq, None)
+                req.alloc_seq = None
+            if req.alloc_batch is not None:
+                req.queue.appendleft(req.alloc_batch)
+                req.alloc_batch = None
+            req.retry_at = None
+            resumable.append(req)
+        self._drop_peer(peer)
+        for req in resumable:
+            self._advance(req)
 
     def _pop_alloc(self, seq: int) -> _Request | None:
         req_id = self._by_seq.pop(seq, None)

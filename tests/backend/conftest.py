@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -80,22 +81,46 @@ class EngineProc:
         self._log.close()
 
 
+class Pair:
+    """A decoder engine and a prefiller engine wired to it; either side can be restarted."""
+
+    def __init__(self, tmp: Path, buffer_size: str, alloc_timeout_s: float, **receiver_opts) -> None:
+        self.tmp = tmp
+        self.port = free_port()
+        self.rcfg = write_config(tmp / "decoder.yaml", "decoder.yaml", buffer_size=buffer_size,
+                                 control_ports=[self.port], transport_ports=[free_port()], **receiver_opts)
+        self.scfg = write_config(tmp / "prefiller.yaml", "prefiller.yaml", alloc_timeout_s=alloc_timeout_s)
+        self.receiver = self.start_receiver()
+        self.sender = self.start_sender()
+
+    def start_receiver(self) -> EngineProc:
+        return EngineProc("decoder", self.rcfg, self.tmp / f"decoder-{time.monotonic_ns()}.log")
+
+    def start_sender(self) -> EngineProc:
+        return EngineProc("prefiller", self.scfg, self.tmp / f"prefiller-{time.monotonic_ns()}.log")
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """One pair shared by the tests of a module: engines take ~20 s each to start on 2 cores."""
+    p = Pair(tmp_path_factory.mktemp("pair"), buffer_size="64MB", alloc_timeout_s=5.0)
+    yield p
+    p.close()
+
+
 @pytest.fixture
-def engine_pair(tmp_path):
-    """Start (receiver, sender); the receiver's buffer size can be chosen by the test."""
-    procs: list[EngineProc] = []
+def make_pair(tmp_path):
+    """A pair of the test's own, for tests that change settings or kill processes."""
+    made: list[Pair] = []
 
-    def start(buffer_size: str = "64MB", alloc_timeout_s: float = 5.0, **receiver_opts):
-        port = free_port()
-        rcfg = write_config(tmp_path / "decoder.yaml", "decoder.yaml", buffer_size=buffer_size,
-                            control_ports=[port], transport_ports=[free_port()], **receiver_opts)
-        scfg = write_config(tmp_path / "prefiller.yaml", "prefiller.yaml", alloc_timeout_s=alloc_timeout_s)
-        receiver = EngineProc("decoder", rcfg, tmp_path / "decoder.log")
-        procs.append(receiver)
-        sender = EngineProc("prefiller", scfg, tmp_path / "prefiller.log")
-        procs.append(sender)
-        return receiver, sender, port
+    def make(buffer_size: str = "64MB", alloc_timeout_s: float = 5.0, **receiver_opts) -> Pair:
+        made.append(Pair(tmp_path, buffer_size, alloc_timeout_s, **receiver_opts))
+        return made[-1]
 
-    yield start
-    for p in reversed(procs):
+    yield make
+    for p in made:
         p.close()

@@ -114,7 +114,7 @@ def handle(cmd: dict, engine, connector, backend) -> dict:
         spec = DisaggSpec(req_id=cmd["req_id"], receiver_id="r", receiver_host="127.0.0.1",
                           receiver_init_port=[cmd["port"] + 100], receiver_alloc_port=[cmd["port"]],
                           is_last_prefill=cmd["last"])
-        engine.store(tokens, mask=mask, transfer_spec=spec)
+        engine.store(tokens, mask=mask, transfer_spec=spec if cmd.get("spec", True) else None)
         return {"ok": True}
     if op in ("lookup", "wait_ready"):
         tokens = tokens_of(cmd["seed"], cmd["num_tokens"])

@@ -6,12 +6,13 @@ loopback) between two processes. Assertions: hit = all tokens, KV bit-exact, eve
 
 from __future__ import annotations
 
+import signal
 import time
 
 
-def store(sender, port, seed, n, req_id, *, end=None, skip=0, last=True):
+def store(sender, port, seed, n, req_id, *, end=None, skip=0, last=True, spec=True):
     reply = sender.call(op="store", seed=seed, num_tokens=n, end=end or n, skip=skip, req_id=req_id,
-                        last=last, port=port)
+                        last=last, port=port, spec=spec)
     assert reply == {"ok": True}
 
 
@@ -20,60 +21,87 @@ def assert_received(receiver, seed, n):
     assert receiver.call(op="retrieve", seed=seed, num_tokens=n) == {"retrieved": n, "equal": True}
 
 
-def wait_all_free(receiver, timeout_s=5.0):
+def wait_for(call, predicate, timeout_s):
     deadline = time.monotonic() + timeout_s
     while True:
-        slots = receiver.call(op="slots")
-        if slots["free"] == slots["capacity"] or time.monotonic() > deadline:
-            return slots
+        value = call()
+        if predicate(value) or time.monotonic() > deadline:
+            return value
         time.sleep(0.05)
 
 
-def test_one_request_with_partial_last_chunk(engine_pair):
-    receiver, sender, port = engine_pair()
-    store(sender, port, seed=1, n=650, req_id="req-1")  # 256 + 256 + 138 tokens
-    assert_received(receiver, seed=1, n=650)
-    slots = wait_all_free(receiver)
-    assert slots["free"] == slots["capacity"]
-    assert sender.call(op="slots") == {"sent": 1, "failed": 0, "pending": 0}
+def all_free(receiver, timeout_s=5.0):
+    slots = wait_for(lambda: receiver.call(op="slots"), lambda s: s["free"] == s["capacity"], timeout_s)
+    return slots["free"] == slots["capacity"]
 
 
-def test_two_concurrent_requests(engine_pair):
-    receiver, sender, port = engine_pair()
-    store(sender, port, seed=10, n=700, req_id="req-a")
-    store(sender, port, seed=20, n=1024, req_id="req-b")
-    assert_received(receiver, seed=20, n=1024)
-    assert_received(receiver, seed=10, n=700)
-    slots = wait_all_free(receiver)
-    assert slots["free"] == slots["capacity"]
+def test_one_request_with_partial_last_chunk(pair):
+    store(pair.sender, pair.port, seed=1, n=650, req_id="req-1")  # 256 + 256 + 138 tokens
+    assert_received(pair.receiver, seed=1, n=650)
+    assert all_free(pair.receiver)
+    stats = wait_for(lambda: pair.sender.call(op="slots"), lambda s: s["pending"] == 0, 5)
+    assert stats["failed"] == 0 and stats["pending"] == 0
 
 
-def test_request_stored_in_three_steps_with_a_resent_chunk(engine_pair):
-    receiver, sender, port = engine_pair()
+def test_two_concurrent_requests(pair):
+    store(pair.sender, pair.port, seed=10, n=700, req_id="req-a")
+    store(pair.sender, pair.port, seed=20, n=1024, req_id="req-b")
+    assert_received(pair.receiver, seed=20, n=1024)
+    assert_received(pair.receiver, seed=10, n=700)
+    assert all_free(pair.receiver)
+
+
+def test_request_stored_in_three_steps_with_a_resent_chunk(pair):
     # Like chunked prefill: each step stores the prefix so far; step 2 re-sends chunk 1 (tokens 256..512).
-    store(sender, port, seed=5, n=900, req_id="req-steps", end=512, last=False)
-    store(sender, port, seed=5, n=900, req_id="req-steps", end=768, skip=256, last=False)
-    assert receiver.call(op="lookup", seed=5, num_tokens=900)["hit_tokens"] < 900
-    store(sender, port, seed=5, n=900, req_id="req-steps", end=900, skip=768, last=True)
-    assert_received(receiver, seed=5, n=900)
-    slots = wait_all_free(receiver)
-    assert slots["free"] == slots["capacity"]
+    store(pair.sender, pair.port, seed=5, n=900, req_id="req-steps", end=512, last=False)
+    store(pair.sender, pair.port, seed=5, n=900, req_id="req-steps", end=768, skip=256, last=False)
+    assert pair.receiver.call(op="lookup", seed=5, num_tokens=900)["hit_tokens"] < 900
+    store(pair.sender, pair.port, seed=5, n=900, req_id="req-steps", end=900, skip=768, last=True)
+    assert_received(pair.receiver, seed=5, n=900)
+    assert all_free(pair.receiver)
 
 
-def test_buffer_smaller_than_request_is_refused_fast_and_frees_everything(engine_pair):
+def test_store_without_disagg_spec_is_a_no_op(pair):
+    store(pair.sender, pair.port, seed=3, n=300, req_id="unrouted", spec=False)
+    time.sleep(0.3)
+    assert pair.receiver.call(op="lookup", seed=3, num_tokens=300) == {"hit_tokens": 0}
+    # The engine keeps working afterwards.
+    store(pair.sender, pair.port, seed=4, n=300, req_id="routed")
+    assert_received(pair.receiver, seed=4, n=300)
+
+
+def test_buffer_smaller_than_request_is_refused_fast_and_frees_everything(make_pair):
     # 3 slots of 128 KiB; a 900-token request needs 4 chunks.
-    receiver, sender, port = engine_pair(buffer_size="384KB", alloc_timeout_s=30)
+    pair = make_pair(buffer_size="384KB", alloc_timeout_s=30)
     started = time.monotonic()
-    store(sender, port, seed=7, n=900, req_id="req-big")
-    deadline = time.monotonic() + 10
-    while sender.call(op="slots")["failed"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sender.call(op="slots")["failed"] == 1
+    store(pair.sender, pair.port, seed=7, n=900, req_id="req-big")
+    stats = wait_for(lambda: pair.sender.call(op="slots"), lambda s: s["failed"] == 1, 10)
+    assert stats["failed"] == 1
     assert time.monotonic() - started < 10  # refused at once, not after alloc_timeout_s=30
-    assert receiver.call(op="lookup", seed=7, num_tokens=900) == {"hit_tokens": 0}
-    slots = wait_all_free(receiver)
-    assert slots == {"free": 3, "capacity": 3}
+    assert pair.receiver.call(op="lookup", seed=7, num_tokens=900) == {"hit_tokens": 0}
+    assert pair.receiver.call(op="slots") == {"free": 3, "capacity": 3}
     # The engines keep working: a request that fits goes through.
-    store(sender, port, seed=8, n=300, req_id="req-small")
-    assert_received(receiver, seed=8, n=300)
-    assert wait_all_free(receiver)["free"] == 3
+    store(pair.sender, pair.port, seed=8, n=300, req_id="req-small")
+    assert_received(pair.receiver, seed=8, n=300)
+    assert all_free(pair.receiver)
+
+
+def test_dead_sender_slots_return_and_restarted_receiver_is_found_again(make_pair):
+    pair = make_pair(reserve_lease_s=2, ready_lease_s=2)
+    # A request whose last store never comes: its sender dies mid-request.
+    store(pair.sender, pair.port, seed=11, n=900, req_id="orphan", end=512, last=False)
+    wait_for(lambda: pair.receiver.call(op="lookup", seed=11, num_tokens=900), lambda r: r["hit_tokens"] == 512, 10)
+    assert pair.receiver.call(op="slots")["free"] < 512
+    pair.sender.proc.send_signal(signal.SIGKILL)
+    pair.sender.close()
+    assert all_free(pair.receiver, timeout_s=10)  # the leases return every slot to the pool
+    # A new prefiller, then the decoder is killed and restarted on the same port: no hang, KV flows again.
+    pair.sender = pair.start_sender()
+    store(pair.sender, pair.port, seed=12, n=300, req_id="before-restart")
+    assert_received(pair.receiver, seed=12, n=300)
+    pair.receiver.proc.send_signal(signal.SIGKILL)
+    pair.receiver.close()
+    pair.receiver = pair.start_receiver()
+    store(pair.sender, pair.port, seed=13, n=600, req_id="after-restart")
+    assert_received(pair.receiver, seed=13, n=600)
+    assert all_free(pair.receiver)
