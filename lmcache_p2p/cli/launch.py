@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
+from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
 
 logger = logging.getLogger(__name__)
 
@@ -100,21 +101,14 @@ def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: P
                 "kv_role": "kv_producer" if inst.role == "prefiller" else "kv_consumer"}
     if inst.role == "decoder":
         transfer["kv_connector_extra_config"] = {"skip_last_n_tokens": 1}
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", "127.0.0.1", "--port", str(inst.http_port), "--no-enable-prefix-caching",
-            "--max-model-len", str(args.max_model_len), "--kv-transfer-config", json.dumps(transfer),
-            *args.vllm_arg]
-    env = dict(os.environ, LMCACHE_CONFIG_FILE=str(write_lmcache_config(inst, args, log_dir)),
-               PYTHONHASHSEED="0", VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               LMCACHE_TRACK_USAGE="false")
-    env.setdefault("UCX_TLS", "tcp,self")
-    env.setdefault("UCX_NET_DEVICES", "lo")
+    argv = vllm_argv(model, inst.http_port, "--no-enable-prefix-caching", "--max-model-len", str(args.max_model_len),
+                     "--kv-transfer-config", json.dumps(transfer), *args.vllm_arg)
     slot = inst.index if inst.role == "prefiller" else args.prefill + inst.index
-    if args.device == "cpu":
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(slot % (os.cpu_count() or 1))
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = str(slot)
+    on_cpu = args.device == "cpu"
+    env = vllm_env(cpu_core=slot % (os.cpu_count() or 1) if on_cpu else None, gpu=None if on_cpu else slot,
+                   lmcache_config=write_lmcache_config(inst, args, log_dir),
+                   logging_config=log_dir / "logging.json",
+                   extra={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})  # a failed NCCL op must not kill the server
     return Child(inst.name, argv, env, log_dir / f"{inst.name}.log", f"http://127.0.0.1:{inst.http_port}/health")
 
 
@@ -167,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir = (args.log_dir or Path("logs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     model = resolve_model(args)
+    write_logging_config(log_dir / "logging.json")
     instances = plan(args)
     children = [proxy_child(args, log_dir)] + [vllm_child(i, model, args, log_dir) for i in instances]
     logger.info("logs: %s", log_dir)

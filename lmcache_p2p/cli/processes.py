@@ -1,7 +1,8 @@
 """Child processes the launcher owns: start with a log file, wait until healthy, stop for sure.
 
-Each child runs in its own session (process group), so stopping it also stops what it spawned
-(vLLM's engine core): SIGTERM to the group, then SIGKILL after a grace period.
+Each child runs in its own session (process group). Stopping sends SIGTERM to the child, which
+shuts down what it spawned (vLLM's engine core) in order; after a grace period, SIGKILL to the
+whole group, so nothing outlives the launcher.
 """
 
 from __future__ import annotations
@@ -57,9 +58,12 @@ class Child:
             return ""
 
     def stop(self, grace_s: float = 15.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        _signal_group(self.proc.pid, signal.SIGTERM)
+        if self.proc.poll() is not None:
+            _signal_group(self.proc.pid, signal.SIGKILL)  # orphans of a child that died
+            return
+        self.proc.send_signal(signal.SIGTERM)  # the leader shuts its own children down in order
         try:
             self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
@@ -108,6 +112,6 @@ def stop_all(children: Sequence[Child], grace_s: float = 15.0) -> None:
     """SIGTERM every child at once, then wait for each (SIGKILL after ``grace_s``)."""
     for child in children:
         if child.proc is not None and child.proc.poll() is None:
-            _signal_group(child.proc.pid, signal.SIGTERM)
+            child.proc.send_signal(signal.SIGTERM)
     for child in reversed(children):
         child.stop(grace_s)

@@ -14,6 +14,7 @@ already holds when loading.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -40,10 +41,7 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         self.use_mla = False
         self.kvcaches: list[torch.Tensor] | None = None
         self._flat_caches: list[torch.Tensor] = []
-        self._layout: PageLayout | None = None
-        # [num_kv_heads, block_size, head_size] offsets of K / V inside a block (all heads).
-        self._k_block_offsets: torch.Tensor | None = None
-        self._v_block_offsets: torch.Tensor | None = None
+        self._index: _BlockIndex | None = None
 
     @classmethod
     def from_metadata(cls, metadata: LMCacheMetadata) -> CPUPagedKVConnector:
@@ -126,10 +124,11 @@ class CPUPagedKVConnector(GPUConnectorInterface):
             if cache.shape != kvcaches[0].shape or cache.dtype != kvcaches[0].dtype:
                 raise ValueError(f"KV cache layers differ: {tuple(cache.shape)} vs {tuple(kvcaches[0].shape)}")
             _check_layer(cache, self.num_kv_heads, self.head_size, self.dtype)
-        layout = learn_page_layout(self.dtype, block_size, self.head_size, attention_isa(self.dtype, block_size, self.head_size))
+        isa = attention_isa(self.dtype, block_size, self.head_size)
+        layout = learn_page_layout(self.dtype, block_size, self.head_size, isa)
         self.kvcaches = kvcaches
         self._flat_caches = [cache.view(-1) for cache in kvcaches]
-        self._set_layout(layout)
+        self._index = _BlockIndex.build(layout, self.num_kv_heads, num_blocks=int(kvcaches[0].shape[0]))
         logger.info(
             "CPU connector bound %d KV cache layers of shape %s (%s, isa=%s)",
             len(kvcaches),
@@ -138,28 +137,10 @@ class CPUPagedKVConnector(GPUConnectorInterface):
             layout.isa,
         )
 
-    def _set_layout(self, layout: PageLayout) -> None:
-        heads = torch.arange(self.num_kv_heads, dtype=torch.int64).view(-1, 1, 1) * layout.page_elems
-        self._layout = layout
-        self._k_block_offsets = heads + layout.k_offsets.unsqueeze(0)
-        self._v_block_offsets = heads + layout.v_offsets.unsqueeze(0)
-
     def _flat_indices(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat element indices (token, head, dim order) of K and V for each slot."""
-        assert self._layout is not None and self._k_block_offsets is not None and self._v_block_offsets is not None
-        block_size = self._layout.block_size
-        num_blocks = self._flat_caches[0].numel() // (self.num_kv_heads * self._layout.page_elems)
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_blocks * block_size):
-            raise ValueError(
-                f"slot mapping holds slots outside [0, {num_blocks * block_size}): "
-                f"min {int(slots.min())}, max {int(slots.max())}"
-            )
-        block_base = (slots // block_size) * (self.num_kv_heads * self._layout.page_elems)  # [T]
-        offset_in_block = slots % block_size  # [T]
-        # [T, heads, head_size]: gather each token's row of per-head offsets, add its block base.
-        k_index = self._k_block_offsets[:, offset_in_block, :].permute(1, 0, 2) + block_base.view(-1, 1, 1)
-        v_index = self._v_block_offsets[:, offset_in_block, :].permute(1, 0, 2) + block_base.view(-1, 1, 1)
-        return k_index.reshape(-1), v_index.reshape(-1)
+        if self._index is None:
+            raise RuntimeError("no KV caches bound: pass 'kvcaches' in kwargs")
+        return self._index.flat_indices(slots)
 
     def _checked_tensor(self, memory_obj: MemoryObj, num_tokens: int) -> torch.Tensor:
         tensor = memory_obj.tensor
@@ -173,6 +154,43 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         if not tensor.is_contiguous():
             raise ValueError("memory object tensor must be contiguous")
         return tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockIndex:
+    """Element offsets of every (head, token-in-block, dim) of K and V inside one cache block."""
+
+    layout: PageLayout
+    num_blocks: int
+    block_elems: int
+    k_offsets: torch.Tensor  # [num_kv_heads, block_size, head_size] int64
+    v_offsets: torch.Tensor
+
+    @classmethod
+    def build(cls, layout: PageLayout, num_kv_heads: int, *, num_blocks: int) -> _BlockIndex:
+        head_base = torch.arange(num_kv_heads, dtype=torch.int64).view(-1, 1, 1) * layout.page_elems
+        return cls(
+            layout=layout,
+            num_blocks=num_blocks,
+            block_elems=num_kv_heads * layout.page_elems,
+            k_offsets=head_base + layout.k_offsets.unsqueeze(0),
+            v_offsets=head_base + layout.v_offsets.unsqueeze(0),
+        )
+
+    def flat_indices(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat element indices of K and V for each slot, in (token, head, dim) order."""
+        block_size = self.layout.block_size
+        num_slots = self.num_blocks * block_size
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
+            raise ValueError(
+                f"slot mapping holds slots outside [0, {num_slots}): min {int(slots.min())}, max {int(slots.max())}"
+            )
+        block_base = ((slots // block_size) * self.block_elems).view(-1, 1, 1)  # [T, 1, 1]
+        in_block = slots % block_size  # [T]
+        # [heads, T, head_size] -> [T, heads, head_size], shifted to each token's block.
+        k_index = self.k_offsets[:, in_block, :].permute(1, 0, 2) + block_base
+        v_index = self.v_offsets[:, in_block, :].permute(1, 0, 2) + block_base
+        return k_index.reshape(-1), v_index.reshape(-1)
 
 
 def _chunk_slots(kwargs: dict[str, Any], start: int, end: int) -> torch.Tensor:

@@ -63,7 +63,9 @@ def learn_page_layout(dtype: torch.dtype, block_size: int, head_size: int, isa: 
     is not a permutation of the page (a layout this connector cannot express).
     """
     if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"KV cache dtype {dtype} is not supported by the CPU connector (supported: {SUPPORTED_DTYPES})")
+        raise ValueError(
+            f"KV cache dtype {dtype} is not supported by the CPU connector (supported: {SUPPORTED_DTYPES})"
+        )
     page_tokens = block_size * head_size
     num_codes = 2 * page_tokens
     num_digits = max(1, math.ceil(math.log(num_codes, _DIGIT_BASE)))

@@ -5,7 +5,8 @@ decode orchestration (``flow.py``), the request and response shapes of the OpenA
 (``shaping.py``, ``responses.py``), the registry of prefillers and decoders (``registry.py``),
 routing policies (``routing.py``), the control socket where instances announce themselves and
 report "KV ready" (``control.py``, ``waiters.py``), upstream HTTP calls (``upstream.py``),
-Prometheus metrics (``metrics.py``), flags (``settings.py``) and process lifetime (``server.py``).
+Prometheus metrics (``metrics.py``), flags (``settings.py``), the errors it answers with
+(``errors.py``) and process lifetime (``server.py``).
 
 Reading order: ``settings`` -> ``registry`` -> ``routing`` -> ``waiters`` -> ``control`` ->
 ``shaping`` -> ``responses`` -> ``flow`` -> ``app`` -> ``server``.

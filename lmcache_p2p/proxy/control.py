@@ -137,9 +137,9 @@ class _RejectionLog:
         now = time.monotonic()
         self._since[reason] = self._since.get(reason, 0) + 1
         if now - self._last_s.get(reason, -_WARN_EVERY_S) >= _WARN_EVERY_S:
-            logger.warning("control message rejected (%s, %d since last report): %s", reason,
+            logger.warning("dropped a control message (%s; %d dropped since the last report): %s", reason,
                            self._since[reason], exc)
             self._last_s[reason] = now
             self._since[reason] = 0
         else:
-            logger.debug("control message rejected (%s): %s", reason, exc)
+            logger.debug("dropped a control message (%s): %s", reason, exc)

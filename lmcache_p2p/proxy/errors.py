@@ -9,6 +9,8 @@
         └── UpstreamError          an instance's HTTP answer was not usable
             ├── UpstreamStatus     its 4xx (passed through) or 5xx (as 502)
             ├── UpstreamUnreachable  502: connect / read failed
+            │   └── UpstreamConnectError  502: no connection (refused / connect timeout): nothing was sent,
+            │                             so the call may be retried on another instance
             ├── UpstreamTimeout    504: no answer within the deadline
             └── UpstreamMalformed  502: an answer without what the proxy needs
 
@@ -75,6 +77,10 @@ class UpstreamStatus(UpstreamError):
 
 class UpstreamUnreachable(UpstreamError):
     pass
+
+
+class UpstreamConnectError(UpstreamUnreachable):
+    """The connection was never established (refused, connect timeout): the instance got no byte."""
 
 
 class UpstreamTimeout(UpstreamError):

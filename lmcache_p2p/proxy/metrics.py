@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from lmcache_p2p.proxy.registry import Instance
+from lmcache_p2p.proxy.registry import Health, Instance, InstanceState
 
 _LATENCY_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
                       5.0, 10.0, 30.0)
@@ -48,6 +48,14 @@ class ProxyMetrics:
                                         ["type"], registry=r)
         self.control_rejected = Counter(_PREFIX + "control_rejected", "Rejected control messages by reason",
                                         ["reason"], registry=r)
+        self.connect_failures = Counter(_PREFIX + "connect_failures",
+                                        "Upstream connections that failed (refused / connect timeout) by role",
+                                        ["role"], registry=r)
+        self.failovers = Counter(_PREFIX + "failovers", "Calls sent to another instance after a failed connection",
+                                 ["phase"], registry=r)
+        self.kv_cancels = Counter(_PREFIX + "kv_cancels",
+                                  "Cancel messages to decoder ranks for KV the proxy will not use, by result "
+                                  "(sent, dropped, refused)", ["result"], registry=r)
         r.register(_InstanceCollector(instances))
         self.ttft_window = SampleWindow()
         self.handover_window = SampleWindow()
@@ -86,11 +94,20 @@ class _InstanceCollector:
             tokens.add_metric(values, inst.inflight_tokens)
             if (slots := inst.free_slots()) is not None:
                 free.add_metric(values, slots)
-            state = inst.state.value if inst.complete else "incomplete"
+            state = _state(inst)
             counts[(inst.role.value, state)] += 1
         for role, state in counts:
             count.add_metric([role, state], counts[(role, state)])
         yield from (requests, tokens, free, count)
+
+
+def _state(inst: Instance) -> str:
+    """incomplete, pending (health), down (health), active or draining."""
+    if not inst.complete:
+        return "incomplete"
+    if inst.state is InstanceState.ACTIVE and inst.health is not Health.UP:
+        return inst.health.value
+    return inst.state.value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,17 +1,25 @@
 """The live set of prefillers and decoders, and the load the proxy has put on each.
 
 An instance announces itself once per TP rank (``Announce``, on start and every heartbeat); ranks
-are aggregated by ``instance_id`` and the instance is routable once every rank has announced. It
-is forgotten after ``ttl_s`` without a heartbeat from any one of its ranks. ``Goodbye`` drains it:
+are aggregated by ``instance_id`` and the instance is routable once every rank has announced AND
+its HTTP server is known healthy. It is forgotten after ``ttl_s`` without a heartbeat from any one
+of its ranks. ``Goodbye`` drains it:
 no new work, in-flight work finishes, then it is forgotten. Static instances (from flags) never
-expire; an announced instance with the same HTTP URL takes their place while it is alive.
+expire; an announced instance with the same role and HTTP URL takes their place while it is alive.
+
+Health: the plugin announces before vLLM's HTTP server listens, so every new instance (static,
+announced, restarted after a goodbye, or moved to another URL) starts :attr:`Health.PENDING`; a
+probe (``health.py``, told through ``on_pending``) marks it :attr:`Health.UP` once ``GET /health``
+answers 200. ``max_connect_failures`` failed connections in a row (``note_connect_failure``) take
+an UP instance :attr:`Health.DOWN` and probing starts again. ``on_forgotten`` hears of every
+instance the registry drops, so that whoever holds resources for it (probes, sockets) lets go.
 
 Buffer credit: a decoder announces its free receive slots. Between heartbeats the proxy counts the
 slots it has itself promised (a :class:`Commit` per request); a promise stops counting once a
 heartbeat from every rank arrived after the request's KV settled (ready, failed, or never sent),
 since that heartbeat's ``free_slots`` already reflects it.
 
-Single-threaded (the event loop); nothing here awaits.
+Single-threaded (the event loop); nothing here awaits, listeners included.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ProtocolError, VersionError
@@ -33,6 +42,15 @@ logger = logging.getLogger(__name__)
 class InstanceState(str, enum.Enum):
     ACTIVE = "active"
     DRAINING = "draining"
+
+
+class Health(str, enum.Enum):
+    PENDING = "pending"  # not seen healthy since it (re)appeared: its GET /health is being probed
+    UP = "up"  # GET /health answered 200 and connections since succeeded
+    DOWN = "down"  # --max-connect-failures connections in a row failed: probed until healthy again
+
+
+InstanceCallback = Callable[["Instance"], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +99,8 @@ class Instance:
     ranks: dict[int, RankInfo] = dataclasses.field(default_factory=dict)
     state: InstanceState = InstanceState.ACTIVE
     goodbye_ranks: set[int] = dataclasses.field(default_factory=set)
+    health: Health = Health.PENDING
+    connect_failures: int = 0  # in a row
     inflight_requests: int = 0
     inflight_tokens: int = 0
     commits: list[Commit] = dataclasses.field(default_factory=list)
@@ -98,7 +118,11 @@ class Instance:
 
     @property
     def routable(self) -> bool:
-        return self.state is InstanceState.ACTIVE and self.complete
+        return self.state is InstanceState.ACTIVE and self.complete and self.health is Health.UP
+
+    @property
+    def role_name(self) -> str:
+        return _role_name(self.role)
 
     @property
     def control_ports(self) -> list[int]:
@@ -174,11 +198,15 @@ class Lease:
 
 
 class Registry:
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, *,
+                 max_connect_failures: int = 2) -> None:
         self._ttl_s = ttl_s
         self._clock = clock
+        self._max_connect_failures = max_connect_failures
         self._dynamic: dict[str, Instance] = {}
-        self._static: dict[str, Instance] = {}
+        self._static: dict[tuple[Role, str], Instance] = {}
+        self.on_pending: list[InstanceCallback] = []  # an instance needs a health probe
+        self.on_forgotten: list[InstanceCallback] = []  # an instance was dropped from the registry
 
     def now(self) -> float:
         return self._clock()
@@ -199,8 +227,9 @@ class Registry:
             static=True,
             ranks=ranks,
         )
-        self._static[inst.http_url] = inst
+        self._static[(inst.role, inst.http_url)] = inst
         logger.info("static %s %s (tp %d)", _role_name(inst.role), inst.http_url, inst.tp_size)
+        self._notify(self.on_pending, inst)
         return inst
 
     def announce(self, msg: Announce) -> Instance:
@@ -214,14 +243,41 @@ class Registry:
         if not 0 <= msg.tp_rank < msg.tp_size:
             raise ProtocolError(f"instance {msg.instance_id}: tp_rank {msg.tp_rank} outside tp_size {msg.tp_size}")
         inst = self._dynamic.get(msg.instance_id)
-        if inst is None or inst.role is not role or inst.tp_size != msg.tp_size:
+        fresh = inst is None or inst.role is not role or inst.tp_size != msg.tp_size
+        if fresh:
+            if inst is not None:
+                self._forget(inst, "announced again with another role or TP size")
             inst = self._new_instance(msg, role)
-        inst.http_url = msg.http_url.rstrip("/")
-        inst.control_host = msg.control_host or inst.control_host
+        http_url = msg.http_url.rstrip("/")
+        moved = http_url != inst.http_url
+        inst.http_url = http_url
+        inst.control_host = msg.control_host or urlsplit(inst.http_url).hostname or ""
         inst.ranks[msg.tp_rank] = _rank_info(msg, self.now())
-        self._return_from_goodbye(inst, msg.tp_rank)
+        restarted = self._return_from_goodbye(inst, msg.tp_rank)
         inst._absorb_commits()
+        if fresh or moved or restarted:
+            self._set_pending(inst)
         return inst
+
+    def mark_up(self, inst: Instance) -> None:
+        """Its GET /health answered 200: routable (once complete and active)."""
+        inst.health = Health.UP
+        inst.connect_failures = 0
+
+    def note_connected(self, inst: Instance) -> None:
+        inst.connect_failures = 0
+
+    def note_connect_failure(self, inst: Instance) -> None:
+        """A connection to its HTTP server failed (refused / connect timeout)."""
+        inst.connect_failures += 1
+        if inst.health is Health.UP and inst.connect_failures >= self._max_connect_failures:
+            inst.health = Health.DOWN
+            logger.warning(
+                "%s %s (%s): %d connection(s) in a row failed (--max-connect-failures): out of rotation until "
+                "GET /health answers 200", _role_name(inst.role), inst.instance_id, inst.http_url,
+                inst.connect_failures,
+            )
+            self._notify(self.on_pending, inst)
 
     def goodbye(self, msg: Goodbye) -> Instance | None:
         inst = self._dynamic.get(msg.instance_id)
@@ -244,11 +300,8 @@ class Registry:
             inst for inst in self._dynamic.values() if any(r.last_seen_s < deadline for r in inst.ranks.values())
         ]
         for inst in expired:
-            del self._dynamic[inst.instance_id]
-            logger.warning(
-                "%s %s (%s) missed heartbeats for %.1f s (--instance-ttl-s): forgotten with %d request(s) in flight",
-                _role_name(inst.role), inst.instance_id, inst.http_url, self._ttl_s, inst.inflight_requests,
-            )
+            self._forget(inst, f"missed heartbeats for {self._ttl_s:.1f} s (--instance-ttl-s)",
+                         level=logging.WARNING)
         return expired
 
     # ---- queries -----------------------------------------------------------------------------
@@ -256,9 +309,9 @@ class Registry:
     def routable(self, role: Role) -> list[Instance]:
         """Instances of ``role`` that may take new work, expired ones evicted first."""
         self.evict_expired()
-        announced_urls = {inst.http_url for inst in self._dynamic.values()}
+        announced = {(inst.role, inst.http_url) for inst in self._dynamic.values()}
         dynamic = [i for i in self._dynamic.values() if i.role is role and i.routable]
-        static = [i for i in self._static.values() if i.role is role and i.http_url not in announced_urls]
+        static = [i for key, i in self._static.items() if key[0] is role and key not in announced]
         return dynamic + static
 
     def instances(self) -> list[Instance]:
@@ -270,26 +323,49 @@ class Registry:
     # ---- internals ---------------------------------------------------------------------------
 
     def _new_instance(self, msg: Announce, role: Role) -> Instance:
-        inst = Instance(instance_id=msg.instance_id, role=role, http_url=msg.http_url, tp_size=msg.tp_size)
+        http_url = msg.http_url.rstrip("/")
+        inst = Instance(instance_id=msg.instance_id, role=role, http_url=http_url, tp_size=msg.tp_size)
         self._dynamic[msg.instance_id] = inst
-        logger.info("%s %s registered at %s (tp %d)", _role_name(role), msg.instance_id, msg.http_url, msg.tp_size)
+        logger.info("%s %s registered at %s (tp %d)", _role_name(role), msg.instance_id, http_url, msg.tp_size)
         return inst
 
-    def _return_from_goodbye(self, inst: Instance, tp_rank: int) -> None:
-        """A rank that said goodbye and announces again has restarted; all back: active again."""
+    def _return_from_goodbye(self, inst: Instance, tp_rank: int) -> bool:
+        """A rank that said goodbye and announces again has restarted; all back: active again.
+
+        True when ``tp_rank`` had said goodbye (its process restarted: probe its HTTP server again).
+        """
+        if tp_rank not in inst.goodbye_ranks:
+            return False
         inst.goodbye_ranks.discard(tp_rank)
         if inst.state is InstanceState.DRAINING and not inst.goodbye_ranks:
             inst.state = InstanceState.ACTIVE
             logger.info("%s %s is back at %s", _role_name(inst.role), inst.instance_id, inst.http_url)
+        return True
+
+    def _set_pending(self, inst: Instance) -> None:
+        inst.health = Health.PENDING
+        inst.connect_failures = 0
+        self._notify(self.on_pending, inst)
 
     def _on_release(self, inst: Instance) -> None:
         self._forget_if_drained(inst)
 
     def _forget_if_drained(self, inst: Instance) -> None:
-        if inst.state is InstanceState.DRAINING and inst.inflight_requests == 0:
-            if self._dynamic.get(inst.instance_id) is inst:
-                del self._dynamic[inst.instance_id]
-                logger.info("%s %s drained and forgotten", _role_name(inst.role), inst.instance_id)
+        drained = inst.state is InstanceState.DRAINING and inst.inflight_requests == 0
+        if drained and self._dynamic.get(inst.instance_id) is inst:
+            self._forget(inst, "drained")
+
+    def _forget(self, inst: Instance, why: str, level: int = logging.INFO) -> None:
+        if self._dynamic.get(inst.instance_id) is inst:
+            del self._dynamic[inst.instance_id]
+        logger.log(level, "%s %s (%s) forgotten: %s; %d request(s) in flight", _role_name(inst.role),
+                   inst.instance_id, inst.http_url, why, inst.inflight_requests)
+        self._notify(self.on_forgotten, inst)
+
+    @staticmethod
+    def _notify(listeners: list[InstanceCallback], inst: Instance) -> None:
+        for listener in listeners:
+            listener(inst)
 
 
 def _parse_role(msg: Announce) -> Role:

@@ -2,7 +2,8 @@
 
 The decoder is chosen first, among those whose receive buffer can hold the request's KV now
 (``ceil(prompt_tokens / chunk_tokens)`` slots against announced free slots minus the proxy's own
-promises, see ``registry.py``); decoders that did not announce a capacity are always eligible.
+promises, see ``registry.py``); decoders that did not announce a capacity are always eligible, and
+so is every decoder for a request whose KV will not be sent (``needs_kv=False``: it recomputes).
 Then the prefiller. Policies:
 
 * ``least_loaded`` (default): fewest in-flight tokens (prompt + max output on a decoder, prompt on a
@@ -51,13 +52,14 @@ class Router:
         self.policy = policy
         self._turn = {role: itertools.count() for role in Role}
 
-    def pick_decoder(self, decoders: list[Instance], cost: RequestCost, exclude: Collection[str] = ()) -> Instance:
+    def pick_decoder(self, decoders: list[Instance], cost: RequestCost, exclude: Collection[str] = (), *,
+                     needs_kv: bool = True) -> Instance:
         if not decoders:
             raise NoInstanceAvailable(
                 "no decoder available: start one (p2p.role: receiver, p2p.proxy_url -> this proxy's control port) "
                 "or pass --decode URL"
             )
-        fitting = [d for d in decoders if _fits(d, cost.prompt_tokens)]
+        fitting = [d for d in decoders if not needs_kv or _fits(d, cost.prompt_tokens)]
         if not fitting:
             raise _no_capacity(decoders, cost.prompt_tokens)
         return self._pick(Role.RECEIVER, _prefer(fitting, exclude), lambda d: d.inflight_tokens)

@@ -16,7 +16,12 @@ host, tp = 1, control = 7300, transport = 7400. Example::
 A static decoder's buffer capacity is unknown, so the buffer-fit filter does not apply to it; it
 must still have ``p2p.proxy_url`` pointing at ``--control-port`` or every request waits
 ``--kv-timeout-s`` and is recomputed. An instance that also announces itself replaces its static
-entry (matched by HTTP URL) while it is alive.
+entry (matched by role and HTTP URL) while it is alive.
+
+Health gating: an instance, static or announced, takes traffic only once its ``GET /health``
+answered 200 (probed every ``--health-probe-interval-s``, each attempt bounded by
+``--health-probe-timeout-s``); after ``--max-connect-failures`` failed connections in a row it
+is out of rotation until a probe succeeds again.
 """
 
 from __future__ import annotations
@@ -64,16 +69,26 @@ class ProxySettings:
     graceful_shutdown_s: float = 10.0
     summary_interval_s: float = 10.0
     chars_per_token: float = 4.0
+    health_probe_interval_s: float = 1.0
+    health_probe_timeout_s: float = 2.0
+    max_connect_failures: int = 2
     static_instances: tuple[StaticInstance, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Accept the flags' string values when built directly (tests, launchers).
+        object.__setattr__(self, "policy", Policy(self.policy))
+        object.__setattr__(self, "on_kv_failure", KvFailurePolicy(self.on_kv_failure))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ProxySettings:
         for name in ("kv_timeout_s", "instance_ttl_s", "connect_timeout_s", "prefill_timeout_s",
-                     "decode_idle_timeout_s", "graceful_shutdown_s", "chars_per_token"):
+                     "decode_idle_timeout_s", "graceful_shutdown_s", "chars_per_token", "health_probe_interval_s",
+                     "health_probe_timeout_s", "max_connect_failures"):
             if getattr(args, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')}", f"must be positive, got {getattr(args, name)}")
         if args.summary_interval_s < 0:
-            raise ConfigError("--summary-interval-s", f"must be >= 0 (0 turns the summary off), got {args.summary_interval_s}")
+            raise ConfigError("--summary-interval-s",
+                              f"must be >= 0 (0 turns the summary off), got {args.summary_interval_s}")
         return cls(
             host=args.host,
             port=args.port,
@@ -90,6 +105,9 @@ class ProxySettings:
             graceful_shutdown_s=args.graceful_shutdown_s,
             summary_interval_s=args.summary_interval_s,
             chars_per_token=args.chars_per_token,
+            health_probe_interval_s=args.health_probe_interval_s,
+            health_probe_timeout_s=args.health_probe_timeout_s,
+            max_connect_failures=args.max_connect_failures,
             static_instances=tuple(args.prefill or ()) + tuple(args.decode or ()),
         )
 
@@ -131,6 +149,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="log a TTFT / handover summary this often; 0 = never (default %(default)s)")
     g.add_argument("--chars-per-token", type=float, default=d.chars_per_token,
                    help="prompt-length estimate for routing before tokenization (default %(default)s)")
+    g.add_argument("--health-probe-interval-s", type=float, default=d.health_probe_interval_s,
+                   help="probe GET /health of an instance that is not (or no longer) routable this often "
+                        "(default %(default)s)")
+    g.add_argument("--health-probe-timeout-s", type=float, default=d.health_probe_timeout_s,
+                   help="deadline of one health probe (default %(default)s)")
+    g.add_argument("--max-connect-failures", type=int, default=d.max_connect_failures,
+                   help="take an instance out of rotation after this many failed connections in a row, until "
+                        "GET /health answers 200 again (default %(default)s)")
 
 
 def parse_prefill_flag(value: str) -> StaticInstance:

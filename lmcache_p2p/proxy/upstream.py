@@ -3,7 +3,9 @@
 One ``httpx.AsyncClient`` per proxy (connection reuse; no pool limit, so the proxy never queues
 requests the instances could take). Every call has a deadline: ``post_json`` / ``get_json`` a total
 one, ``stream_events`` a connect timeout plus an idle timeout between bytes. An upstream 4xx keeps
-its status and body; a 5xx becomes 502; an unreachable instance 502; a deadline 504.
+its status and body; a 5xx becomes 502; an unreachable instance 502; a deadline 504. A connection
+that was never established (refused, connect timeout) raises :class:`UpstreamConnectError`: the
+instance received nothing, so the caller may send the same call elsewhere.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import httpx
 import msgspec
 
 from lmcache_p2p.proxy.errors import (
+    UpstreamConnectError,
     UpstreamError,
     UpstreamMalformed,
     UpstreamStatus,
@@ -58,6 +61,19 @@ class Upstream:
     async def get_json(self, base_url: str, path: str, *, timeout_s: float) -> dict[str, Any]:
         return await self._call("GET", base_url, path, None, timeout_s, None)
 
+    async def get_status(self, base_url: str, path: str, *, timeout_s: float) -> int:
+        """GET ``path`` for its HTTP status alone (a health probe); every phase bounded by ``timeout_s``."""
+        url = base_url + path
+        try:
+            resp = await self._client.get(url, timeout=httpx.Timeout(timeout_s))
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise UpstreamConnectError(f"GET {url}: {_describe(exc)}") from exc
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimeout(f"GET {url}: no answer within {timeout_s:.1f} s") from exc
+        except (httpx.TransportError, httpx.InvalidURL) as exc:
+            raise UpstreamUnreachable(f"GET {url}: {_describe(exc)}") from exc
+        return resp.status_code
+
     async def _call(self, method: str, base_url: str, path: str, body: dict[str, Any] | None, timeout_s: float,
                     headers: Mapping[str, str] | None) -> dict[str, Any]:
         url = base_url + path
@@ -67,10 +83,12 @@ class Upstream:
                 resp = await self._client.request(
                     method, url, content=content, headers=_json_headers(headers), timeout=self._timeout(timeout_s)
                 )
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise UpstreamConnectError(f"{method} {url}: {_describe(exc)}") from exc
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise UpstreamTimeout(f"{method} {url}: no answer within {timeout_s:.1f} s") from exc
         except httpx.TransportError as exc:
-            raise UpstreamUnreachable(f"{method} {url}: {type(exc).__name__}: {exc or 'connection failed'}") from exc
+            raise UpstreamUnreachable(f"{method} {url}: {_describe(exc)}") from exc
         if resp.status_code >= 400:
             raise _status_error(url, resp.status_code, resp.content)
         return _decode_object(url, resp.content)
@@ -87,10 +105,12 @@ class Upstream:
                                              headers=_json_headers(headers), timeout=self._timeout(idle_timeout_s))
         try:
             resp = await self._client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise UpstreamConnectError(f"POST {url}: {_describe(exc)}") from exc
         except httpx.TimeoutException as exc:
             raise UpstreamTimeout(f"POST {url}: no answer within {idle_timeout_s:.1f} s") from exc
         except httpx.TransportError as exc:
-            raise UpstreamUnreachable(f"POST {url}: {type(exc).__name__}: {exc or 'connection failed'}") from exc
+            raise UpstreamUnreachable(f"POST {url}: {_describe(exc)}") from exc
         try:
             if resp.status_code >= 400:
                 raise _status_error(url, resp.status_code, await resp.aread())
@@ -116,6 +136,10 @@ async def _sse_events(url: str, resp: httpx.Response, idle_timeout_s: float) -> 
                               "(--decode-idle-timeout-s)") from exc
     except httpx.TransportError as exc:
         raise UpstreamUnreachable(f"POST {url}: stream broke: {type(exc).__name__}: {exc}") from exc
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc or 'connection failed'}"
 
 
 def _json_headers(extra: Mapping[str, str] | None) -> dict[str, str]:

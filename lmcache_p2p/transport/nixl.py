@@ -10,14 +10,20 @@ and our registered regions as plain (address, length, device) rows. Remote descr
 locally from those rows; NIXL's pickle-based ``get_serialized_descs``/``deserialize_descs`` are
 never used.
 
-NIXL quirks handled here (see shared/FACTS.md, "NIXL on CPU"):
+NIXL/UCX behaviour this module relies on or works around (nixl 1.5.1; see shared/FACTS.md):
   * ``UCX_TLS=sm,self`` fails to create the backend unless ``ucx_error_handling_mode`` is
-    ``none``; ``none`` also works for tcp, so it is the default. With it a dead peer is seen as
-    a write that never completes (a :class:`TransportTimeout`) or as a failed write, not earlier.
-  * With the progress thread off, a receiver on UCX tcp only takes bytes in while it polls
-    (``get_notifications``): a receiver that never polls stalls its senders' writes.
-  * ``add_remote_agent`` returns bytes; ``get_new_notifs`` keys its dict by str.
-  * Statuses are the strings "DONE" / "PROC" / "ERR"; they are wrapped in :class:`_Status` here.
+    ``none``; ``none`` also works for tcp, so it is the default. Even so, a peer that died is
+    seen (NIXL_ERR_REMOTE_DISCONNECT -> :class:`PeerUnreachable`): at post, or by ``poll`` for
+    a write already in flight (seen within ~30 ms on tcp and sm here).
+  * UCX sm moves host bytes with CMA (process_vm_writev) INSIDE ``write``: the caller's thread
+    does the copy (the GIL is released meanwhile) and the handle is usually done at once.
+    CMA throughput roughly doubles when the receiver's buffer (and the sources) are backed by
+    transparent huge pages (madvise(MADV_HUGEPAGE)); see bench/transfer.py.
+  * UCX tcp with the progress thread off: a receiver only takes bytes in while it polls
+    (``get_notifications``), so a receiver that stops polling stalls its senders' writes.
+  * The receiver needs no metadata of its senders to get their notifications.
+  * ``add_remote_agent`` returns bytes; ``get_new_notifs`` keys its dict by str; statuses are
+    the strings "DONE" / "PROC" / "ERR", wrapped in :class:`_Status` here.
 
 Threads: every call into the agent holds one lock (the agent is created without NIXL's own
 locking), so writes, polls and notification polls may come from different threads.
@@ -29,8 +35,8 @@ import dataclasses
 import enum
 import logging
 import threading
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmcache_p2p.errors import ClosedError, PeerUnreachable, TransportError
 from lmcache_p2p.protocol import Region, TransportInfo
@@ -53,6 +59,34 @@ class _Status(enum.Enum):
     ERR = "ERR"
 
 
+def _mem_type(region: Region) -> str:
+    return "VRAM" if region.device == "cuda" else "DRAM"
+
+
+class _Span(NamedTuple):
+    """A registered region as the write loop checks it: [lo, hi) on ``device`` (-1: host)."""
+
+    lo: int
+    hi: int
+    device: int
+    device_id: int
+    mem: str
+
+    def holds(self, addr: int, nbytes: int) -> bool:
+        return self.lo <= addr and addr + nbytes <= self.hi
+
+
+_NO_SPAN = _Span(0, 0, -2, 0, "")
+
+
+def _span(r: Region) -> _Span:
+    return _Span(r.addr, r.addr + r.length, r.device_id if r.device == "cuda" else -1, r.device_id, _mem_type(r))
+
+
+def _spans(regions: Iterable[Region]) -> list[_Span]:
+    return [_span(r) for r in regions]
+
+
 @dataclasses.dataclass
 class _Registration:
     region: Region
@@ -64,7 +98,7 @@ class _Registration:
 class _Peer:
     name: str
     metadata: bytes
-    regions: list[Region]
+    spans: list[_Span]  # the peer's registered regions: where writes may land
 
 
 @dataclasses.dataclass
@@ -76,25 +110,6 @@ class _Xfer:
     temp: list[_Registration]  # sources registered for this write only
     done: bool = False
     error: str = ""
-
-
-def _mem_type(region: Region) -> str:
-    return "VRAM" if region.device == "cuda" else "DRAM"
-
-
-def _contains(region: Region, addr: int, nbytes: int) -> bool:
-    return region.addr <= addr and addr + nbytes <= region.addr + region.length
-
-
-def _find_region(regions: Sequence[Region], addr: int, nbytes: int, device: str, device_id: int) -> Region | None:
-    """The registered region holding [addr, addr + nbytes) on that device, or None.
-
-    A linear scan: a transport holds a handful of regions (one receive buffer, one allocator).
-    """
-    for region in regions:
-        if region.device == device and region.device_id == device_id and _contains(region, addr, nbytes):
-            return region
-    return None
 
 
 def _nixl_error_types(bindings: Any) -> tuple[type[BaseException], ...]:
@@ -188,12 +203,13 @@ class NixlTransport(Transport):
         is returned. The transport keeps a reference to each registered tensor until ``close``.
         """
         region = region_of(tensor)
+        wanted = _span(region)
         with self._lock:
             agent = self._check_open()
-            known = _find_region([reg.region for reg in self._regs], region.addr, region.length, region.device,
-                                 region.device_id)
-            if known is not None:
-                return known  # already registered (the same tensor, or one inside a registered one)
+            for reg in self._regs:
+                span = _span(reg.region)
+                if span.device == wanted.device and span.holds(region.addr, region.length):
+                    return reg.region  # already registered (the same tensor, or one inside it)
             reg = self._register_regions(agent, [region])[0]
             reg.tensor = tensor
             self._regs.append(reg)
@@ -249,7 +265,7 @@ class NixlTransport(Transport):
             agent = self._check_open()
             known = self._peers.get(peer.name)
             if known is not None and known.metadata == peer.metadata:
-                known.regions = list(peer.regions)
+                known.spans = _spans(peer.regions)
                 return known.name
             if known is not None:
                 self._forget_peer(agent, peer.name)
@@ -263,7 +279,7 @@ class NixlTransport(Transport):
             if name != peer.name:
                 self._remove_remote(agent, name)
                 raise PeerUnreachable(f"peer announced itself as {peer.name!r} but its NIXL agent is {name!r}")
-            self._peers[name] = _Peer(name, bytes(peer.metadata), list(peer.regions))
+            self._peers[name] = _Peer(name, bytes(peer.metadata), _spans(peer.regions))
         logger.debug("%s connected to %s (%d regions)", self._name, name, len(peer.regions))
         return name
 
@@ -292,9 +308,10 @@ class NixlTransport(Transport):
         """Post ONE NIXL transfer with one descriptor per source tensor.
 
         A source outside every registered region is registered for this write only and
-        deregistered when the write completes or is aborted. That costs a UCX memory
-        registration per such tensor per write (tens of microseconds for host memory on
-        tcp/sm; pinning on RDMA or CUDA is far dearer): register long-lived sources once.
+        deregistered when the write completes or is aborted. That costs a NIXL/UCX
+        registration and deregistration per such tensor per write: ~5 us for host memory
+        on tcp/sm (measured; nothing is pinned), far more where UCX pins pages (RDMA, CUDA).
+        Register long-lived sources (the allocator's pool) once instead.
         An empty ``notif`` sends no notification.
         """
         if len(srcs) != len(dst_addrs) or not srcs:
@@ -318,41 +335,47 @@ class NixlTransport(Transport):
         return WriteHandle(peer=peer, nbytes=nbytes, token=xfer)
 
     def _source_rows(self, agent: Any, srcs: Sequence[torch.Tensor]) -> tuple[list[tuple[int, int, int]], str, list]:
-        """(addr, len, device id) per source; registers sources outside our regions (temporarily)."""
+        """(addr, len, device id) per source; registers sources outside our regions (temporarily).
+
+        The hot loop of a write (one pass per chunk): plain tensor accessors, no Region objects.
+        """
+        device = srcs[0].get_device()  # -1: host memory
+        spans = [s for s in _spans(reg.region for reg in self._regs) if s.device == device]
+        device_id = max(device, 0)
         rows: list[tuple[int, int, int]] = []
-        missing: dict[tuple[int, int], Region] = {}
-        known = [reg.region for reg in self._regs]
-        device = None
+        missing: dict[tuple[int, int], torch.Tensor] = {}
+        hit = _NO_SPAN
         for src in srcs:
-            region = region_of(src)
-            if device is None:
-                device = (region.device, region.device_id)
-            elif (region.device, region.device_id) != device:
-                raise ValueError(f"all sources of one write must be on one device, got {device} and {region.device}")
-            rows.append((region.addr, region.length, region.device_id))
-            if _find_region(known, region.addr, region.length, region.device, region.device_id) is None:
-                missing.setdefault((region.addr, region.length), region)
-        temp = self._register_regions(agent, list(missing.values())) if missing else []
+            if src.get_device() != device or not src.is_contiguous():
+                raise ValueError("the sources of one write must be contiguous and on one device")
+            addr, nbytes = src.data_ptr(), src.nbytes
+            rows.append((addr, nbytes, device_id))
+            if not hit.holds(addr, nbytes):
+                hit = next((s for s in spans if s.holds(addr, nbytes)), _NO_SPAN)
+                if hit is _NO_SPAN:
+                    missing.setdefault((addr, nbytes), src)
+        temp = self._register_regions(agent, [region_of(t) for t in missing.values()]) if missing else []
         if temp:
             logger.debug("%s registered %d unregistered source(s) for one write", self._name, len(temp))
-        return rows, _mem_type(region_of(srcs[0])), temp
+        return rows, "DRAM" if device < 0 else "VRAM", temp
 
     def _dest_rows(
         self, peer: _Peer, src_rows: Sequence[tuple[int, int, int]], dst_addrs: Sequence[int]
     ) -> tuple[list[tuple[int, int, int]], str]:
         """Remote descriptors built from the peer's Region rows (never from pickled descriptors)."""
         rows: list[tuple[int, int, int]] = []
-        mem = None
+        first = hit = _NO_SPAN
         for (_, nbytes, _), addr in zip(src_rows, dst_addrs):
-            region = next((r for r in peer.regions if _contains(r, addr, nbytes)), None)
-            if region is None:
-                raise ValueError(f"destination 0x{addr:x} (+{nbytes} bytes) is outside every region of {peer.name}")
-            if mem is None:
-                mem = _mem_type(region)
-            elif _mem_type(region) != mem:
-                raise ValueError(f"destinations of one write must be one memory type ({peer.name})")
-            rows.append((addr, nbytes, region.device_id))
-        return rows, mem or "DRAM"
+            if not hit.holds(addr, nbytes):
+                hit = next((s for s in peer.spans if s.holds(addr, nbytes)), _NO_SPAN)
+                if hit is _NO_SPAN:
+                    raise ValueError(f"destination 0x{addr:x} (+{nbytes} bytes) is outside every region of {peer.name}")
+                if first is _NO_SPAN:
+                    first = hit
+                elif hit.mem != first.mem:
+                    raise ValueError(f"the destinations of one write must be one memory type ({peer.name})")
+            rows.append((addr, nbytes, hit.device_id))
+        return rows, first.mem
 
     def _post(self, agent: Any, xfer: _Xfer, src_rows: list, src_mem: str, dst_rows: list, dst_mem: str,
               notif: bytes) -> None:
@@ -380,7 +403,8 @@ class NixlTransport(Transport):
                     status = _Status(agent.check_xfer_state(xfer.xfer))
                 except self._errors as exc:
                     self._release(agent, xfer, f"state check failed: {exc}")
-                    raise TransportError(f"write of {handle.nbytes} bytes to {handle.peer} failed: {exc}") from exc
+                    error = PeerUnreachable if isinstance(exc, self._disconnected) else TransportError
+                    raise error(f"write of {handle.nbytes} bytes to {handle.peer} failed: {exc}") from exc
                 if status is _Status.DONE:
                     self._finish(agent, xfer)
                 elif status is _Status.ERR:

@@ -1,0 +1,216 @@
+"""The proxy's HTTP endpoints (Starlette).
+
+    POST /v1/completions, /v1/chat/completions   disaggregated generation, streamed (SSE) or not
+    GET  /v1/models                              from the first healthy decoder (else prefiller)
+    GET  /health                                 200 while the proxy runs; counts routable instances
+    GET  /instances                              the registry, for people and launchers
+    GET  /metrics                                Prometheus
+
+Errors are OpenAI-style JSON (``errors.py``). Once a stream has started (after the first token),
+a later failure is sent in the stream as ``data: {"error": ...}`` followed by ``data: [DONE]``.
+A client that disconnects cancels the request's upstream calls and drops its KV waiter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from lmcache_p2p.config import Role
+from lmcache_p2p.proxy.errors import BadRequest, ClientDisconnected, NoInstanceAvailable, ProxyError
+from lmcache_p2p.proxy.flow import Orchestrator, RequestFlow
+from lmcache_p2p.proxy.registry import Instance
+from lmcache_p2p.proxy.responses import SSE_DONE, Renderer, renderer_for, sse
+from lmcache_p2p.proxy.shaping import ClientRequest, Endpoint, parse_client_request
+from lmcache_p2p.proxy.upstream import forwarded_headers
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_CANCEL_WAIT_S = 2.0
+
+
+class ProxyApp:
+    def __init__(self, orchestrator: Orchestrator, chars_per_token: float, models_timeout_s: float) -> None:
+        self._o = orchestrator
+        self._chars_per_token = chars_per_token
+        self._models_timeout_s = models_timeout_s
+
+    def build(self) -> Starlette:
+        return Starlette(routes=[
+            Route(Endpoint.COMPLETIONS.value, self.completions, methods=["POST"]),
+            Route(Endpoint.CHAT.value, self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/instances", self.instances, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ])
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, Endpoint.COMPLETIONS)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, Endpoint.CHAT)
+
+    async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
+        received_s = self._o.clock()
+        try:
+            req = parse_client_request(endpoint, await _read_json(request), self._chars_per_token)
+        except ProxyError as exc:
+            return self._error(endpoint, exc)
+        flow = self._o.open(req, forwarded_headers(request.headers), received_s)
+        streaming = False
+        try:
+            first = await _unless_disconnected(request, flow.prefill())
+            renderer = renderer_for(req, _response_id(req, flow), first, flow.prompt_ids,
+                                    include_first=not flow.decoder_regenerates_first)
+            if req.stream:
+                streaming = True
+                self._count(endpoint, 200)
+                return _FlowStreamingResponse(flow, self._stream(flow, renderer))
+            answer = await _unless_disconnected(request, _collect(flow, renderer))
+            self._count(endpoint, 200)
+            return Response(msgspec.json.encode(answer), media_type="application/json")
+        except ProxyError as exc:
+            return self._error(endpoint, exc)
+        except ClientDisconnected:
+            logger.info("client disconnected from %s request %s: upstream work cancelled", endpoint.value,
+                        flow.response_id)
+            self._count(endpoint, 499)
+            return Response(status_code=499)
+        except Exception as exc:  # a bug: still answer in the API's shape, and say where
+            logger.exception("%s request %s failed unexpectedly", endpoint.value, flow.response_id)
+            return self._error(endpoint, ProxyError(f"internal proxy error: {type(exc).__name__}: {exc}"))
+        finally:
+            if not streaming:
+                flow.close()
+
+    async def _stream(self, flow: RequestFlow, renderer: Renderer) -> AsyncIterator[bytes]:
+        req = flow.req
+        try:
+            for chunk in renderer.first_chunks():
+                yield sse(chunk)
+            if flow.needs_decode:
+                async for delta in flow.decode():
+                    yield sse(renderer.delta_chunk(delta))
+            if req.include_usage:
+                yield sse(renderer.usage_chunk(flow.usage()))
+        except Exception as exc:  # after the first token the status is sent: report in the stream
+            error = exc if isinstance(exc, ProxyError) else ProxyError(f"internal proxy error: {exc!r}")
+            self._o.metrics.errors.labels(req.endpoint.value, type(error).__name__).inc()
+            logger.warning("%s request %s failed mid-stream: %s", req.endpoint.value, flow.response_id, exc,
+                           exc_info=not isinstance(exc, ProxyError))
+            yield sse(error.to_body())
+        yield SSE_DONE
+
+    # ---- other endpoints -------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        registry = self._o.registry
+        last: ProxyError = NoInstanceAvailable("no decoder or prefiller registered to list models from")
+        for inst in registry.routable(Role.RECEIVER) + registry.routable(Role.SENDER):
+            try:
+                return JSONResponse(await self._o.upstream.get_json(inst.http_url, "/v1/models",
+                                                                    timeout_s=self._models_timeout_s))
+            except ProxyError as exc:
+                last = exc
+        return JSONResponse(last.to_body(), status_code=503 if last.status_code >= 500 else last.status_code)
+
+    async def health(self, request: Request) -> Response:
+        registry = self._o.registry
+        prefillers, decoders = len(registry.routable(Role.SENDER)), len(registry.routable(Role.RECEIVER))
+        return JSONResponse({"status": "ok", "ready": bool(prefillers and decoders), "prefillers": prefillers,
+                             "decoders": decoders})
+
+    async def instances(self, request: Request) -> Response:
+        return JSONResponse([_describe(inst) for inst in self._o.registry.instances()])
+
+    async def metrics(self, request: Request) -> Response:
+        body, content_type = self._o.metrics.render()
+        return Response(body, media_type=content_type)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+
+    def _error(self, endpoint: Endpoint, exc: ProxyError) -> Response:
+        level = logging.WARNING if exc.status_code >= 500 else logging.INFO
+        logger.log(level, "%s answered %d: %s", endpoint.value, exc.status_code, exc)
+        self._count(endpoint, exc.status_code)
+        self._o.metrics.errors.labels(endpoint.value, type(exc).__name__).inc()
+        return JSONResponse(exc.to_body(), status_code=exc.status_code)
+
+    def _count(self, endpoint: Endpoint, status: int) -> None:
+        self._o.metrics.requests.labels(endpoint.value, str(status)).inc()
+
+
+class _FlowStreamingResponse(StreamingResponse):
+    """Closes the flow however the stream ends, even if it never started (early disconnect)."""
+
+    def __init__(self, flow: RequestFlow, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        self._flow = flow
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._flow.close()
+
+
+async def _collect(flow: RequestFlow, renderer: Renderer) -> dict[str, Any]:
+    if flow.needs_decode:
+        async for delta in flow.decode():
+            renderer.add(delta)
+    return renderer.response(flow.usage())
+
+
+async def _read_json(request: Request) -> Any:
+    try:
+        return msgspec.json.decode(await request.body())
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` unless the client disconnects first (then cancel it and raise ClientDisconnected)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=_CANCEL_WAIT_S)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _response_id(req: ClientRequest, flow: RequestFlow) -> str:
+    return ("chatcmpl-" if req.is_chat else "cmpl-") + flow.response_id
+
+
+def _describe(inst: Instance) -> dict[str, Any]:
+    return {
+        "instance_id": inst.instance_id, "role": inst.role.value, "http_url": inst.http_url,
+        "state": inst.state.value, "complete": inst.complete, "static": inst.static, "tp_size": inst.tp_size,
+        "control_host": inst.control_host, "inflight_requests": inst.inflight_requests,
+        "inflight_tokens": inst.inflight_tokens, "capacity_slots": inst.capacity_slots,
+        "free_slots": inst.free_slots(), "chunk_tokens": inst.chunk_tokens,
+    }

@@ -1,0 +1,198 @@
+"""Build and run one proxy: ``lmcache-p2p proxy --host 127.0.0.1 --port 9100 --control-port 9101 ...``.
+
+:class:`Proxy` owns every component and its lifetime: the control socket, the upstream HTTP
+client, the registry, and its background tasks (TTL eviction, the periodic summary). Shutdown is
+graceful, then cancels: uvicorn stops accepting, lets in-flight requests finish for
+``--graceful-shutdown-s`` (the control socket keeps delivering "KV ready" meanwhile), cancels what
+is left; then the proxy's own tasks are cancelled and its sockets closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+import uvicorn
+
+from lmcache_p2p.protocol import Codec
+from lmcache_p2p.proxy.app import ProxyApp
+from lmcache_p2p.proxy.control import ControlListener
+from lmcache_p2p.proxy.flow import FlowSettings, Orchestrator
+from lmcache_p2p.proxy.metrics import ProxyMetrics
+from lmcache_p2p.proxy.registry import Registry
+from lmcache_p2p.proxy.routing import Router
+from lmcache_p2p.proxy.settings import ProxySettings, add_arguments
+from lmcache_p2p.proxy.upstream import Upstream
+from lmcache_p2p.proxy.waiters import KvWaiters
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Proxy", "add_arguments", "run", "serve"]
+
+_TASK_CANCEL_TIMEOUT_S = 2.0
+
+
+class Proxy:
+    """Every component of one proxy; ``start()`` binds, ``close()`` (idempotent) releases all."""
+
+    def __init__(self, settings: ProxySettings) -> None:
+        self.settings = settings
+        self.registry = Registry(settings.instance_ttl_s)
+        for spec in settings.static_instances:
+            self.registry.add_static(spec)
+        self.waiters = KvWaiters()
+        self.metrics = ProxyMetrics(self.registry.instances)
+        self.upstream = Upstream(settings.connect_timeout_s)
+        self.orchestrator = Orchestrator(
+            self.registry, Router(settings.policy), self.waiters, self.upstream, self.metrics,
+            FlowSettings(settings.kv_timeout_s, settings.prefill_timeout_s, settings.decode_idle_timeout_s,
+                         settings.on_kv_failure),
+        )
+        self.control = ControlListener(settings.control_host, settings.control_port, Codec(settings.shared_secret),
+                                       self.registry, self.waiters, self.metrics)
+        self.app = ProxyApp(self.orchestrator, settings.chars_per_token, settings.connect_timeout_s).build()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._http: uvicorn.Server | None = None
+        self._http_task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.port = 0
+
+    async def start(self) -> None:
+        """Bind the control socket and start the background tasks (not the HTTP server)."""
+        self.control.start()
+        self._spawn(self._evict_loop(), "proxy-evict")
+        if self.settings.summary_interval_s > 0:
+            self._spawn(self._summary_loop(), "proxy-summary")
+
+    async def start_http(self) -> None:
+        """Serve HTTP in a task (``.port`` is the bound port, useful with --port 0)."""
+        sock = _bind(self.settings.host, self.settings.port)
+        self.port = sock.getsockname()[1]
+        self._http = _uvicorn_server(self.app, self.settings)
+        self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]), name="proxy-http")
+        while not self._http.started:
+            if self._http_task.done():
+                await self._http_task  # raises the start-up error
+                raise OSError(f"the HTTP server on {self.settings.host}:{self.port} stopped while starting")
+            await asyncio.sleep(0.01)
+
+    def request_exit(self, sig: signal.Signals | None = None) -> None:
+        """Graceful shutdown; a second request cancels in-flight requests at once."""
+        if self._http is None:
+            return
+        if self._http.should_exit:
+            self._http.force_exit = True
+        self._http.should_exit = True
+        logger.info("%s: shutting down (%s)", sig.name if sig else "exit requested",
+                    "now" if self._http.force_exit else f"in-flight requests get {self.settings.graceful_shutdown_s} s")
+
+    async def wait_http(self) -> None:
+        """Until the HTTP server exits (uvicorn turns SIGINT/SIGTERM into a graceful exit)."""
+        if self._http_task is not None:
+            await asyncio.shield(self._http_task)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._http is not None and self._http_task is not None:
+            self._http.should_exit = True
+            await asyncio.wait({self._http_task}, timeout=self.settings.graceful_shutdown_s + 1.0)
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=_TASK_CANCEL_TIMEOUT_S)
+        await self.control.close()
+        await self.upstream.aclose()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("background task %s died", task.get_name(), exc_info=task.exception())
+
+    async def _evict_loop(self) -> None:
+        interval_s = max(0.05, self.settings.instance_ttl_s / 4)
+        while True:
+            await asyncio.sleep(interval_s)
+            self.registry.evict_expired()
+
+    async def _summary_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.summary_interval_s)
+            line = self.metrics.take_summary()
+            if line is not None:
+                logger.info("last %.0f s: %s", self.settings.summary_interval_s, line)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Run the proxy until SIGINT/SIGTERM (a second one skips the graceful wait), then shut down."""
+    proxy = Proxy(ProxySettings.from_args(args))
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    try:
+        await proxy.start()
+        await proxy.start_http()
+        for sig in signals:
+            loop.add_signal_handler(sig, proxy.request_exit, sig)
+        s = proxy.settings
+        logger.info("proxy on http://%s:%d, control %s, policy %s, on KV failure %s", s.host, proxy.port,
+                    proxy.control.address, s.policy.value, s.on_kv_failure.value)
+        await proxy.wait_http()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        await proxy.close()
+
+
+def run(args: argparse.Namespace) -> None:
+    try:
+        asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        pass
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the proxy owns SIGINT/SIGTERM (``serve``), so that its
+    own ``close()`` still runs after the graceful exit (uvicorn would re-raise the signal and die)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _uvicorn_server(app: Any, settings: ProxySettings) -> uvicorn.Server:
+    config = uvicorn.Config(
+        app,
+        log_config=None,  # only the cli configures logging
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=settings.graceful_shutdown_s,
+        timeout_keep_alive=30,
+    )
+    return _Server(config)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: ephemeral); bound here so a busy port fails before anything starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind the proxy's HTTP port {host}:{port} (--host/--port): {exc}") from exc
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock

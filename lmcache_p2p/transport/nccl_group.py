@@ -1,0 +1,162 @@
+"""The torch.distributed edge of the NCCL transport: stores, 2-rank groups, waits on Work.
+
+Everything that calls torch.distributed directly lives here, and every exception it raises is
+mapped to :mod:`lmcache_p2p.errors` here. No global world is ever initialised: each pair is a
+``ProcessGroupGloo`` (device "cpu") or ``ProcessGroupNCCL`` (device "cuda[:N]") built on a
+``PrefixStore`` of the receiver's ``TCPStore``. torch is imported lazily.
+
+Facts this code relies on (seen with torch 2.13 Gloo on the CPU machines, 2026-11-30):
+  * a Gloo op that passes its timeout CLOSES the pair ("Application timeout caused pair
+    closure"): a timed-out group is dead, never waited on again;
+  * ``abort()`` does not interrupt a Gloo wait; deleting the group closes its sockets;
+  * Gloo ``Work.is_completed()`` stays False until someone calls ``wait``;
+  * a plain master TCPStore listens on every interface: we bind the socket ourselves (to the
+    configured host) and hand it over with ``master_listen_fd``.
+For NCCL (documented by torch, untested here): ``Work.wait()`` without a timeout only makes the
+current CUDA stream wait; with a timeout it blocks the CPU and aborts the communicator on expiry.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from lmcache_p2p.errors import PeerUnreachable, TransportError, TransportTimeout
+from lmcache_p2p.transport import nccl_wire as wire
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+_MIN_WAIT_S = 0.001
+
+
+def timedelta_s(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, _MIN_WAIT_S))
+
+
+def remaining_s(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
+def dist_errors() -> tuple[type[BaseException], ...]:
+    """What torch.distributed raises: DistError and its kin all derive from RuntimeError."""
+    return (RuntimeError, ValueError)
+
+
+def is_store_timeout(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistStoreError) and "timeout" in str(exc).lower()
+
+
+# ---- stores ------------------------------------------------------------------------------------
+
+
+def host_store(host: str, port: int, timeout_s: float) -> Any:
+    """A master TCPStore listening on (host, port) only; port 0 picks a free port."""
+    from torch.distributed import TCPStore
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        bound_port = sock.getsockname()[1]
+    except OSError as exc:
+        sock.close()
+        raise TransportError(f"cannot listen on {host}:{port} for the NCCL store (p2p.transport_ports): {exc}") from exc
+    fd = sock.detach()  # the store owns (and closes) the socket from here on
+    try:
+        return TCPStore(
+            host, bound_port, None, True, timedelta_s(timeout_s), wait_for_workers=False, master_listen_fd=fd
+        )
+    except dist_errors() as exc:
+        socket.close(fd)
+        raise TransportError(f"cannot start the NCCL store on {host}:{bound_port}: {exc}") from exc
+
+
+def store_client(host: str, port: int, timeout_s: float) -> Any:
+    """A client of a TCPStore; its default op timeout is ``timeout_s``. PeerUnreachable on failure."""
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(host, port, None, False, timedelta_s(timeout_s), wait_for_workers=False)
+    except dist_errors() as exc:
+        raise PeerUnreachable(f"cannot reach the NCCL store at {host}:{port} within {timeout_s:.1f}s: {exc}") from exc
+
+
+# ---- groups ------------------------------------------------------------------------------------
+
+
+def new_group(
+    store: Any, pair_id: str, rank: int, device: torch.device, host: str, join_timeout_s: float, watchdog_s: float
+) -> Any:
+    """A 2-rank group on ``PrefixStore(pair/{id}/, store)``.
+
+    Gloo joins here (within ``join_timeout_s``, its option timeout; every op of ours passes its
+    own timeout). NCCL joins lazily, at the handshake; its option timeout is the watchdog's,
+    ``watchdog_s``, which must stay past every deadline of ours so that our waits fail first.
+    """
+    import torch.distributed as dist
+
+    prefix_store = dist.PrefixStore(wire.group_prefix(pair_id), store)
+    if device.type == "cpu":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        opts._timeout = timedelta_s(join_timeout_s)
+        opts._threads = 1  # send/recv never use the collective worker threads
+        return dist.ProcessGroupGloo(prefix_store, rank, 2, opts)
+    if not dist.is_nccl_available():
+        raise TransportError("this torch build has no NCCL: use device 'cpu' (Gloo) or a CUDA build of torch")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timedelta_s(watchdog_s)
+    opts.is_high_priority_stream = False
+    opts.group_name = wire.group_prefix(pair_id)  # names the pair in NCCL's and the watchdog's logs
+    return dist.ProcessGroupNCCL(prefix_store, rank, 2, opts)
+
+
+def handshake(group: Any, rank: int, device: torch.device, deadline: float) -> None:
+    """Rank 1 sends [MAGIC, WIRE_VERSION]; rank 0 checks it. Also creates NCCL's communicator."""
+    import torch
+
+    msg = torch.tensor([wire.HANDSHAKE_MAGIC, wire.WIRE_VERSION], dtype=torch.int64, device=device)
+    if rank == 1:
+        wait_work(group.send([msg], 0, 0), deadline, "pair handshake (send)")
+        return
+    got = torch.zeros_like(msg)
+    wait_work(group.recv([got], 1, 0), deadline, "pair handshake (recv)")
+    magic, version = (int(v) for v in got.cpu())
+    if magic != wire.HANDSHAKE_MAGIC or version != wire.WIRE_VERSION:
+        raise TransportError(
+            f"pair handshake got magic 0x{magic:x} version {version}, expected version {wire.WIRE_VERSION}"
+        )
+
+
+def wait_work(work: Any, deadline: float, what: str) -> None:
+    """Block until ``work`` completes; TransportTimeout past ``deadline``, TransportError on failure.
+
+    Either way the group is unusable afterwards (a Gloo timeout closes the pair; an NCCL timeout
+    aborts the communicator).
+    """
+    try:
+        work.wait(timedelta_s(remaining_s(deadline)))
+    except dist_errors() as exc:
+        if remaining_s(deadline) <= _MIN_WAIT_S or "timed out" in str(exc).lower():
+            raise TransportTimeout(f"{what}: not complete at its deadline (p2p.transfer_timeout_s): {exc}") from exc
+        raise TransportError(f"{what} failed: {exc}") from exc
+
+
+def drop_group(group: Any) -> None:
+    """Abort a group (NCCL: frees communicators; Gloo: no-op). Never raises."""
+    if group is None:
+        return
+    try:
+        group.abort()
+    except Exception:  # teardown must not fail; the cause was logged already
+        logger.debug("abort of a pair group failed", exc_info=True)

@@ -1,0 +1,473 @@
+"""The two halves of an NCCL-transport pair, each with its thread.
+
+``SendPair`` (rank 1) owns a queue of writes and the thread that posts them in order (doorbell,
+then the chunks' sends) and completes them oldest first. ``RecvPair`` (rank 0) owns the thread
+that pairs with one sender after ``accept`` and then serves its doorbells: check the header,
+receive each chunk into its slot, hand the notification to the transport. Both hold the pair's
+store client and group and drop them when their thread ends. See nccl.py for the whole design.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from lmcache_p2p.errors import PeerUnreachable, ProtocolError, TransportError, TransportTimeout
+from lmcache_p2p.protocol import TransportInfo
+from lmcache_p2p.transport import nccl_group as group_ops
+from lmcache_p2p.transport import nccl_wire as wire
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 300.0  # an idle pair thread re-arms its wait this often (it is woken to stop)
+_STOP = object()  # queue sentinel of a sender thread
+
+
+@dataclasses.dataclass(eq=False)
+class PendingWrite:
+    """The state behind a WriteHandle's token; transitions happen under its pair's lock."""
+
+    peer: str
+    header: wire.Header
+    srcs: list[Any]  # flat uint8 views; dropped once the write has finished
+    deadline: float
+    posted: bool = False
+    done: bool = False
+    error: str = ""
+    timed_out: bool = False
+    works: list[Any] = dataclasses.field(default_factory=list)
+    finished: threading.Event = dataclasses.field(default_factory=threading.Event)  # done or failed
+
+    def fail(self, error: str, timed_out: bool = False) -> None:
+        if not self.done and not self.error:
+            self.error = error
+            self.timed_out = timed_out
+        self.finished.set()
+
+    def succeed(self) -> None:
+        if not self.error:  # an aborted write stays failed even if its bytes landed
+            self.done = True
+        self.finished.set()
+
+    def release(self) -> None:
+        self.srcs = []
+        self.works = []
+
+
+@dataclasses.dataclass(frozen=True)
+class PairSettings:
+    """What the pair threads need from their transport; fixed at construction."""
+
+    name: str
+    host: str
+    port: int
+    device: Any  # torch.device
+    timeout_s: float
+    stage_slot_bytes: int
+    stage_slots: int
+    max_inflight_writes: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def watchdog_s(self) -> float:
+        """NCCL's watchdog timeout: past every deadline of ours, so that our own waits fail first."""
+        return self.timeout_s * 2 + 10
+
+
+def enter_device(settings: PairSettings) -> None:
+    if settings.cuda:
+        import torch
+
+        torch.cuda.set_device(settings.device)
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+# ---- the sending side of one pair ----------------------------------------------------------------
+
+
+class SendPair:
+    """Rank 1 of a pair: a queue of writes and the thread that posts and completes them."""
+
+    def __init__(self, settings: PairSettings, peer: TransportInfo, pair_id: str, store: Any, group: Any) -> None:
+        self.peer = peer.name
+        self.regions = list(peer.regions)
+        self.pair_id = pair_id
+        self.down = ""  # why the pair takes no more writes ("" while it does)
+        self._s = settings
+        self._store = store
+        self._group = group
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._inflight: collections.deque[PendingWrite] = collections.deque()
+        self._seq = 0
+        self._ring: Any = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"nccl-send:{settings.name}->{peer.name}", daemon=True)
+
+    # -- called from user threads --
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, write: PendingWrite) -> None:
+        with self._lock:
+            if self.down:
+                raise PeerUnreachable(f"pair {self.pair_id} to {self.peer} is down ({self.down}): connect() again")
+            self._queue.put(write)
+
+    def abort(self, write: PendingWrite) -> None:
+        """Fail an unfinished write for its caller.
+
+        A queued write is dropped. One already on the wire cannot be recalled from a two-sided
+        stream: it still completes in order (its memory stays referenced until then), so its
+        bytes and notification may still arrive, as with an aborted NIXL write.
+        """
+        with self._lock:
+            if not write.done and not write.error:
+                write.fail("aborted while on the wire" if write.posted else "aborted before it was sent")
+
+    def stop(self) -> None:
+        with self._lock:
+            self.down = self.down or "disconnected"
+            self._stopping.set()
+            self._queue.put(_STOP)
+
+    def join(self, timeout_s: float) -> bool:
+        if self._thread.ident is not None:
+            self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    # -- the pair's thread --
+
+    def _run(self) -> None:
+        graceful = False
+        try:
+            enter_device(self._s)
+            self._loop()
+            graceful = True
+        except TransportError as exc:
+            logger.warning("%s: pair %s to %s broke: %s", self._s.name, self.pair_id, self.peer, exc)
+            self._break(str(exc))
+        except Exception as exc:  # a thread must not die silently
+            logger.exception("%s: sender thread of pair %s failed", self._s.name, self.pair_id)
+            self._break(f"internal error: {exc}")
+        finally:
+            self._fail_queued()
+            if graceful:
+                self._ring_bye()
+            group_ops.drop_group(self._group)
+            self._group = self._store = self._ring = None
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait() if self._inflight else self._queue.get(timeout=IDLE_WAIT_S)
+            except queue.Empty:
+                if self._inflight:
+                    self._complete(self._inflight.popleft())
+                continue
+            if item is _STOP:
+                break
+            if self._start(item):
+                self._inflight.append(item)
+                if len(self._inflight) >= self._s.max_inflight_writes:
+                    self._complete(self._inflight.popleft())
+        while self._inflight:  # posted writes finish (or fail at their deadline) even when stopping
+            self._complete(self._inflight.popleft())
+
+    def _start(self, write: PendingWrite) -> bool:
+        with self._lock:
+            if write.error:
+                return False  # aborted while queued
+            if self._stopping.is_set() or self.down:
+                write.fail(f"pair to {self.peer} is down ({self.down or 'disconnected'}) before the write was sent")
+                return False
+            if time.monotonic() >= write.deadline:  # never sent, so the pair stays in step
+                write.fail("not sent before its deadline (p2p.transfer_timeout_s)", timed_out=True)
+                return False
+            write.posted = True
+        try:
+            self._post(write)
+        except TransportError as exc:
+            self._fail_first(write, exc)
+            raise
+        return True
+
+    def _post(self, write: PendingWrite) -> None:
+        """Ring doorbell N with the header, then post the chunks' sends (in order)."""
+        try:
+            self._store.set(wire.doorbell_key(self.pair_id, self._seq), write.header.encode())
+        except group_ops.dist_errors() as exc:
+            raise PeerUnreachable(f"cannot reach the store of {self.peer} to announce a write: {exc}") from exc
+        self._seq += 1
+        try:
+            for src in write.srcs:
+                write.works.extend(self._send(src, write.header.piece_bytes, write.deadline))
+        except group_ops.dist_errors() as exc:
+            raise TransportError(
+                f"posting a write of {write.header.nbytes} bytes to {self.peer} failed: {exc}"
+            ) from exc
+
+    def _send(self, src: torch.Tensor, piece_bytes: int, deadline: float) -> list[Any]:
+        if not self._s.cuda:
+            if src.device.type != "cpu":
+                src = src.cpu()  # Gloo sends host memory; the Work keeps this copy alive
+            return [self._group.send([src], 0, 0)]
+        if src.device.type == "cpu":
+            return self._send_ring().send(self._group, src, deadline)
+        return [self._group.send([src[off : off + n]], 0, 0) for off, n in wire.pieces(src.numel(), piece_bytes)]
+
+    def _send_ring(self) -> Any:
+        if self._ring is None:
+            from lmcache_p2p.transport.nccl_staging import SendRing
+
+            self._ring = SendRing(self._s.device, self._s.stage_slot_bytes, self._s.stage_slots)
+        return self._ring
+
+    def _complete(self, write: PendingWrite) -> None:
+        what = f"write of {write.header.nbytes} bytes to {self.peer}"
+        try:
+            for work in write.works:
+                group_ops.wait_work(work, write.deadline, what)
+        except TransportError as exc:
+            self._fail_first(write, exc)
+            raise
+        with self._lock:
+            write.succeed()
+        write.release()
+
+    def _fail_first(self, write: PendingWrite, exc: TransportError) -> None:
+        """The write whose op failed: the pair goes down BEFORE its caller hears of it."""
+        with self._lock:
+            self.down = self.down or str(exc)
+            write.fail(str(exc), timed_out=isinstance(exc, TransportTimeout))
+        write.release()  # the group is dead: its ops no longer touch this memory
+
+    def _break(self, reason: str) -> None:
+        with self._lock:
+            self.down = self.down or reason
+            for write in self._inflight:
+                write.fail(f"pair to {self.peer} broke: {reason}")
+                write.release()  # the group is dead: its ops no longer touch this memory
+            self._inflight.clear()
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                item.fail(f"pair to {self.peer} is down ({self.down}) before the write was sent")
+
+    def _ring_bye(self) -> None:
+        try:
+            self._store.set(wire.doorbell_key(self.pair_id, self._seq), wire.BYE.encode())
+        except group_ops.dist_errors() as exc:
+            logger.debug("%s: could not say BYE on pair %s: %s", self._s.name, self.pair_id, exc)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecvHooks:
+    """What a receiver pair needs from its transport."""
+
+    on_paired: Callable[[RecvPair], bool]  # False: do not serve (closed, or stopped meanwhile)
+    on_ended: Callable[[RecvPair], None]
+    notify: Callable[[str, bytes], None]  # (sender, payload) once a write's bytes all landed
+    slot_view: Callable[[wire.ChunkDest], Any]  # the registered memory a chunk lands in
+    region_bytes: Callable[[], list[int]]  # the length of each registered region
+
+
+# ---- the receiving side of one pair --------------------------------------------------------------
+
+
+class RecvPair:
+    """Rank 0 of a pair: one thread that pairs, then serves doorbells until stopped or broken."""
+
+    def __init__(self, hooks: RecvHooks, settings: PairSettings, sender: str) -> None:
+        self.sender = sender
+        self.pair_id = ""
+        self.seq = 0
+        self.serving = False  # paired: woken through its doorbell, no longer through its claim key
+        self._hooks = hooks
+        self._s = settings
+        self._store: Any = None
+        self._group: Any = None
+        self._ring: Any = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"nccl-recv:{settings.name}<-{sender}", daemon=True)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, store: Any) -> None:
+        """End the thread: set the flag, then wake its store wait with ``store`` (the transport's).
+
+        Pairing, it waits on its claim key: retracting the offer wakes it (and no sender can join
+        afterwards). Serving, it waits on its doorbell: a BYE there wakes it, placed only where
+        no header is (a write already announced is still received).
+        """
+        self._stopping.set()
+        if not self.pair_id or store is None:
+            return  # not offered yet: it checks the flag right after offering
+        try:
+            if self.serving:
+                store.compare_set(wire.doorbell_key(self.pair_id, self.seq), "", wire.BYE.encode())
+            else:
+                store.add(wire.claim_key(self.pair_id), 1)
+        except group_ops.dist_errors() as exc:
+            logger.debug("%s: could not wake pair %s: %s", self._s.name, self.pair_id, exc)
+
+    def join(self, timeout_s: float) -> bool:
+        if self._thread.ident is not None:
+            self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            enter_device(self._s)
+            if self._pair() and self._hooks.on_paired(self):
+                self._serve()
+        except (TransportError, ProtocolError) as exc:
+            logger.warning(
+                "%s: pair %s with %s ended: %s", self._s.name, self.pair_id or "(unpaired)", self.sender, exc
+            )
+        except Exception:  # a thread must not die silently
+            logger.exception("%s: receiver thread of pair %s with %s failed", self._s.name, self.pair_id, self.sender)
+        finally:
+            group_ops.drop_group(self._group)
+            self._group = self._store = self._ring = None
+            self._hooks.on_ended(self)
+
+    def _pair(self) -> bool:
+        """Offer a fresh pair id; once the sender claims it, join the group as rank 0.
+
+        False when stopped before pairing; PeerUnreachable when the sender did not come within
+        ``timeout_s`` (the offer is then retracted: a late sender cannot join a group nobody serves).
+        """
+        deadline = time.monotonic() + self._s.timeout_s
+        self._store = group_ops.store_client(self._s.host, self._s.port, self._s.timeout_s)
+        try:
+            gen = self._store.add(wire.generation_key(self.sender), 1)
+            self.pair_id = f"{self.sender}/{gen}"
+            self._store.set(wire.offer_key(self.sender), self.pair_id)
+            if self._stopping.is_set() or not self._await_claim(deadline):
+                return False
+            join_s = max(group_ops.remaining_s(deadline), 0.001)
+            self._group = group_ops.new_group(
+                self._store, self.pair_id, 0, self._s.device, self._s.host, join_s, self._s.watchdog_s
+            )
+            self.serving = True  # from here stop() wakes the doorbell
+            group_ops.handshake(self._group, 0, self._s.device, deadline)
+        except (*group_ops.dist_errors(), TransportError) as exc:
+            if isinstance(exc, PeerUnreachable):
+                raise
+            raise PeerUnreachable(f"pairing with {self.sender} failed: {exc}") from exc
+        logger.info("%s: paired with sender %s (pair %s)", self._s.name, self.sender, self.pair_id)
+        return True
+
+    def _await_claim(self, deadline: float) -> bool:
+        """Wait until the claim key exists: True if the sender claimed, False if we were stopped."""
+        key = wire.claim_key(self.pair_id)
+        try:
+            self._store.wait([key], group_ops.timedelta_s(group_ops.remaining_s(deadline)))
+        except group_ops.dist_errors() as exc:
+            if not group_ops.is_store_timeout(exc):
+                raise
+            if self._store.add(key, 1) == 1:  # retracted before any sender claimed it
+                raise PeerUnreachable(
+                    f"sender did not join pair {self.pair_id} within {self._s.timeout_s:.1f}s (p2p.transfer_timeout_s)"
+                ) from exc
+        return not self._stopping.is_set()
+
+    def _serve(self) -> None:
+        regions = self._hooks.region_bytes
+        while not self._stopping.is_set():
+            header = self._next_header()
+            if header is None:
+                continue
+            if header.kind is wire.HeaderKind.BYE:
+                why = "stopped" if self._stopping.is_set() else "closed by the sender"
+                logger.info("%s: pair %s with %s %s", self._s.name, self.pair_id, self.sender, why)
+                return
+            header.check_fits(regions())
+            self._receive(header)
+            if header.notif:
+                self._hooks.notify(self.sender, header.notif)
+
+    def _next_header(self) -> wire.Header | None:
+        """The header of doorbell ``seq`` (consumed), or None after an idle wait."""
+        key = wire.doorbell_key(self.pair_id, self.seq)
+        try:
+            self._store.wait([key], group_ops.timedelta_s(IDLE_WAIT_S))
+        except group_ops.dist_errors() as exc:
+            if group_ops.is_store_timeout(exc):
+                return None
+            raise TransportError(f"lost the store while waiting for a write: {exc}") from exc
+        try:
+            raw = self._store.get(key)
+            self._store.delete_key(key)
+        except group_ops.dist_errors() as exc:
+            raise TransportError(f"lost the store while reading a write header: {exc}") from exc
+        self.seq += 1
+        return wire.Header.decode(raw)
+
+    def _receive(self, header: wire.Header) -> None:
+        """Receive every chunk straight into its slot view; return once all bytes landed."""
+        deadline = time.monotonic() + self._s.timeout_s
+        finishers: list[Any] = []
+        works: list[Any] = []
+        try:
+            for chunk in header.chunks:
+                view = self._hooks.slot_view(chunk)
+                works.extend(self._recv_into(view, header.piece_bytes, deadline, finishers))
+        except group_ops.dist_errors() as exc:
+            raise TransportError(f"posting receives for {header.nbytes} bytes failed: {exc}") from exc
+        what = f"write of {header.nbytes} bytes from {self.sender}"
+        for work in works:
+            group_ops.wait_work(work, deadline, what)
+        for finish in finishers:
+            finish(deadline)
+
+    def _recv_into(self, view: torch.Tensor, piece_bytes: int, deadline: float, finishers: list[Any]) -> list[Any]:
+        spans = wire.pieces(view.numel(), piece_bytes)
+        if not self._s.cuda and view.device.type != "cpu":
+            import torch
+
+            bounce = torch.empty(view.numel(), dtype=torch.uint8)  # Gloo receives into host memory only
+            finishers.append(lambda _deadline, dst=view, src=bounce: dst.copy_(src))
+            view = bounce
+        if self._s.cuda and view.device.type == "cpu":
+            ring = self._recv_ring()
+            if ring.finish not in finishers:
+                finishers.append(ring.finish)
+            return ring.recv(self._group, view, piece_bytes, deadline)
+        return [self._group.recv([view[off : off + n]], 1, 0) for off, n in spans]
+
+    def _recv_ring(self) -> Any:
+        if self._ring is None:
+            from lmcache_p2p.transport.nccl_staging import RecvRing
+
+            self._ring = RecvRing(self._s.device, self._s.stage_slot_bytes, self._s.stage_slots)
+        return self._ring

@@ -1,0 +1,139 @@
+"""Host <-> device staging rings for the NCCL transport (NCCL only moves device memory).
+
+``SendRing`` carries host chunks to the wire: each piece is copied (when its source is pageable)
+into a pinned buffer, copied host->device on a side stream, and sent from that device buffer;
+the copy of piece i+1 overlaps the send of piece i. ``RecvRing`` is the mirror for a receiver
+whose buffer is in host memory. Each ring belongs to ONE pair thread: no locking.
+
+Ordering is kept on the GPU where possible: NCCL ops are issued with the ring's stream current,
+so ProcessGroupNCCL makes its stream wait for our copies; ``work.wait()`` without a timeout makes
+our stream wait for a recv. The CPU only waits (always with a deadline) before it overwrites a
+pinned buffer, and before a pageable copy that would otherwise block without a deadline.
+Untested on this project's CPU machines: it runs on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from lmcache_p2p.errors import TransportTimeout
+from lmcache_p2p.transport import nccl_group as group_ops
+from lmcache_p2p.transport.nccl_wire import pieces
+
+if TYPE_CHECKING:
+    import torch
+
+_POLL_S = 0.00005
+
+
+def _wait_until(done: Any, deadline: float, what: str) -> None:
+    """Poll ``done()`` (a CUDA event query or Work.is_completed) until it is True or the deadline."""
+    while not done():
+        if time.monotonic() >= deadline:
+            raise TransportTimeout(f"{what}: not complete at its deadline (p2p.transfer_timeout_s)")
+        time.sleep(_POLL_S)
+
+
+class SendRing:
+    """A ring of ``slots`` device buffers (plus pinned bounce buffers) of ``slot_bytes`` each."""
+
+    def __init__(self, device: torch.device, slot_bytes: int, slots: int) -> None:
+        import torch
+
+        self.slot_bytes = slot_bytes
+        self._stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._stream):
+            self._dev = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
+        self._pinned: list[torch.Tensor | None] = [None] * slots  # allocated on first pageable source
+        self._busy: list[Any] = [None] * slots  # the send still reading each device slot
+        self._next = 0
+
+    def send(self, group: Any, src: torch.Tensor, deadline: float) -> list[Any]:
+        """Send host tensor ``src`` (flat uint8) to rank 0 piece by piece; one Work per piece."""
+        import torch
+
+        pinned_src = src.is_pinned()
+        works = []
+        for off, n in pieces(src.numel(), self.slot_bytes):
+            k = self._take_slot(deadline)
+            piece = src[off : off + n]
+            if not pinned_src:
+                bounce = self._bounce(k)
+                bounce[:n].copy_(piece)  # the previous H2D from this buffer finished before its send did
+                piece = bounce[:n]
+            with torch.cuda.stream(self._stream):
+                self._dev[k][:n].copy_(piece, non_blocking=True)
+                work = group.send([self._dev[k][:n]], 0, 0)
+            self._busy[k] = work
+            works.append(work)
+        return works
+
+    def _take_slot(self, deadline: float) -> int:
+        k = self._next
+        self._next = (k + 1) % len(self._dev)
+        work = self._busy[k]
+        if work is not None:
+            _wait_until(work.is_completed, deadline, "staging slot reuse (send)")
+            self._busy[k] = None
+        return k
+
+    def _bounce(self, k: int) -> torch.Tensor:
+        import torch
+
+        if self._pinned[k] is None:
+            self._pinned[k] = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
+        return self._pinned[k]
+
+
+class RecvRing:
+    """Receives into device slots and copies each piece into a host destination."""
+
+    def __init__(self, device: torch.device, slot_bytes: int, slots: int) -> None:
+        import torch
+
+        self._device = device
+        self._stream = torch.cuda.Stream(device)
+        self._dev: list[torch.Tensor | None] = [None] * slots
+        self._slot_bytes = slot_bytes
+        self._next = 0
+
+    def recv(self, group: Any, dst: torch.Tensor, piece_bytes: int, deadline: float) -> list[Any]:
+        """Receive ``dst.numel()`` bytes from rank 1 into host view ``dst``; one Work per piece."""
+        import torch
+
+        pinned_dst = dst.is_pinned()
+        works = []
+        for off, n in pieces(dst.numel(), piece_bytes):
+            slot = self._slot(n)
+            with torch.cuda.stream(self._stream):
+                # NCCL waits for our stream, so this recv starts after the slot's previous copy-out.
+                work = group.recv([slot[:n]], 1, 0)
+                if pinned_dst:
+                    work.wait()  # our stream waits for the recv (GPU side, no CPU block)
+                    dst[off : off + n].copy_(slot[:n], non_blocking=True)
+                else:
+                    group_ops.wait_work(work, deadline, "staged recv")  # a pageable copy would block unbounded
+                    dst[off : off + n].copy_(slot[:n])
+            works.append(work)
+        return works
+
+    def finish(self, deadline: float) -> None:
+        """Wait (with the deadline) until every copy-out issued so far has landed in host memory."""
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        _wait_until(event.query, deadline, "staged copy to host")
+
+    def _slot(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        k = self._next
+        self._next = (k + 1) % len(self._dev)
+        slot = self._dev[k]
+        if slot is None or slot.numel() < nbytes:
+            with torch.cuda.stream(self._stream):  # freed and reused in this stream's order
+                slot = torch.empty(max(nbytes, self._slot_bytes), dtype=torch.uint8, device=self._device)
+            self._dev[k] = slot
+        return slot

@@ -1,0 +1,117 @@
+"""A proxy with fake prefillers and decoders, all in this event loop on 127.0.0.1 ephemeral ports."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from lmcache_p2p.config import Role
+from lmcache_p2p.proxy.server import Proxy
+from lmcache_p2p.proxy.settings import ProxySettings
+
+from .fakes import FakeAgent, FakeVllm, KvNetwork
+
+_ports = itertools.count(20000, 1000)  # fake receiver ports: identifiers only, never bound
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def eventually(condition: Callable[[], Any], timeout_s: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+@dataclasses.dataclass
+class Node:
+    vllm: FakeVllm
+    agent: FakeAgent
+
+
+@dataclasses.dataclass
+class Cluster:
+    proxy: Proxy
+    client: httpx.AsyncClient
+    network: KvNetwork
+    prefillers: list[Node]
+    decoders: list[Node]
+    secret: str | None
+
+    @property
+    def control_address(self) -> str:
+        return self.proxy.control.address
+
+    async def add_node(self, role: Role, *, tp_size: int = 1, capacity_slots: int = 64, announce: bool = True,
+                       secret: str | None = None) -> Node:
+        vllm = FakeVllm(f"{role.value}-{len(self.prefillers) + len(self.decoders)}")
+        await vllm.server.start()
+        base_port = next(_ports) if role is Role.RECEIVER else 0
+        agent = FakeAgent(self.control_address, role.value, vllm.url, tp_size=tp_size, base_port=base_port,
+                          capacity_slots=capacity_slots, secret=secret if secret is not None else self.secret)
+        node = Node(vllm, agent)
+        if role is Role.RECEIVER:
+            self.network.add(agent)
+            self.decoders.append(node)
+        else:
+            vllm.kv_sink = self.network.deliver
+            self.prefillers.append(node)
+        if announce:
+            await agent.announce()
+            await eventually(lambda: any(i.instance_id == agent.instance_id and i.routable
+                                         for i in self.proxy.registry.instances()))
+        return node
+
+    async def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        return await self.client.post(path, json=body)
+
+    async def stream(self, path: str, body: dict[str, Any]) -> list[dict[str, Any] | str]:
+        """The SSE events of a streaming request ("[DONE]" as a string)."""
+        events: list[dict[str, Any] | str] = []
+        async with self.client.stream("POST", path, json=body) as resp:
+            assert resp.status_code == 200, await resp.aread()
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    data = line[6:]
+                    events.append(data if data == "[DONE]" else json.loads(data))
+        return events
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.proxy.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+@asynccontextmanager
+async def make_cluster(n_prefill: int = 1, n_decode: int = 1, *, tp_size: int = 1, secret: str | None = None,
+                       **settings: Any) -> AsyncIterator[Cluster]:
+    defaults = dict(port=0, control_port=0, summary_interval_s=0, kv_timeout_s=2.0, instance_ttl_s=30.0,
+                    prefill_timeout_s=5.0, decode_idle_timeout_s=5.0, graceful_shutdown_s=1.0)
+    proxy = Proxy(ProxySettings(**{**defaults, "shared_secret": secret, **settings}))
+    await proxy.start()
+    await proxy.start_http()
+    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy.port}", timeout=10, trust_env=False)
+    cluster = Cluster(proxy, client, KvNetwork(), [], [], secret)
+    try:
+        for _ in range(n_prefill):
+            await cluster.add_node(Role.SENDER)
+        for _ in range(n_decode):
+            await cluster.add_node(Role.RECEIVER, tp_size=tp_size)
+        yield cluster
+    finally:
+        await client.aclose()
+        nodes = cluster.prefillers + cluster.decoders
+        for node in nodes:
+            node.agent.close()
+        await asyncio.gather(proxy.close(), *(node.vllm.server.stop() for node in nodes))

@@ -1,0 +1,336 @@
+"""Test doubles for the layer under test (the proxy): fake vLLM instances and their plugin side.
+
+``FakeVllm`` is a small Starlette app speaking the part of vLLM's OpenAI API the proxy uses, with
+a deterministic "model" (``generate``) so that a disaggregated answer can be compared token for
+token with a single instance. ``FakeAgent`` is an instance's control-plane side: it announces
+itself to the proxy and, on a decoder, pushes KvReady / KvFailed when a fake prefiller "sent" it
+a request's KV (``KvNetwork``). Real vLLM end-to-end tests live elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import uvicorn
+import zmq
+import zmq.asyncio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Codec, Goodbye, KvFailed, KvReady
+
+EOS = 2
+MODEL = "fake-model"
+
+
+# ---- the fake model ----------------------------------------------------------------------------
+
+
+def tokenize(text: str) -> list[int]:
+    return [1] + [ord(c) % 200 + 3 for c in text]
+
+
+def chat_prompt(messages: list[dict[str, Any]]) -> str:
+    return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def next_token(ids: list[int]) -> int:
+    return (sum(ids[-4:]) * 7 + len(ids)) % 90 + 10
+
+
+def token_text(token: int) -> str:
+    return f" t{token}"
+
+
+def generate(prompt_ids: list[int], n: int) -> list[int]:
+    """What a single instance outputs (greedy)."""
+    ids = list(prompt_ids)
+    for _ in range(n):
+        ids.append(next_token(ids))
+    return ids[len(prompt_ids):]
+
+
+# ---- serving helpers -----------------------------------------------------------------------------
+
+
+class HttpServer:
+    """A uvicorn server for an ASGI app on 127.0.0.1 and an ephemeral port, in this event loop."""
+
+    def __init__(self, app: Any) -> None:
+        self._server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                                                     timeout_graceful_shutdown=1))
+        self._task: asyncio.Task[None] | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        deadline = time.monotonic() + 5
+        while not self._server.started:
+            assert time.monotonic() < deadline and not self._task.done(), "fake server did not start"
+            await asyncio.sleep(0.005)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._server.should_exit = True
+            await asyncio.wait({self._task}, timeout=3)
+
+
+class FakeVllm:
+    """A vLLM-like instance. ``requests`` records (path, body) of every call."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.errors: list[tuple[int, dict[str, Any]]] = []  # the next answers, instead of generating
+        self.kv_sink: Callable[[dict[str, Any]], Awaitable[None]] | None = None
+        self.omit_prompt_ids = False  # behave like a vLLM without return_token_ids
+        self.hold_back_text = False  # non-streaming answers' text is "" (an incomplete UTF-8 character)
+        self.eos_at: int | None = None  # output position that becomes EOS
+        self.token_delay_s = 0.0
+        self.prefill_delay_s = 0.0
+        self.cancelled_streams = 0
+        self.finished_streams = 0
+        self.server = HttpServer(Starlette(routes=[
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/tokenize", self._tokenize, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/health", lambda r: JSONResponse({}), methods=["GET"]),
+        ]))
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def calls(self, path: str) -> list[dict[str, Any]]:
+        return [body for p, body in self.requests if p == path]
+
+    # ---- endpoints ----
+
+    async def _completions(self, request: Request) -> Any:
+        body = await request.json()
+        self.requests.append(("/v1/completions", body))
+        if self.errors:
+            status, error = self.errors.pop(0)
+            return JSONResponse(error, status_code=status)
+        prompt = body["prompt"]
+        ids = list(prompt) if isinstance(prompt, list) else tokenize(prompt)
+        await self._maybe_send_kv(body)
+        tokens, finish = self._generate(ids, body.get("max_tokens", 16))
+        if body.get("stream"):
+            return StreamingResponse(self._stream(body, ids, tokens, finish), media_type="text/event-stream")
+        choice = {"index": 0, "text": self._text(tokens), "logprobs": self._logprobs(body, tokens, 0),
+                  "finish_reason": finish, "stop_reason": None}
+        if body.get("return_token_ids"):
+            choice["token_ids"] = tokens
+            if not self.omit_prompt_ids:
+                choice["prompt_token_ids"] = ids
+        return JSONResponse(self._answer("text_completion", [choice], ids, tokens, body))
+
+    async def _chat(self, request: Request) -> Any:
+        body = await request.json()
+        self.requests.append(("/v1/chat/completions", body))
+        if self.errors:
+            status, error = self.errors.pop(0)
+            return JSONResponse(error, status_code=status)
+        ids = tokenize(chat_prompt(body["messages"]))
+        await self._maybe_send_kv(body)
+        tokens, finish = self._generate(ids, body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        choice = {"index": 0, "message": {"role": "assistant", "content": self._text(tokens)},
+                  "logprobs": None, "finish_reason": finish}
+        answer = self._answer("chat.completion", [choice], ids, tokens, body)
+        if body.get("return_token_ids"):
+            choice["token_ids"] = tokens
+            if not self.omit_prompt_ids:
+                answer["prompt_token_ids"] = ids
+        return JSONResponse(answer)
+
+    async def _tokenize(self, request: Request) -> Any:
+        body = await request.json()
+        self.requests.append(("/tokenize", body))
+        text = chat_prompt(body["messages"]) if "messages" in body else body["prompt"]
+        ids = tokenize(text)
+        return JSONResponse({"count": len(ids), "max_model_len": 4096, "tokens": ids})
+
+    async def _models(self, request: Request) -> Any:
+        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": self.name}]})
+
+    # ---- helpers ----
+
+    def _text(self, tokens: list[int]) -> str:
+        return "" if self.hold_back_text else "".join(map(token_text, tokens))
+
+    async def _maybe_send_kv(self, body: dict[str, Any]) -> None:
+        spec = (body.get("kv_transfer_params") or {}).get("disagg_spec")
+        if spec is not None and self.kv_sink is not None:
+            await self.kv_sink(spec)
+        if self.prefill_delay_s:
+            await asyncio.sleep(self.prefill_delay_s)
+
+    def _generate(self, ids: list[int], max_tokens: int | None) -> tuple[list[int], str]:
+        tokens = generate(ids, 20 if max_tokens is None else max_tokens)
+        if self.eos_at is not None and self.eos_at < len(tokens):
+            return tokens[: self.eos_at] + [EOS], "stop"
+        return tokens, "length"
+
+    def _answer(self, obj: str, choices: list[Any], ids: list[int], tokens: list[int],
+                body: dict[str, Any]) -> dict[str, Any]:
+        answer: dict[str, Any] = {
+            "id": f"x-{uuid.uuid4().hex}", "object": obj, "created": 1700000000, "model": MODEL, "choices": choices,
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
+                      "total_tokens": len(ids) + len(tokens)},
+        }
+        if (body.get("kv_transfer_params") or {}).get("ret_first_tok"):
+            answer["kv_transfer_params"] = {"first_tok": tokens[0]}
+        return answer
+
+    @staticmethod
+    def _logprobs(body: dict[str, Any], tokens: list[int], offset: int) -> dict[str, Any] | None:
+        if body.get("logprobs") is None:
+            return None
+        texts = [token_text(t) for t in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": texts, "token_logprobs": [-0.5] * len(texts),
+                "top_logprobs": [{text: -0.5} for text in texts], "text_offset": offsets}
+
+    async def _stream(self, body: dict[str, Any], ids: list[int], tokens: list[int], finish: str) -> Any:
+        base = {"id": f"x-{uuid.uuid4().hex}", "object": "text_completion", "created": 1700000000, "model": MODEL}
+        offset = 0
+        try:
+            for i, token in enumerate(tokens):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                choice: dict[str, Any] = {"index": 0, "text": token_text(token),
+                                          "logprobs": self._logprobs(body, [token], offset),
+                                          "finish_reason": finish if i == len(tokens) - 1 else None,
+                                          "stop_reason": None}
+                offset += len(token_text(token))
+                if body.get("return_token_ids"):
+                    choice["token_ids"] = [token]
+                    if i == 0:
+                        choice["prompt_token_ids"] = ids
+                yield f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
+                         "total_tokens": len(ids) + len(tokens)}
+                yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+            self.finished_streams += 1
+        except asyncio.CancelledError:
+            self.cancelled_streams += 1
+            raise
+
+
+# ---- the control-plane side of an instance -------------------------------------------------------
+
+
+class FakeAgent:
+    """Announces one instance (every TP rank) to the proxy; on a decoder, reports KV per ``kv_mode``.
+
+    kv_mode: "ready" (every rank), "fail" (KvFailed from rank 0), "silent" (nothing), "one_rank" (rank 0 only).
+    """
+
+    def __init__(self, control_address: str, role: str, http_url: str, *, tp_size: int = 1, base_port: int = 0,
+                 capacity_slots: int = 64, chunk_tokens: int = 16, secret: str | None = None,
+                 instance_id: str | None = None) -> None:
+        self.instance_id = instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        self.role = role
+        self.http_url = http_url
+        self.tp_size = tp_size
+        self.base_port = base_port
+        self.capacity_slots = capacity_slots
+        self.free_slots = capacity_slots
+        self.chunk_tokens = chunk_tokens
+        self.kv_mode = "ready"
+        self.kv_delay_s = 0.0
+        self.kv_requests: list[str] = []
+        self._codec = Codec(secret)
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(control_address)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def control_port(self, rank: int) -> int:
+        return self.base_port + rank if self.base_port else 0
+
+    def transport_port(self, rank: int) -> int:
+        return self.base_port + 100 + rank if self.base_port else 0
+
+    async def send(self, msg: Any) -> None:
+        await self._sock.send_multipart(self._codec.pack(msg))
+
+    async def announce(self) -> None:
+        for rank in range(self.tp_size):
+            await self.send(Announce(
+                version=PROTOCOL_VERSION, instance_id=self.instance_id, role=self.role, http_url=self.http_url,
+                tp_rank=rank, tp_size=self.tp_size, control_host="127.0.0.1" if self.base_port else "",
+                control_port=self.control_port(rank), transport_port=self.transport_port(rank),
+                capacity_slots=self.capacity_slots, free_slots=self.free_slots, slot_bytes=1 << 20,
+                chunk_tokens=self.chunk_tokens,
+            ))
+
+    async def goodbye(self) -> None:
+        for rank in range(self.tp_size):
+            await self.send(Goodbye(instance_id=self.instance_id, tp_rank=rank))
+
+    def on_kv(self, spec: dict[str, Any]) -> None:
+        """The fake sender wrote this request's KV here: report it (in the background)."""
+        self.kv_requests.append(spec["req_id"])
+        task = asyncio.get_running_loop().create_task(self._report(spec["req_id"]))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _report(self, req_id: str) -> None:
+        if self.kv_delay_s:
+            await asyncio.sleep(self.kv_delay_s)
+        if self.kv_mode == "fail":
+            await self.send(KvFailed(req_id=req_id, instance_id=self.instance_id, tp_rank=0, reason="buffer full"))
+        elif self.kv_mode in ("ready", "one_rank"):
+            ranks = range(self.tp_size) if self.kv_mode == "ready" else range(1)
+            for rank in ranks:
+                await self.send(KvReady(req_id=req_id, instance_id=self.instance_id, tp_rank=rank, chunks=3,
+                                        nbytes=3 << 20))
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+class KvNetwork:
+    """Routes a fake prefiller's "KV transfer" to the decoder agent the disagg_spec names."""
+
+    def __init__(self) -> None:
+        self._by_port: dict[int, FakeAgent] = {}
+        self.specs: list[dict[str, Any]] = []
+
+    def add(self, agent: FakeAgent) -> None:
+        self._by_port[agent.control_port(0)] = agent
+
+    async def deliver(self, spec: dict[str, Any]) -> None:
+        self.specs.append(spec)
+        agent = self._by_port.get(spec["receiver_alloc_port"][0])
+        if agent is not None:
+            agent.on_kv(spec)

@@ -1,0 +1,130 @@
+"""The proxy's endpoints and its live registry while requests flow."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lmcache_p2p.config import Role
+from lmcache_p2p.proxy.registry import StaticInstance
+
+from .conftest import eventually, make_cluster
+from .fakes import MODEL, FakeAgent, FakeVllm, generate, token_text, tokenize
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+
+BODY = {"model": MODEL, "prompt": "hello world", "max_tokens": 4}
+EXPECTED = "".join(token_text(t) for t in generate(tokenize("hello world"), 4))
+
+
+async def test_instances_join_and_leave_while_requests_flow():
+    async with make_cluster(n_decode=0) as c:
+        assert (await c.post("/v1/completions", BODY)).status_code == 503
+        first = await c.add_node(Role.RECEIVER)
+        assert (await c.post("/v1/completions", BODY)).json()["choices"][0]["text"] == EXPECTED
+
+        # A slow request is in flight on the first decoder when it says goodbye.
+        first.vllm.token_delay_s = 0.05
+        in_flight = asyncio.ensure_future(c.post("/v1/completions", {**BODY, "max_tokens": 10}))
+        await eventually(lambda: first.vllm.calls("/v1/completions")[1:])
+        await first.agent.goodbye()
+        await eventually(lambda: not c.proxy.registry.routable(Role.RECEIVER))
+        assert (await c.post("/v1/completions", BODY)).status_code == 503  # no new work for a draining decoder
+
+        second = await c.add_node(Role.RECEIVER)
+        assert (await c.post("/v1/completions", BODY)).json()["choices"][0]["text"] == EXPECTED
+        assert len(second.vllm.calls("/v1/completions")) == 1
+
+        resp = await in_flight  # the draining decoder finished its work
+        assert resp.json()["choices"][0]["text"] == "".join(
+            token_text(t) for t in generate(tokenize("hello world"), 10))
+        await eventually(lambda: all(i.instance_id != first.agent.instance_id
+                                     for i in c.proxy.registry.instances()))
+
+
+async def test_silent_instance_is_evicted_after_the_ttl():
+    async with make_cluster(instance_ttl_s=0.3) as c:
+        assert c.proxy.registry.routable(Role.RECEIVER)
+        await eventually(lambda: not c.proxy.registry.instances(), timeout_s=3)
+        resp = await c.post("/v1/completions", BODY)
+        assert resp.status_code == 503
+
+
+async def test_control_messages_need_the_shared_secret():
+    async with make_cluster(secret="s3cret") as c:
+        await c.add_node(Role.RECEIVER, announce=False)
+        intruder = FakeAgent(c.control_address, "receiver", "http://127.0.0.1:1", base_port=9999, secret="guess")
+        try:
+            await intruder.announce()
+            await eventually(lambda: c.metric("lmcache_p2p_proxy_control_rejected_total", reason="auth") == 1)
+            assert len(c.proxy.registry.routable(Role.RECEIVER)) == 1
+            assert (await c.post("/v1/completions", BODY)).status_code == 200
+        finally:
+            intruder.close()
+
+
+async def test_static_instances_from_flags_with_kv_from_an_unannounced_decoder():
+    prefiller, decoder = FakeVllm("p"), FakeVllm("d")
+    await prefiller.server.start()
+    await decoder.server.start()
+    statics = (StaticInstance(Role.SENDER, prefiller.url),
+               StaticInstance(Role.RECEIVER, decoder.url, "127.0.0.1", (27300,), (27400,)))
+    try:
+        async with make_cluster(n_prefill=0, n_decode=0, static_instances=statics) as c:
+            # The decoder's plugin reports KV under its own instance id; matching is by req_id only.
+            agent = FakeAgent(c.control_address, "receiver", "http://unused:1", base_port=27300)
+            c.network.add(agent)
+            prefiller.kv_sink = c.network.deliver
+            try:
+                resp = await c.post("/v1/completions", BODY)
+                assert resp.json()["choices"][0]["text"] == EXPECTED
+                assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 1
+                spec = prefiller.calls("/v1/completions")[0]["kv_transfer_params"]["disagg_spec"]
+                assert spec["receiver_alloc_port"] == [27300] and spec["receiver_init_port"] == [27400]
+            finally:
+                agent.close()
+    finally:
+        await prefiller.server.stop()
+        await decoder.server.stop()
+
+
+async def test_models_health_instances_metrics():
+    async with make_cluster() as c:
+        models = await c.client.get("/v1/models")
+        assert models.json()["data"][0]["id"] == MODEL and models.json()["data"][0]["owned_by"].startswith("receiver")
+        health = (await c.client.get("/health")).json()
+        assert health == {"status": "ok", "ready": True, "prefillers": 1, "decoders": 1}
+        await c.post("/v1/completions", BODY)
+        await c.post("/v1/completions", {**BODY, "n": 2})
+        instances = (await c.client.get("/instances")).json()
+        assert {i["role"] for i in instances} == {"sender", "receiver"}
+        text = (await c.client.get("/metrics")).text
+        for line in (
+            'lmcache_p2p_proxy_requests_total{endpoint="/v1/completions",status="200"} 1.0',
+            'lmcache_p2p_proxy_requests_total{endpoint="/v1/completions",status="400"} 1.0',
+            'lmcache_p2p_proxy_errors_total{endpoint="/v1/completions",kind="BadRequest"} 1.0',
+            'lmcache_p2p_proxy_ttft_seconds_count{endpoint="/v1/completions"} 1.0',
+            "lmcache_p2p_proxy_handover_seconds_count 1.0",
+            "lmcache_p2p_proxy_kv_wait_seconds_count 1.0",
+            'lmcache_p2p_proxy_instances{role="receiver",state="active"} 1.0',
+            "lmcache_p2p_proxy_instance_inflight_requests{",
+            "lmcache_p2p_proxy_instance_free_slots{",
+        ):
+            assert line in text, line
+
+
+async def test_models_without_instances_is_503():
+    async with make_cluster(n_prefill=0, n_decode=0) as c:
+        resp = await c.client.get("/v1/models")
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == 503
+        assert (await c.client.get("/health")).json()["ready"] is False
+
+
+async def test_summary_line_reports_ttft_and_handover():
+    async with make_cluster() as c:
+        for _ in range(3):
+            await c.post("/v1/completions", BODY)
+        line = c.proxy.metrics.take_summary()
+        assert line.startswith("TTFT n=3 mean") and "handover n=3" in line and "p99" in line
+        assert c.proxy.metrics.take_summary() is None

@@ -1,0 +1,135 @@
+"""The control socket over real ZMQ, and the KV waiters it feeds."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from lmcache_p2p.config import Role
+from lmcache_p2p.protocol import Codec, Hello, KvFailed, KvReady, TransportInfo
+from lmcache_p2p.proxy.control import ControlListener
+from lmcache_p2p.proxy.metrics import ProxyMetrics
+from lmcache_p2p.proxy.registry import Registry
+from lmcache_p2p.proxy.waiters import KvStatus, KvWaiters
+
+from .conftest import eventually
+from .fakes import FakeAgent
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
+
+
+class Plane:
+    def __init__(self, secret: str | None) -> None:
+        self.registry = Registry(ttl_s=30)
+        self.waiters = KvWaiters()
+        self.metrics = ProxyMetrics(self.registry.instances)
+        self.listener = ControlListener("127.0.0.1", 0, Codec(secret), self.registry, self.waiters, self.metrics)
+
+    def rejected(self, reason: str) -> float:
+        return self.metrics.registry.get_sample_value("lmcache_p2p_proxy_control_rejected_total",
+                                                      {"reason": reason}) or 0.0
+
+
+@pytest.fixture
+async def plane():
+    p = Plane("s3cret")
+    p.listener.start()
+    yield p
+    await p.listener.close()
+
+
+async def test_announce_and_kv_ready_arrive_over_zmq(plane):
+    agent = FakeAgent(plane.listener.address, "receiver", "http://127.0.0.1:8200", tp_size=2, base_port=7300,
+                      secret="s3cret")
+    try:
+        waiter = plane.waiters.register("req-1", tp_size=2)
+        await agent.announce()
+        await eventually(lambda: plane.registry.routable(Role.RECEIVER))
+        agent.on_kv({"req_id": "req-1"})
+        outcome = await waiter.wait(timeout_s=2)
+        assert outcome.status is KvStatus.READY and outcome.nbytes == 2 * (3 << 20) and outcome.chunks == 3
+    finally:
+        agent.close()
+
+
+async def test_wrong_secret_is_rejected_counted_and_logged(plane, caplog):
+    caplog.set_level(logging.WARNING, logger="lmcache_p2p.proxy.control")
+    intruder = FakeAgent(plane.listener.address, "receiver", "http://evil:1", base_port=7300, secret="wrong")
+    unsigned = FakeAgent(plane.listener.address, "receiver", "http://evil:2", base_port=7300, secret=None)
+    try:
+        await intruder.announce()
+        await unsigned.announce()
+        await eventually(lambda: plane.rejected("auth") == 2)
+        assert plane.registry.instances() == []
+        assert len(caplog.records) == 1 and "shared-secret" in caplog.text  # then rate-limited
+    finally:
+        intruder.close()
+        unsigned.close()
+
+
+async def test_malformed_and_foreign_messages_are_rejected_and_the_listener_keeps_going(plane):
+    codec = Codec("s3cret")
+    plane.listener.handle([b"only one frame"])
+    plane.listener.handle(codec.pack(Hello(version=1, sender_id="s", tp_rank=0,
+                                           transport=TransportInfo(kind="nixl", name="n"))))
+    plane.listener.handle([codec._tag(b"\x93garbage"), b"\x93garbage"])
+    assert plane.rejected("malformed") == 3
+    agent = FakeAgent(plane.listener.address, "sender", "http://127.0.0.1:8100", secret="s3cret")
+    try:
+        await agent.announce()
+        await eventually(lambda: plane.registry.routable(Role.SENDER))
+    finally:
+        agent.close()
+
+
+async def test_close_is_idempotent_and_frees_the_port():
+    p = Plane(None)
+    p.listener.start()
+    port = p.listener.port
+    await p.listener.close()
+    await p.listener.close()
+    again = ControlListener("127.0.0.1", port, Codec(None), p.registry, p.waiters, p.metrics)
+    again.start()
+    await again.close()
+
+
+# ---- waiters --------------------------------------------------------------------------------------
+
+
+def ready(req_id: str, rank: int) -> KvReady:
+    return KvReady(req_id=req_id, instance_id="d", tp_rank=rank, chunks=2, nbytes=100)
+
+
+async def test_waiter_needs_every_rank_and_times_out_otherwise():
+    waiters = KvWaiters()
+    waiter = waiters.register("r", tp_size=2)
+    waiters.deliver(ready("r", 0))
+    waiters.deliver(ready("r", 0))  # a duplicate does not count twice
+    outcome = await waiter.wait(timeout_s=0.05)
+    assert outcome.status is KvStatus.TIMEOUT and "ranks ready: [0]" in outcome.reason
+    waiters.deliver(ready("r", 1))
+    assert (await waiter.wait(timeout_s=1)).status is KvStatus.READY
+
+
+async def test_waiter_failure_and_drop():
+    waiters = KvWaiters()
+    waiter = waiters.register("r", tp_size=4)
+    waiters.deliver(KvFailed(req_id="r", instance_id="d", tp_rank=3, reason="refused: full"))
+    outcome = await waiter.wait(timeout_s=1)
+    assert outcome.status is KvStatus.FAILED and "rank 3 of d: refused: full" in outcome.reason
+    waiter.drop()
+    waiter.drop()
+    assert len(waiters) == 0
+    assert waiters.deliver(ready("r", 0)) is False and waiters.unmatched == 1
+    with pytest.raises(ValueError):
+        waiters.register("x", 1), waiters.register("x", 1)
+
+
+async def test_notice_before_the_wait_is_kept():
+    waiters = KvWaiters()
+    waiter = waiters.register("r", tp_size=1)
+    waiters.deliver(ready("r", 0))
+    await asyncio.sleep(0)
+    assert (await waiter.wait(timeout_s=0.01)).status is KvStatus.READY

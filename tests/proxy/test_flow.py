@@ -1,0 +1,371 @@
+"""One request end to end through the proxy, against fake vLLM instances (see fakes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+
+from lmcache_p2p.config import Role
+
+from .conftest import eventually, make_cluster
+from .fakes import MODEL, chat_prompt, generate, token_text, tokenize
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+
+
+def expected_text(prompt_ids: list[int], n: int) -> str:
+    return "".join(token_text(t) for t in generate(prompt_ids, n))
+
+
+def assert_idle(cluster) -> None:
+    """Every lease released, every waiter dropped."""
+    assert len(cluster.proxy.waiters) == 0
+    for inst in cluster.proxy.registry.instances():
+        assert (inst.inflight_requests, inst.inflight_tokens) == (0, 0), inst.instance_id
+
+
+# ---- the happy paths -------------------------------------------------------------------------------
+
+
+async def test_completion_matches_single_instance_and_shapes_both_calls():
+    async with make_cluster() as c:
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 8,
+                                                "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        answer = resp.json()
+        ids = tokenize(PROMPT)
+        assert answer["choices"][0]["text"] == expected_text(ids, 8)  # first token included
+        assert answer["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 8, "total_tokens": len(ids) + 8}
+        assert answer["object"] == "text_completion" and answer["choices"][0]["finish_reason"] == "length"
+
+        prefill, = c.prefillers[0].vllm.calls("/v1/completions")
+        assert prefill["max_tokens"] == 1 and prefill["stream"] is False and prefill["return_token_ids"] is True
+        decoder = c.decoders[0].agent
+        spec = prefill["kv_transfer_params"]["disagg_spec"]
+        assert prefill["kv_transfer_params"]["ret_first_tok"] is True
+        assert re.fullmatch(r"[0-9a-f]{32}", spec["req_id"])
+        assert spec["receiver_host"] == "127.0.0.1"
+        assert spec["receiver_alloc_port"] == [decoder.control_port(0)]
+        assert spec["receiver_init_port"] == [decoder.transport_port(0)]
+
+        decode, = c.decoders[0].vllm.calls("/v1/completions")
+        first = generate(ids, 1)[0]
+        assert decode["prompt"] == ids + [first]
+        assert decode["max_tokens"] == 7 and decode["temperature"] == 0 and decode["stream"] is True
+        assert "kv_transfer_params" not in decode
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 1
+        assert c.metric("lmcache_p2p_proxy_kv_bytes_total") == 3 << 20
+        assert_idle(c)
+
+
+async def test_completion_stream_sends_first_token_then_decode_then_usage():
+    async with make_cluster() as c:
+        events = await c.stream("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 6,
+                                                    "stream": True, "stream_options": {"include_usage": True},
+                                                    "return_token_ids": True})
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events[:-1] if e["choices"]]
+        ids = tokenize(PROMPT)
+        assert "".join(ch["choices"][0]["text"] for ch in chunks) == expected_text(ids, 6)
+        assert chunks[0]["choices"][0]["text"] == token_text(generate(ids, 1)[0])
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == generate(ids, 6)
+        assert chunks[0]["choices"][0]["prompt_token_ids"] == ids
+        assert all("prompt_token_ids" not in ch["choices"][0] for ch in chunks[1:])
+        assert len({ch["id"] for ch in events[:-1]}) == 1
+        usage = events[-2]["usage"]
+        assert usage["completion_tokens"] == 6 and usage["prompt_tokens"] == len(ids)
+        assert c.metric("lmcache_p2p_proxy_handover_seconds_count") == 1
+        assert c.metric("lmcache_p2p_proxy_ttft_seconds_count", endpoint="/v1/completions") == 1
+        assert_idle(c)
+
+
+async def test_chat_non_stream_decodes_token_ids_on_completions():
+    async with make_cluster() as c:
+        resp = await c.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 5,
+                                                     "return_token_ids": True})
+        assert resp.status_code == 200, resp.text
+        answer = resp.json()
+        ids = tokenize(chat_prompt(MESSAGES))
+        assert answer["object"] == "chat.completion"
+        assert answer["choices"][0]["message"] == {"role": "assistant", "content": expected_text(ids, 5)}
+        assert answer["choices"][0]["token_ids"] == generate(ids, 5)
+        assert answer["prompt_token_ids"] == ids
+        prefill, = c.prefillers[0].vllm.calls("/v1/chat/completions")
+        assert prefill["max_tokens"] == 1 and prefill["max_completion_tokens"] == 1
+        decode, = c.decoders[0].vllm.calls("/v1/completions")
+        assert decode["prompt"] == ids + generate(ids, 1) and decode["max_tokens"] == 4
+        assert "messages" not in decode
+        assert not c.prefillers[0].vllm.calls("/tokenize")  # ids came with the prefill answer
+
+
+async def test_chat_stream_role_then_content_then_usage():
+    async with make_cluster() as c:
+        events = await c.stream("/v1/chat/completions", {
+            "model": MODEL, "messages": MESSAGES, "max_completion_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}})
+        assert events[-1] == "[DONE]"
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
+        ids = tokenize(chat_prompt(MESSAGES))
+        assert text == expected_text(ids, 4)
+        assert events[-2]["usage"]["completion_tokens"] == 4
+
+
+async def test_tokenize_is_the_fallback_when_prefill_returns_no_prompt_ids():
+    async with make_cluster() as c:
+        c.prefillers[0].vllm.omit_prompt_ids = True
+        resp = await c.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 3})
+        ids = tokenize(chat_prompt(MESSAGES))
+        assert resp.json()["choices"][0]["message"]["content"] == expected_text(ids, 3)
+        tokenize_call, = c.prefillers[0].vllm.calls("/tokenize")
+        assert tokenize_call["messages"] == MESSAGES
+
+
+async def test_one_output_token_needs_no_decoder_and_no_kv():
+    async with make_cluster() as c:
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "stream": stream}
+            if stream:
+                events = await c.stream("/v1/completions", body)
+                text = "".join(e["choices"][0]["text"] for e in events[:-1])
+            else:
+                text = (await c.post("/v1/completions", body)).json()["choices"][0]["text"]
+            assert text == expected_text(tokenize(PROMPT), 1)
+        assert all("kv_transfer_params" not in b for b in c.prefillers[0].vllm.calls("/v1/completions"))
+        assert not c.decoders[0].vllm.requests
+        assert_idle(c)
+
+
+async def test_first_token_eos_ends_without_decode():
+    async with make_cluster() as c:
+        c.prefillers[0].vllm.eos_at = 0
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 10})
+        choice = resp.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and resp.json()["usage"]["completion_tokens"] == 1
+        assert not c.decoders[0].vllm.requests
+        assert_idle(c)
+
+
+async def test_first_token_with_held_back_text_is_regenerated_by_the_decoder():
+    async with make_cluster() as c:
+        c.prefillers[0].vllm.hold_back_text = True  # e.g. the first byte of a multi-byte character
+        ids = tokenize(PROMPT)
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 5,
+                                                "return_token_ids": True})
+        choice = resp.json()["choices"][0]
+        assert choice["text"] == expected_text(ids, 5) and choice["token_ids"] == generate(ids, 5)
+        assert resp.json()["usage"]["completion_tokens"] == 5
+        decode, = c.decoders[0].vllm.calls("/v1/completions")
+        assert decode["prompt"] == ids and decode["max_tokens"] == 5
+
+        events = await c.stream("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 3,
+                                                         "stream": True, "stream_options": {"include_usage": True}})
+        chat_ids = tokenize(chat_prompt(MESSAGES))
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
+        assert text == expected_text(chat_ids, 3) and events[-2]["usage"]["completion_tokens"] == 3
+        assert_idle(c)
+
+
+async def test_completion_logprobs_cover_every_token_with_continuous_offsets():
+    async with make_cluster() as c:
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "logprobs": 1})
+        choice = resp.json()["choices"][0]
+        lp = choice["logprobs"]
+        assert "".join(lp["tokens"]) == choice["text"]
+        assert lp["text_offset"] == [choice["text"].index(t, o) for t, o in zip(lp["tokens"], lp["text_offset"])]
+        assert lp["text_offset"][1] == len(lp["tokens"][0])
+
+
+async def test_concurrent_requests_spread_over_decoders_and_all_match():
+    async with make_cluster(n_prefill=2, n_decode=2) as c:
+        prompts = [f"prompt number {i}" for i in range(8)]
+        answers = await asyncio.gather(*(
+            c.post("/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 5}) for p in prompts))
+        for prompt, resp in zip(prompts, answers):
+            assert resp.json()["choices"][0]["text"] == expected_text(tokenize(prompt), 5)
+        assert all(node.vllm.calls("/v1/completions") for node in c.prefillers + c.decoders)
+        assert_idle(c)
+
+
+async def test_tensor_parallel_decoder_needs_every_rank_ready():
+    async with make_cluster(tp_size=2, kv_timeout_s=0.3, on_kv_failure="recompute") as c:
+        spec_ports = c.decoders[0].agent
+        await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
+        spec = c.network.specs[-1]
+        assert spec["receiver_alloc_port"] == [spec_ports.control_port(0), spec_ports.control_port(1)]
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 1
+        c.decoders[0].agent.kv_mode = "one_rank"
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
+        assert resp.status_code == 200
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="timeout") == 1
+
+
+# ---- KV failures -----------------------------------------------------------------------------------
+
+
+async def test_kv_failed_retries_once_on_the_other_pair():
+    async with make_cluster(n_prefill=2, n_decode=2) as c:
+        for node in c.decoders:
+            node.agent.kv_mode = "fail"
+        # Whichever decoder is picked first fails; the retry goes to the other one, which succeeds.
+        failing = []
+
+        def fail_once(spec):
+            agent = next(n.agent for n in c.decoders if n.agent.control_port(0) == spec["receiver_alloc_port"][0])
+            failing.append(agent)
+            agent.kv_mode = "fail" if len(failing) == 1 else "ready"
+
+        orig = c.network.deliver
+
+        async def deliver(spec):
+            fail_once(spec)
+            await orig(spec)
+
+        for node in c.prefillers:
+            node.vllm.kv_sink = deliver
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        assert resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), 4)
+        assert failing[0] is not failing[1]
+        first_prefills = [n for n in c.prefillers if n.vllm.calls("/v1/completions")]
+        assert len(first_prefills) == 2  # the retry went to the other prefiller
+        retry, = [b for n in c.prefillers for b in n.vllm.calls("/v1/completions") if isinstance(b["prompt"], list)]
+        assert retry["prompt"] == tokenize(PROMPT) and retry["max_tokens"] == 1
+        decoded_on = [n.agent for n in c.decoders if n.vllm.calls("/v1/completions")]
+        assert decoded_on == [failing[1]]
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="failed") == 1
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 1
+        assert_idle(c)
+
+
+async def test_kv_failed_twice_falls_back_to_recompute():
+    async with make_cluster() as c:
+        c.decoders[0].agent.kv_mode = "fail"
+        resp = await c.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 4})
+        ids = tokenize(chat_prompt(MESSAGES))
+        assert resp.json()["choices"][0]["message"]["content"] == expected_text(ids, 4)
+        assert len(c.prefillers[0].vllm.requests) == 2  # the first prefill and one retry
+        decode, = c.decoders[0].vllm.calls("/v1/completions")
+        assert decode["prompt"] == ids + generate(ids, 1)
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="failed") == 2
+        assert_idle(c)
+
+
+async def test_kv_timeout_is_bounded_and_recomputes():
+    async with make_cluster(kv_timeout_s=0.3, on_kv_failure="recompute") as c:
+        c.decoders[0].agent.kv_mode = "silent"
+        start = time.monotonic()
+        events = await c.stream("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
+                                                    "stream": True})
+        assert time.monotonic() - start < 2.0
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected_text(tokenize(PROMPT), 3)
+        assert len(c.prefillers[0].vllm.requests) == 1  # recompute: no retry
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="timeout") == 1
+        assert_idle(c)
+
+
+async def test_kv_timeout_with_fail_policy_answers_504():
+    async with make_cluster(kv_timeout_s=0.2, on_kv_failure="fail") as c:
+        c.decoders[0].agent.kv_mode = "silent"
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
+        assert resp.status_code == 504
+        assert "--kv-timeout-s" in resp.json()["error"]["message"]
+        assert not c.decoders[0].vllm.requests
+        assert_idle(c)
+
+
+async def test_late_kv_ready_is_ignored():
+    async with make_cluster(kv_timeout_s=0.2, on_kv_failure="recompute") as c:
+        c.decoders[0].agent.kv_delay_s = 0.4
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        assert resp.status_code == 200
+        await eventually(lambda: c.proxy.waiters.unmatched == 1)
+        assert_idle(c)
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+
+
+async def test_upstream_400_passes_through_as_json():
+    async with make_cluster() as c:
+        error = {"error": {"message": "max_tokens is too large", "type": "BadRequestError", "param": None,
+                           "code": 400}}
+        c.prefillers[0].vllm.errors.append((400, error))
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 99999})
+        assert resp.status_code == 400 and resp.json() == error
+        assert c.metric("lmcache_p2p_proxy_requests_total", endpoint="/v1/completions", status="400") == 1
+        assert_idle(c)
+
+
+async def test_upstream_500_becomes_502():
+    async with make_cluster() as c:
+        c.prefillers[0].vllm.errors.append((500, {"error": {"message": "engine died"}}))
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT})
+        assert resp.status_code == 502
+        assert "engine died" in resp.json()["error"]["message"] and resp.json()["error"]["code"] == 502
+
+
+async def test_no_decoder_answers_503():
+    async with make_cluster(n_decode=0) as c:
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT})
+        assert resp.status_code == 503
+        error = resp.json()["error"]
+        assert "no decoder" in error["message"] and error["code"] == 503 and error["type"]
+
+
+async def test_unreachable_prefiller_answers_502():
+    async with make_cluster(n_prefill=0, static_instances=()) as c:
+        dead = await c.add_node(Role.SENDER)
+        await dead.vllm.server.stop()
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT})
+        assert resp.status_code == 502 and "ConnectError" in resp.json()["error"]["message"]
+        assert_idle(c)
+
+
+async def test_unsplittable_request_is_refused_with_400():
+    async with make_cluster() as c:
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 2})
+        assert resp.status_code == 400 and "n > 1" in resp.json()["error"]["message"]
+        resp = await c.client.post("/v1/completions", content=b"{not json")
+        assert resp.status_code == 400
+        assert not c.prefillers[0].vllm.requests
+
+
+# ---- disconnects -----------------------------------------------------------------------------------
+
+
+async def test_client_disconnect_mid_stream_cancels_the_decode():
+    async with make_cluster() as c:
+        decoder = c.decoders[0].vllm
+        decoder.token_delay_s = 0.05
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True}
+        async with c.client.stream("POST", "/v1/completions", json=body) as resp:
+            seen = 0
+            async for line in resp.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    break
+        await eventually(lambda: decoder.cancelled_streams == 1)
+        assert decoder.finished_streams == 0
+        await eventually(lambda: len(c.proxy.waiters) == 0 and all(
+            i.inflight_requests == 0 for i in c.proxy.registry.instances()))
+
+
+async def test_client_disconnect_during_prefill_drops_the_waiter():
+    async with make_cluster() as c:
+        c.prefillers[0].vllm.prefill_delay_s = 0.5
+        with pytest.raises(httpx.TimeoutException):
+            await c.client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT}, timeout=0.1)
+        await eventually(lambda: c.metric("lmcache_p2p_proxy_requests_total", endpoint="/v1/completions",
+                                          status="499") == 1)
+        assert_idle(c)
+        assert not c.decoders[0].vllm.requests

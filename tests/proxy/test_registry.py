@@ -1,0 +1,164 @@
+from __future__ import annotations
+
+import pytest
+
+from lmcache_p2p.config import Role
+from lmcache_p2p.errors import ProtocolError, VersionError
+from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Goodbye
+from lmcache_p2p.proxy.registry import InstanceState, Registry, StaticInstance
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def announce(instance_id: str = "d1", *, rank: int = 0, tp: int = 1, role: str = "receiver", free: int = 10,
+             capacity: int = 10, url: str = "http://127.0.0.1:8200", version: int = PROTOCOL_VERSION) -> Announce:
+    return Announce(version=version, instance_id=instance_id, role=role, http_url=url, tp_rank=rank, tp_size=tp,
+                    control_host="127.0.0.1", control_port=7300 + rank, transport_port=7400 + rank,
+                    capacity_slots=capacity, free_slots=free, slot_bytes=1 << 20, chunk_tokens=256)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def registry(clock: Clock) -> Registry:
+    return Registry(ttl_s=5.0, clock=clock)
+
+
+def test_ranks_aggregate_and_an_instance_is_routable_once_every_rank_announced(registry):
+    registry.announce(announce(rank=1, tp=2))
+    assert registry.routable(Role.RECEIVER) == []
+    inst = registry.announce(announce(rank=0, tp=2))
+    assert registry.routable(Role.RECEIVER) == [inst]
+    assert inst.control_ports == [7300, 7301] and inst.transport_ports == [7400, 7401]
+    assert registry.routable(Role.SENDER) == []
+
+
+def test_decoder_without_receiver_ports_is_not_routable(registry):
+    msg = Announce(version=PROTOCOL_VERSION, instance_id="d1", role="receiver", http_url="http://x:1", tp_rank=0,
+                   tp_size=1)
+    registry.announce(msg)
+    assert registry.routable(Role.RECEIVER) == []
+
+
+def test_control_host_defaults_to_the_http_host(registry):
+    msg = Announce(version=PROTOCOL_VERSION, instance_id="d1", role="receiver", http_url="http://10.1.2.3:8200",
+                   tp_rank=0, tp_size=1, control_port=7300, transport_port=7400)
+    assert registry.announce(msg).control_host == "10.1.2.3"
+
+
+def test_ttl_evicts_an_instance_when_any_rank_stops_heartbeating(registry, clock):
+    registry.announce(announce(rank=0, tp=2))
+    registry.announce(announce(rank=1, tp=2))
+    clock.now_s += 4
+    registry.announce(announce(rank=0, tp=2))  # rank 1 stays silent
+    assert len(registry.routable(Role.RECEIVER)) == 1
+    clock.now_s += 1.5
+    assert registry.routable(Role.RECEIVER) == []
+    assert registry.instances() == []
+
+
+def test_heartbeats_keep_an_instance(registry, clock):
+    for _ in range(5):
+        registry.announce(announce())
+        clock.now_s += 4
+    assert len(registry.routable(Role.RECEIVER)) == 1
+
+
+def test_goodbye_drains_then_forgets(registry):
+    inst = registry.announce(announce())
+    lease = registry.lease(inst, tokens=100)
+    registry.goodbye(Goodbye(instance_id="d1"))
+    assert inst.state is InstanceState.DRAINING
+    assert registry.routable(Role.RECEIVER) == []
+    assert registry.instances() == [inst]  # in-flight work continues
+    lease.release()
+    assert registry.instances() == []
+    lease.release()  # idempotent
+    assert inst.inflight_requests == 0 and inst.inflight_tokens == 0
+
+
+def test_goodbye_without_work_forgets_at_once_and_unknown_goodbye_is_harmless(registry):
+    registry.announce(announce())
+    registry.goodbye(Goodbye(instance_id="d1"))
+    assert registry.instances() == []
+    assert registry.goodbye(Goodbye(instance_id="nobody")) is None
+
+
+def test_restart_after_goodbye_is_active_again_only_when_every_rank_is_back(registry):
+    for rank in (0, 1):
+        registry.announce(announce(rank=rank, tp=2))
+    inst = registry.routable(Role.RECEIVER)[0]
+    lease = registry.lease(inst, tokens=1)
+    registry.goodbye(Goodbye(instance_id="d1", tp_rank=0))
+    registry.goodbye(Goodbye(instance_id="d1", tp_rank=1))
+    registry.announce(announce(rank=0, tp=2))
+    assert registry.routable(Role.RECEIVER) == []
+    registry.announce(announce(rank=1, tp=2))
+    assert registry.routable(Role.RECEIVER) == [inst]
+    lease.release()
+    assert registry.instances() == [inst]
+
+
+def test_static_instance_never_expires_and_yields_to_an_announced_one(registry, clock):
+    static = registry.add_static(StaticInstance(Role.RECEIVER, "http://127.0.0.1:8200", "127.0.0.1", (7300,),
+                                                (7400,)))
+    assert registry.routable(Role.RECEIVER) == [static]
+    live = registry.announce(announce(url="http://127.0.0.1:8200/"))
+    assert registry.routable(Role.RECEIVER) == [live]
+    clock.now_s += 60
+    assert registry.routable(Role.RECEIVER) == [static]
+
+
+def test_one_url_may_be_a_static_prefiller_and_a_static_decoder(registry):
+    prefiller = registry.add_static(StaticInstance(Role.SENDER, "http://127.0.0.1:8200"))
+    decoder = registry.add_static(StaticInstance(Role.RECEIVER, "http://127.0.0.1:8200", "127.0.0.1", (1,), (2,)))
+    assert registry.routable(Role.SENDER) == [prefiller] and registry.routable(Role.RECEIVER) == [decoder]
+
+
+def test_promised_slots_count_until_a_heartbeat_after_the_kv_settled(registry, clock):
+    inst = registry.announce(announce(free=10))
+    lease = registry.lease(inst, tokens=1000, chunks=4)
+    assert inst.free_slots() == 6
+    clock.now_s += 1
+    registry.announce(announce(free=10))  # the receiver has not reserved yet
+    assert inst.free_slots() == 6
+    lease.settle()
+    assert inst.free_slots() == 6
+    clock.now_s += 1
+    registry.announce(announce(free=6))  # this heartbeat reflects the request
+    assert inst.free_slots() == 6
+    lease.release()
+    assert inst.commits == []
+
+
+def test_resize_commit_replaces_the_estimate(registry):
+    inst = registry.announce(announce(free=10))
+    lease = registry.lease(inst, tokens=10, chunks=2)
+    lease.resize_commit(5)
+    assert inst.free_slots() == 5
+
+
+def test_static_decoder_commits_do_not_accumulate(registry):
+    static = registry.add_static(StaticInstance(Role.RECEIVER, "http://h:1", "h", (1,), (2,)))
+    for _ in range(3):
+        registry.lease(static, tokens=10, chunks=3).release()
+    assert static.commits == [] and static.free_slots() is None
+
+
+def test_bad_announces_raise(registry):
+    with pytest.raises(VersionError, match="protocol 99"):
+        registry.announce(announce(version=99))
+    with pytest.raises(ProtocolError, match="role 'router'"):
+        registry.announce(announce(role="router"))
+    with pytest.raises(ProtocolError, match="tp_rank 2"):
+        registry.announce(announce(rank=2, tp=2))
+    assert registry.instances() == []

@@ -1,0 +1,51 @@
+"""The proxy as a process: starts from flags, answers, and exits cleanly on SIGTERM / SIGINT."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(30)
+
+_MAIN = """
+import argparse, logging, sys
+logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+from lmcache_p2p.proxy.server import add_arguments, run
+parser = argparse.ArgumentParser()
+add_arguments(parser)
+run(parser.parse_args(sys.argv[1:]))
+"""
+
+
+def start_proxy(*flags: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-c", _MAIN, "--port", "0", "--control-port", "0", *flags],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if m := re.search(r"proxy on (http://127\.0\.0\.1:\d+), control tcp://127\.0\.0\.1:\d+", line):
+            return proc, m.group(1)
+        assert time.monotonic() < deadline, "proxy did not start"
+    raise AssertionError(f"proxy exited with {proc.wait()}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_process_serves_and_exits_cleanly_on_signal(sig):
+    proc, url = start_proxy("--prefill", "http://127.0.0.1:1", "--summary-interval-s", "0")
+    try:
+        health = httpx.get(url + "/health", timeout=5, trust_env=False).json()
+        assert health["prefillers"] == 1 and health["decoders"] == 0
+        proc.send_signal(sig)
+        assert proc.wait(timeout=10) == 0
+        rest = proc.stderr.read()
+        assert "shutting down" in rest and "Traceback" not in rest
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()

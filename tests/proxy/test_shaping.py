@@ -1,0 +1,76 @@
+"""Request and response shapes, without any server."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmcache_p2p.proxy.errors import BadRequest, UpstreamMalformed
+from lmcache_p2p.proxy.responses import Delta, first_token, renderer_for
+from lmcache_p2p.proxy.shaping import Endpoint, decode_body, parse_client_request, prefill_body
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
+        "temperature": 0.5, "logprobs": True, "top_logprobs": 2, "tools": [], "min_tokens": 3,
+        "stream": True, "stream_options": {"include_usage": True}}
+
+
+def test_chat_request_maps_onto_completion_decode():
+    req = parse_client_request(Endpoint.CHAT, CHAT, chars_per_token=4)
+    assert req.max_tokens == 5 and req.stream and req.include_usage and req.top_logprobs == 2
+    body = decode_body(req, [1, 2, 3], 9)
+    assert body["prompt"] == [1, 2, 3, 9] and body["max_tokens"] == 4 and body["min_tokens"] == 2
+    assert body["temperature"] == 0.5 and body["logprobs"] == 2 and body["stream"] is True
+    assert "messages" not in body and "tools" not in body and "max_completion_tokens" not in body
+    prefill = prefill_body(req, {"k": 1})
+    assert prefill["max_tokens"] == prefill["max_completion_tokens"] == 1 and prefill["min_tokens"] == 1
+    assert prefill["stream"] is False and "stream_options" not in prefill and prefill["kv_transfer_params"] == {"k": 1}
+    assert CHAT["stream"] is True  # the client's body is not modified
+
+
+def test_completion_defaults_and_token_prompts():
+    req = parse_client_request(Endpoint.COMPLETIONS, {"prompt": [[5, 6, 7]]}, chars_per_token=4)
+    assert req.max_tokens == 16 and req.prompt_ids == (5, 6, 7) and req.prompt_tokens_estimate == 3
+    assert prefill_body(req, None)["prompt"] == [5, 6, 7]
+    chat = parse_client_request(Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}]}, 4)
+    assert chat.max_tokens is None and decode_body(chat, [1], 2)["max_tokens"] is None
+
+
+@pytest.mark.parametrize("endpoint, body, message", [
+    (Endpoint.COMPLETIONS, {"prompt": "x", "n": 3}, "n > 1"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "echo": True}, "echo"),
+    (Endpoint.COMPLETIONS, {"prompt": ["a", "b"]}, "batched prompts"),
+    (Endpoint.COMPLETIONS, {"prompt": ""}, "non-empty"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "positive integer"),
+    (Endpoint.CHAT, {"messages": []}, "messages"),
+    (Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "structured outputs"),
+    (Endpoint.CHAT, ["not", "an", "object"], "JSON object"),
+])
+def test_unsplittable_or_invalid_requests_are_400(endpoint, body, message):
+    with pytest.raises(BadRequest, match=message) as info:
+        parse_client_request(endpoint, body, 4)
+    assert info.value.status_code == 400
+
+
+def test_first_token_needs_a_token_id():
+    req = parse_client_request(Endpoint.COMPLETIONS, {"prompt": "x"}, 4)
+    with pytest.raises(UpstreamMalformed, match="first_tok"):
+        first_token(req, {"choices": [{"text": "a", "finish_reason": "length"}]})
+    first = first_token(req, {"choices": [{"text": "a", "token_ids": [7]}], "kv_transfer_params": {"first_tok": 7}})
+    assert first.token_id == 7 and first.text == "a"
+
+
+def test_chat_renderer_converts_completion_logprobs():
+    req = parse_client_request(Endpoint.CHAT, {**CHAT, "stream": False}, 4)
+    answer = {"model": "m", "created": 1, "prompt_token_ids": [1, 2],
+              "choices": [{"message": {"content": "A"}, "token_ids": [5], "finish_reason": "length",
+                           "logprobs": {"content": [{"token": "A", "logprob": -0.1, "bytes": [65],
+                                                     "top_logprobs": []}]}}]}
+    renderer = renderer_for(req, "chatcmpl-1", first_token(req, answer), [1, 2])
+    renderer.add(Delta("B", [6], {"tokens": ["B"], "token_logprobs": [-0.2], "top_logprobs": [
+        {"B": -0.2, "C": -1.5, "D": -3.0}], "text_offset": [0]}, "length", None))
+    out = renderer.response({"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4})
+    assert out["choices"][0]["message"]["content"] == "AB"
+    content = out["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["A", "B"]
+    assert content[1]["logprob"] == -0.2 and [t["token"] for t in content[1]["top_logprobs"]] == ["B", "C"]
+    assert content[1]["bytes"] == [66]

@@ -1,0 +1,376 @@
+"""NCCL-transport behaviour beyond the shared contract: pair groups, their lifecycles, staging.
+
+Most tests run both sides in one process (pair groups coexist in a process; Gloo on CPU runs
+the same code as NCCL); the restarted-sender test kills a real process. Tests marked ``gpu`` need
+two CUDA devices (the device machine) and exercise ProcessGroupNCCL and the staging rings.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from lmcache_p2p.errors import PeerUnreachable, TransportError
+from lmcache_p2p.protocol import TransportInfo
+from lmcache_p2p.transport.nccl import NcclTransport
+
+WAIT_S = 20.0
+KIB = 1 << 10
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def case_name() -> str:
+    """Narrows conftest's pair fixtures to this transport."""
+    return "nccl-gloo"
+
+
+@pytest.fixture
+def make() -> Iterator[Callable[..., NcclTransport]]:
+    made: list[NcclTransport] = []
+
+    def _make(name: str, **kwargs) -> NcclTransport:
+        kwargs.setdefault("timeout_s", 10.0)
+        transport = NcclTransport(name, **kwargs)
+        made.append(transport)
+        return transport
+
+    yield _make
+    for transport in reversed(made):
+        transport.close()
+
+
+def _recv_buffer(transport: NcclTransport, nbytes: int, device: str = "cpu", pin: bool = False) -> torch.Tensor:
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+    transport.register(buf)
+    return buf
+
+
+def _connect(rx: NcclTransport, tx: NcclTransport) -> str:
+    rx.accept(tx.info())
+    return tx.connect(rx.info(), WAIT_S)
+
+
+def _recv_threads(receiver: str) -> list[str]:
+    prefix = f"nccl-recv:{receiver}<-"
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith(prefix))
+
+
+def _eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _collect(rx: NcclTransport, count: int, timeout_s: float = WAIT_S) -> list[tuple[str, bytes]]:
+    deadline = time.monotonic() + timeout_s
+    got: list[tuple[str, bytes]] = []
+    while len(got) < count and time.monotonic() < deadline:
+        got += [(n.peer, n.payload) for n in rx.wait_notifications(deadline - time.monotonic())]
+    return got
+
+
+def _random(nbytes: int, seed: int, device: str = "cpu", pin: bool = False) -> torch.Tensor:
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    if pin:
+        return data.pin_memory()
+    return data.to(device)
+
+
+# ---- pair groups --------------------------------------------------------------------------------
+
+
+def test_two_senders_write_to_one_receiver_at_once(make) -> None:
+    rx = make("rx")
+    buf = _recv_buffer(rx, 8 * MIB)
+    senders = [make("tx1"), make("tx2")]
+    for tx in senders:
+        rx.accept(tx.info())  # both pairings in flight at once
+    peers = [tx.connect(rx.info(), WAIT_S) for tx in senders]
+    assert _recv_threads("rx") == ["nccl-recv:rx<-tx1", "nccl-recv:rx<-tx2"]
+    base = rx.info().regions[0].addr
+    writes = 16
+    chunk = 256 * KIB
+    sent: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        tx, handles = senders[index], []
+        try:
+            for i in range(writes):
+                offset = index * 4 * MIB + i * chunk
+                sent[offset] = _random(chunk, seed=offset + 1)
+                handles.append(tx.write(peers[index], [sent[offset]], [base + offset], f"tx{index + 1}-{i}".encode()))
+            for handle in handles:
+                tx.wait(handle, WAIT_S)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    notifs = _collect(rx, 2 * writes)
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert not errors
+    for name in ("tx1", "tx2"):  # every write notified once, in the order its sender wrote them
+        assert [p for peer, p in notifs if peer == name] == [f"{name}-{i}".encode() for i in range(writes)]
+    for offset, data in sent.items():
+        assert torch.equal(buf[offset : offset + chunk], data)
+
+
+def test_disconnect_then_reconnect_makes_a_new_pair(make) -> None:
+    rx, tx = make("rx"), make("tx")
+    buf = _recv_buffer(rx, MIB)
+    base = rx.info().regions[0].addr
+    peer = _connect(rx, tx)
+    tx.wait(tx.write(peer, [_random(1000, 1)], [base], b"first"), WAIT_S)
+    tx.disconnect(peer)
+    assert _eventually(lambda: _recv_threads("rx") == []), "the receiver kept serving a pair its sender left"
+    with pytest.raises(PeerUnreachable):
+        tx.write(peer, [_random(10, 2)], [base], b"x")
+    assert _connect(rx, tx) == peer
+    assert _recv_threads("rx") == ["nccl-recv:rx<-tx"]
+    data = _random(5000, 3)
+    tx.wait(tx.write(peer, [data], [base + 7], b"second"), WAIT_S)
+    assert _collect(rx, 2) == [("tx", b"first"), ("tx", b"second")]
+    assert torch.equal(buf[7 : 7 + 5000], data)
+
+
+def test_killed_sender_restarted_under_the_same_name_gets_a_new_pair(fresh_pair) -> None:
+    pair = fresh_pair
+    first, _ = pair.tx.call("write", pair.peer, [(0, 4096)], [pair.slot_addr(0)], b"before-kill")
+    pair.tx.call("wait", first, WAIT_S)
+    assert pair.rx.call("notifications", 1, WAIT_S) == [(pair.tx.name, b"before-kill")]
+    pair.tx.kill()
+    restarted = type(pair.tx)(pair.case, pair.tx.name)  # conftest's PeerProcess, same transport name
+    try:
+        tx_info = restarted.call("setup", 4 * MIB, 0)
+        pair.rx.call("accept", tx_info)
+        assert restarted.call("connect", pair.rx_info_bytes, WAIT_S) == pair.peer
+        handle, digests = restarted.call("write", pair.peer, [(13, 100_000)], [pair.slot_addr(2)], b"after-restart")
+        pair.rx.begin("notifications", 1, WAIT_S)
+        restarted.call("wait", handle, WAIT_S)
+        assert pair.rx.finish("notifications", WAIT_S + 5) == [(pair.tx.name, b"after-restart")]
+        landed, _ = pair.rx.call("check", [(2 * pair.slot_bytes, 100_000)], pair.fill)
+        assert landed == digests
+    finally:
+        restarted.stop()
+
+
+def test_receiver_close_while_a_sender_is_connected_does_not_hang(make) -> None:
+    rx = make("rx", close_timeout_s=2.0)
+    tx = make("tx", timeout_s=3.0, close_timeout_s=2.0)
+    _recv_buffer(rx, MIB)
+    base = rx.info().regions[0].addr
+    peer = _connect(rx, tx)
+    tx.wait(tx.write(peer, [_random(4096, 1)], [base], b"ok"), WAIT_S)
+    start = time.monotonic()
+    rx.close()
+    assert time.monotonic() - start < 2.5
+    assert _recv_threads("rx") == []
+    start = time.monotonic()
+    handle = tx.write(peer, [_random(4096, 2)], [base], b"too-late")
+    with pytest.raises(TransportError):
+        tx.wait(handle, 10.0)
+    assert time.monotonic() - start < 5.0, "the sender took longer than its deadline to see the receiver go"
+    with pytest.raises(PeerUnreachable):
+        tx.write(peer, [_random(16, 3)], [base], b"down")
+    start = time.monotonic()
+    tx.close()
+    assert time.monotonic() - start < 2.5
+
+
+def test_accept_returns_at_once_and_an_absent_sender_is_given_up(make) -> None:
+    rx = make("rx", timeout_s=1.0)
+    tx = make("ghost")
+    start = time.monotonic()
+    rx.accept(tx.info())
+    assert time.monotonic() - start < 0.2
+    assert _recv_threads("rx") == ["nccl-recv:rx<-ghost"]
+    assert _eventually(lambda: _recv_threads("rx") == [], timeout_s=8.0)
+    with pytest.raises(PeerUnreachable):  # the expired offer was retracted: nobody may join it late
+        tx.connect(rx.info(), 1.0)
+
+
+def test_close_with_a_pairing_in_flight_returns_at_once(make) -> None:
+    rx = make("rx", timeout_s=60.0)
+    rx.accept(TransportInfo(kind="nccl", name="ghost"))
+    time.sleep(0.3)  # it has offered and waits for the claim
+    start = time.monotonic()
+    rx.close()
+    assert time.monotonic() - start < 1.0
+    assert _recv_threads("rx") == []
+
+
+def test_typed_multi_dimensional_buffers_land_bytewise(make) -> None:
+    rx, tx = make("rx"), make("tx")
+    kv = torch.zeros(2, 4, 64, 32, dtype=torch.bfloat16)  # a KV_2LTD-shaped receive buffer
+    rx.register(kv)
+    base = rx.info().regions[0].addr
+    peer = _connect(rx, tx)
+    chunk = torch.randn(4, 64, 32).to(torch.bfloat16)
+    tx.wait(tx.write(peer, [chunk], [base + kv[1].data_ptr() - kv.data_ptr()], b"v"), WAIT_S)
+    assert _collect(rx, 1) == [("tx", b"v")]
+    assert torch.equal(kv[1], chunk)
+    assert not kv[0].any()
+
+
+def test_connect_without_accept_is_unreachable_after_its_timeout(make) -> None:
+    rx, tx = make("rx"), make("tx")
+    start = time.monotonic()
+    with pytest.raises(PeerUnreachable, match="accept"):
+        tx.connect(rx.info(), 1.0)
+    assert 1.0 <= time.monotonic() - start < 4.0
+
+
+def test_connect_to_a_closed_port_is_unreachable(make) -> None:
+    tx = make("tx")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(PeerUnreachable):
+        tx.connect(TransportInfo(kind="nccl", name="nobody", host="127.0.0.1", port=port), 1.0)
+
+
+def test_writes_are_checked_before_they_are_queued(make) -> None:
+    rx, tx = make("rx"), make("tx")
+    _recv_buffer(rx, 4096)
+    base = rx.info().regions[0].addr
+    peer = _connect(rx, tx)
+    with pytest.raises(ValueError, match="outside"):
+        tx.write(peer, [torch.zeros(100, dtype=torch.uint8)], [base + 4000], b"")
+    with pytest.raises(ValueError):
+        tx.write(peer, [torch.zeros(1, dtype=torch.uint8)], [base, base + 1], b"")
+    with pytest.raises(ValueError, match="contiguous"):
+        tx.write(peer, [torch.zeros(8, 8, dtype=torch.uint8).t()], [base], b"")
+    with pytest.raises(PeerUnreachable):
+        tx.write("stranger", [torch.zeros(1, dtype=torch.uint8)], [base], b"")
+    with pytest.raises(PeerUnreachable, match="speaks"):
+        tx.connect(TransportInfo(kind="nixl", name="other"), 1.0)
+
+
+def _listen_addresses(port: int) -> set[str]:
+    """Local addresses of the LISTEN sockets on ``port`` (Linux /proc/net/tcp[6], hex encoded)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, port_hex = local.rsplit(":", 1)
+            if state == "0A" and int(port_hex, 16) == port:
+                found.add(addr)
+    return found
+
+
+def test_the_store_listens_on_the_configured_host_only(make) -> None:
+    port = make("rx").info().port
+    addresses = _listen_addresses(port)
+    if not addresses:
+        pytest.skip("no /proc/net/tcp to inspect")
+    assert addresses == {"0100007F"}, f"store listens on {addresses}, expected 127.0.0.1 only"
+
+
+# ---- on the GPU machine ----------------------------------------------------------------------
+
+needs_two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices"
+)
+
+
+@pytest.fixture
+def nccl_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+def _gpu_round_trip(
+    make, rx_buffer: Callable[[NcclTransport], torch.Tensor], src_of: Callable[[int, int], torch.Tensor], **tx_kwargs
+) -> None:
+    rx = make("rx", device="cuda:1")
+    tx = make("tx", device="cuda:0", **tx_kwargs)
+    buf = rx_buffer(rx)
+    base = rx.info().regions[0].addr
+    peer = _connect(rx, tx)
+    sizes = [1, 4093, 3 * MIB + 5, 8 * MIB]
+    offsets = [0, 4 * KIB, MIB, 8 * MIB]
+    srcs = [src_of(n, seed) for seed, n in enumerate(sizes)]
+    handles = [
+        tx.write(peer, srcs[:2], [base + o for o in offsets[:2]], b"a"),
+        tx.write(peer, srcs[2:], [base + o for o in offsets[2:]], b"b"),
+    ]
+    for handle in handles:
+        tx.wait(handle, WAIT_S)
+    assert _collect(rx, 2) == [("tx", b"a"), ("tx", b"b")]
+    for src, offset, n in zip(srcs, offsets, sizes):
+        assert torch.equal(buf[offset : offset + n].cpu(), src.cpu()), f"chunk of {n} bytes at {offset} differs"
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_gpu_device_sources_into_a_device_buffer(make, nccl_env) -> None:
+    _gpu_round_trip(make, lambda rx: _recv_buffer(rx, 32 * MIB, "cuda:1"), lambda n, s: _random(n, s, "cuda:0"))
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "pageable"])
+def test_gpu_host_sources_are_staged_through_the_ring(make, nccl_env, pin: bool) -> None:
+    # 1 MiB slots x 3: an 8 MiB chunk wraps the ring several times.
+    _gpu_round_trip(
+        make,
+        lambda rx: _recv_buffer(rx, 32 * MIB, "cuda:1"),
+        lambda n, s: _random(n, s, pin=pin),
+        stage_slot_bytes=MIB,
+        stage_slots=3,
+    )
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "pageable"])
+def test_gpu_host_receive_buffer(make, nccl_env, pin: bool) -> None:
+    _gpu_round_trip(make, lambda rx: _recv_buffer(rx, 32 * MIB, pin=pin), lambda n, s: _random(n, s, "cuda:0"))
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("source", ["cuda", "pinned"])
+def test_gpu_throughput(make, nccl_env, source: str) -> None:
+    """Not a pass/fail bound: prints GB/s of 1 GiB in 32 MiB chunks, 8 chunks per write."""
+    rx = make("rx", device="cuda:1")
+    tx = make("tx", device="cuda:0")
+    chunk, count = 32 * MIB, 32
+    _recv_buffer(rx, chunk * count, "cuda:1")
+    base = rx.info().regions[0].addr
+    peer = _connect(rx, tx)
+    pool = (
+        torch.empty(chunk * count, dtype=torch.uint8, device="cuda:0")
+        if source == "cuda"
+        else torch.empty(chunk * count, dtype=torch.uint8, pin_memory=True)
+    )
+    chunks = [pool[i * chunk : (i + 1) * chunk] for i in range(count)]
+    for _ in range(2):  # warm-up, then the measured round
+        start = time.monotonic()
+        handles = [
+            tx.write(peer, chunks[i : i + 8], [base + j * chunk for j in range(i, i + 8)], b"w")
+            for i in range(0, count, 8)
+        ]
+        for handle in handles:
+            tx.wait(handle, WAIT_S)
+        elapsed = time.monotonic() - start
+        _collect(rx, len(handles))
+    print(
+        f"\nNCCL transport {source} -> cuda: {chunk * count / elapsed / 1e9:.1f} GB/s ({elapsed * 1e3:.1f} ms per GiB)"
+    )

