@@ -76,6 +76,7 @@ class ReceiveService:
         self._requests: dict[str, _Request] = {}
         self._index: dict[str, deque[Chunk]] = {}  # READY chunks by key, oldest first
         self._senders: dict[bytes, str] = {}  # ZMQ identity -> sender_id (after Hello)
+        self._cancelled: dict[str, float] = {}  # req_id -> until when a late Alloc is refused
         self._stop = threading.Event()
         self._closed = False
         self.control_endpoint = f"tcp://{cfg.host}:{cfg.control_port(tp_rank)}"
@@ -201,7 +202,7 @@ class ReceiveService:
         if isinstance(msg, protocol.Alloc):
             return self._on_alloc(identity, msg)
         if isinstance(msg, protocol.Cancel):
-            self._fail_request(msg.req_id, f"cancelled by sender: {msg.reason}")
+            self._cancel(msg.req_id, msg.reason)
             return protocol.Ack(msg.seq)
         if isinstance(msg, protocol.Goodbye):
             self._on_sender_gone(identity, "sender said goodbye")
@@ -245,6 +246,8 @@ class ReceiveService:
                 return self._refuse(msg, protocol.RefusalCode.TOO_LARGE, (
                     f"chunk dtype {shape.dtype} differs from this decoder's KV dtype {self._dtype}"))
         with self._lock:
+            if msg.req_id in self._cancelled:
+                return self._refuse(msg, protocol.RefusalCode.FINISHED, "request was cancelled")
             req = self._requests.get(msg.req_id)
             if req is None:
                 req = self._requests[msg.req_id] = _Request(msg.req_id, sender_id)
@@ -323,19 +326,29 @@ class ReceiveService:
         self._announcer.send(protocol.KvReady(req.req_id, self.instance_id, self._tp_rank, len(req.keys), req.nbytes))
         logger.debug("request %s: KV ready (%d chunks, %d bytes)", req.req_id, len(req.keys), req.nbytes)
 
-    def _fail_request(self, req_id: str, reason: str) -> None:
+    def _cancel(self, req_id: str, reason: str) -> None:
+        """The sender gave up, or the proxy will not decode here: drop the request's KV.
+
+        A cancel may arrive before the request's first Alloc (the proxy cancels as soon as it
+        decides); the id is remembered for ``reserve_lease_s`` so a late Alloc is refused.
+        """
+        now = time.monotonic()
         with self._lock:
+            self._cancelled[req_id] = now + self._cfg.reserve_lease_s
+            for old in [r for r, until in self._cancelled.items() if until < now]:
+                del self._cancelled[old]
             req = self._requests.get(req_id)
             if req is not None:
-                self._fail_locked(req, reason)
+                self._fail_locked(req, f"cancelled: {reason}", expected=True)
 
-    def _fail_locked(self, req: _Request, reason: str) -> None:
+    def _fail_locked(self, req: _Request, reason: str, *, expected: bool = False) -> None:
         """Free every slot of ``req`` that the engine does not hold, and report the failure once."""
         self._pool.release_owner(req.req_id)
         self._unindex_locked(req, set(req.shapes))
         if not req.reported:
             req.reported = True
-            logger.error("request %s from %s failed: %s", req.req_id, req.sender_id, reason)
+            logger.log(logging.INFO if expected else logging.ERROR, "request %s from %s dropped: %s",
+                       req.req_id, req.sender_id, reason)
             self._announcer.send(protocol.KvFailed(req.req_id, self.instance_id, self._tp_rank, reason))
         if not self._pool.slots_of(req.req_id):
             self._requests.pop(req.req_id, None)

@@ -426,7 +426,7 @@ class SendService:
                       f"{msg.free_slots} of {msg.capacity_slots} slots free, {msg.needed_slots} needed")
         else:
             reason = f"refused by receiver ({msg.code.value}): {msg.reason}"
-        self._fail(req.req_id, reason)
+        self._fail(req.req_id, reason, expected=msg.code is protocol.RefusalCode.FINISHED)
 
     def _on_receiver_restarted(self, peer: _Peer) -> None:
         """The receiver forgot us (it restarted): greet it afresh; requests that lost chunks fail."""
@@ -489,7 +489,7 @@ class SendService:
         logger.debug("request %s: %d bytes sent in %.1f ms", req.req_id, req.nbytes,
                      (time.monotonic() - req.started) * 1000)
 
-    def _fail(self, req_id: str, reason: str, *, cancel: bool = True) -> None:
+    def _fail(self, req_id: str, reason: str, *, cancel: bool = True, expected: bool = False) -> None:
         req = self._requests.pop(req_id, None)
         if req is None:
             return
@@ -504,7 +504,7 @@ class SendService:
             for c in chunks:
                 c.done()
         err = RequestFailed(f"request {req_id} to {req.target.endpoint}: {reason}")
-        logger.error("%s", err)
+        logger.log(logging.INFO if expected else logging.ERROR, "%s", err)
         peer = self._peers.get(req.target)
         if cancel and peer is not None and peer.state is _PeerState.READY:
             self._send(peer, protocol.Cancel(next(self._seq), req_id, reason))

@@ -68,6 +68,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--demo", action="store_true",
                    help="send one completion through the proxy, print it, then stop everything")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for every vLLM server")
+    p.add_argument("--proxy-arg", action="append", default=[], help="extra argument for the proxy")
     p.set_defaults(func=run)
     return p
 
@@ -114,7 +115,7 @@ def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: P
 
 def proxy_child(args: argparse.Namespace, log_dir: Path) -> Child:
     argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "proxy", "--host", "127.0.0.1",
-            "--port", str(args.proxy_port), "--control-port", str(args.proxy_control_port), "--policy", args.policy]
+            "--port", str(args.proxy_port), "--control-port", str(args.proxy_control_port), "--policy", args.policy, *args.proxy_arg]
     env = dict(os.environ)
     if args.shared_secret:
         env["LMCACHE_P2P_SECRET"] = args.shared_secret

@@ -3,13 +3,14 @@
 Owns: the HTTP endpoints clients call (``app.py``), one request's prefill -> wait for KV ->
 decode orchestration (``flow.py``), the request and response shapes of the OpenAI API
 (``shaping.py``, ``responses.py``), the registry of prefillers and decoders (``registry.py``),
-routing policies (``routing.py``), the control socket where instances announce themselves and
-report "KV ready" (``control.py``, ``waiters.py``), upstream HTTP calls (``upstream.py``),
-Prometheus metrics (``metrics.py``), flags (``settings.py``), the errors it answers with
+health gating of instances (``health.py``), routing policies (``routing.py``), the control socket
+where instances announce themselves and report "KV ready" (``control.py``, ``waiters.py``), the
+Cancel sent to decoders for KV the proxy will not use (``cancel.py``), upstream HTTP calls
+(``upstream.py``), Prometheus metrics (``metrics.py``), flags (``settings.py``), the errors it answers with
 (``errors.py``) and process lifetime (``server.py``).
 
-Reading order: ``settings`` -> ``registry`` -> ``routing`` -> ``waiters`` -> ``control`` ->
-``shaping`` -> ``responses`` -> ``flow`` -> ``app`` -> ``server``.
+Reading order: ``settings`` -> ``registry`` -> ``health`` -> ``routing`` -> ``waiters`` -> ``control``
+-> ``cancel`` -> ``shaping`` -> ``responses`` -> ``flow`` -> ``app`` -> ``server``.
 
 Must not: import lmcache, vllm, torch or nixl (it speaks to instances only over HTTP and the
 control protocol); parse addresses out of request ids (routing data travels in

@@ -3,7 +3,7 @@
     POST /v1/completions, /v1/chat/completions   disaggregated generation, streamed (SSE) or not
     GET  /v1/models                              from the first healthy decoder (else prefiller)
     GET  /health                                 200 while the proxy runs; counts routable instances
-    GET  /instances                              the registry, for people and launchers
+    GET  /instances                              routable instances (?all=1: every registered one)
     GET  /metrics                                Prometheus
 
 Errors are OpenAI-style JSON (``errors.py``). Once a stream has started (after the first token),
@@ -134,7 +134,12 @@ class ProxyApp:
                              "decoders": decoders})
 
     async def instances(self, request: Request) -> Response:
-        return JSONResponse([_describe(inst) for inst in self._o.registry.instances()])
+        registry = self._o.registry
+        if request.query_params.get("all", "").lower() in ("1", "true", "yes"):
+            listed = registry.instances()
+        else:
+            listed = registry.routable(Role.SENDER) + registry.routable(Role.RECEIVER)
+        return JSONResponse([_describe(inst) for inst in listed])
 
     async def metrics(self, request: Request) -> Response:
         body, content_type = self._o.metrics.render()
@@ -209,7 +214,8 @@ def _response_id(req: ClientRequest, flow: RequestFlow) -> str:
 def _describe(inst: Instance) -> dict[str, Any]:
     return {
         "instance_id": inst.instance_id, "role": inst.role.value, "http_url": inst.http_url,
-        "state": inst.state.value, "complete": inst.complete, "static": inst.static, "tp_size": inst.tp_size,
+        "state": inst.state.value, "complete": inst.complete, "health": inst.health.value,
+        "routable": inst.routable, "static": inst.static, "tp_size": inst.tp_size,
         "control_host": inst.control_host, "inflight_requests": inst.inflight_requests,
         "inflight_tokens": inst.inflight_tokens, "capacity_slots": inst.capacity_slots,
         "free_slots": inst.free_slots(), "chunk_tokens": inst.chunk_tokens,

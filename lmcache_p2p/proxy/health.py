@@ -81,8 +81,10 @@ class HealthProber:
             problem = await self._probe(inst)
             if problem is None:
                 break
-            logger.debug("%s %s not healthy yet (probe %d): %s", inst.role_name, inst.instance_id, attempts,
-                         problem)
+            first_wait = attempts == 1 and inst.health is Health.PENDING
+            logger.log(logging.INFO if first_wait else logging.DEBUG,
+                       "%s %s gets no traffic until GET %s answers 200 (probe %d: %s)", inst.role_name,
+                       inst.instance_id, HEALTH_PATH, attempts, problem)
             await asyncio.sleep(self._interval_s)
         was = inst.health
         self._registry.mark_up(inst)

@@ -311,7 +311,7 @@ class Registry:
         self.evict_expired()
         announced = {(inst.role, inst.http_url) for inst in self._dynamic.values()}
         dynamic = [i for i in self._dynamic.values() if i.role is role and i.routable]
-        static = [i for key, i in self._static.items() if key[0] is role and key not in announced]
+        static = [i for key, i in self._static.items() if key[0] is role and key not in announced and i.routable]
         return dynamic + static
 
     def instances(self) -> list[Instance]:

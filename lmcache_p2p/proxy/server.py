@@ -1,10 +1,11 @@
 """Build and run one proxy: ``lmcache-p2p proxy --host 127.0.0.1 --port 9100 --control-port 9101 ...``.
 
 :class:`Proxy` owns every component and its lifetime: the control socket, the upstream HTTP
-client, the registry, and its background tasks (TTL eviction, the periodic summary). Shutdown is
-graceful, then cancels: uvicorn stops accepting, lets in-flight requests finish for
-``--graceful-shutdown-s`` (the control socket keeps delivering "KV ready" meanwhile), cancels what
-is left; then the proxy's own tasks are cancelled and its sockets closed.
+client, the registry, the health probes, the decoders' cancel sockets, and its background tasks
+(TTL eviction, the periodic summary). Shutdown is graceful, then cancels: uvicorn stops accepting,
+lets in-flight requests finish for ``--graceful-shutdown-s`` (the control socket keeps delivering
+"KV ready" meanwhile), cancels what is left; then the proxy's own tasks and probes are cancelled
+and its sockets closed.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import uvicorn
 
 from lmcache_p2p.protocol import Codec
 from lmcache_p2p.proxy.app import ProxyApp
+from lmcache_p2p.proxy.cancel import KvCanceller
 from lmcache_p2p.proxy.control import ControlListener
 from lmcache_p2p.proxy.flow import FlowSettings, Orchestrator
+from lmcache_p2p.proxy.health import HealthProber
 from lmcache_p2p.proxy.metrics import ProxyMetrics
 from lmcache_p2p.proxy.registry import Registry
 from lmcache_p2p.proxy.routing import Router
@@ -43,18 +46,25 @@ class Proxy:
 
     def __init__(self, settings: ProxySettings) -> None:
         self.settings = settings
-        self.registry = Registry(settings.instance_ttl_s)
+        self.registry = Registry(settings.instance_ttl_s, max_connect_failures=settings.max_connect_failures)
         for spec in settings.static_instances:
             self.registry.add_static(spec)
         self.waiters = KvWaiters()
         self.metrics = ProxyMetrics(self.registry.instances)
         self.upstream = Upstream(settings.connect_timeout_s)
+        codec = Codec(settings.shared_secret)
+        self.canceller = KvCanceller(codec, self.metrics)
+        self.prober = HealthProber(self.registry, self.upstream, settings.health_probe_interval_s,
+                                   settings.health_probe_timeout_s)
+        self.registry.on_pending.append(self.prober.watch)
+        self.registry.on_forgotten.append(self.prober.forget)
+        self.registry.on_forgotten.append(self.canceller.forget)
         self.orchestrator = Orchestrator(
-            self.registry, Router(settings.policy), self.waiters, self.upstream, self.metrics,
+            self.registry, Router(settings.policy), self.waiters, self.upstream, self.canceller, self.metrics,
             FlowSettings(settings.kv_timeout_s, settings.prefill_timeout_s, settings.decode_idle_timeout_s,
                          settings.on_kv_failure),
         )
-        self.control = ControlListener(settings.control_host, settings.control_port, Codec(settings.shared_secret),
+        self.control = ControlListener(settings.control_host, settings.control_port, codec,
                                        self.registry, self.waiters, self.metrics)
         self.app = ProxyApp(self.orchestrator, settings.chars_per_token, settings.connect_timeout_s).build()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -66,6 +76,7 @@ class Proxy:
     async def start(self) -> None:
         """Bind the control socket and start the background tasks (not the HTTP server)."""
         self.control.start()
+        self.prober.start()
         self._spawn(self._evict_loop(), "proxy-evict")
         if self.settings.summary_interval_s > 0:
             self._spawn(self._summary_loop(), "proxy-summary")
@@ -108,7 +119,9 @@ class Proxy:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=_TASK_CANCEL_TIMEOUT_S)
+        await self.prober.close()
         await self.control.close()
+        self.canceller.close()
         await self.upstream.aclose()
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:

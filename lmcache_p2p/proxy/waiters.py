@@ -1,9 +1,10 @@
 """Per-request waits for "KV ready" from every TP rank of the chosen decoder.
 
 A waiter is registered under the request's ``req_id`` BEFORE the prefill is sent (the notice often
-arrives before the prefill's HTTP answer) and dropped when the request ends, in every way. Notices
-for unknown ``req_id`` (late, after a timeout or a retry) are counted and ignored. Matching is by
-``req_id`` alone: it is a fresh uuid per attempt, never parsed for anything.
+arrives before the prefill's HTTP answer) and dropped when the request ends, in every way, or its
+KV is abandoned. Notices for unknown ``req_id`` (late, after a timeout or a retry, or the KvFailed a
+receiver reports for a request the proxy cancelled) are counted and ignored at DEBUG. Matching is
+by ``req_id`` alone: it is a fresh uuid per attempt, never parsed for anything.
 """
 
 from __future__ import annotations

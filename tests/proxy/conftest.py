@@ -55,10 +55,16 @@ class Cluster:
         return self.proxy.control.address
 
     async def add_node(self, role: Role, *, tp_size: int = 1, capacity_slots: int = 64, announce: bool = True,
-                       secret: str | None = None) -> Node:
+                       secret: str | None = None, base_port: int | None = None, serve_http: bool = True) -> Node:
+        """A fake instance; announced (then routable) unless ``announce`` is False. ``serve_http=False``:
+        its HTTP port refuses connections until ``node.vllm.server.start()`` (a vLLM still loading)."""
         vllm = FakeVllm(f"{role.value}-{len(self.prefillers) + len(self.decoders)}")
-        await vllm.server.start()
-        base_port = next(_ports) if role is Role.RECEIVER else 0
+        if serve_http:
+            await vllm.server.start()
+        else:
+            vllm.server.bind()
+        if base_port is None:
+            base_port = next(_ports) if role is Role.RECEIVER else 0
         agent = FakeAgent(self.control_address, role.value, vllm.url, tp_size=tp_size, base_port=base_port,
                           capacity_slots=capacity_slots, secret=secret if secret is not None else self.secret)
         node = Node(vllm, agent)
@@ -70,7 +76,7 @@ class Cluster:
             self.prefillers.append(node)
         if announce:
             await agent.announce()
-            await eventually(lambda: any(i.instance_id == agent.instance_id and i.routable
+            await eventually(lambda: any(i.instance_id == agent.instance_id and (i.routable or not serve_http)
                                          for i in self.proxy.registry.instances()))
         return node
 
@@ -97,7 +103,8 @@ class Cluster:
 async def make_cluster(n_prefill: int = 1, n_decode: int = 1, *, tp_size: int = 1, secret: str | None = None,
                        **settings: Any) -> AsyncIterator[Cluster]:
     defaults = dict(port=0, control_port=0, summary_interval_s=0, kv_timeout_s=2.0, instance_ttl_s=30.0,
-                    prefill_timeout_s=5.0, decode_idle_timeout_s=5.0, graceful_shutdown_s=1.0)
+                    prefill_timeout_s=5.0, decode_idle_timeout_s=5.0, graceful_shutdown_s=1.0,
+                    health_probe_interval_s=0.05, health_probe_timeout_s=1.0)
     proxy = Proxy(ProxySettings(**{**defaults, "shared_secret": secret, **settings}))
     await proxy.start()
     await proxy.start_http()

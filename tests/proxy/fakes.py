@@ -4,7 +4,8 @@
 a deterministic "model" (``generate``) so that a disaggregated answer can be compared token for
 token with a single instance. ``FakeAgent`` is an instance's control-plane side: it announces
 itself to the proxy and, on a decoder, pushes KvReady / KvFailed when a fake prefiller "sent" it
-a request's KV (``KvNetwork``). Real vLLM end-to-end tests live elsewhere.
+a request's KV (``KvNetwork``). ``FakeReceiverControl`` is a decoder's receiver control socket (a
+ROUTER per TP rank) as far as the proxy's ``Cancel`` goes. Real vLLM end-to-end tests live elsewhere.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Codec, Goodbye, KvFailed, KvReady
+from lmcache_p2p.protocol import PROTOCOL_VERSION, Ack, Announce, Cancel, Codec, Goodbye, KvFailed, KvReady
 
 EOS = 2
 MODEL = "fake-model"
@@ -62,11 +63,16 @@ def generate(prompt_ids: list[int], n: int) -> list[int]:
 
 
 class HttpServer:
-    """A uvicorn server for an ASGI app on 127.0.0.1 and an ephemeral port, in this event loop."""
+    """A uvicorn server for an ASGI app on 127.0.0.1 and an ephemeral port, in this event loop.
+
+    ``bind()`` takes the port without listening (connections are refused, like a vLLM still
+    loading); ``start()`` serves; ``stop()`` then ``start()`` restarts on the same port.
+    """
 
     def __init__(self, app: Any) -> None:
-        self._server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                                     timeout_graceful_shutdown=1))
+        self._app = app
+        self._server: uvicorn.Server | None = None
+        self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.port = 0
 
@@ -74,22 +80,36 @@ class HttpServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def bind(self) -> None:
+        if self._sock is None:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", self.port))
+            self.port = sock.getsockname()[1]
+            self._sock = sock
+
     async def start(self) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        self.bind()
+        assert self._sock is not None
+        sock, self._sock = self._sock, None
         sock.listen(128)
         sock.setblocking(False)
-        self.port = sock.getsockname()[1]
-        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        self._server = server = uvicorn.Server(uvicorn.Config(self._app, log_config=None, access_log=False,
+                                                              lifespan="off", timeout_graceful_shutdown=1))
+        self._task = task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
         deadline = time.monotonic() + 5
-        while not self._server.started:
-            assert time.monotonic() < deadline and not self._task.done(), "fake server did not start"
+        while not server.started:
+            assert time.monotonic() < deadline and not task.done(), "fake server did not start"
             await asyncio.sleep(0.005)
 
     async def stop(self) -> None:
-        if self._task is not None:
+        if self._task is not None and self._server is not None:
             self._server.should_exit = True
             await asyncio.wait({self._task}, timeout=3)
+            self._task = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
 
 class FakeVllm:
@@ -334,3 +354,58 @@ class KvNetwork:
         agent = self._by_port.get(spec["receiver_alloc_port"][0])
         if agent is not None:
             agent.on_kv(spec)
+
+
+class FakeReceiverControl:
+    """A decoder's receiver control sockets (one ROUTER per TP rank, on consecutive ports) for Cancel.
+
+    Like ``ReceiveService``: a Cancel is answered with Ack, and the request is reported failed to
+    the proxy (through ``agent``, once set) from that rank.
+    """
+
+    def __init__(self, tp_size: int = 1, secret: str | None = None) -> None:
+        self.cancels: list[tuple[int, Cancel]] = []  # (rank, message)
+        self.agent: FakeAgent | None = None
+        self._codec = Codec(secret)
+        self._ctx = zmq.asyncio.Context()
+        self._socks = self._bind_consecutive(tp_size)
+        self.port = int(self._socks[0].getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self._tasks = [asyncio.get_running_loop().create_task(self._serve(rank, sock))
+                       for rank, sock in enumerate(self._socks)]
+
+    def req_ids(self, rank: int = 0) -> list[str]:
+        return [msg.req_id for r, msg in self.cancels if r == rank]
+
+    def _bind_consecutive(self, tp_size: int) -> list[zmq.asyncio.Socket]:
+        for _ in range(20):
+            socks = [self._ctx.socket(zmq.ROUTER) for _ in range(tp_size)]
+            for sock in socks:
+                sock.setsockopt(zmq.LINGER, 0)
+            base = socks[0].bind_to_random_port("tcp://127.0.0.1", min_port=30000, max_port=60000)
+            try:
+                for rank, sock in enumerate(socks[1:], start=1):
+                    sock.bind(f"tcp://127.0.0.1:{base + rank}")
+                return socks
+            except zmq.ZMQError:
+                for sock in socks:
+                    sock.close(linger=0)
+        raise AssertionError("no consecutive free ports")
+
+    async def _serve(self, rank: int, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            identity, *frames = await sock.recv_multipart()
+            msg = self._codec.unpack(frames)
+            assert isinstance(msg, Cancel), msg
+            self.cancels.append((rank, msg))
+            await sock.send_multipart([identity, *self._codec.pack(Ack(msg.seq))])
+            if self.agent is not None:
+                await self.agent.send(KvFailed(req_id=msg.req_id, instance_id=self.agent.instance_id, tp_rank=rank,
+                                               reason=f"cancelled by sender: {msg.reason}"))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.wait(self._tasks, timeout=2)
+        for sock in self._socks:
+            sock.close(linger=0)
+        self._ctx.term()

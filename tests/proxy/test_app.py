@@ -77,6 +77,8 @@ async def test_static_instances_from_flags_with_kv_from_an_unannounced_decoder()
             c.network.add(agent)
             prefiller.kv_sink = c.network.deliver
             try:
+                await eventually(lambda: c.proxy.registry.routable(Role.SENDER) and c.proxy.registry.routable(
+                    Role.RECEIVER))  # both /health probes answered 200
                 resp = await c.post("/v1/completions", BODY)
                 assert resp.json()["choices"][0]["text"] == EXPECTED
                 assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 1

@@ -46,7 +46,7 @@ async def test_announce_and_kv_ready_arrive_over_zmq(plane):
     try:
         waiter = plane.waiters.register("req-1", tp_size=2)
         await agent.announce()
-        await eventually(lambda: plane.registry.routable(Role.RECEIVER))
+        await eventually(lambda: any(i.complete for i in plane.registry.instances()))
         agent.on_kv({"req_id": "req-1"})
         outcome = await waiter.wait(timeout_s=2)
         assert outcome.status is KvStatus.READY and outcome.nbytes == 2 * (3 << 20) and outcome.chunks == 3
@@ -79,7 +79,7 @@ async def test_malformed_and_foreign_messages_are_rejected_and_the_listener_keep
     agent = FakeAgent(plane.listener.address, "sender", "http://127.0.0.1:8100", secret="s3cret")
     try:
         await agent.announce()
-        await eventually(lambda: plane.registry.routable(Role.SENDER))
+        await eventually(lambda: [i.role for i in plane.registry.instances()] == [Role.SENDER])
     finally:
         agent.close()
 

@@ -5,7 +5,7 @@ import pytest
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ProtocolError, VersionError
 from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Goodbye
-from lmcache_p2p.proxy.registry import InstanceState, Registry, StaticInstance
+from lmcache_p2p.proxy.registry import Health, Instance, InstanceState, Registry, StaticInstance
 
 
 class Clock:
@@ -30,7 +30,26 @@ def clock() -> Clock:
 
 @pytest.fixture
 def registry(clock: Clock) -> Registry:
-    return Registry(ttl_s=5.0, clock=clock)
+    """Health probes succeed at once (health gating has its own tests below)."""
+    reg = Registry(ttl_s=5.0, clock=clock)
+    reg.on_pending.append(reg.mark_up)
+    return reg
+
+
+class Events:
+    """What the registry told its listeners (as the health prober and the cancel sockets hear it)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.pending: list[Instance] = []
+        self.forgotten: list[Instance] = []
+        registry.on_pending.append(self.pending.append)
+        registry.on_forgotten.append(self.forgotten.append)
+
+
+@pytest.fixture
+def gated(clock: Clock) -> tuple[Registry, Events]:
+    reg = Registry(ttl_s=5.0, clock=clock, max_connect_failures=2)
+    return reg, Events(reg)
 
 
 def test_ranks_aggregate_and_an_instance_is_routable_once_every_rank_announced(registry):
@@ -162,3 +181,64 @@ def test_bad_announces_raise(registry):
     with pytest.raises(ProtocolError, match="tp_rank 2"):
         registry.announce(announce(rank=2, tp=2))
     assert registry.instances() == []
+
+
+# ---- health gating -------------------------------------------------------------------------------
+
+
+def test_an_instance_is_routable_only_once_its_health_probe_succeeded(gated):
+    registry, events = gated
+    inst = registry.announce(announce())
+    static = registry.add_static(StaticInstance(Role.SENDER, "http://127.0.0.1:8100"))
+    assert events.pending == [inst, static] and inst.health is Health.PENDING
+    assert registry.routable(Role.RECEIVER) == [] and registry.routable(Role.SENDER) == []
+    registry.announce(announce())  # a heartbeat is no reason to probe again
+    assert events.pending == [inst, static]
+    registry.mark_up(inst)
+    registry.mark_up(static)
+    assert registry.routable(Role.RECEIVER) == [inst] and registry.routable(Role.SENDER) == [static]
+
+
+def test_failed_connections_in_a_row_take_an_instance_out_until_a_probe_succeeds(gated):
+    registry, events = gated
+    inst = registry.announce(announce())
+    registry.mark_up(inst)
+    registry.note_connect_failure(inst)
+    registry.note_connected(inst)  # a success resets the count
+    registry.note_connect_failure(inst)
+    assert registry.routable(Role.RECEIVER) == [inst]
+    registry.note_connect_failure(inst)
+    assert inst.health is Health.DOWN and registry.routable(Role.RECEIVER) == []
+    assert events.pending == [inst, inst]  # probed again
+    registry.note_connect_failure(inst)  # in-flight requests failing too: no further probe asked for
+    assert events.pending == [inst, inst]
+    registry.mark_up(inst)
+    assert registry.routable(Role.RECEIVER) == [inst] and inst.connect_failures == 0
+
+
+def test_a_restart_after_goodbye_or_a_new_url_is_probed_again(gated):
+    registry, events = gated
+    inst = registry.announce(announce())
+    registry.mark_up(inst)
+    registry.lease(inst, tokens=1)  # keeps it registered while draining
+    registry.goodbye(Goodbye(instance_id="d1"))
+    registry.announce(announce())  # its process restarted: the HTTP server is not up yet
+    assert inst.state is InstanceState.ACTIVE and inst.health is Health.PENDING
+    assert registry.routable(Role.RECEIVER) == []
+    registry.mark_up(inst)
+    registry.announce(announce(url="http://127.0.0.1:8201"))
+    assert inst.health is Health.PENDING and events.pending == [inst, inst, inst]
+
+
+def test_listeners_hear_of_every_instance_the_registry_forgets(gated, clock):
+    registry, events = gated
+    drained = registry.announce(announce("a"))
+    replaced = registry.announce(announce("b"))
+    expired = registry.announce(announce("c"))
+    registry.goodbye(Goodbye(instance_id="a"))
+    registry.announce(announce("b", role="sender"))
+    clock.now_s += 4
+    registry.announce(announce("b", role="sender"))
+    clock.now_s += 2
+    registry.evict_expired()
+    assert events.forgotten == [drained, replaced, expired]

@@ -11,10 +11,12 @@ from lmcache_p2p.proxy.routing import Policy, RequestCost, Router, chunks_needed
 
 def add(registry: Registry, name: str, *, role: str = "receiver", free: int = 100, capacity: int = 100,
         chunk_tokens: int = 256):
-    return registry.announce(Announce(
+    inst = registry.announce(Announce(
         version=PROTOCOL_VERSION, instance_id=name, role=role, http_url=f"http://{name}:1", tp_rank=0, tp_size=1,
         control_host="127.0.0.1", control_port=7300, transport_port=7400, capacity_slots=capacity, free_slots=free,
         chunk_tokens=chunk_tokens))
+    registry.mark_up(inst)  # as if its GET /health answered 200
+    return inst
 
 
 COST = RequestCost(prompt_tokens=1000, max_output_tokens=100)  # 4 chunks of 256
@@ -89,6 +91,14 @@ def test_exclude_is_a_preference():
     registry.lease(b, tokens=1000)
     assert router.pick_prefiller(registry.routable(Role.SENDER), exclude={"a"}) is b
     assert router.pick_prefiller([a], exclude={"a"}) is a
+
+
+def test_a_decoder_that_recomputes_needs_no_buffer_room():
+    registry, router = Registry(10), Router(Policy.LEAST_LOADED)
+    full = add(registry, "a", free=0)
+    assert router.pick_decoder(registry.routable(Role.RECEIVER), COST, needs_kv=False) is full
+    with pytest.raises(NoCapacity):
+        router.pick_decoder(registry.routable(Role.RECEIVER), COST)
 
 
 def test_decoder_with_unknown_capacity_is_always_eligible():

@@ -40,7 +40,11 @@ def test_process_serves_and_exits_cleanly_on_signal(sig):
     proc, url = start_proxy("--prefill", "http://127.0.0.1:1", "--summary-interval-s", "0")
     try:
         health = httpx.get(url + "/health", timeout=5, trust_env=False).json()
-        assert health["prefillers"] == 1 and health["decoders"] == 0
+        assert health["prefillers"] == 0 and health["decoders"] == 0  # nothing listens on :1: never healthy
+        assert httpx.get(url + "/instances", timeout=5, trust_env=False).json() == []
+        static, = httpx.get(url + "/instances?all=1", timeout=5, trust_env=False).json()
+        assert static["http_url"] == "http://127.0.0.1:1" and static["health"] == "pending"
+        assert static["routable"] is False
         proc.send_signal(sig)
         assert proc.wait(timeout=10) == 0
         rest = proc.stderr.read()

@@ -67,3 +67,14 @@ def test_bad_flag_values_fail_at_parse_time(capsys):
     assert "--decode: must be an http" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--kv-timeout-s"):
         parse("--kv-timeout-s", "0")
+
+
+def test_health_flags():
+    s = parse()
+    assert (s.health_probe_interval_s, s.health_probe_timeout_s, s.max_connect_failures) == (1.0, 2.0, 2)
+    s = parse("--health-probe-interval-s", "0.5", "--health-probe-timeout-s", "3", "--max-connect-failures", "5")
+    assert (s.health_probe_interval_s, s.health_probe_timeout_s, s.max_connect_failures) == (0.5, 3.0, 5)
+    with pytest.raises(ConfigError, match="--max-connect-failures"):
+        parse("--max-connect-failures", "0")
+    with pytest.raises(ConfigError, match="--health-probe-interval-s"):
+        parse("--health-probe-interval-s", "0")

