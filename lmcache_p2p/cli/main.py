@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lmcache_p2p.cli import launch, tiny_model
+    from lmcache_p2p.cli import drain, launch, tiny_model
     from lmcache_p2p.proxy import server as proxy_server
 
     parser = argparse.ArgumentParser(prog="lmcache-p2p", description="Prefill/decode disaggregation for vLLM")
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     launch.add_parser(sub)
     tiny_model.add_parser(sub)
+    drain.add_parser(sub)
     proxy = sub.add_parser("proxy", help="run the OpenAI-compatible PD proxy alone")
     proxy_server.add_arguments(proxy)
     proxy.set_defaults(func=proxy_server.run)

@@ -6,8 +6,16 @@ decode orchestration (``flow.py``), the request and response shapes of the OpenA
 health gating of instances (``health.py``), routing policies (``routing.py``), the control socket
 where instances announce themselves and report "KV ready" (``control.py``, ``waiters.py``), the
 Cancel sent to decoders for KV the proxy will not use (``cancel.py``), upstream HTTP calls
-(``upstream.py``), Prometheus metrics (``metrics.py``), flags (``settings.py``), the errors it answers with
+(``upstream.py``), metrics (``metrics.py``), flags (``settings.py``), the errors it answers with
 (``errors.py``) and process lifetime (``server.py``).
+
+Metrics: Prometheus at ``GET /metrics``; a TTFT / handover summary line in the log every
+``--summary-interval-s``; and for benchmarks ``GET /stats``, a read-only JSON summary of every
+sample since start or the last ``POST /stats/reset`` (which answers the window it ended):
+``{"window_s", "ttft_ms", "handover_ms", "kv_wait_ms"}``, each ``{"count", "mean", "p50", "p99"}``
+in milliseconds (null without samples; nearest-rank percentiles). ttft = request received ->
+first token; handover = prefill answer received -> first decode byte; kv_wait = the part of the
+handover spent waiting for "KV ready".
 
 Reading order: ``settings`` -> ``registry`` -> ``health`` -> ``routing`` -> ``waiters`` -> ``control``
 -> ``cancel`` -> ``shaping`` -> ``responses`` -> ``flow`` -> ``app`` -> ``server``.

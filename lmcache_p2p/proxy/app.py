@@ -4,7 +4,11 @@
     GET  /v1/models                              from the first healthy decoder (else prefiller)
     GET  /health                                 200 while the proxy runs; counts routable instances
     GET  /instances                              routable instances (?all=1: every registered one)
+    POST /instances/drain                        {"instance_id"}: no new work; forgotten once idle
     GET  /metrics                                Prometheus
+    GET  /stats                                  TTFT / handover / kv_wait count, mean, p50, p99 (ms) since
+                                                 start or the last reset; read-only
+    POST /stats/reset                            start a new stats window; answers the one that ended
 
 Errors are OpenAI-style JSON (``errors.py``). Once a stream has started (after the first token),
 a later failure is sent in the stream as ``data: {"error": ...}`` followed by ``data: [DONE]``.
@@ -52,7 +56,10 @@ class ProxyApp:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/instances", self.instances, methods=["GET"]),
+            Route("/instances/drain", self.drain, methods=["POST"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/stats", self.stats, methods=["GET"]),
+            Route("/stats/reset", self.reset_stats, methods=["POST"]),
         ])
 
     # ---- generation ------------------------------------------------------------------------------
@@ -141,9 +148,29 @@ class ProxyApp:
             listed = registry.routable(Role.SENDER) + registry.routable(Role.RECEIVER)
         return JSONResponse([_describe(inst) for inst in listed])
 
+    async def drain(self, request: Request) -> Response:
+        """Take an instance out of rotation: ``{"instance_id": ...}``; in-flight work finishes."""
+        try:
+            body = await request.json()
+            instance_id = body["instance_id"]
+        except (ValueError, KeyError, TypeError):
+            return JSONResponse({"error": {"message": 'body must be {"instance_id": "<id from GET /instances>"}',
+                                           "type": "invalid_request_error", "code": 400}}, status_code=400)
+        inst = self._o.registry.drain(str(instance_id))
+        if inst is None:
+            return JSONResponse({"error": {"message": f"no instance {instance_id!r} is registered",
+                                           "type": "not_found_error", "code": 404}}, status_code=404)
+        return JSONResponse(_describe(inst))
+
     async def metrics(self, request: Request) -> Response:
         body, content_type = self._o.metrics.render()
         return Response(body, media_type=content_type)
+
+    async def stats(self, request: Request) -> Response:
+        return JSONResponse(self._o.metrics.stats())
+
+    async def reset_stats(self, request: Request) -> Response:
+        return JSONResponse(self._o.metrics.reset_stats())
 
     # ---- helpers ---------------------------------------------------------------------------------
 

@@ -133,8 +133,7 @@ class RequestFlow:
         self.first = first
         self._prefill_done_s = self._o.clock()
         ttft_s = self._prefill_done_s - self._received_s
-        self._o.metrics.ttft.labels(req.endpoint.value).observe(ttft_s)
-        self._o.metrics.ttft_window.add(ttft_s)
+        self._o.metrics.observe_ttft(req.endpoint.value, ttft_s)
         return first
 
     @property
@@ -168,9 +167,7 @@ class RequestFlow:
             async for event in events:
                 if first_event:
                     first_event = False
-                    handover_s = o.clock() - self._prefill_done_s
-                    o.metrics.handover.observe(handover_s)
-                    o.metrics.handover_window.add(handover_s)
+                    o.metrics.observe_handover(o.clock() - self._prefill_done_s)
                 if isinstance(event.get("usage"), dict):
                     self._decode_completion_tokens = event["usage"].get("completion_tokens")
                 delta = decode_delta(event)
@@ -360,7 +357,7 @@ class RequestFlow:
         self._lease().settle()
         m = self._o.metrics
         m.kv_outcomes.labels(outcome.status.value).inc()
-        m.kv_wait.observe(outcome.wait_s)
+        m.observe_kv_wait(outcome.wait_s)
         if outcome.status is KvStatus.READY:
             m.kv_bytes.inc(outcome.nbytes)
         return outcome

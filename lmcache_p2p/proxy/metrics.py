@@ -1,7 +1,10 @@
-"""Prometheus metrics of one proxy, and the rolling TTFT / handover summary it logs.
+"""Prometheus metrics of one proxy, the rolling TTFT / handover summary it logs, and ``GET /stats``.
 
 Each proxy owns its own ``CollectorRegistry`` (several proxies can live in one test process).
 Per-instance gauges are read from the registry at scrape time, so forgotten instances vanish.
+Every TTFT / handover / kv_wait sample goes to the Prometheus histogram, to the summary window
+(emptied by each summary line) and to the stats window (emptied only by ``reset_stats``, i.e.
+``POST /stats/reset``): exact percentiles for benchmarks, independent of the log summary.
 
 Definitions:
   ttft      request received -> first token available (sent at once to a streaming client)
@@ -14,7 +17,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -59,6 +64,30 @@ class ProxyMetrics:
         r.register(_InstanceCollector(instances))
         self.ttft_window = SampleWindow()
         self.handover_window = SampleWindow()
+        self._stats = _StatsWindows()
+
+    def observe_ttft(self, endpoint: str, seconds: float) -> None:
+        self.ttft.labels(endpoint).observe(seconds)
+        self.ttft_window.add(seconds)
+        self._stats.ttft.add(seconds)
+
+    def observe_handover(self, seconds: float) -> None:
+        self.handover.observe(seconds)
+        self.handover_window.add(seconds)
+        self._stats.handover.add(seconds)
+
+    def observe_kv_wait(self, seconds: float) -> None:
+        self.kv_wait.observe(seconds)
+        self._stats.kv_wait.add(seconds)
+
+    def stats(self) -> dict[str, Any]:
+        """The body of ``GET /stats``: samples since start or the last ``reset_stats``."""
+        return self._stats.describe()
+
+    def reset_stats(self) -> dict[str, Any]:
+        """Start a new stats window; returns the one that ended (the body of ``POST /stats/reset``)."""
+        ended, self._stats = self._stats, _StatsWindows()
+        return ended.describe()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -117,6 +146,13 @@ class Stats:
     p50_s: float = math.nan
     p99_s: float = math.nan
 
+    def to_ms(self) -> dict[str, float | int | None]:
+        """JSON-friendly, in milliseconds; None where there is no sample."""
+        def ms(value_s: float) -> float | None:
+            return None if math.isnan(value_s) else round(value_s * 1e3, 3)
+
+        return {"count": self.count, "mean": ms(self.mean_s), "p50": ms(self.p50_s), "p99": ms(self.p99_s)}
+
     def describe_ms(self) -> str:
         if not self.count:
             return "n=0"
@@ -134,11 +170,30 @@ class SampleWindow:
         self._samples.append(value_s)
 
     def take(self) -> Stats:
-        samples = sorted(self._samples)
+        stats = self.peek()
         self._samples.clear()
+        return stats
+
+    def peek(self) -> Stats:
+        """The samples' statistics, leaving them in the window."""
+        samples = sorted(self._samples)
         if not samples:
             return Stats(0)
         return Stats(len(samples), sum(samples) / len(samples), _percentile(samples, 50), _percentile(samples, 99))
+
+
+class _StatsWindows:
+    """What ``GET /stats`` reports: every sample since this object was made."""
+
+    def __init__(self) -> None:
+        self.started_s = time.monotonic()
+        self.ttft = SampleWindow()
+        self.handover = SampleWindow()
+        self.kv_wait = SampleWindow()
+
+    def describe(self) -> dict[str, Any]:
+        return {"window_s": round(time.monotonic() - self.started_s, 3), "ttft_ms": self.ttft.peek().to_ms(),
+                "handover_ms": self.handover.peek().to_ms(), "kv_wait_ms": self.kv_wait.peek().to_ms()}
 
 
 def _percentile(ordered: list[float], pct: float) -> float:

@@ -205,6 +205,7 @@ class Registry:
         self._max_connect_failures = max_connect_failures
         self._dynamic: dict[str, Instance] = {}
         self._static: dict[tuple[Role, str], Instance] = {}
+        self._drained: dict[str, float] = {}  # instance_id -> last heartbeat, for operator-drained ones
         self.on_pending: list[InstanceCallback] = []  # an instance needs a health probe
         self.on_forgotten: list[InstanceCallback] = []  # an instance was dropped from the registry
 
@@ -232,13 +233,19 @@ class Registry:
         self._notify(self.on_pending, inst)
         return inst
 
-    def announce(self, msg: Announce) -> Instance:
-        """Add or refresh one rank; raises ProtocolError for an announce that cannot be used."""
+    def announce(self, msg: Announce) -> Instance | None:
+        """Add or refresh one rank; raises ProtocolError for an announce that cannot be used.
+
+        None: the instance was drained by an operator and is ignored until it stops.
+        """
         if msg.version != PROTOCOL_VERSION:
             raise VersionError(
                 f"instance {msg.instance_id} speaks protocol {msg.version}, the proxy {PROTOCOL_VERSION}: "
                 "run the same lmcache_p2p version everywhere"
             )
+        if msg.instance_id in self._drained:
+            self._drained[msg.instance_id] = self.now()
+            return None
         role = _parse_role(msg)
         if not 0 <= msg.tp_rank < msg.tp_size:
             raise ProtocolError(f"instance {msg.instance_id}: tp_rank {msg.tp_rank} outside tp_size {msg.tp_size}")
@@ -293,9 +300,31 @@ class Registry:
         self._forget_if_drained(inst)
         return inst
 
+    def drain(self, instance_id: str) -> Instance | None:
+        """An operator takes an instance out of rotation before stopping it (``POST /instances/drain``).
+
+        No new work goes to it; in-flight work finishes; then it is forgotten. Its heartbeats are
+        ignored from then on, until they have been silent for the TTL (the process was stopped),
+        so it does not come back by itself while it shuts down.
+        """
+        inst = self._dynamic.get(instance_id) or next(
+            (i for i in self._static.values() if i.instance_id == instance_id), None)
+        if inst is None:
+            return None
+        if inst.state is InstanceState.ACTIVE:
+            inst.state = InstanceState.DRAINING
+            logger.info("%s %s (%s) drained by the operator: %d in-flight request(s) finish first",
+                        _role_name(inst.role), inst.instance_id, inst.http_url, inst.inflight_requests)
+        if not inst.static:
+            self._drained[instance_id] = self.now()
+            self._forget_if_drained(inst)
+        return inst
+
     def evict_expired(self) -> list[Instance]:
         """Forget instances with a rank silent for longer than the TTL."""
         deadline = self.now() - self._ttl_s
+        for instance_id in [i for i, seen in self._drained.items() if seen < deadline]:
+            del self._drained[instance_id]
         expired = [
             inst for inst in self._dynamic.values() if any(r.last_seen_s < deadline for r in inst.ranks.values())
         ]

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from e2e.cluster import Cluster
+from lmcache_p2p.cli.cluster import Cluster
 
 pytestmark = pytest.mark.vllm
 
@@ -164,8 +164,10 @@ def test_decoder_joins_and_leaves_while_requests_flow(cluster, reference, tiny_m
         prompt_tokens = {r["usage"]["prompt_tokens"] for r in reference.values()}
         assert_decoder_loaded_all(cluster, "decoder-1", 0, prompt_tokens)  # the new decoder got traffic, with KV
         served_before_leave = len(results)
-        joined.stop()  # SIGTERM: graceful; the proxy must drain it, not fail requests
-        cluster.wait_registered(1, 1, timeout_s=30)
+        # Graceful leave: drain it through the proxy (no new work, in-flight finishes), then stop it.
+        assert drain(cluster.url, "decoder-1", timeout_s=60)
+        assert cluster.health()["decoders"] == 1
+        joined.stop()
         deadline = time.monotonic() + 60
         while len(results) < served_before_leave + 4 and time.monotonic() < deadline:
             time.sleep(0.5)

@@ -130,3 +130,28 @@ async def test_summary_line_reports_ttft_and_handover():
         line = c.proxy.metrics.take_summary()
         assert line.startswith("TTFT n=3 mean") and "handover n=3" in line and "p99" in line
         assert c.proxy.metrics.take_summary() is None
+
+
+async def test_stats_summarizes_every_request_since_start_or_reset():
+    async with make_cluster() as c:
+        empty = (await c.client.get("/stats")).json()
+        assert empty["ttft_ms"] == {"count": 0, "mean": None, "p50": None, "p99": None}
+        for _ in range(3):
+            await c.post("/v1/completions", BODY)
+        await c.stream("/v1/completions", {**BODY, "stream": True})
+        assert c.proxy.metrics.take_summary() is not None  # the log summary does not empty /stats
+        stats = (await c.client.get("/stats")).json()
+        assert set(stats) == {"window_s", "ttft_ms", "handover_ms", "kv_wait_ms"} and stats["window_s"] > 0
+        for key in ("ttft_ms", "handover_ms", "kv_wait_ms"):
+            s = stats[key]
+            assert s["count"] == 4, key
+            assert 0 <= s["p50"] <= s["p99"] and s["mean"] >= 0, key
+        assert (await c.client.get("/stats")).json()["ttft_ms"]["count"] == 4  # GET is read-only
+
+        ended = (await c.client.post("/stats/reset")).json()
+        assert ended["handover_ms"]["count"] == 4
+        after = (await c.client.get("/stats")).json()
+        assert after["ttft_ms"]["count"] == after["handover_ms"]["count"] == 0 and after["handover_ms"]["p50"] is None
+        await c.post("/v1/completions", {**BODY, "max_tokens": 1})  # no decode: a TTFT, no handover
+        after = (await c.client.get("/stats")).json()
+        assert (after["ttft_ms"]["count"], after["handover_ms"]["count"], after["kv_wait_ms"]["count"]) == (1, 0, 0)

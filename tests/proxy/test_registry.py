@@ -242,3 +242,21 @@ def test_listeners_hear_of_every_instance_the_registry_forgets(gated, clock):
     clock.now_s += 2
     registry.evict_expired()
     assert events.forgotten == [drained, replaced, expired]
+
+
+def test_operator_drain_keeps_a_live_instance_out_until_it_stops(registry, clock):
+    d1 = registry.announce(announce("d1"))
+    d2 = registry.announce(announce("d2", url="http://127.0.0.1:8201"))
+    lease = registry.lease(d1, tokens=100)
+    assert registry.drain("d1") is d1
+    assert registry.routable(Role.RECEIVER) == [d2]  # no new work ...
+    assert d1 in registry.instances()  # ... while its request finishes
+    lease.release()
+    assert d1 not in registry.instances()
+    clock.now_s += 2
+    assert registry.announce(announce("d1")) is None  # its heartbeats do not bring it back
+    assert registry.routable(Role.RECEIVER) == [d2]
+    clock.now_s += 6  # silent for the TTL: it was stopped; a new start registers again
+    registry.evict_expired()
+    assert registry.announce(announce("d1")) is not None
+    assert registry.drain("unknown") is None

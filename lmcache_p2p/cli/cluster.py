@@ -1,4 +1,11 @@
-"""A real XpYd deployment for end-to-end tests, started with the launcher's own building blocks."""
+"""A running deployment started from Python with the launcher's own building blocks.
+
+Used by the end-to-end tests and by ``bench/e2e.py``: :class:`Cluster` is the proxy plus X
+prefillers and Y decoders exactly as ``lmcache-p2p launch`` starts them (same YAML, flags and
+environment; each vLLM-CPU instance on core ``slot % cores``), on a free port range;
+:func:`plain_vllm_child` is one vLLM server with no LMCache and no KV transfer, the reference a
+deployment is compared with. Nothing here configures logging.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +14,24 @@ import re
 import socket
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
 from lmcache_p2p.cli import launch
 from lmcache_p2p.cli.main import build_parser
-from lmcache_p2p.cli.processes import Child, stop_all, wait_healthy
-from lmcache_p2p.cli.vllm_env import write_logging_config
+from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
+from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
 
+# Logged by LMCache's vLLM adapter for every lookup an instance makes.
 HIT_RE = re.compile(r"Total tokens (\d+), Inference Engine computed tokens: (\d+), LMCache hit tokens: (\d+)")
+
+
+class Lookup(NamedTuple):
+    """One LMCache lookup of an instance: its prompt length and how many tokens hit."""
+
+    total_tokens: int
+    hit_tokens: int
 
 
 def free_base_port(span: int = 400) -> int:
@@ -38,16 +54,22 @@ def _free(port: int) -> bool:
             return False
 
 
+def lookups_in_log(log_path: Path) -> list[Lookup]:
+    """Every LMCache lookup an instance logged, in order."""
+    text = log_path.read_text(errors="replace")
+    return [Lookup(int(total), int(hit)) for total, _, hit in HIT_RE.findall(text)]
+
+
 class Cluster:
     """Proxy + prefillers + decoders; ``add_decoder`` joins one while the rest keeps serving."""
 
     def __init__(self, model: Path, log_dir: Path, *, prefill: int = 1, decode: int = 1,
-                 proxy_args: tuple[str, ...] = ()) -> None:
+                 proxy_args: tuple[str, ...] = (), buffer_size: str = "256MB") -> None:
         base = free_base_port()
         argv = ["launch", "--model", str(model), "--prefill", str(prefill), "--decode", str(decode),
                 "--proxy-port", str(base), "--proxy-control-port", str(base + 1), "--prefill-port", str(base + 10),
                 "--decode-port", str(base + 30), "--kv-port", str(base + 50), "--log-dir", str(log_dir),
-                "--buffer-size", "256MB", *[f"--proxy-arg={a}" for a in proxy_args]]
+                "--buffer-size", buffer_size, *[f"--proxy-arg={a}" for a in proxy_args]]
         self.args: argparse.Namespace = build_parser().parse_args(argv)
         self.model = model
         self.log_dir = log_dir
@@ -84,20 +106,34 @@ class Cluster:
             if (health["prefillers"], health["decoders"]) == (prefillers, decoders):
                 return health
             if time.monotonic() > deadline:
-                raise AssertionError(f"registry never showed {prefillers}P{decoders}D: {health}")
+                raise StartupError(f"the proxy's registry never showed {prefillers}P{decoders}D within "
+                                   f"{timeout_s:.0f}s: {health}; see {self.proxy.log_path}")
             time.sleep(0.5)
 
     def url_of(self, name: str) -> str:
         child = self.children[name]
         return child.health_url.removesuffix("/health")
 
-    def lmcache_hits(self, name: str) -> list[tuple[int, int]]:
+    def decoder_names(self) -> list[str]:
+        return [name for name in self.children if name.startswith("decoder-")]
+
+    def lmcache_hits(self, name: str) -> list[Lookup]:
         """(total tokens, LMCache hit tokens) of every request the instance looked up."""
-        text = self.children[name].log_path.read_text(errors="replace")
-        return [(int(t), int(h)) for t, _, h in HIT_RE.findall(text)]
+        return lookups_in_log(self.children[name].log_path)
 
     def stop(self) -> None:
         stop_all(list(self.children.values()))
 
     def wait_started(self, child: Child, timeout_s: float = 300) -> None:
         wait_healthy([child], timeout_s)
+
+
+def plain_vllm_child(model: Path, log_dir: Path, *, port: int, cpu_core: int | None, name: str = "direct",
+                     max_model_len: int = 2048) -> Child:
+    """One vLLM server without LMCache or a KV-transfer config, with the PD instances' other flags
+    (no prefix caching, same context length, environment and logging)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logging_config = write_logging_config(log_dir / "logging.json")
+    argv = vllm_argv(model, port, "--no-enable-prefix-caching", "--max-model-len", str(max_model_len))
+    env = vllm_env(cpu_core=cpu_core, logging_config=logging_config)
+    return Child(name, argv, env, log_dir / f"{name}.log", f"http://127.0.0.1:{port}/health")
