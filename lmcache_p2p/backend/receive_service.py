@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 5
 _EXPIRE_EVERY_S = 0.05
+_SPIN_AFTER_ACTIVITY_S = 1.0  # spin-poll this long after a grant or a landed write, not for a dead sender
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,7 @@ class ReceiveService:
         self._cancelled: dict[str, float] = {}  # req_id -> until when a late Alloc is refused
         self._stop = threading.Event()
         self._closed = False
+        self._last_activity = 0.0
         self.control_endpoint = f"tcp://{cfg.host}:{cfg.control_port(tp_rank)}"
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -151,7 +153,13 @@ class ReceiveService:
         next_expire = 0.0
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(_POLL_MS))
+                # While granted slots await their bytes, poll without sleeping: with NIXL's progress
+                # thread off, UCX tcp moves a receiver's bytes only while it polls notifications.
+                expecting = (self._pool.reserved_slots > 0
+                             and time.monotonic() - self._last_activity < _SPIN_AFTER_ACTIVITY_S)
+                events = dict(poller.poll(0 if expecting else _POLL_MS))
+                if expecting and not events:
+                    time.sleep(0)
                 if self._sock in events:
                     self._drain_socket()
                 self._drain_notifications()
@@ -267,6 +275,7 @@ class ReceiveService:
                 if not req.keys:
                     del self._requests[msg.req_id]
                 return self._refuse(msg, protocol.RefusalCode.FULL, str(exc), needed=exc.needed_slots)
+            self._last_activity = time.monotonic()
             granted = [-1] * len(msg.keys)
             for i, slot in zip(new, slots):
                 req.keys[msg.keys[i]] = slot
@@ -305,6 +314,7 @@ class ReceiveService:
             self._on_written(msg)
 
     def _on_written(self, msg: protocol.Written) -> None:
+        self._last_activity = time.monotonic()
         stale = self._pool.mark_ready(msg.req_id, msg.slots, self._cfg.ready_lease_s)
         with self._lock:
             req = self._requests.get(msg.req_id)

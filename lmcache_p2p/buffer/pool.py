@@ -47,11 +47,17 @@ class SlotPool:
         self._deadline = [0.0] * num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # a stack: pop() gives slot 0 first
         self._by_owner: dict[Owner, set[int]] = {}
+        self._reserved = 0  # slots granted whose bytes have not landed yet
 
     # ---- queries ----
     @property
     def free_slots(self) -> int:
         return len(self._free)
+
+    @property
+    def reserved_slots(self) -> int:
+        """Slots granted to senders whose bytes have not landed yet (RESERVED)."""
+        return self._reserved
 
     def state(self, slot: int) -> SlotState:
         return self._state[slot]
@@ -78,6 +84,7 @@ class SlotPool:
                 return []
             deadline = self._clock() + lease_s
             slots = [self._free.pop() for _ in range(count)]
+            self._reserved += count
             owned = self._by_owner.setdefault(owner, set())
             for s in slots:
                 self._state[s] = SlotState.RESERVED
@@ -94,6 +101,7 @@ class SlotPool:
             for s in slots:
                 if 0 <= s < self.num_slots and self._owner[s] == owner and self._state[s] == SlotState.RESERVED:
                     self._state[s] = SlotState.READY
+                    self._reserved -= 1
                     self._deadline[s] = deadline
                 else:
                     stale.append(s)
@@ -136,6 +144,8 @@ class SlotPool:
     def _free_locked(self, s: int) -> None:
         if self._state[s] == SlotState.FREE:
             return
+        if self._state[s] == SlotState.RESERVED:
+            self._reserved -= 1
         owner = self._owner[s]
         owned = self._by_owner.get(owner)
         if owned is not None:
@@ -160,3 +170,5 @@ class SlotPool:
                 else:
                     assert self._owner[s] is None, f"free slot {s} has an owner"
             assert owned == self._by_owner, "owner index out of sync"
+            reserved = sum(1 for st in self._state if st == SlotState.RESERVED)
+            assert reserved == self._reserved, "reserved count out of sync"

@@ -156,7 +156,7 @@ def test_decoder_joins_and_leaves_while_requests_flow(cluster, reference, tiny_m
     worker.start()
     try:
         joined = cluster.add_decoder(1)
-        cluster.wait_started(joined)
+        cluster.wait_started(joined, timeout_s=600)  # slow when other work shares the 2 cores
         cluster.wait_registered(1, 2)
         deadline = time.monotonic() + 120
         while not cluster.lmcache_hits("decoder-1") and time.monotonic() < deadline:
