@@ -24,7 +24,8 @@ equal to direct at the first concurrency level, a batch-invariance check), and t
 lookups parsed from their logs (``kv_full_hits``: hit = every token but the last, i.e. the whole
 prompt; ``kv_full_chunk_hits``: every full chunk hit and the rest was recomputed, which is what
 happens when the proxy sends the prompt without the first token, see ``proxy/flow.py``
-``decoder_regenerates_first``).
+``decoder_regenerates_first``; ``kv_misses``: the rest, i.e. recomputed prompts). Every request's
+token arrival times go to ``<log-dir>/<path>-c<N>-requests.json``.
 
     .venv/bin/python bench/e2e.py                              # 64 requests, concurrency 1 and 4
     .venv/bin/python bench/e2e.py --paths direct,proxy-1p1d --concurrency 4 --requests 16
@@ -90,6 +91,7 @@ class RequestResult:
     ttft_s: float | None
     latency_s: float
     output_ids: tuple[int, ...]
+    token_times_s: tuple[float, ...]  # arrival of each event carrying output token ids, from the send
 
     @property
     def ok(self) -> bool:
@@ -146,6 +148,7 @@ class Row:
     kv_lookups: int | None
     kv_full_hits: int | None
     kv_full_chunk_hits: int | None
+    kv_misses: int | None
     output_len: int
     input_tokens_min: int
     input_tokens_max: int
@@ -186,8 +189,8 @@ def request_body(model: Path, prompt: list[int], output_len: int) -> dict[str, A
 async def one_request(client: httpx.AsyncClient, url: str, index: int, body: dict[str, Any]) -> RequestResult:
     """Stream one completion; TTFT is the arrival of the first event carrying an output token id."""
     start = time.perf_counter()
-    ttft_s: float | None = None
     ids: list[int] = []
+    times: list[float] = []
     error: str | None = None
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
@@ -203,14 +206,15 @@ async def one_request(client: httpx.AsyncClient, url: str, index: int, body: dic
                         break
                     for choice in event.get("choices") or ():
                         tokens = choice.get("token_ids") or ()
-                        if tokens and ttft_s is None:
-                            ttft_s = time.perf_counter() - start
-                        ids.extend(tokens)
+                        if tokens:
+                            times.append(time.perf_counter() - start)
+                            ids.extend(tokens)
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
     if error is None and len(ids) != body["max_tokens"]:
         error = f"{len(ids)} output tokens, expected {body['max_tokens']}"
-    return RequestResult(index, error, ttft_s, time.perf_counter() - start, tuple(ids))
+    return RequestResult(index, error, times[0] if times else None, time.perf_counter() - start, tuple(ids),
+                         tuple(times))
 
 
 async def run_load(url: str, bodies: Sequence[dict[str, Any]], concurrency: int) -> tuple[list[RequestResult], float]:
@@ -352,10 +356,15 @@ def _stat(stats: dict[str, Any] | None, key: str, field: str) -> float | None:
     return None if stats is None else stats[key][field]
 
 
-def classify_lookups(lookups: Sequence[Lookup], chunk_tokens: int) -> tuple[int, int]:
-    """(whole prompt hit, every full chunk hit) counts; see the module docstring."""
+def classify_lookups(lookups: Sequence[Lookup], chunk_tokens: int, prompt_lengths: Collection[int]) -> tuple[int, int]:
+    """(whole prompt hit, every full chunk hit) counts; see the module docstring.
+
+    A decoder prompt of prompt + first token (``total - 1`` tokens looked up, the last one is
+    skipped) hits all of it. A decoder prompt of the prompt alone (``total`` is a prompt length)
+    hits the prompt's full chunks only: its partial last chunk differs from the stored one.
+    """
     full = sum(1 for lk in lookups if lk.hit_tokens == lk.total_tokens - 1)
-    chunks = sum(1 for lk in lookups if lk.hit_tokens != lk.total_tokens - 1
+    chunks = sum(1 for lk in lookups if lk.hit_tokens != lk.total_tokens - 1 and lk.total_tokens in prompt_lengths
                  and lk.hit_tokens == (lk.total_tokens - 1) // chunk_tokens * chunk_tokens)
     return full, chunks
 
@@ -379,7 +388,8 @@ def summarize(run: Run, reference: Run | None, direct_ttft_p50_ms: float | None,
     equal, mismatched = compare_outputs(run, reference)
     ttft_p50 = _ms(percentile(ttfts, 50))
     is_proxy = run.proxy_stats is not None
-    full, chunks = classify_lookups(run.lookups, run.chunk_tokens) if is_proxy else (None, None)
+    full, chunks = (classify_lookups(run.lookups, run.chunk_tokens, set(prompt_lengths)) if is_proxy
+                    else (None, None))
     errors = [r.error for r in run.results if not r.ok]
     return Row(
         path=run.path, concurrency=run.concurrency, requests=len(run.results), failed=len(errors),
@@ -397,6 +407,7 @@ def summarize(run: Run, reference: Run | None, direct_ttft_p50_ms: float | None,
         kv_wait_ms_p50=_stat(run.proxy_stats, "kv_wait_ms", "p50"),
         kv_wait_ms_p99=_stat(run.proxy_stats, "kv_wait_ms", "p99"),
         kv_lookups=len(run.lookups) if is_proxy else None, kv_full_hits=full, kv_full_chunk_hits=chunks,
+        kv_misses=len(run.lookups) - full - chunks if full is not None and chunks is not None else None,
         output_len=cfg.output_len, input_tokens_min=min(prompt_lengths), input_tokens_max=max(prompt_lengths),
         wall_s=round(run.wall_s, 2), cores=run.cores, machine_quiet_before=run.before.quiet,
         load_1m_before=round(run.before.load_1m, 2), other_vllm_servers_after=len(run.others_after),
@@ -413,6 +424,15 @@ def build_rows(runs: Sequence[Run], cfg: BenchConfig, prompt_lengths: Sequence[i
                       direct_p50.get(run.concurrency), cfg, prompt_lengths) for run in runs]
     order = {p: i for i, p in enumerate(PATHS)}
     return sorted(rows, key=lambda r: (r.concurrency, order[r.path]))
+
+
+def write_requests(run: Run, prompts: Sequence[Sequence[int]], path: Path) -> None:
+    """Every request of a run (for a closer look than the table's percentiles)."""
+    items = [{"index": r.index, "prompt_tokens": len(prompts[r.index]), "ttft_ms": _ms(r.ttft_s),
+              "latency_ms": _ms(r.latency_s), "error": r.error, "token_times_ms": [_ms(t) for t in r.token_times_s]}
+             for r in run.results]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(items, indent=1) + "\n")
 
 
 def print_table(rows: Sequence[Row]) -> None:
@@ -485,6 +505,7 @@ def resolve_model(model: Path | None) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     cfg = parse_args(argv)
     vocab = prompt_vocab(cfg.model)
     prompts = make_prompts(cfg.requests, cfg.min_input, cfg.max_input, vocab, cfg.seed)
@@ -494,6 +515,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[Run] = []
     for path in sorted(cfg.paths, key=lambda p: p != "direct"):  # direct first: the reference
         runs += run_direct(cfg, bodies, vocab) if path == "direct" else run_proxy(path, cfg, bodies, vocab)
+    for run in runs:
+        write_requests(run, prompts, cfg.log_dir / f"{run.path}-c{run.concurrency}-requests.json")
     rows = build_rows(runs, cfg, [len(p) for p in prompts])
     print_table(rows)
     cfg.out.parent.mkdir(parents=True, exist_ok=True)

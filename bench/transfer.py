@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import mmap
 import multiprocessing
 import os
 import random
@@ -31,6 +30,8 @@ import time
 from collections import deque
 from pathlib import Path
 from typing import Any
+
+from lmcache_p2p.buffer.memory import Memory
 
 # UCX environment per path, set in the two peer processes only.
 PATHS: dict[str, dict[str, dict[str, str]]] = {
@@ -88,21 +89,10 @@ def _ceiling_device(device: Any) -> Any:
     return device if device.type == "cpu" else torch.device("cuda", torch.cuda.device_count() - 1)
 
 
-def _buffer(nbytes: int, device: Any, hugepages: bool) -> tuple[Any, mmap.mmap | None]:
-    """A zeroed uint8 buffer; on the host, backed by transparent huge pages when asked.
-
-    Huge pages matter for UCX shared memory: CMA (process_vm_writev) pins and walks the
-    receiver's pages one by one, and with 4 KiB pages that roughly halves its throughput.
-    """
-    import torch
-
-    if device.type != "cpu" or not hugepages:
-        return torch.zeros(nbytes, dtype=torch.uint8, device=device), None
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
-    tensor = torch.frombuffer(mapping, dtype=torch.uint8)
-    tensor.zero_()  # fault every page in now, as huge pages
-    return tensor, mapping
+def _buffer(nbytes: int, device: Any, hugepages: bool) -> tuple[Any, Memory]:
+    """A zeroed uint8 buffer, allocated as the receiver allocates its buffer (huge pages on the host)."""
+    memory = Memory(nbytes, str(device), hugepages=hugepages)
+    return memory.tensor, memory
 
 
 def _sync(*devices: Any) -> None:
@@ -126,7 +116,7 @@ class Peer:
         self.buffer = None
         self.srcs: list = []
         self.local = None
-        self.mappings: list[mmap.mmap | None] = []  # keep huge-page mappings alive
+        self.mappings: list[Any] = []  # keep huge-page mappings alive
 
     def setup(self, nbytes: int) -> bytes:
         import msgspec

@@ -22,6 +22,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from lmcache_p2p.backend.common import build_transport, dtype_name, load_config, tp_rank_of
 from lmcache_p2p.backend.receive_service import Chunk, ReceiveService
 from lmcache_p2p.buffer import SlotPool
+from lmcache_p2p.buffer.memory import Memory
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ConfigError
 
@@ -79,7 +80,8 @@ class ReceiverBackend(StoragePluginInterface):
             raise ConfigError("p2p.buffer_size", f"{self.cfg.buffer_size_bytes} bytes is smaller than one chunk of "
                                                  f"this model ({slot_bytes} bytes); raise it")
         try:
-            self._buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, device=self.cfg.buffer_device)
+            self._memory = Memory(num_slots * slot_bytes, self.cfg.buffer_device)
+            self._buffer = self._memory.tensor
             self._transport = build_transport(self.cfg, f"p2p-recv-{tp_rank}-{id(self):x}", tp_rank)
             region = self._transport.register(self._buffer)
             self._service = ReceiveService(

@@ -11,7 +11,10 @@ Rules every implementation follows (the contract suite in tests/transport checks
   * every wait takes a timeout and raises :class:`TransportTimeout` past it;
   * third-party failures surface as :class:`TransportError` subclasses, mapped at the edge;
   * ``close()`` is idempotent and safe after a failed start; later use raises ClosedError;
-  * sources may be host or device memory, destinations host or device memory.
+  * sources may be host or device memory, destinations host or device memory;
+  * a receiver keeps polling ``get_notifications`` while it expects writes: some paths (UCX tcp
+    with no progress thread) only take bytes in while the receiver polls, so a receiver that
+    stops polling stalls its senders until their waits time out.
 """
 
 from __future__ import annotations

@@ -397,8 +397,8 @@ class NixlTransport(Transport):
         """True once the write completed (its handle is then released); TransportError if it failed."""
         xfer: _Xfer = handle.token
         with self._lock:
+            agent = self._check_open()
             if not xfer.done and not xfer.error:
-                agent = self._check_open()
                 try:
                     status = _Status(agent.check_xfer_state(xfer.xfer))
                 except self._errors as exc:
