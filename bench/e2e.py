@@ -12,8 +12,9 @@ with a fixed number in flight (each ``--concurrency`` level in turn) along each 
 
 Phases run one after the other; each starts only its servers and stops them before the next
 (memory and cores). Each phase warms up with requests that are not measured. Before a phase
-starts, the machine must be quiet (1-minute load < 1.0, no other vLLM API server): the bench
-waits up to ``--quiet-wait-s`` (checking every 30 s) and records whether it was.
+starts, the machine must be quiet (1-minute load < 1.0, no other vLLM API server), and before
+each measured run no other vLLM API server may run: the bench waits up to ``--quiet-wait-s``
+(checking every 30 s) and records whether it was quiet.
 
 Per (path, concurrency) row: client-side TTFT (request sent -> first streamed token id) p50/p99,
 handover p50/p99 and KV wait from the proxy's ``GET /stats`` (reset before each run), output
@@ -265,6 +266,18 @@ def wait_until_quiet(max_wait_s: float) -> MachineState:
     return state
 
 
+def wait_for_no_other_servers(own_pids: Collection[int], max_wait_s: float) -> tuple[str, ...]:
+    """Before a measured run (our servers up, so the load average says nothing): wait up to
+    ``max_wait_s`` for vLLM servers this bench did not start to go; returns those still there."""
+    deadline = time.monotonic() + max_wait_s
+    others = other_vllm_servers(own_pids)
+    while others and time.monotonic() < deadline:
+        logger.info("%d other vLLM servers running; checking again in %.0f s", len(others), QUIET_CHECK_EVERY_S)
+        time.sleep(min(QUIET_CHECK_EVERY_S, max(0.0, deadline - time.monotonic())))
+        others = other_vllm_servers(own_pids)
+    return others
+
+
 # ---- phases -------------------------------------------------------------------------------------
 
 
@@ -287,6 +300,7 @@ def run_direct(cfg: BenchConfig, bodies: Sequence[dict[str, Any]], vocab: Sequen
         wait_healthy([child], STARTUP_TIMEOUT_S)
         warm_up(url, cfg, vocab)
         for concurrency in cfg.concurrency:
+            wait_for_no_other_servers(_pids([child]), cfg.quiet_wait_s)
             logger.info("direct: %d requests, concurrency %d", len(bodies), concurrency)
             results, wall_s = asyncio.run(run_load(url, bodies, concurrency))
             others = other_vllm_servers(_pids([child]))
@@ -307,6 +321,7 @@ def run_proxy(path: str, cfg: BenchConfig, bodies: Sequence[dict[str, Any]], voc
         cores = cores_of(cluster)
         chunk_tokens = decoder_chunk_tokens(cluster)
         for concurrency in cfg.concurrency:
+            wait_for_no_other_servers(_pids(cluster.children.values()), cfg.quiet_wait_s)
             logger.info("%s: %d requests, concurrency %d", path, len(bodies), concurrency)
             seen = {name: len(cluster.lmcache_hits(name)) for name in cluster.decoder_names()}
             httpx.post(f"{cluster.url}/stats/reset", timeout=10).raise_for_status()

@@ -1,21 +1,31 @@
-"""Sender -> receiver throughput through NixlTransport, beside an in-process memcpy ceiling.
+"""Sender -> receiver throughput through our transports, beside a ceiling measured in the same run.
 
-Two processes on one machine (spawned; the UCX environment is set in them only): a receiver
-with one registered buffer of slots, a sender with one registered pool of chunks. Each row moves
-``--total-bytes`` (1 GiB) as chunks of one size into SCATTERED slots (a random permutation),
-``--write-bytes`` of chunks per write (one NIXL descriptor per chunk), ``--inflight`` writes in
+Two processes on one machine (spawned; each path's environment is set in them only): a receiver
+with one registered buffer of slots, a sender with one pool of chunks. Each row moves
+``--total-bytes`` as chunks of one size into SCATTERED slots (a random permutation per pass),
+``--write-bytes`` of chunks per write (NIXL: one descriptor per chunk), ``--inflight`` writes in
 flight. Time runs from the sender's first post to the receiver's last notification (one clock,
-CLOCK_MONOTONIC, for both processes). The ceiling is measured in the same run, between
-repetitions: the sender process copies the same chunks into scattered slots of a local buffer
-with ``torch`` ``copy_`` (best of 1 thread and torch's default threads). Host buffers are backed by
-transparent huge pages unless ``--no-hugepages``. Each figure is the best of ``--repeats``
-repetitions (the machine is shared). GB/s = 1e9 bytes/s.
+CLOCK_MONOTONIC, for both processes). Each figure is the best of ``--repeats`` (the machine may
+be shared); the ceiling is measured between repetitions, on the same chunks and scattered slots:
+
+  memcpy     (cpu)  the sender copies the chunks into a local host buffer with torch copy_
+                    (best of 1 thread and torch's default threads); host buffers use huge pages
+                    unless --no-hugepages
+  peer_copy  (cuda) torch copy_ of each chunk from GPU 0 into a buffer on GPU 1 (device->device)
+  h2d        (cuda) torch copy_ of each chunk from pinned host memory into a buffer on GPU 0,
+                    the sender's own GPU (host->device paths: the PCIe limit)
+  nccl_raw   (cuda) plain torch ProcessGroupNCCL send/recv of each chunk between the same two
+                    processes (the NCCL transport's device->device path)
+
+After the timed repetitions the receiver's slots are checked against the sender's chunks (two
+64-bit checksums per slot, sum and position-weighted sum of 32-bit words): ``bytes_equal``.
 
     python bench/transfer.py                       # cpu: nixl-sm and nixl-tcp, host -> host
-    python bench/transfer.py --device cuda         # GPU buffers over cuda_ipc (not run on CPU machines)
+    python bench/transfer.py --device cuda         # 2 GPUs: nixl and nccl, vram->vram and host->vram
 
-Writes ``bench/results/transfer_<device>.json``: one row per (path, chunk size) with ``path``,
-``chunk_bytes``, ``gbps``, ``ceiling_gbps``, ``ratio`` and the settings used.
+Writes ``bench/results/transfer_<cpu|gpu>.json``: one row per (path, chunk size) with ``path``,
+``chunk_bytes``, ``gbps``, ``ceiling_name``, ``ceiling_gbps``, ``ratio``, ``bytes_equal`` and the
+settings used. GB/s = 1e9 bytes/s.
 """
 
 from __future__ import annotations
@@ -26,26 +36,66 @@ import json
 import multiprocessing
 import os
 import random
+import socket
 import time
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from lmcache_p2p.buffer.memory import Memory
 
-# UCX environment per path, set in the two peer processes only.
-PATHS: dict[str, dict[str, dict[str, str]]] = {
+NIXL = "lmcache_p2p.transport.nixl:NixlTransport"
+NCCL = "lmcache_p2p.transport.nccl:NcclTransport"
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+UCX_GPU = {**GPU_ENV, "UCX_TLS": "cuda_ipc,cuda_copy,tcp,self"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Side:
+    memory: str  # "cpu" (huge-page host), "pinned" (page-locked host) or "cuda:N"
+    device: str = ""  # the GPU the process works on ("" for none)
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # transport arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class PathSpec:
+    factory: str
+    env: Mapping[str, str]
+    tx: Side
+    rx: Side
+    ceiling: str  # memcpy | peer_copy | h2d | nccl_raw
+    default: bool = True  # run without --paths
+
+
+_RX_GPU = Side("cuda:1", "cuda:1")
+_STAGE = {"stage_device": "cuda:0"}
+PATHS: dict[str, dict[str, PathSpec]] = {
     "cpu": {
-        "nixl-sm": {"UCX_TLS": "sm,self"},
-        "nixl-tcp": {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"},
+        "nixl-sm host->host": PathSpec(NIXL, {"UCX_TLS": "sm,self"}, Side("cpu"), Side("cpu"), "memcpy"),
+        "nixl-tcp host->host": PathSpec(NIXL, {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}, Side("cpu"),
+                                        Side("cpu"), "memcpy"),
     },
-    # Untested here (no GPU on the CPU machines): receiver on the last GPU, sender on GPU 0.
     "cuda": {
-        "nixl-cuda_ipc": {"UCX_TLS": "cuda_ipc,cuda_copy,sm,self"},
+        "nixl vram->vram": PathSpec(NIXL, UCX_GPU, Side("cuda:0", "cuda:0"), _RX_GPU, "peer_copy"),
+        # The default for a GPU sender: host chunks staged through a ring on GPU 0, then cuda_ipc.
+        "nixl host->vram": PathSpec(NIXL, UCX_GPU, Side("pinned", "cuda:0", _STAGE), _RX_GPU, "h2d"),
+        "nccl vram->vram": PathSpec(NCCL, GPU_ENV, Side("cuda:0", "cuda:0", {"device": "cuda:0"}),
+                                    Side("cuda:1", "cuda:1", {"device": "cuda:1"}), "nccl_raw"),
+        "nccl host->vram": PathSpec(NCCL, GPU_ENV, Side("pinned", "cuda:0", {"device": "cuda:0"}),
+                                    Side("cuda:1", "cuda:1", {"device": "cuda:1"}), "h2d"),
+        # Alternatives to the staging ring, for the record (--paths): UCX alone, with its rendezvous
+        # fragments in GPU memory, with shared memory for its host-side lanes.
+        "nixl host->vram unstaged": PathSpec(NIXL, UCX_GPU, Side("pinned", "cuda:0"), _RX_GPU, "h2d", False),
+        "nixl host->vram unstaged frag=cuda": PathSpec(
+            NIXL, {**UCX_GPU, "UCX_RNDV_FRAG_MEM_TYPE": "cuda"}, Side("pinned", "cuda:0"), _RX_GPU, "h2d", False),
+        "nixl host->vram unstaged +sm frag=cuda": PathSpec(
+            NIXL, {**UCX_GPU, "UCX_TLS": "cuda_ipc,cuda_copy,sm,self", "UCX_RNDV_FRAG_MEM_TYPE": "cuda"},
+            Side("pinned", "cuda:0"), _RX_GPU, "h2d", False),
     },
 }
-MEMORY_LABEL = {"cpu": "host->host", "cuda": "device->device"}
-TIMEOUT_S = 120.0
+TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +103,10 @@ class Row:
     path: str
     chunk_bytes: int
     gbps: float
+    ceiling_name: str
     ceiling_gbps: float
     ratio: float
+    bytes_equal: bool
     total_bytes: int
     write_bytes: int
     inflight: int
@@ -68,31 +120,11 @@ class Row:
 # ---- inside the peer processes ------------------------------------------------------------------
 
 
-def _device(kind: str, role: str) -> Any:
-    import torch
+def _build(factory: str, name: str, kwargs: Mapping[str, Any]) -> Any:
+    import importlib
 
-    if kind == "cpu":
-        return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if count == 0:
-        raise RuntimeError("--device cuda needs a CUDA device")
-    index = count - 1 if role == "receiver" else 0
-    torch.cuda.set_device(index)
-    torch.zeros(1, device=f"cuda:{index}")  # a CUDA context before the NIXL agent exists
-    return torch.device("cuda", index)
-
-
-def _ceiling_device(device: Any) -> Any:
-    """Where the ceiling copy lands: host memory, or the receiver's GPU (a peer copy)."""
-    import torch
-
-    return device if device.type == "cpu" else torch.device("cuda", torch.cuda.device_count() - 1)
-
-
-def _buffer(nbytes: int, device: Any, hugepages: bool) -> tuple[Any, Memory]:
-    """A zeroed uint8 buffer, allocated as the receiver allocates its buffer (huge pages on the host)."""
-    memory = Memory(nbytes, str(device), hugepages=hugepages)
-    return memory.tensor, memory
+    module, _, attr = factory.partition(":")
+    return getattr(importlib.import_module(module), attr)(name, **kwargs)
 
 
 def _sync(*devices: Any) -> None:
@@ -103,28 +135,60 @@ def _sync(*devices: Any) -> None:
             torch.cuda.synchronize(device)
 
 
-class Peer:
-    """One side of the benchmark: a NixlTransport and one registered buffer."""
+def _checksums(buffer: Any, chunk: int) -> list[list[int]]:
+    """[sum, position-weighted sum] of the 32-bit words of each ``chunk``-sized slot (wrapping int64)."""
+    import torch
 
-    def __init__(self, name: str, role: str, device_kind: str, hugepages: bool) -> None:
-        from lmcache_p2p.transport.nixl import NixlTransport
+    words = buffer[: buffer.numel() // chunk * chunk].view(torch.int32).view(-1, chunk // 4)
+    weights = torch.arange(chunk // 4, device=words.device, dtype=torch.int64) % 127 + 1
+    out = []
+    for row in words:  # one slot at a time keeps the temporaries small
+        wide = row.to(torch.int64)
+        out.append([int(wide.sum()), int((wide * weights).sum())])
+    return out
+
+
+class Peer:
+    """One side of the benchmark: a transport, one registered buffer, and the ceilings."""
+
+    def __init__(self, name: str, role: str, spec: PathSpec, hugepages: bool) -> None:
+        import torch
 
         self.role = role
-        self.device = _device(device_kind, role)
+        self.side = spec.tx if role == "sender" else spec.rx
         self.hugepages = hugepages
-        self.transport = NixlTransport(name)
-        self.buffer = None
+        self.gpu = torch.device(self.side.device) if self.side.device else None
+        if self.gpu is not None:
+            torch.cuda.set_device(self.gpu)  # as a serving worker does
+            torch.zeros(1, device=self.gpu)  # a CUDA context before the transport exists
+        self.transport = _build(spec.factory, name, self.side.kwargs)
+        self.buffer: Any = None
         self.srcs: list = []
-        self.local = None
-        self.mappings: list[Any] = []  # keep huge-page mappings alive
+        self.local: dict[str, Any] = {}
+        self.mappings: list[Memory] = []  # keep huge-page mappings alive
+        self.raw: Any = None  # the raw NCCL group of the nccl_raw ceiling
+        self.raw_store: Any = None
+
+    def _alloc(self, nbytes: int, memory: str) -> Any:
+        import torch
+
+        if memory == "cpu":
+            mapping = Memory(nbytes, "cpu", hugepages=self.hugepages)
+            self.mappings.append(mapping)
+            return mapping.tensor
+        if memory == "pinned":
+            return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+        return torch.zeros(nbytes, dtype=torch.uint8, device=memory)
 
     def setup(self, nbytes: int) -> bytes:
         import msgspec
         import torch
 
-        self.buffer = self._alloc(nbytes)
+        self.buffer = self._alloc(nbytes, self.side.memory)
         if self.role == "sender":
-            self.buffer.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=self.device))
+            maker = self.gpu or torch.device("cpu")
+            self.buffer.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=maker))
+            _sync(maker, self.buffer.device)
         self.transport.register(self.buffer)
         return msgspec.msgpack.encode(self.transport.info())
 
@@ -138,11 +202,6 @@ class Peer:
             self.transport.accept(peer)
             return peer.name
         return self.transport.connect(peer, TIMEOUT_S)
-
-    def _alloc(self, nbytes: int, device: Any = None) -> Any:
-        tensor, mapping = _buffer(nbytes, device or self.device, self.hugepages)
-        self.mappings.append(mapping)
-        return tensor
 
     def collect(self, count: int) -> float:
         """Receiver: wait for ``count`` notifications; return the monotonic time of the last."""
@@ -171,29 +230,66 @@ class Peer:
             self.transport.wait(handle, TIMEOUT_S)
         return start
 
-    def memcpy(self, plan: list[list[tuple[int, int, int]]], dst_bytes: int, threads: int) -> float:
-        """Sender: copy the same chunks into scattered slots of a local buffer with ``threads``
-        torch threads; return seconds."""
+    def checksums(self, chunk: int) -> list[list[int]]:
+        """Checksums of every ``chunk``-sized slot of our buffer (on our GPU when we have one)."""
+        buf = self.buffer if self.gpu is None or self.buffer.device.type == "cuda" else self.buffer.to(self.gpu)
+        return _checksums(buf, chunk)
+
+    # ---- ceilings (sender side) ----------------------------------------------------------------
+
+    def copy_ceiling(self, kind: str, plan: list[list[tuple[int, int, int]]], dst_bytes: int, threads: int,
+                     rx_memory: str) -> float:
+        """Seconds to copy the chunks of ``plan`` into scattered slots of a local buffer: host
+        (memcpy, with ``threads`` torch threads), the receiver's GPU (peer_copy) or our GPU (h2d)."""
         import torch
 
+        where = {"memcpy": "cpu", "peer_copy": rx_memory, "h2d": str(self.gpu)}[kind]
+        local = self.local.get(where)
+        if local is None or local.numel() != dst_bytes:
+            local = self.local[where] = self._alloc(dst_bytes, where)
+        outs = [[local[d:d + n] for _, d, n in write] for write in plan]
         default_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return self._memcpy(plan, dst_bytes)
+            _sync(self.buffer.device, local.device)
+            start = time.perf_counter()
+            for srcs, dsts in zip(self.srcs, outs):
+                for src, out in zip(srcs, dsts):
+                    out.copy_(src, non_blocking=True)
+            _sync(self.buffer.device, local.device)
+            return time.perf_counter() - start
         finally:
             torch.set_num_threads(default_threads)
 
-    def _memcpy(self, plan: list[list[tuple[int, int, int]]], dst_bytes: int) -> float:
-        if self.local is None or self.local.numel() != dst_bytes:
-            self.local = self._alloc(dst_bytes, _ceiling_device(self.device))
-        dsts = [[self.local[d:d + n] for _, d, n in write] for write in plan]
-        _sync(self.device, self.local.device)
-        start = time.perf_counter()
-        for srcs, outs in zip(self.srcs, dsts):
-            for src, out in zip(srcs, outs):
-                out.copy_(src, non_blocking=True)
-        _sync(self.device, self.local.device)
-        return time.perf_counter() - start
+    def raw_setup(self, port: int) -> None:
+        """A plain 2-rank ProcessGroupNCCL (receiver rank 0 hosts the store), warmed up."""
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        rank = 0 if self.role == "receiver" else 1
+        timeout = datetime.timedelta(seconds=TIMEOUT_S)
+        self.raw_store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout)
+        self.raw = dist.ProcessGroupNCCL(dist.PrefixStore("raw/", self.raw_store), rank, 2)
+        probe = torch.ones(1024, device=self.gpu)
+        work = self.raw.send([probe], 0, 0) if rank == 1 else self.raw.recv([probe], 1, 0)
+        work.wait()
+        _sync(self.gpu)
+
+    def raw_run(self, plan: list[list[tuple[int, int, int]]]) -> float:
+        """Sender: send every chunk of ``plan``; receiver: receive each into its scattered slot.
+        Returns the sender's start time / the receiver's end time (monotonic)."""
+        if self.role == "sender":
+            start = time.monotonic()
+            works = [self.raw.send([src], 0, 0) for srcs in self.srcs for src in srcs]
+            works[-1].wait()
+            _sync(self.gpu)
+            return start
+        works = [self.raw.recv([self.buffer[d:d + n]], 1, 0) for write in plan for _, d, n in write]
+        works[-1].wait()
+        _sync(self.gpu)
+        return time.monotonic()
 
     def threads(self) -> int:
         import torch
@@ -202,12 +298,15 @@ class Peer:
 
     def close(self) -> None:
         self.transport.close()
+        if self.raw is not None:
+            self.raw.abort()
+            self.raw = self.raw_store = None
 
 
-def _serve(conn, env: dict[str, str], name: str, role: str, device_kind: str, hugepages: bool) -> None:
+def _serve(conn, env: dict[str, str], name: str, role: str, spec: PathSpec, hugepages: bool) -> None:
     os.environ.update(env)
     try:
-        peer = Peer(name, role, device_kind, hugepages)
+        peer = Peer(name, role, spec, hugepages)
     except BaseException as exc:
         conn.send(("err", f"{type(exc).__name__}: {exc}"))
         return
@@ -228,11 +327,11 @@ def _serve(conn, env: dict[str, str], name: str, role: str, device_kind: str, hu
 
 
 class Proc:
-    def __init__(self, env: dict[str, str], name: str, role: str, args: argparse.Namespace) -> None:
+    def __init__(self, spec: PathSpec, name: str, role: str, args: argparse.Namespace) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=_serve, args=(child, env, name, role, args.device, args.hugepages), daemon=True
+            target=_serve, args=(child, dict(spec.env), name, role, spec, args.hugepages), daemon=True
         )
         self.process.start()
         child.close()
@@ -282,31 +381,66 @@ def make_plan(total: int, chunk: int, buffer_bytes: int, write_bytes: int, rng: 
     return [chunks[i:i + per_write] for i in range(0, count, per_write)]
 
 
-def run_path(name: str, env: dict[str, str], args: argparse.Namespace) -> list[Row]:
+def final_sources(plan: list[list[tuple[int, int, int]]], chunk: int) -> dict[int, int]:
+    """Receiver slot -> the sender slot whose chunk landed there last."""
+    final = {}
+    for write in plan:
+        for src, dst, _ in write:
+            final[dst // chunk] = src // chunk
+    return final
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_path(name: str, spec: PathSpec, args: argparse.Namespace) -> list[Row]:
     import msgspec
 
     from lmcache_p2p.protocol import TransportInfo
 
-    tag = f"{os.getpid()}-{name}"
+    tag = f"{os.getpid()}-{abs(hash(name)) % 10**6}"
     procs: list[Proc] = []
     try:
-        rx = Proc(env, f"bench-rx-{tag}", "receiver", args)
+        rx = Proc(spec, f"bench-rx-{tag}", "receiver", args)
         procs.append(rx)
-        tx = Proc(env, f"bench-tx-{tag}", "sender", args)
+        tx = Proc(spec, f"bench-tx-{tag}", "sender", args)
         procs.append(tx)
         rx_info = rx.call("setup", args.buffer_bytes)
         tx_info = tx.call("setup", args.buffer_bytes)
         rx.call("link", tx_info)
         peer = tx.call("link", rx_info)
         base = msgspec.msgpack.decode(rx_info, type=TransportInfo).regions[0].addr
+        if spec.ceiling == "nccl_raw":
+            port = free_port()
+            rx.begin("raw_setup", port)
+            tx.call("raw_setup", port)
+            rx.finish("raw_setup")
         threads = tx.call("threads")
-        return [_row(name, chunk, rx, tx, peer, base, threads, args) for chunk in args.chunk_sizes]
+        rows = []
+        for chunk in args.chunk_sizes:
+            rows.append(_row(name, spec, chunk, rx, tx, peer, base, threads, args))
+            print(_line(rows[-1]), flush=True)
+        return rows
     finally:
         for proc in reversed(procs):
             proc.stop()
 
 
-def _row(name: str, chunk: int, rx: Proc, tx: Proc, peer: str, base: int, threads: int,
+def _ceiling_gbps(spec: PathSpec, plan: list, nbytes: int, rx: Proc, tx: Proc, threads: int,
+                  args: argparse.Namespace) -> float:
+    if spec.ceiling == "nccl_raw":
+        rx.begin("raw_run", plan)
+        start = tx.call("raw_run", plan)
+        return nbytes / (rx.finish("raw_run") - start) / 1e9
+    counts = {1, threads} if spec.ceiling == "memcpy" else {threads}
+    return max(nbytes / tx.call("copy_ceiling", spec.ceiling, plan, args.buffer_bytes, n, spec.rx.memory) / 1e9
+               for n in counts)
+
+
+def _row(name: str, spec: PathSpec, chunk: int, rx: Proc, tx: Proc, peer: str, base: int, threads: int,
          args: argparse.Namespace) -> Row:
     rng = random.Random(chunk)
     plan = make_plan(args.total_bytes, chunk, args.buffer_bytes, args.write_bytes, rng)
@@ -318,16 +452,22 @@ def _row(name: str, chunk: int, rx: Proc, tx: Proc, peer: str, base: int, thread
         start = tx.call("send", peer, base, plan, args.inflight)
         end = rx.finish("collect")
         gbps.append(nbytes / (end - start) / 1e9)
-        # The ceiling is the best copy the machine gives, single-threaded or with torch's threads
-        # (with a core taken by someone else, torch's 2-thread copy can be the slower one).
-        ceiling.append(max(nbytes / tx.call("memcpy", plan, args.buffer_bytes, n) / 1e9 for n in {1, threads}))
+        ceiling.append(_ceiling_gbps(spec, plan, nbytes, rx, tx, threads, args))
+    # The raw NCCL ceiling wrote into the receiver's slots too: send the plan once more, then compare.
+    if spec.ceiling == "nccl_raw":
+        rx.begin("collect", len(plan))
+        tx.call("send", peer, base, plan, args.inflight)
+        rx.finish("collect")
+    landed = rx.call("checksums", chunk)
+    sent = tx.call("checksums", chunk)
+    equal = all(landed[dst] == sent[src] for dst, src in final_sources(plan, chunk).items())
     best, best_ceiling = max(gbps), max(ceiling)
     return Row(
-        path=f"{name} {MEMORY_LABEL[args.device]}", chunk_bytes=chunk, gbps=round(best, 3),
-        ceiling_gbps=round(best_ceiling, 3), ratio=round(best / best_ceiling, 3), total_bytes=nbytes,
-        write_bytes=args.write_bytes, inflight=args.inflight, repeats=args.repeats,
+        path=name, chunk_bytes=chunk, gbps=round(best, 3), ceiling_name=spec.ceiling,
+        ceiling_gbps=round(best_ceiling, 3), ratio=round(best / best_ceiling, 3), bytes_equal=equal,
+        total_bytes=nbytes, write_bytes=args.write_bytes, inflight=args.inflight, repeats=args.repeats,
         all_gbps=[round(g, 3) for g in gbps], all_ceiling_gbps=[round(c, 3) for c in ceiling],
-        torch_threads=threads, hugepages=args.hugepages and args.device == "cpu",
+        torch_threads=threads, hugepages=args.hugepages and "cpu" in (spec.tx.memory, spec.rx.memory),
     )
 
 
@@ -339,38 +479,61 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
+DEFAULTS = {  # per device: chunk sizes, total, buffer, bytes per write, writes in flight
+    "cpu": ("256K,2M,32M", "1G", "256M", "32M", 4),
+    "cuda": ("2M,8M,32M,128M", "4G", "1G", "128M", 4),
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=sorted(PATHS), default="cpu")
-    parser.add_argument("--paths", default="", help="comma-separated subset of the device's paths")
-    parser.add_argument("--chunk-sizes", default="256K,2M,32M", type=lambda s: [parse_size(x) for x in s.split(",")])
-    parser.add_argument("--total-bytes", default="1G", type=parse_size)
-    parser.add_argument("--buffer-bytes", default="256M", type=parse_size, help="receiver buffer and sender pool")
-    parser.add_argument("--write-bytes", default="32M", type=parse_size, help="chunk bytes per write")
-    parser.add_argument("--inflight", default=4, type=int, help="writes in flight")
+    parser.add_argument("--paths", default="", help="comma-separated subset of the device's paths (see PATHS)")
+    parser.add_argument("--chunk-sizes", default=None)
+    parser.add_argument("--total-bytes", default=None)
+    parser.add_argument("--buffer-bytes", default=None, help="receiver buffer and sender pool")
+    parser.add_argument("--write-bytes", default=None, help="chunk bytes per write")
+    parser.add_argument("--inflight", default=None, type=int, help="writes in flight")
     parser.add_argument("--repeats", default=3, type=int)
     parser.add_argument("--hugepages", action=argparse.BooleanOptionalAction, default=True,
                         help="back host buffers with transparent huge pages (madvise)")
-    parser.add_argument("--out", default="", help="JSON output (default bench/results/transfer_<device>.json)")
-    return parser.parse_args(argv)
+    parser.add_argument("--out", default="", help="JSON output (default bench/results/transfer_<cpu|gpu>.json)")
+    args = parser.parse_args(argv)
+    chunks, total, buffer, write, inflight = DEFAULTS[args.device]
+    args.chunk_sizes = [parse_size(x) for x in (args.chunk_sizes or chunks).split(",")]
+    args.total_bytes = parse_size(args.total_bytes or total)
+    args.buffer_bytes = parse_size(args.buffer_bytes or buffer)
+    args.write_bytes = parse_size(args.write_bytes or write)
+    args.inflight = args.inflight or inflight
+    return args
+
+
+def _line(row: Row) -> str:
+    chunk = f"{row.chunk_bytes >> 20}M" if row.chunk_bytes >= 1 << 20 else f"{row.chunk_bytes >> 10}K"
+    return (f"{row.path:<38} {chunk:>6} {row.gbps:>8.2f} {row.ceiling_name:>10} {row.ceiling_gbps:>8.2f} "
+            f"{row.ratio:>6.2f} {'yes' if row.bytes_equal else 'NO':>5}  {row.all_gbps}")
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'path':<28} {'chunk':>8} {'GB/s':>7} {'memcpy GB/s':>12} {'ratio':>6}  all GB/s")
+    print(f"{'path':<38} {'chunk':>6} {'GB/s':>8} {'ceiling':>10} {'GB/s':>8} {'ratio':>6} {'equal':>5}  all GB/s")
     for row in rows:
-        chunk = f"{row.chunk_bytes >> 20}M" if row.chunk_bytes >= 1 << 20 else f"{row.chunk_bytes >> 10}K"
-        print(f"{row.path:<28} {chunk:>8} {row.gbps:>7.2f} {row.ceiling_gbps:>12.2f} {row.ratio:>6.2f}  {row.all_gbps}")
+        print(_line(row))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     paths = PATHS[args.device]
-    chosen = [p for p in args.paths.split(",") if p] or list(paths)
+    chosen = [p.strip() for p in args.paths.split(",") if p.strip()] or [n for n, s in paths.items() if s.default]
     rows: list[Row] = []
     for name in chosen:
-        rows += run_path(name, paths[name], args)
+        print(f"[transfer] {name}", flush=True)
+        try:
+            rows += run_path(name, paths[name], args)
+        except (RuntimeError, TimeoutError) as exc:  # one broken path must not lose the others' rows
+            print(f"[transfer] {name} FAILED: {exc}", flush=True)
     print_table(rows)
-    out = Path(args.out or Path(__file__).parent / "results" / f"transfer_{args.device}.json")
+    label = "gpu" if args.device == "cuda" else args.device
+    out = Path(args.out or Path(__file__).parent / "results" / f"transfer_{label}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=2) + "\n")
     print(f"wrote {out}")

@@ -30,5 +30,11 @@ try:
     print(f"[device_setup] nixl backend {nixl.__name__} ok")
 except Exception as exc:  # still useful without NIXL: the NCCL transport needs only torch
     print(f"[device_setup] nixl import failed: {exc!r}")
+try:
+    import lmcache
+
+    print(f"[device_setup] lmcache {getattr(lmcache, '__version__', '?')} ok")
+except Exception as exc:  # the transports and the bench do not need it; the engine tests do
+    print(f"[device_setup] lmcache import failed: {exc!r}")
 PYEOF
 echo "export PYTHONPATH=$path"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Prepare, HERE, the wheels the GPU machine lacks, into device/wheels/ (gitignored).
 #
-# The device machine has Python 3.12 and torch 2.11+cu130 but no pyzmq, msgspec or nixl, and no
-# network. This downloads cp312 manylinux wheels of those (pinned to what we test with), slims
+# The device machine has Python 3.12 and torch 2.11+cu130 but no pyzmq, msgspec, nixl or lmcache,
+# and no network. This downloads cp312 manylinux wheels of those (pinned to what we test with), plus
+# lmcache 0.5.3 (its CUDA extension loads with torch 2.11; 0.5.4-0.5.6's does not) and the three
+# small packages its engine imports that the image lacks (aiofile, caio, cachetools); slims
 # nixl-cu13 (drops the nixl_ep_cu13 package: expert-parallel kernels, ~27 MiB, unused for KV
 # transfer) and checks that everything fits the device tool's carry budget. Idempotent: wheels
 # already in device/wheels/ are kept.
@@ -15,7 +17,8 @@ cd "$(dirname "$0")/.."
 OUT=device/wheels
 PY=${PYTHON:-.venv/bin/python}
 MAX_MIB=${MAX_MIB:-60}
-PINS=(pyzmq==27.3.0 msgspec==0.23.0 nixl==1.5.1 nixl-cu13==1.5.1)
+PINS=(pyzmq==27.3.0 msgspec==0.23.0 nixl==1.5.1 nixl-cu13==1.5.1
+      lmcache==0.5.3 aiofile==3.12.3 caio==0.12.10 cachetools==8.0.2)
 DROP_PREFIX=nixl_ep_cu13/
 
 mkdir -p "$OUT"

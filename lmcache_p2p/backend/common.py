@@ -33,11 +33,30 @@ def tp_rank_of(metadata: Any) -> tuple[int, int]:
     return int(getattr(metadata, "worker_id", 0) or 0), int(getattr(metadata, "world_size", 1) or 1)
 
 
-def build_transport(cfg: P2PConfig, name: str, tp_rank: int) -> Transport:
+def worker_gpu(dst_device: Any) -> str | None:
+    """The GPU LMCache runs this worker on ("cuda:N" as LMCache passes ``dst_device``), or None."""
+    device = str(dst_device or "")
+    return device if device.startswith("cuda") else None
+
+
+def build_transport(cfg: P2PConfig, name: str, tp_rank: int, gpu: str | None = None) -> Transport:
+    """The transport of ``p2p.transport`` for this worker; ``gpu`` is its GPU (None on CPU).
+
+    NIXL: a sender on a GPU stages host chunks bound for a peer's GPU memory through a small
+    ring on its own GPU (nixl_staging.py; UCX alone moves host -> remote GPU at ~0.6 GB/s).
+    NCCL: runs on the receive buffer's GPU, else on the worker's GPU, else on Gloo (CPU);
+    both ends must agree (NCCL needs a GPU on each side). Only a receiver's store listens on
+    ``p2p.transport_ports``; a sender's (never dialled: it joins its receivers' stores) takes a
+    free port, so several prefillers share a host without configuring ports.
+    """
     if cfg.transport.value == "nixl":
-        return create_transport("nixl", name, backend_params=dict(cfg.nixl_backend_params) or None)
-    return create_transport("nccl", name, host=cfg.host, port=cfg.transport_port(tp_rank),
-                            device=cfg.buffer_device, timeout_s=cfg.transfer_timeout_s)
+        stage = gpu if cfg.role is Role.SENDER else None
+        return create_transport("nixl", name, backend_params=dict(cfg.nixl_backend_params) or None,
+                                stage_device=stage)
+    receiver = cfg.role is Role.RECEIVER
+    device = cfg.buffer_device if receiver and cfg.buffer_device != "cpu" else gpu or "cpu"
+    return create_transport("nccl", name, host=cfg.host, port=cfg.transport_port(tp_rank) if receiver else 0,
+                            device=device, timeout_s=cfg.transfer_timeout_s)
 
 
 def dtype_name(dtype: Any) -> str:

@@ -19,7 +19,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj, MemoryObjMetadata, TensorMemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from lmcache_p2p.backend.common import build_transport, dtype_name, load_config, tp_rank_of
+from lmcache_p2p.backend.common import build_transport, dtype_name, load_config, tp_rank_of, worker_gpu
 from lmcache_p2p.backend.receive_service import Chunk, ReceiveService
 from lmcache_p2p.buffer import SlotPool
 from lmcache_p2p.buffer.memory import Memory
@@ -82,7 +82,8 @@ class ReceiverBackend(StoragePluginInterface):
         try:
             self._memory = Memory(num_slots * slot_bytes, self.cfg.buffer_device)
             self._buffer = self._memory.tensor
-            self._transport = build_transport(self.cfg, f"p2p-recv-{tp_rank}-{id(self):x}", tp_rank)
+            self._transport = build_transport(self.cfg, f"p2p-recv-{tp_rank}-{id(self):x}", tp_rank,
+                                              worker_gpu(dst_device))
             region = self._transport.register(self._buffer)
             self._service = ReceiveService(
                 self.cfg, tp_rank=tp_rank, tp_size=tp_size, transport=self._transport, pool=SlotPool(num_slots),

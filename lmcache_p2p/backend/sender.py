@@ -17,7 +17,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from lmcache_p2p import protocol
-from lmcache_p2p.backend.common import build_transport, dtype_name, load_config, tp_rank_of
+from lmcache_p2p.backend.common import build_transport, dtype_name, load_config, tp_rank_of, worker_gpu
 from lmcache_p2p.backend.receiver import chunk_key
 from lmcache_p2p.backend.send_service import Chunk, SendService, Target
 from lmcache_p2p.config import Role
@@ -53,7 +53,8 @@ class SenderBackend(StoragePluginInterface):
         self._tp_rank, tp_size = tp_rank_of(metadata)
         self._warned_no_spec = False
         try:
-            self._transport = build_transport(self.cfg, f"p2p-send-{self._tp_rank}-{id(self):x}", self._tp_rank)
+            self._transport = build_transport(self.cfg, f"p2p-send-{self._tp_rank}-{id(self):x}", self._tp_rank,
+                                              worker_gpu(dst_device))
             self._register_allocator_memory()
             self._service = SendService(self.cfg, tp_rank=self._tp_rank, tp_size=tp_size, transport=self._transport)
         except Exception:

@@ -197,9 +197,14 @@ def _uvicorn_server(app: Any, settings: ProxySettings) -> uvicorn.Server:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0: ephemeral); bound here so a busy port fails before anything starts."""
+    """A listening socket (port 0: ephemeral); bound here so a busy port fails before anything starts.
+
+    Made with ``IPPROTO_TCP`` explicitly: asyncio sets TCP_NODELAY only on accepted sockets whose
+    proto says TCP (proto 0 is skipped). Without it, Nagle held each streamed chunk written after
+    the response headers until the client's delayed ACK, ~40 ms added to a streaming client's TTFT.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

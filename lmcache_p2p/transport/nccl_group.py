@@ -12,8 +12,11 @@ Facts this code relies on (seen with torch 2.13 Gloo on the CPU machines, 2026-1
   * Gloo ``Work.is_completed()`` stays False until someone calls ``wait``;
   * a plain master TCPStore listens on every interface: we bind the socket ourselves (to the
     configured host) and hand it over with ``master_listen_fd``.
-For NCCL (documented by torch, untested here): ``Work.wait()`` without a timeout only makes the
-current CUDA stream wait; with a timeout it blocks the CPU and aborts the communicator on expiry.
+For NCCL (seen on 2x H200, torch 2.11, NCCL 2.28): ``Work.wait()`` without a timeout only makes
+the current CUDA stream wait; with a timeout it blocks the CPU, sleeping between checks (too coarse
+for a pipeline of sub-millisecond writes), and on expiry torch's watchdog may end the whole
+process. So NCCL ops are waited for by polling ``is_completed()`` (it reads the op's CUDA event)
+against our own deadline; a late op fails its pair, which is then aborted (``drop_group``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MIN_WAIT_S = 0.001
+POLL_S = 0.00002  # how often an NCCL op's completion is checked while a thread waits for it
 
 
 def timedelta_s(seconds: float) -> datetime.timedelta:
@@ -126,11 +130,12 @@ def handshake(group: Any, rank: int, device: torch.device, deadline: float) -> N
     import torch
 
     msg = torch.tensor([wire.HANDSHAKE_MAGIC, wire.WIRE_VERSION], dtype=torch.int64, device=device)
+    cuda = device.type == "cuda"
     if rank == 1:
-        wait_work(group.send([msg], 0, 0), deadline, "pair handshake (send)")
+        wait_work(group.send([msg], 0, 0), deadline, "pair handshake (send)", cuda)
         return
     got = torch.zeros_like(msg)
-    wait_work(group.recv([got], 1, 0), deadline, "pair handshake (recv)")
+    wait_work(group.recv([got], 1, 0), deadline, "pair handshake (recv)", cuda)
     magic, version = (int(v) for v in got.cpu())
     if magic != wire.HANDSHAKE_MAGIC or version != wire.WIRE_VERSION:
         raise TransportError(
@@ -138,14 +143,28 @@ def handshake(group: Any, rank: int, device: torch.device, deadline: float) -> N
         )
 
 
-def wait_work(work: Any, deadline: float, what: str) -> None:
+def is_done(work: Any, cuda: bool) -> bool:
+    """True once an NCCL op completed (no wait). Gloo's is_completed() stays False until someone
+    waits, so for Gloo this always says "wait for it now"."""
+    return not cuda or work.is_completed()
+
+
+def wait_work(work: Any, deadline: float, what: str, cuda: bool = False) -> None:
     """Block until ``work`` completes; TransportTimeout past ``deadline``, TransportError on failure.
 
-    Either way the group is unusable afterwards (a Gloo timeout closes the pair; an NCCL timeout
-    aborts the communicator).
+    Either way the group is unusable afterwards (a Gloo timeout closes the pair; a late NCCL op
+    leaves the pair to be aborted). NCCL ops (``cuda``) are polled: see the module docstring.
     """
+    if cuda:
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                raise TransportTimeout(f"{what}: not complete at its deadline (p2p.transfer_timeout_s)")
+            time.sleep(POLL_S)
     try:
-        work.wait(timedelta_s(remaining_s(deadline)))
+        if cuda:
+            work.wait()  # complete: only surfaces an error NCCL recorded for it
+        else:
+            work.wait(timedelta_s(remaining_s(deadline)))
     except dist_errors() as exc:
         if remaining_s(deadline) <= _MIN_WAIT_S or "timed out" in str(exc).lower():
             raise TransportTimeout(f"{what}: not complete at its deadline (p2p.transfer_timeout_s): {exc}") from exc

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 300.0  # an idle pair thread re-arms its wait this often (it is woken to stop)
+RECV_AHEAD = 8  # writes whose receives a receiver posts before the oldest of them completes
 _STOP = object()  # queue sentinel of a sender thread
 
 
@@ -176,11 +177,19 @@ class SendPair:
             self._group = self._store = self._ring = None
 
     def _loop(self) -> None:
+        """Post queued writes first; complete the oldest posted one when nothing is queued.
+
+        On NCCL the oldest is completed only once it is done (polled), so that writes queued
+        meanwhile are posted at once; Gloo can only learn completion by waiting for it.
+        """
         while True:
             try:
                 item = self._queue.get_nowait() if self._inflight else self._queue.get(timeout=IDLE_WAIT_S)
             except queue.Empty:
                 if self._inflight:
+                    if self._oldest_pending():
+                        time.sleep(group_ops.POLL_S)
+                        continue
                     self._complete(self._inflight.popleft())
                 continue
             if item is _STOP:
@@ -241,11 +250,19 @@ class SendPair:
             self._ring = SendRing(self._s.device, self._s.stage_slot_bytes, self._s.stage_slots)
         return self._ring
 
+    def _oldest_pending(self) -> bool:
+        """NCCL: the oldest posted write is still moving and within its deadline."""
+        oldest = self._inflight[0]
+        if time.monotonic() >= oldest.deadline:
+            return False  # _complete reports the timeout
+        # One communicator runs its ops in order: the last op done means the write is done.
+        return bool(oldest.works) and not group_ops.is_done(oldest.works[-1], self._s.cuda)
+
     def _complete(self, write: PendingWrite) -> None:
         what = f"write of {write.header.nbytes} bytes to {self.peer}"
         try:
             for work in write.works:
-                group_ops.wait_work(work, write.deadline, what)
+                group_ops.wait_work(work, write.deadline, what, self._s.cuda)
         except TransportError as exc:
             self._fail_first(write, exc)
             raise
@@ -282,6 +299,16 @@ class SendPair:
             self._store.set(wire.doorbell_key(self.pair_id, self._seq), wire.BYE.encode())
         except group_ops.dist_errors() as exc:
             logger.debug("%s: could not say BYE on pair %s: %s", self._s.name, self.pair_id, exc)
+
+
+@dataclasses.dataclass(eq=False)
+class _PostedRecv:
+    """A write whose receives a receiver pair posted; completed in doorbell order."""
+
+    header: wire.Header
+    deadline: float
+    works: list[Any] = dataclasses.field(default_factory=list)
+    finishers: list[Any] = dataclasses.field(default_factory=list)  # run after the works, with the deadline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,25 +429,50 @@ class RecvPair:
         return not self._stopping.is_set()
 
     def _serve(self) -> None:
+        """Serve doorbells in order, keeping up to RECV_AHEAD writes' receives posted.
+
+        Posting the next write's receives before the previous one completed keeps the GPU busy
+        between writes (NCCL runs the ops of one pair in order); a notification still goes out
+        only once its own write's bytes all landed, in doorbell order.
+        """
         regions = self._hooks.region_bytes
+        posted: collections.deque[_PostedRecv] = collections.deque()
         while not self._stopping.is_set():
-            header = self._next_header()
+            if posted and self._done(posted[0]):
+                self._complete(posted.popleft())
+                continue
+            header = self._next_header(block=not posted) if len(posted) < RECV_AHEAD else None
             if header is None:
+                if posted and self._s.cuda and time.monotonic() < posted[0].deadline:
+                    time.sleep(group_ops.POLL_S)  # NCCL: poll the oldest while looking for doorbells
+                elif posted:
+                    self._complete(posted.popleft())  # Gloo learns completion only by waiting
                 continue
             if header.kind is wire.HeaderKind.BYE:
+                while posted:  # writes announced before the BYE are still received
+                    self._complete(posted.popleft())
                 why = "stopped" if self._stopping.is_set() else "closed by the sender"
                 logger.info("%s: pair %s with %s %s", self._s.name, self.pair_id, self.sender, why)
                 return
             header.check_fits(regions())
-            self._receive(header)
-            if header.notif:
-                self._hooks.notify(self.sender, header.notif)
+            posted.append(self._post_receives(header))
+            if len(posted) >= RECV_AHEAD and not self._s.cuda:
+                self._complete(posted.popleft())
 
-    def _next_header(self) -> wire.Header | None:
-        """The header of doorbell ``seq`` (consumed), or None after an idle wait."""
+    def _done(self, posted: _PostedRecv) -> bool:
+        """NCCL: every receive of this write completed (no wait). Gloo: never known before a wait."""
+        return self._s.cuda and (not posted.works or posted.works[-1].is_completed())  # ops run in order
+
+    def _next_header(self, block: bool = True) -> wire.Header | None:
+        """The header of doorbell ``seq`` (consumed); None after an idle wait, or at once when
+        ``block`` is False and the doorbell has not rung yet."""
         key = wire.doorbell_key(self.pair_id, self.seq)
         try:
-            self._store.wait([key], group_ops.timedelta_s(IDLE_WAIT_S))
+            if not block:
+                if not self._store.check([key]):
+                    return None
+            else:
+                self._store.wait([key], group_ops.timedelta_s(IDLE_WAIT_S))
         except group_ops.dist_errors() as exc:
             if group_ops.is_store_timeout(exc):
                 return None
@@ -433,22 +485,27 @@ class RecvPair:
         self.seq += 1
         return wire.Header.decode(raw)
 
-    def _receive(self, header: wire.Header) -> None:
-        """Receive every chunk straight into its slot view; return once all bytes landed."""
-        deadline = time.monotonic() + self._s.timeout_s
-        finishers: list[Any] = []
-        works: list[Any] = []
+    def _post_receives(self, header: wire.Header) -> _PostedRecv:
+        """Post a receive for every chunk straight into its slot view (or through a bounce)."""
+        posted = _PostedRecv(header, time.monotonic() + self._s.timeout_s)
         try:
             for chunk in header.chunks:
                 view = self._hooks.slot_view(chunk)
-                works.extend(self._recv_into(view, header.piece_bytes, deadline, finishers))
+                posted.works.extend(self._recv_into(view, header.piece_bytes, posted.deadline, posted.finishers))
         except group_ops.dist_errors() as exc:
             raise TransportError(f"posting receives for {header.nbytes} bytes failed: {exc}") from exc
+        return posted
+
+    def _complete(self, posted: _PostedRecv) -> None:
+        """Wait (deadline: transfer timeout) until every byte of a write landed; then notify."""
+        header = posted.header
         what = f"write of {header.nbytes} bytes from {self.sender}"
-        for work in works:
-            group_ops.wait_work(work, deadline, what)
-        for finish in finishers:
-            finish(deadline)
+        for work in posted.works:
+            group_ops.wait_work(work, posted.deadline, what, self._s.cuda)
+        for finish in posted.finishers:
+            finish(posted.deadline)
+        if header.notif:
+            self._hooks.notify(self.sender, header.notif)
 
     def _recv_into(self, view: torch.Tensor, piece_bytes: int, deadline: float, finishers: list[Any]) -> list[Any]:
         spans = wire.pieces(view.numel(), piece_bytes)

@@ -113,7 +113,7 @@ class RecvRing:
                     work.wait()  # our stream waits for the recv (GPU side, no CPU block)
                     dst[off : off + n].copy_(slot[:n], non_blocking=True)
                 else:
-                    group_ops.wait_work(work, deadline, "staged recv")  # a pageable copy would block unbounded
+                    group_ops.wait_work(work, deadline, "staged recv", cuda=True)  # a pageable copy would block unbounded
                     dst[off : off + n].copy_(slot[:n])
             works.append(work)
         return works

@@ -25,9 +25,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(path: Path, base: str, **p2p) -> Path:
+def write_config(path: Path, base: str, lmcache_overrides: dict | None = None, **p2p) -> Path:
     cfg = yaml.safe_load((ROOT / "configs" / base).read_text())
     cfg["max_local_cpu_size"] = 0.25
+    cfg.update(lmcache_overrides or {})
     cfg["extra_config"]["p2p"].update(p2p)
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -36,9 +37,11 @@ def write_config(path: Path, base: str, **p2p) -> Path:
 class EngineProc:
     """A child process running engine_proc.py; ``call`` sends one command and waits for its reply."""
 
-    def __init__(self, name: str, config: Path, log: Path) -> None:
+    def __init__(self, name: str, config: Path, log: Path, env_extra: dict[str, str] | None = None) -> None:
         env = dict(os.environ, LMCACHE_CONFIG_FILE=str(config), PYTHONHASHSEED="0", LMCACHE_TRACK_USAGE="false",
-                   UCX_TLS="tcp,self", UCX_NET_DEVICES="lo", PYTHONPATH=str(ROOT))
+                   **(env_extra or {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}),
+                   # keep a caller's PYTHONPATH (e.g. another lmcache version in a --target dir)
+                   PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
         self.log_path = log
         self._log = log.open("w")
         self.proc = subprocess.Popen([sys.executable, str(ENGINE_PROC), name], stdin=subprocess.PIPE,
@@ -47,6 +50,7 @@ class EngineProc:
         threading.Thread(target=self._read, daemon=True).start()
         hello = self._next(90)
         assert hello.get("ok"), f"engine {name} did not load the plugin: {hello}; see {log}"
+        self.lmcache_version = hello.get("lmcache", "?")
 
     def _read(self) -> None:
         for line in self.proc.stdout:

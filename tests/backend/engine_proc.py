@@ -5,17 +5,24 @@ through ``storage_plugins``), another the decoder (ReceiverBackend). The only st
 serving engine's KV memory: ``FlatKVConnector`` keeps one sequence's KV as a plain tensor
 [2, layers, tokens, hidden] (KV_2LTD), generated from a seed so both processes know the truth.
 
+Environment: ``P2P_ENGINE_DEVICE=cuda:N`` runs the engine as a GPU worker on that GPU (the KV
+tensor lives there; LMCache then keeps chunks in pinned host memory and passes dst_device
+"cuda:N" to the plugin); ``P2P_ENGINE_SHAPE=llama8b`` uses Llama-3.1-8B's KV shape (32 layers,
+8 KV heads x 128: one 256-token bf16 chunk is 32 MiB) instead of the tiny default.
+
 Commands (one JSON object per line; each gets one JSON reply line):
   {"op": "store", "seed", "num_tokens", "end", "skip", "req_id", "last", "port"}
   {"op": "lookup", "seed", "num_tokens"}                 -> {"hit_tokens"}
   {"op": "wait_ready", "seed", "num_tokens", "timeout_s"} -> {"hit_tokens"}
   {"op": "retrieve", "seed", "num_tokens"}               -> {"retrieved", "equal"}
   {"op": "slots"}                                        -> {"free", "capacity", "sent", "failed"}
+  {"op": "buffer"}                                       -> {"slot_bytes", "device"} (receiver)
   {"op": "quit"}
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -24,7 +31,10 @@ import time
 
 import torch
 
-LAYERS, KV_HEADS, HEAD_SIZE, CHUNK = 2, 2, 32, 256
+SHAPES = {"tiny": (2, 2, 32), "llama8b": (32, 8, 128)}  # layers, KV heads, head size
+LAYERS, KV_HEADS, HEAD_SIZE = SHAPES[os.environ.get("P2P_ENGINE_SHAPE", "tiny")]
+CHUNK = 256
+DEVICE = torch.device(os.environ.get("P2P_ENGINE_DEVICE") or "cpu")
 HIDDEN = KV_HEADS * HEAD_SIZE
 DTYPE = torch.bfloat16
 VOCAB = 1000
@@ -39,6 +49,31 @@ def kv_of(seed: int, n: int) -> torch.Tensor:
     return torch.randn(2, LAYERS, n, HIDDEN, generator=g).to(DTYPE)
 
 
+def settle() -> None:
+    """A real GPU connector returns once its copies landed; so does this one."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
+def disagg_spec_class():
+    try:
+        from lmcache.integration.vllm.vllm_v1_adapter import DisaggSpec  # imports vLLM
+
+        return DisaggSpec
+    except ImportError:  # no vLLM here (the GPU machine): the same fields; LMCache passes it through as is
+
+        @dataclasses.dataclass
+        class DisaggSpec:
+            req_id: str
+            receiver_id: str
+            receiver_host: str
+            receiver_init_port: list[int]
+            receiver_alloc_port: list[int]
+            is_last_prefill: bool = False
+
+        return DisaggSpec
+
+
 def make_connector(kv_shape):
     from lmcache.v1.gpu_connector import GPUConnectorInterface
 
@@ -46,13 +81,15 @@ def make_connector(kv_shape):
         """Moves KV between one flat [2, L, T, H] tensor and LMCache chunks (KV_2LTD)."""
 
         def __init__(self) -> None:
-            self.kv = torch.zeros(2, LAYERS, 0, HIDDEN, dtype=DTYPE)
+            self.kv = torch.zeros(2, LAYERS, 0, HIDDEN, dtype=DTYPE, device=DEVICE)
 
         def from_gpu(self, memory_obj, start, end, **kwargs):
             memory_obj.tensor.copy_(self.kv[:, :, start:end])
+            settle()
 
         def to_gpu(self, memory_obj, start, end, **kwargs):
             self.kv[:, :, start:end].copy_(memory_obj.tensor)
+            settle()
 
         def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
             for obj, s, e in zip(memory_objs, starts, ends):
@@ -87,9 +124,13 @@ def build_engine(name: str):
 def main() -> None:
     logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     name = sys.argv[1]
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(DEVICE)  # as vLLM's worker does before LMCache starts
     engine, connector = build_engine(name)
     backend = engine.storage_manager.storage_backends.get("p2p")
-    reply({"ok": backend is not None, "backend": str(backend)})
+    import lmcache
+
+    reply({"ok": backend is not None, "backend": str(backend), "lmcache": getattr(lmcache, "__version__", "?")})
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
@@ -105,10 +146,9 @@ def main() -> None:
 def handle(cmd: dict, engine, connector, backend) -> dict:
     op = cmd["op"]
     if op == "store":
-        from lmcache.integration.vllm.vllm_v1_adapter import DisaggSpec
-
+        DisaggSpec = disagg_spec_class()
         tokens = tokens_of(cmd["seed"], cmd["num_tokens"])[: cmd["end"]]
-        connector.kv = kv_of(cmd["seed"], cmd["num_tokens"])[:, :, : cmd["end"]].contiguous()
+        connector.kv = kv_of(cmd["seed"], cmd["num_tokens"])[:, :, : cmd["end"]].contiguous().to(DEVICE)
         mask = torch.ones(len(tokens), dtype=torch.bool)
         mask[: cmd.get("skip", 0)] = False
         spec = DisaggSpec(req_id=cmd["req_id"], receiver_id="r", receiver_host="127.0.0.1",
@@ -127,11 +167,11 @@ def handle(cmd: dict, engine, connector, backend) -> dict:
     if op == "retrieve":
         n = cmd["num_tokens"]
         tokens = tokens_of(cmd["seed"], n)
-        connector.kv = torch.zeros(2, LAYERS, n, HIDDEN, dtype=DTYPE)
+        connector.kv = torch.zeros(2, LAYERS, n, HIDDEN, dtype=DTYPE, device=DEVICE)
         ret = engine.retrieve(tokens)
         retrieved = int(ret.sum())
         expected = kv_of(cmd["seed"], n)
-        equal = bool(torch.equal(connector.kv[:, :, :retrieved], expected[:, :, :retrieved]))
+        equal = bool(torch.equal(connector.kv[:, :, :retrieved].cpu(), expected[:, :, :retrieved]))
         return {"retrieved": retrieved, "equal": equal}
     if op == "slots":
         if hasattr(backend, "free_slots"):
@@ -140,6 +180,8 @@ def handle(cmd: dict, engine, connector, backend) -> dict:
         stats = backend.service.stats()
         return {"sent": stats.requests_done, "failed": stats.requests_failed,
                 "pending": backend.service.pending_requests()}
+    if op == "buffer":
+        return {"slot_bytes": backend._slot_bytes, "device": str(backend._buffer.device)}
     return {"error": f"unknown op {op}"}
 
 

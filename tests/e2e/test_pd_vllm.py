@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from lmcache_p2p.cli.cluster import Cluster
+from lmcache_p2p.cli.drain import drain
 
 pytestmark = pytest.mark.vllm
 

@@ -2,8 +2,10 @@
 
 To add a transport, add one entry to :data:`TRANSPORTS`: how a peer process builds it (a
 ``"module:callable"`` called as ``callable(name, **kwargs)``), the environment of its peer
-processes, and whether a stopped receiver stalls its writes. Every test in test_contract.py then
-runs against it.
+processes, where each side's memory lives (host, pinned host or a GPU) and whether a stopped
+receiver stalls its writes. Every test in test_contract.py then runs against it. Entries that
+need GPUs are skipped where fewer are present (the CPU machines); they run on the GPU machine
+(scripts/device_gpu_checks.sh), one process per GPU.
 
 Each case runs between two real processes (spawned; the environment is set in them only):
 
@@ -31,24 +33,67 @@ from lmcache_p2p.protocol import TransportInfo
 
 
 @dataclasses.dataclass(frozen=True)
+class Side:
+    """One peer of a case: where its buffer lives and its own transport arguments."""
+
+    memory: str = "cpu"  # "cpu" (pageable host), "pinned" (page-locked host) or "cuda:N"
+    device: str = ""  # the GPU the process works on (torch.cuda.set_device), "" for none
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # over the case's kwargs
+
+
+@dataclasses.dataclass(frozen=True)
 class TransportCase:
     factory: str  # "module:callable", called in the peer process as callable(name, **kwargs)
     env: Mapping[str, str]  # set in the peer processes only
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # True when a receiver that makes no progress (SIGSTOPped) keeps writes to it from completing;
-    # False for truly one-sided paths (UCX shared memory writes with CMA, done by the sender alone).
-    stalls_without_receiver: bool = True
+    # False for truly one-sided paths (UCX shared memory writes with CMA, done by the sender alone);
+    # None where it depends on whether UCX finished wiring up before the stop (cuda_ipc is
+    # one-sided, its wire-up is not): then only the deadlines are checked.
+    stalls_without_receiver: bool | None = True
+    rx: Side = Side()
+    tx: Side = Side()
+    gpus: int = 0  # CUDA devices the case needs
+
+    def side(self, role: str) -> Side:
+        return self.rx if role == "rx" else self.tx
 
 
 NIXL = "lmcache_p2p.transport.nixl:NixlTransport"
 NCCL = "lmcache_p2p.transport.nccl:NcclTransport"
+
+# On the GPU machine: receiver on GPU 1, sender on GPU 0 (one process per GPU). NVLink multicast
+# stays off (the machine's rule); a failed NCCL op fails its pair, not the process.
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+UCX_GPU_ENV = {**GPU_ENV, "UCX_TLS": "cuda_ipc,cuda_copy,tcp,self"}
+NCCL_GPU_ENV = {**GPU_ENV, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+RX_GPU = Side("cuda:1", "cuda:1")
 
 TRANSPORTS: dict[str, TransportCase] = {
     "nixl-tcp": TransportCase(NIXL, {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}),
     "nixl-sm": TransportCase(NIXL, {"UCX_TLS": "sm,self"}, stalls_without_receiver=False),
     # The NCCL transport's code path on Gloo (CPU): one 2-rank group per pair, no world.
     "nccl-gloo": TransportCase(NCCL, {}, {"device": "cpu"}),
+    # GPU 0 memory -> GPU 1 memory over UCX cuda_ipc (NVLink).
+    "nixl-cuda_ipc": TransportCase(NIXL, UCX_GPU_ENV, stalls_without_receiver=None, gpus=2,
+                                   rx=RX_GPU, tx=Side("cuda:0", "cuda:0")),
+    # Pinned host memory -> GPU 1, staged through a ring on GPU 0 (the default for GPU senders).
+    "nixl-cuda_ipc-staged": TransportCase(NIXL, UCX_GPU_ENV, stalls_without_receiver=None, gpus=2, rx=RX_GPU,
+                                          tx=Side("pinned", "cuda:0", {"stage_device": "cuda:0"})),
+    "nccl-cuda": TransportCase(NCCL, NCCL_GPU_ENV, gpus=2, rx=Side("cuda:1", "cuda:1", {"device": "cuda:1"}),
+                               tx=Side("cuda:0", "cuda:0", {"device": "cuda:0"})),
+    # Pinned host memory -> GPU 1 through the NCCL transport's pinned->device staging ring.
+    "nccl-cuda-staged": TransportCase(NCCL, NCCL_GPU_ENV, gpus=2, rx=Side("cuda:1", "cuda:1", {"device": "cuda:1"}),
+                                      tx=Side("pinned", "cuda:0", {"device": "cuda:0"})),
 }
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 FILL = 0xA5
 SLOT_BYTES = 2 << 20
@@ -61,13 +106,14 @@ STALL_BYTES = 64 << 20  # large enough that no socket buffer swallows a write wh
 class PeerProcess:
     """A spawned process hosting one transport; ``call`` runs one command in it."""
 
-    def __init__(self, case: TransportCase, name: str) -> None:
+    def __init__(self, case: TransportCase, name: str, role: str) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.name = name
         self._conn, child = ctx.Pipe()
+        side = case.side(role)
         self.process = ctx.Process(
             target=transport_peer.serve,
-            args=(child, dict(case.env), case.factory, name, dict(case.kwargs)),
+            args=(child, dict(case.env), case.factory, name, {**case.kwargs, **side.kwargs}, side.memory, side.device),
             name=f"peer-{name}",
             daemon=True,
         )
@@ -157,8 +203,8 @@ def start_pair(case: TransportCase, slot_bytes: int = SLOT_BYTES, num_slots: int
                src_bytes: int = 16 << 20) -> Pair:
     """Start both processes (in parallel) and run the handshake of the module docstring."""
     tag = uuid.uuid4().hex[:8]
-    rx = PeerProcess(case, f"rx-{tag}")
-    tx = PeerProcess(case, f"tx-{tag}")
+    rx = PeerProcess(case, f"rx-{tag}", "rx")
+    tx = PeerProcess(case, f"tx-{tag}", "tx")
     try:
         rx_info = rx.call("setup", slot_bytes * num_slots, FILL)
         tx_info = tx.call("setup", src_bytes, 0)
@@ -172,7 +218,16 @@ def start_pair(case: TransportCase, slot_bytes: int = SLOT_BYTES, num_slots: int
                 tx_info_bytes=tx_info)
 
 
-@pytest.fixture(scope="module", params=sorted(TRANSPORTS), ids=sorted(TRANSPORTS))
+def _case_params() -> list[Any]:
+    params = []
+    for name in sorted(TRANSPORTS):
+        gpus = TRANSPORTS[name].gpus
+        marks = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < gpus, reason=f"needs {gpus} CUDA devices")]
+        params.append(pytest.param(name, id=name, marks=marks if gpus else []))
+    return params
+
+
+@pytest.fixture(scope="module", params=_case_params())
 def case_name(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -191,7 +246,7 @@ def fresh_receiver(pair: Pair) -> Iterator[Pair]:
 
     Only one new process per test, and the sender now talks to two receivers at once.
     """
-    rx = PeerProcess(pair.case, f"rx-{uuid.uuid4().hex[:8]}")
+    rx = PeerProcess(pair.case, f"rx-{uuid.uuid4().hex[:8]}", "rx")
     num_slots = STALL_BYTES // pair.slot_bytes
     try:
         rx_info = rx.call("setup", pair.slot_bytes * num_slots, FILL)

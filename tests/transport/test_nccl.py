@@ -151,7 +151,7 @@ def test_killed_sender_restarted_under_the_same_name_gets_a_new_pair(fresh_pair)
     pair.tx.call("wait", first, WAIT_S)
     assert pair.rx.call("notifications", 1, WAIT_S) == [(pair.tx.name, b"before-kill")]
     pair.tx.kill()
-    restarted = type(pair.tx)(pair.case, pair.tx.name)  # conftest's PeerProcess, same transport name
+    restarted = type(pair.tx)(pair.case, pair.tx.name, "tx")  # conftest's PeerProcess, same transport name
     try:
         tx_info = restarted.call("setup", 4 * MIB, 0)
         pair.rx.call("accept", tx_info)

@@ -4,6 +4,8 @@ The test process drives a peer through a pipe with ``(op, args)`` commands and g
 ``("ok", value)`` or ``("err", exception type name, message)``. A peer owns one transport, one
 registered buffer (the receive buffer on a receiver, the source pool on a sender) and the write
 handles it started. TransportInfo crosses the pipe as msgspec MessagePack bytes, never pickled.
+A peer's buffer lives in pageable host memory, pinned host memory or on a GPU ("cpu", "pinned",
+"cuda:N"); digests and checks are computed on host copies, so every case compares real bytes.
 
 Nothing heavy is imported at module level: the UCX environment is set in :func:`serve` first.
 """
@@ -37,11 +39,30 @@ def build_transport(factory: str, name: str, kwargs: Mapping[str, Any]):
     return getattr(importlib.import_module(module), attr)(name, **kwargs)
 
 
+def place(tensor, memory: str):
+    """``tensor`` (host) moved to ``memory``: "cpu", "pinned" or "cuda:N"."""
+    if memory == "cpu":
+        return tensor
+    if memory == "pinned":
+        return tensor.pin_memory()
+    return tensor.to(memory)
+
+
+def settle(tensor) -> None:
+    """Wait until our fills and copies into ``tensor`` landed: a peer's GPU or UCX reads and writes
+    this memory outside torch's streams. Only the current stream: a device-wide synchronize would
+    also wait for NCCL ops stuck on a stopped peer."""
+    if tensor.device.type == "cuda":
+        import torch
+
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
 class PeerState:
     """The transport, buffer and handles of one peer process; one method per command."""
 
-    def __init__(self, factory: str, name: str, kwargs: Mapping[str, Any]) -> None:
-        self.factory, self.name, self.kwargs = factory, name, dict(kwargs)
+    def __init__(self, factory: str, name: str, kwargs: Mapping[str, Any], memory: str = "cpu") -> None:
+        self.factory, self.name, self.kwargs, self.memory = factory, name, dict(kwargs), memory
         self.transport = build_transport(factory, name, kwargs)
         self.buffer = None
         self.handles: dict[int, Any] = {}
@@ -51,7 +72,8 @@ class PeerState:
     def setup(self, nbytes: int, fill: int) -> bytes:
         import torch
 
-        self.buffer = torch.full((nbytes,), fill, dtype=torch.uint8)
+        self.buffer = place(torch.full((nbytes,), fill, dtype=torch.uint8), self.memory)
+        settle(self.buffer)
         self.transport.register(self.buffer)
         return encode_info(self.transport.info())
 
@@ -70,8 +92,9 @@ class PeerState:
               registered: bool = True) -> tuple[int, list[str]]:
         """Fill each source chunk (offset, nbytes) with fresh random bytes and write it out.
 
-        ``registered=False`` writes from fresh tensors outside every registered region.
-        Returns the handle id and the sha256 of each chunk.
+        ``registered=False`` writes from fresh tensors outside every registered region (pageable
+        host memory for host peers, fresh device memory for GPU peers).
+        Returns the handle id and the sha256 of each chunk, read back from the source memory.
         """
         import torch
 
@@ -83,9 +106,10 @@ class PeerState:
                 src = self.buffer[offset:offset + nbytes]
                 src.copy_(data)
             else:
-                src = data
+                src = data if self.memory in ("cpu", "pinned") else place(data, self.memory)
             srcs.append(src)
-        digests = [hashlib.sha256(src.numpy()).hexdigest() for src in srcs]
+        digests = [hashlib.sha256(src.cpu().numpy()).hexdigest() for src in srcs]
+        settle(srcs[0])
         handle = self.transport.write(peer, srcs, dst_addrs, notif)
         self.handles[id(handle)] = (handle, srcs)
         return id(handle), digests
@@ -144,12 +168,14 @@ class PeerState:
 
         Resets the whole buffer to ``fill`` afterwards, ready for the next case.
         """
-        digests = [hashlib.sha256(self.buffer[o:o + n].numpy()).hexdigest() for o, n in ranges]
-        outside = self.buffer.clone()
+        host = self.buffer.cpu()  # a device buffer: its bytes as they landed (cpu() waits for the copy)
+        digests = [hashlib.sha256(host[o:o + n].numpy()).hexdigest() for o, n in ranges]
+        outside = host.clone()
         for offset, nbytes in ranges:
             outside[offset:offset + nbytes] = fill
         stray = int((outside != fill).sum())
         self.buffer.fill_(fill)
+        settle(self.buffer)
         return digests, stray
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -187,11 +213,16 @@ class PeerState:
         self.transport.close()
 
 
-def serve(conn, env: Mapping[str, str], factory: str, name: str, kwargs: Mapping[str, Any]) -> None:
-    """Entry point of a peer process: set the environment, build the transport, run commands."""
+def serve(conn, env: Mapping[str, str], factory: str, name: str, kwargs: Mapping[str, Any], memory: str = "cpu",
+          device: str = "") -> None:
+    """Entry point of a peer process: set the environment, pick its GPU, build the transport, run commands."""
     os.environ.update(env)
     try:
-        state = PeerState(factory, name, kwargs)
+        if device:  # as a serving engine's worker does before LMCache builds its backends
+            import torch
+
+            torch.cuda.set_device(torch.device(device))
+        state = PeerState(factory, name, kwargs, memory)
         conn.send(("ok", None))
     except BaseException as exc:  # report start-up failures to the test instead of dying silently
         conn.send(("err", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
