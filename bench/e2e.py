@@ -13,8 +13,9 @@ with a fixed number in flight (each ``--concurrency`` level in turn) along each 
 Phases run one after the other; each starts only its servers and stops them before the next
 (memory and cores). Each phase warms up with requests that are not measured. Before a phase
 starts, the machine must be quiet (1-minute load < 1.0, no other vLLM API server), and before
-each measured run no other vLLM API server may run: the bench waits up to ``--quiet-wait-s``
-(checking every 30 s) and records whether it was quiet.
+each measured run (our servers up and idle) no other vLLM API server may run and the cores must
+be < 20 % busy over 5 s: the bench waits up to ``--quiet-wait-s`` (checking every 30 s) and
+records whether it was quiet.
 
 Per (path, concurrency) row: client-side TTFT (request sent -> first streamed token id) p50/p99,
 handover p50/p99 and KV wait from the proxy's ``GET /stats`` (reset before each run), output
@@ -67,6 +68,8 @@ REQUEST_TIMEOUT_S = 300.0
 STARTUP_TIMEOUT_S = 600.0
 QUIET_LOAD_1M = 1.0
 QUIET_CHECK_EVERY_S = 30.0
+QUIET_CPU_BUSY = 0.2
+CPU_SAMPLE_S = 5.0
 WARMUP_REQUESTS = 4
 
 
@@ -122,6 +125,7 @@ class Run:
     chunk_tokens: int
     cores: str
     before: MachineState  # before the phase started its servers
+    cpu_busy_before: float  # share of the cores busy just before the run (our servers idle)
     others_after: tuple[str, ...]  # other vLLM servers seen right after the run
 
 
@@ -157,6 +161,7 @@ class Row:
     cores: str
     machine_quiet_before: bool
     load_1m_before: float
+    cpu_busy_before_run: float
     other_vllm_servers_after: int
     first_error: str | None
 
@@ -266,16 +271,35 @@ def wait_until_quiet(max_wait_s: float) -> MachineState:
     return state
 
 
-def wait_for_no_other_servers(own_pids: Collection[int], max_wait_s: float) -> tuple[str, ...]:
-    """Before a measured run (our servers up, so the load average says nothing): wait up to
-    ``max_wait_s`` for vLLM servers this bench did not start to go; returns those still there."""
+def cpu_busy_fraction(interval_s: float = CPU_SAMPLE_S) -> float:
+    """Share of all cores busy over ``interval_s`` (from /proc/stat)."""
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return idle, sum(fields)
+
+    idle0, total0 = sample()
+    time.sleep(interval_s)
+    idle1, total1 = sample()
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_before_run(own_pids: Collection[int], max_wait_s: float) -> float:
+    """Before a measured run (our servers up, so the load average says little): wait up to
+    ``max_wait_s`` until no vLLM server this bench did not start runs and the cores are nearly idle
+    (< 20 % busy over 5 s: our idle servers only). Returns the busy share last seen."""
     deadline = time.monotonic() + max_wait_s
-    others = other_vllm_servers(own_pids)
-    while others and time.monotonic() < deadline:
-        logger.info("%d other vLLM servers running; checking again in %.0f s", len(others), QUIET_CHECK_EVERY_S)
-        time.sleep(min(QUIET_CHECK_EVERY_S, max(0.0, deadline - time.monotonic())))
+    while True:
         others = other_vllm_servers(own_pids)
-    return others
+        busy = cpu_busy_fraction()
+        if (not others and busy < QUIET_CPU_BUSY) or time.monotonic() >= deadline:
+            break
+        logger.info("%d other vLLM servers, cores %.0f %% busy; checking again in %.0f s", len(others), busy * 100,
+                    QUIET_CHECK_EVERY_S)
+        time.sleep(min(QUIET_CHECK_EVERY_S, max(0.0, deadline - time.monotonic())))
+    if others or busy >= QUIET_CPU_BUSY:
+        logger.warning("measuring on a busy machine: %d other vLLM servers, cores %.0f %% busy", len(others), busy * 100)
+    return busy
 
 
 # ---- phases -------------------------------------------------------------------------------------
@@ -300,12 +324,12 @@ def run_direct(cfg: BenchConfig, bodies: Sequence[dict[str, Any]], vocab: Sequen
         wait_healthy([child], STARTUP_TIMEOUT_S)
         warm_up(url, cfg, vocab)
         for concurrency in cfg.concurrency:
-            wait_for_no_other_servers(_pids([child]), cfg.quiet_wait_s)
+            busy = wait_before_run(_pids([child]), cfg.quiet_wait_s)
             logger.info("direct: %d requests, concurrency %d", len(bodies), concurrency)
             results, wall_s = asyncio.run(run_load(url, bodies, concurrency))
             others = other_vllm_servers(_pids([child]))
             runs.append(Run("direct", concurrency, tuple(results), wall_s, None, (), 0,
-                            f"direct: core {DIRECT_CORE} (one instance alone)", before, others))
+                            f"direct: core {DIRECT_CORE} (one instance alone)", before, busy, others))
     finally:
         child.stop()
     return runs
@@ -321,7 +345,7 @@ def run_proxy(path: str, cfg: BenchConfig, bodies: Sequence[dict[str, Any]], voc
         cores = cores_of(cluster)
         chunk_tokens = decoder_chunk_tokens(cluster)
         for concurrency in cfg.concurrency:
-            wait_for_no_other_servers(_pids(cluster.children.values()), cfg.quiet_wait_s)
+            busy = wait_before_run(_pids(cluster.children.values()), cfg.quiet_wait_s)
             logger.info("%s: %d requests, concurrency %d", path, len(bodies), concurrency)
             seen = {name: len(cluster.lmcache_hits(name)) for name in cluster.decoder_names()}
             httpx.post(f"{cluster.url}/stats/reset", timeout=10).raise_for_status()
@@ -330,7 +354,7 @@ def run_proxy(path: str, cfg: BenchConfig, bodies: Sequence[dict[str, Any]], voc
             lookups = tuple(hit for name, n in seen.items() for hit in cluster.lmcache_hits(name)[n:])
             others = other_vllm_servers(_pids(cluster.children.values()))
             runs.append(Run(path, concurrency, tuple(results), wall_s, stats, lookups, chunk_tokens, cores, before,
-                            others))
+                            busy, others))
     finally:
         cluster.stop()
     return runs
@@ -425,7 +449,8 @@ def summarize(run: Run, reference: Run | None, direct_ttft_p50_ms: float | None,
         kv_misses=len(run.lookups) - full - chunks if full is not None and chunks is not None else None,
         output_len=cfg.output_len, input_tokens_min=min(prompt_lengths), input_tokens_max=max(prompt_lengths),
         wall_s=round(run.wall_s, 2), cores=run.cores, machine_quiet_before=run.before.quiet,
-        load_1m_before=round(run.before.load_1m, 2), other_vllm_servers_after=len(run.others_after),
+        load_1m_before=round(run.before.load_1m, 2), cpu_busy_before_run=round(run.cpu_busy_before, 3),
+        other_vllm_servers_after=len(run.others_after),
         first_error=errors[0] if errors else None,
     )
 

@@ -9,7 +9,8 @@ Ordering is kept on the GPU where possible: NCCL ops are issued with the ring's 
 so ProcessGroupNCCL makes its stream wait for our copies; ``work.wait()`` without a timeout makes
 our stream wait for a recv. The CPU only waits (always with a deadline) before it overwrites a
 pinned buffer, and before a pageable copy that would otherwise block without a deadline.
-Untested on this project's CPU machines: it runs on the GPU machine.
+Runs only with CUDA: tested on the GPU machine (2x H200; tests/transport contract cases
+"nccl-cuda-staged", tests/transport/test_nccl.py gpu tests, bench/transfer.py "nccl host->vram").
 """
 
 from __future__ import annotations

@@ -1,0 +1,146 @@
+"""The NIXL staging ring's bookkeeping (nixl_staging.py), on CPU.
+
+The ring itself moves bytes with CUDA copies and NIXL transfers; both run for real on the GPU
+machine (contract case "nixl-cuda_ipc-staged", bench "nixl host->vram"). Here the layer under test
+is the ring's state machine, so CUDA's stream and events are replaced by host stand-ins (a copy
+lands at once, an event reports done after a few queries) and the transport by a port that copies
+each posted transfer into a host "remote" buffer and completes it after a few polls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+
+from lmcache_p2p.errors import PeerUnreachable
+from lmcache_p2p.transport.nixl_staging import StagingRing
+
+SLOT_BYTES = 1 << 20
+
+
+class _Event:
+    def record(self, _stream) -> None:
+        self._left = random.randint(0, 3)
+
+    def query(self) -> bool:
+        self._left -= 1
+        return self._left < 0
+
+
+@pytest.fixture
+def host_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device", lambda _d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda _s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda _d: object())
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    random.seed(7)
+
+
+class _Port:
+    """Posts copy slot bytes into ``remote``; a transfer completes after 0-3 polls."""
+
+    def __init__(self, remote: torch.Tensor) -> None:
+        self.remote = remote
+        self.ring: StagingRing | None = None
+        self.posted: list[dict] = []
+        self.notified: list[bytes] = []
+        self.unreachable = False
+
+    def post_staged(self, peer, src_rows, dst_rows, notif):
+        if self.unreachable:
+            raise PeerUnreachable(f"{peer} is gone")
+        base = self.ring.buffer.data_ptr()
+        for (src, n, _), (dst, n_dst, _) in zip(src_rows, dst_rows):
+            assert n == n_dst
+            self.remote[dst : dst + n].copy_(self.ring.buffer[src - base : src - base + n])
+        xfer = {"rows": len(src_rows), "notif": notif, "polls": random.randint(0, 3), "dsts": dst_rows}
+        self.posted.append(xfer)
+        return xfer
+
+    def staged_done(self, xfer) -> bool:
+        xfer["polls"] -= 1
+        if xfer["polls"] >= 0:
+            return False
+        if xfer["notif"]:
+            self.notified.append(xfer["notif"])
+        return True
+
+    def drop_staged(self, xfer) -> None:
+        xfer["dropped"] = True
+
+
+def _ring(remote_bytes: int, slots: int = 3) -> tuple[StagingRing, _Port]:
+    port = _Port(torch.zeros(remote_bytes, dtype=torch.uint8))
+    ring = StagingRing(torch.device("cpu"), SLOT_BYTES, slots, port)
+    port.ring = ring
+    return ring, port
+
+
+def _drain(ring: StagingRing, writes, rounds: int = 500) -> None:
+    for _ in range(rounds):
+        if all(w.finished for w in writes):
+            return
+        ring.pump()
+
+
+def test_every_byte_lands_and_each_notification_follows_all_of_its_write(host_cuda) -> None:
+    ring, port = _ring(256 << 20)
+    sizes = [1, 4093, 300_000, SLOT_BYTES, 3 * SLOT_BYTES + 7]
+    writes, expected, offset = [], [], 0
+    for i in range(20):
+        srcs = [torch.randint(0, 256, (random.choice(sizes),), dtype=torch.uint8) for _ in range(random.randint(1, 4))]
+        rows = []
+        for src in srcs:
+            rows.append((offset, src.numel(), 1))
+            expected.append((offset, src))
+            offset += src.numel() + 13
+        writes.append(ring.submit("peer", srcs, rows, b"w%d" % i))
+        for _ in range(random.randint(0, 2)):
+            ring.pump()
+        # A notification may only be posted once every other slot of its write has completed.
+        for write in writes:
+            if write.notif in [x["notif"] for x in port.posted]:
+                assert write.open_slots <= 1 or write.done
+    _drain(ring, writes)
+    assert all(w.done and not w.error for w in writes)
+    assert sorted(port.notified) == sorted(b"w%d" % i for i in range(20))
+    for dst, src in expected:
+        assert torch.equal(port.remote[dst : dst + src.numel()], src)
+
+
+def test_small_chunks_of_one_write_share_a_slot_and_one_transfer(host_cuda) -> None:
+    ring, port = _ring(8 << 20)
+    srcs = [torch.full((100_000,), i, dtype=torch.uint8) for i in range(8)]
+    write = ring.submit("peer", srcs, [(i * 200_000, 100_000, 1) for i in range(8)], b"n")
+    _drain(ring, [write])
+    assert write.done
+    assert [x["rows"] for x in port.posted] == [8]  # one transfer, one descriptor per chunk
+
+
+def test_aborted_write_frees_the_ring_for_the_next(host_cuda) -> None:
+    ring, port = _ring(64 << 20, slots=2)
+    big = ring.submit("peer", [torch.ones(6 * SLOT_BYTES, dtype=torch.uint8)], [(0, 6 * SLOT_BYTES, 1)], b"big")
+    ring.pump()
+    ring.abort(big, "aborted")
+    after = ring.submit("peer", [torch.full((10,), 9, dtype=torch.uint8)], [(32 << 20, 10, 1)], b"after")
+    _drain(ring, [after])
+    assert big.error == "aborted" and not big.done
+    assert after.done and b"big" not in port.notified
+    assert torch.equal(port.remote[32 << 20 : (32 << 20) + 10], torch.full((10,), 9, dtype=torch.uint8))
+
+
+def test_unreachable_peer_fails_the_write_as_unreachable(host_cuda) -> None:
+    ring, port = _ring(8 << 20)
+    port.unreachable = True
+    write = ring.submit("peer", [torch.ones(10, dtype=torch.uint8)], [(0, 10, 1)], b"x")
+    _drain(ring, [write])
+    assert write.error and write.unreachable and not write.done
+
+
+def test_empty_sources_are_refused(host_cuda) -> None:
+    ring, _ = _ring(1 << 20)
+    with pytest.raises(ValueError):
+        ring.submit("peer", [torch.empty(0, dtype=torch.uint8)], [(0, 0, 1)], b"x")
