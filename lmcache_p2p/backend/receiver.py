@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj, MemoryObjMetadata, TensorMemoryObj
-from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from lmcache_p2p.backend.common import build_transport, dtype_name, load_config, tp_rank_of, worker_gpu
+from lmcache_p2p.backend.plugin_base import P2PPlugin
 from lmcache_p2p.backend.receive_service import Chunk, ReceiveService
 from lmcache_p2p.buffer import SlotPool
 from lmcache_p2p.buffer.memory import Memory
@@ -63,15 +63,13 @@ def slot_bytes_of(metadata: Any) -> tuple[int, int, torch.dtype]:
     return math.prod(kv_shape) * dtype.itemsize, int(kv_shape[2]), dtype
 
 
-class ReceiverBackend(StoragePluginInterface):
+class ReceiverBackend(P2PPlugin):
     """Decoder side: a preallocated receive buffer that senders write chunks into."""
 
     def __init__(self, config: Any = None, metadata: Any = None, dst_device: str = "cpu",
                  local_cpu_backend: Any = None, loop: Any = None) -> None:
         super().__init__(dst_device=dst_device, config=config, metadata=metadata,
                          local_cpu_backend=local_cpu_backend, loop=loop)
-        self._service: ReceiveService | None = None
-        self._transport = None
         self.cfg = load_config(config, Role.RECEIVER)
         tp_rank, tp_size = tp_rank_of(metadata)
         slot_bytes, chunk_tokens, dtype = slot_bytes_of(metadata)
@@ -108,9 +106,6 @@ class ReceiverBackend(StoragePluginInterface):
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
         return self._svc().count_ready([chunk_key(k) for k in keys])
 
-    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
-        return False
-
     # ---- retrieval (zero-copy out of the slot pool) ----
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         return self.batched_get_blocking([key])[0]
@@ -142,30 +137,6 @@ class ReceiverBackend(StoragePluginInterface):
     def unpin(self, key: CacheEngineKey) -> bool:
         return True
 
-    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
-        return False
-
-    def touch_cache(self) -> None:
-        return None
-
-    def get_allocator_backend(self) -> Any:
-        return self.local_cpu_backend
-
     @property
     def free_slots(self) -> int:
         return self._svc().free_slots
-
-    def _svc(self) -> ReceiveService:
-        if self._service is None:
-            from lmcache_p2p.errors import ClosedError
-
-            raise ClosedError("receiver backend is closed")
-        return self._service
-
-    def close(self) -> None:
-        service, self._service = self._service, None
-        if service is not None:
-            service.close()
-        transport, self._transport = self._transport, None
-        if transport is not None:
-            transport.close()

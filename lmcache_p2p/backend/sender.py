@@ -14,10 +14,10 @@ from typing import Any
 
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
-from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from lmcache_p2p import protocol
 from lmcache_p2p.backend.common import build_transport, dtype_name, load_config, tp_rank_of, worker_gpu
+from lmcache_p2p.backend.plugin_base import P2PPlugin
 from lmcache_p2p.backend.receiver import chunk_key
 from lmcache_p2p.backend.send_service import Chunk, SendService, Target
 from lmcache_p2p.config import Role
@@ -40,15 +40,13 @@ def target_of(spec: Any, tp_rank: int) -> Target:
     return Target(host, int(ports[tp_rank]))
 
 
-class SenderBackend(StoragePluginInterface):
+class SenderBackend(P2PPlugin):
     """Prefiller side: pushes every stored chunk to the receiver named in the request's DisaggSpec."""
 
     def __init__(self, config: Any = None, metadata: Any = None, dst_device: str = "cpu",
                  local_cpu_backend: Any = None, loop: Any = None) -> None:
         super().__init__(dst_device=dst_device, config=config, metadata=metadata,
                          local_cpu_backend=local_cpu_backend, loop=loop)
-        self._service: SendService | None = None
-        self._transport = None
         self.cfg = load_config(config, Role.SENDER)
         self._tp_rank, tp_size = tp_rank_of(metadata)
         self._warned_no_spec = False
@@ -105,9 +103,6 @@ class SenderBackend(StoragePluginInterface):
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
         return 0
 
-    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
-        return False
-
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         return None
 
@@ -120,28 +115,9 @@ class SenderBackend(StoragePluginInterface):
     def unpin(self, key: CacheEngineKey) -> bool:
         return False
 
-    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
-        return False
-
-    def touch_cache(self) -> None:
-        return None
-
-    def get_allocator_backend(self) -> Any:
-        return self.local_cpu_backend
-
     @property
     def service(self) -> SendService:
-        if self._service is None:
-            raise ClosedError("sender backend is closed")
-        return self._service
-
-    def close(self) -> None:
-        service, self._service = self._service, None
-        if service is not None:
-            service.close()
-        transport, self._transport = self._transport, None
-        if transport is not None:
-            transport.close()
+        return self._svc()
 
 
 def _shape_of(obj: MemoryObj) -> protocol.ChunkShape:

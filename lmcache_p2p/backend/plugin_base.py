@@ -1,0 +1,42 @@
+"""What both plugin classes share as LMCache sees them: the parts of the interface neither uses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from lmcache_p2p.errors import ClosedError
+
+
+class P2PPlugin(StoragePluginInterface):
+    """Owns a service (threads, sockets) and a transport; closes both, in that order, once."""
+
+    _service: Any = None
+    _transport: Any = None
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        return False
+
+    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        return False  # chunks leave when they are loaded, cancelled or their lease ends
+
+    def touch_cache(self) -> None:
+        return None
+
+    def get_allocator_backend(self) -> Any:
+        return self.local_cpu_backend
+
+    def _svc(self) -> Any:
+        if self._service is None:
+            raise ClosedError(f"{self} is closed")
+        return self._service
+
+    def close(self) -> None:
+        service, self._service = self._service, None
+        if service is not None:
+            service.close()
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.close()
