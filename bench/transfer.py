@@ -45,8 +45,8 @@ from typing import Any
 
 from lmcache_p2p.buffer.memory import Memory
 
-NIXL = "lmcache_p2p.transport.nixl:NixlTransport"
-NCCL = "lmcache_p2p.transport.nccl:NcclTransport"
+NIXL = "lmcache_p2p.transport.nixl.transport:NixlTransport"
+NCCL = "lmcache_p2p.transport.nccl.transport:NcclTransport"
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 UCX_GPU = {**GPU_ENV, "UCX_TLS": "cuda_ipc,cuda_copy,tcp,self"}

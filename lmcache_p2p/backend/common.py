@@ -43,7 +43,7 @@ def build_transport(cfg: P2PConfig, name: str, tp_rank: int, gpu: str | None = N
     """The transport of ``p2p.transport`` for this worker; ``gpu`` is its GPU (None on CPU).
 
     NIXL: a sender on a GPU stages host chunks bound for a peer's GPU memory through a small
-    ring on its own GPU (nixl_staging.py; UCX alone moves host -> remote GPU at ~0.6 GB/s).
+    ring on its own GPU (nixl/staging.py; UCX alone moves host -> remote GPU at ~0.6 GB/s).
     NCCL: runs on the receive buffer's GPU, else on the worker's GPU, else on Gloo (CPU);
     both ends must agree (NCCL needs a GPU on each side). Only a receiver's store listens on
     ``p2p.transport_ports``; a sender's (never dialled: it joins its receivers' stores) takes a

@@ -1,6 +1,6 @@
 """Transports: move bytes from local memory into a peer's registered memory.
 
-``base.py`` is the contract; ``nixl.py`` (UCX: tcp, shared memory, cuda_ipc) and ``nccl.py``
+``base.py`` is the contract; ``nixl/`` (UCX: tcp, shared memory, cuda_ipc) and ``nccl/``
 (torch.distributed pair groups; Gloo on CPU) implement it. This package never interprets what it
 moves and never talks to LMCache; descriptors cross the wire as ``protocol`` messages only.
 """
@@ -13,11 +13,11 @@ from lmcache_p2p.transport.base import Notification, Transport, WriteHandle, reg
 def create_transport(kind: str, name: str, **options) -> Transport:
     """Build the transport named by ``p2p.transport`` (imports its library lazily)."""
     if kind == "nixl":
-        from lmcache_p2p.transport.nixl import NixlTransport
+        from lmcache_p2p.transport.nixl.transport import NixlTransport
 
         return NixlTransport(name, **options)
     if kind == "nccl":
-        from lmcache_p2p.transport.nccl import NcclTransport
+        from lmcache_p2p.transport.nccl.transport import NcclTransport
 
         return NcclTransport(name, **options)
     raise ValueError(f"unknown transport {kind!r}; expected nixl or nccl")

@@ -59,8 +59,8 @@ class TransportCase:
         return self.rx if role == "rx" else self.tx
 
 
-NIXL = "lmcache_p2p.transport.nixl:NixlTransport"
-NCCL = "lmcache_p2p.transport.nccl:NcclTransport"
+NIXL = "lmcache_p2p.transport.nixl.transport:NixlTransport"
+NCCL = "lmcache_p2p.transport.nccl.transport:NcclTransport"
 
 # On the GPU machine: receiver on GPU 1, sender on GPU 0 (one process per GPU). NVLink multicast
 # stays off (the machine's rule); a failed NCCL op fails its pair, not the process.

@@ -17,7 +17,7 @@ import torch
 
 from lmcache_p2p.errors import PeerUnreachable, TransportError
 from lmcache_p2p.protocol import TransportInfo
-from lmcache_p2p.transport.nccl import NcclTransport
+from lmcache_p2p.transport.nccl.transport import NcclTransport
 
 WAIT_S = 20.0
 KIB = 1 << 10

@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from lmcache_p2p.errors import ProtocolError
-from lmcache_p2p.transport import nccl_wire as wire
+from lmcache_p2p.transport.nccl import wire
 
 
 def _header(notif: bytes = b"done") -> wire.Header:

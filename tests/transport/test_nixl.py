@@ -19,7 +19,7 @@ import json, sys, time
 import torch
 from lmcache_p2p.errors import P2PError
 from lmcache_p2p.protocol import TransportInfo
-from lmcache_p2p.transport.nixl import NixlTransport
+from lmcache_p2p.transport.nixl.transport import NixlTransport
 
 out = {}
 

@@ -1,4 +1,4 @@
-"""The NIXL staging ring's bookkeeping (nixl_staging.py), on CPU.
+"""The NIXL staging ring's bookkeeping (transport/nixl/staging.py), on CPU.
 
 The ring itself moves bytes with CUDA copies and NIXL transfers; both run for real on the GPU
 machine (contract case "nixl-cuda_ipc-staged", bench "nixl host->vram"). Here the layer under test
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lmcache_p2p.errors import PeerUnreachable
-from lmcache_p2p.transport.nixl_staging import StagingRing
+from lmcache_p2p.transport.nixl.staging import StagingRing
 
 SLOT_BYTES = 1 << 20
 

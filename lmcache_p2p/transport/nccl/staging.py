@@ -19,8 +19,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lmcache_p2p.errors import TransportTimeout
-from lmcache_p2p.transport import nccl_group as group_ops
-from lmcache_p2p.transport.nccl_wire import pieces
+from lmcache_p2p.transport.nccl import group as group_ops
+from lmcache_p2p.transport.nccl.wire import pieces
 
 if TYPE_CHECKING:
     import torch

@@ -28,7 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lmcache_p2p.errors import PeerUnreachable, TransportError, TransportTimeout
-from lmcache_p2p.transport import nccl_wire as wire
+from lmcache_p2p.transport.nccl import wire
 
 if TYPE_CHECKING:
     import torch

@@ -25,9 +25,9 @@ NIXL/UCX behaviour this module relies on or works around (nixl 1.5.1; see shared
   * ``add_remote_agent`` returns bytes; ``get_new_notifs`` keys its dict by str; statuses are
     the strings "DONE" / "PROC" / "ERR", wrapped in :class:`_Status` here.
 
-Host sources into a peer's GPU memory go through a :class:`~lmcache_p2p.transport.nixl_staging.StagingRing`
+Host sources into a peer's GPU memory go through a :class:`~lmcache_p2p.transport.nixl.staging.StagingRing`
 on the sender's own GPU when the transport is built with ``stage_device`` (UCX alone moves them at
-~0.6 GB/s; staged, they move at PCIe speed): see nixl_staging.py. Every other combination (device
+~0.6 GB/s; staged, they move at PCIe speed): see staging.py. Every other combination (device
 or host sources, host or device destinations) is one NIXL transfer with one descriptor per chunk.
 
 Threads: every call into the agent holds one lock (the agent is created without NIXL's own
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from lmcache_p2p.errors import ClosedError, PeerUnreachable, TransportError
 from lmcache_p2p.protocol import Region, TransportInfo
 from lmcache_p2p.transport.base import Notification, Transport, WriteHandle, region_of
-from lmcache_p2p.transport.nixl_staging import Row, StagedWrite, StagingRing
+from lmcache_p2p.transport.nixl.staging import Row, StagedWrite, StagingRing
 
 if TYPE_CHECKING:
     import torch

@@ -56,10 +56,10 @@ from typing import TYPE_CHECKING, Any
 
 from lmcache_p2p.errors import ClosedError, PeerUnreachable, TransportError, TransportTimeout
 from lmcache_p2p.protocol import Region, TransportInfo
-from lmcache_p2p.transport import nccl_group as group_ops
-from lmcache_p2p.transport import nccl_wire as wire
+from lmcache_p2p.transport.nccl import group as group_ops
+from lmcache_p2p.transport.nccl import wire
 from lmcache_p2p.transport.base import Notification, Transport, WriteHandle, region_of
-from lmcache_p2p.transport.nccl_pairs import PairSettings, PendingWrite, RecvHooks, RecvPair, SendPair, flat_bytes
+from lmcache_p2p.transport.nccl.pairs import PairSettings, PendingWrite, RecvHooks, RecvPair, SendPair, flat_bytes
 
 if TYPE_CHECKING:
     import torch

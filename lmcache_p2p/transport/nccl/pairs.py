@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from lmcache_p2p.errors import PeerUnreachable, ProtocolError, TransportError, TransportTimeout
 from lmcache_p2p.protocol import TransportInfo
-from lmcache_p2p.transport import nccl_group as group_ops
-from lmcache_p2p.transport import nccl_wire as wire
+from lmcache_p2p.transport.nccl import group as group_ops
+from lmcache_p2p.transport.nccl import wire
 
 if TYPE_CHECKING:
     import torch
@@ -245,7 +245,7 @@ class SendPair:
 
     def _send_ring(self) -> Any:
         if self._ring is None:
-            from lmcache_p2p.transport.nccl_staging import SendRing
+            from lmcache_p2p.transport.nccl.staging import SendRing
 
             self._ring = SendRing(self._s.device, self._s.stage_slot_bytes, self._s.stage_slots)
         return self._ring
@@ -524,7 +524,7 @@ class RecvPair:
 
     def _recv_ring(self) -> Any:
         if self._ring is None:
-            from lmcache_p2p.transport.nccl_staging import RecvRing
+            from lmcache_p2p.transport.nccl.staging import RecvRing
 
             self._ring = RecvRing(self._s.device, self._s.stage_slot_bytes, self._s.stage_slots)
         return self._ring
