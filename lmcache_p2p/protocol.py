@@ -18,6 +18,8 @@ Conversations:
 
 Version history:
   1  first version.
+  2  Hello and Announce carry the KV :class:`Fingerprint`; a receiver refuses a sender whose
+     fingerprint differs and the proxy never pairs such instances.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import msgspec
 
 from lmcache_p2p.errors import AuthError, ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class RefusalCode(str, enum.Enum):
@@ -73,6 +75,35 @@ class ChunkShape(msgspec.Struct, frozen=True, array_like=True):
     fmt: int = 1  # LMCache MemoryFormat value (1 = KV_2LTD)
 
 
+class Fingerprint(msgspec.Struct, frozen=True):
+    """What a chunk's bytes mean. Two peers exchange KV only when every field agrees.
+
+    A chunk hash names tokens, not the model that turned them into KV: a decoder must never load
+    KV computed by another model, chunk size, dtype, layout or tensor-parallel split.
+    """
+
+    model: str  # the model name as LMCache sees it (metadata.model_name)
+    num_layers: int
+    kv_heads: int  # KV heads held by this TP rank
+    head_size: int
+    dtype: str  # torch dtype name without the "torch." prefix
+    chunk_tokens: int
+    tp_size: int
+    tp_rank: int
+    kv_format: str  # LMCache's KV layout, e.g. "KV_2LTD" (MLA models differ)
+
+    def differences(self, other: Fingerprint, *, ignore: tuple[str, ...] = ()) -> list[str]:
+        """``field: ours != theirs`` for every field that differs (empty: compatible)."""
+        out = []
+        for name in self.__struct_fields__:
+            if name in ignore:
+                continue
+            ours, theirs = getattr(self, name), getattr(other, name)
+            if ours != theirs:
+                out.append(f"{name}: {ours!r} != {theirs!r}")
+        return out
+
+
 # ---- sender <-> receiver -----------------------------------------------------------------------
 
 
@@ -81,6 +112,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     sender_id: str
     tp_rank: int
     transport: TransportInfo
+    fingerprint: Fingerprint | None = None  # None only from test peers that move raw bytes
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
@@ -159,6 +191,7 @@ class Announce(msgspec.Struct, tag="announce", frozen=True):
     free_slots: int = 0
     slot_bytes: int = 0
     chunk_tokens: int = 0
+    fingerprint: Fingerprint | None = None  # the proxy pairs only instances whose fingerprints agree
 
 
 class Goodbye(msgspec.Struct, tag="goodbye", frozen=True):
