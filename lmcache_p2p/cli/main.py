@@ -24,8 +24,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def split_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``launch ... -- --enforce-eager --load-format dummy``: what follows ``--`` goes to every vLLM server."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    own, passthrough = split_passthrough(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(own)
+    if passthrough:
+        if args.command != "launch":
+            parser.error(f"arguments after -- are vLLM's and only `launch` takes them: {passthrough}")
+        args.vllm_arg = [*args.vllm_arg, *passthrough]
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(args.func(args) or 0)

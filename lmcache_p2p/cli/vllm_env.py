@@ -1,6 +1,12 @@
 """The environment and logging config a vLLM server of ours runs with (shared/FACTS.md).
 
 Used by the launcher and by the end-to-end tests, so both start vLLM exactly the same way.
+
+UCX (NIXL's backend): on CPU ``tcp,self`` over loopback; on GPU the transports must include CUDA
+memory support (``cuda_ipc`` for peer GPUs, ``cuda_copy`` for host<->device) or NIXL's UCX backend
+refuses to start next to a GPU and the engine dies. NCCL: a failed operation on one pair (its
+peer killed) aborts that pair's communicator only; torch's watchdog must not take the vLLM
+process down with it. A value already in the caller's environment wins over these defaults.
 """
 
 from __future__ import annotations
@@ -11,7 +17,29 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 HOST = "127.0.0.1"
-LOG_FORMAT = "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s"
+# ``processName``, not vLLM's ``vllm_process_name``: every LogRecord has the former, vLLM 0.24's lack
+# the latter (a format naming it makes every record raise "Formatting field not found").
+LOG_FORMAT = "(%(processName)s pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s"
+
+
+CPU_DEFAULTS = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
+GPU_DEFAULTS = {
+    # NIXL/UCX: peer GPU copies (cuda_ipc), host<->device (cuda_copy), loopback TCP for UCX's own
+    # wire-up (the set the transport's GPU contract suite passes with); network devices stay on loopback.
+    "UCX_TLS": "cuda_ipc,cuda_copy,tcp,self",
+    "UCX_NET_DEVICES": "lo",
+    # NCCL: abort the failed pair's communicator only (2 = CleanUpOnly), no watchdog/heartbeat kill,
+    # no CUDA error rethrown from the watchdog thread, no debug dumps on timeout.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    # NVLink multicast (NVLS) is off on the machines we run on; point-to-point pairs never need it.
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    # vLLM's FlashInfer sampler needs flashinfer, which vLLM does not require: use the torch sampler.
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+}
 
 
 def vllm_env(*, cpu_core: int | None = None, gpu: int | None = None, kv_cache_gib: int = 1,
@@ -34,10 +62,12 @@ def vllm_env(*, cpu_core: int | None = None, gpu: int | None = None, kv_cache_gi
     if gpu is None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core) if cpu_core is not None else "auto"
+        defaults = CPU_DEFAULTS
     else:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    env.setdefault("UCX_TLS", "tcp,self")
-    env.setdefault("UCX_NET_DEVICES", "lo")
+        defaults = GPU_DEFAULTS
+    for key, value in defaults.items():
+        env.setdefault(key, value)
     if lmcache_config is not None:
         env["LMCACHE_CONFIG_FILE"] = str(lmcache_config)
     if logging_config is not None:

@@ -1,0 +1,95 @@
+"""GPU placement for ``lmcache-p2p launch --device cuda``: one GPU per instance, memory accounted.
+
+A decoder with ``buffer_device: cuda`` allocates its receive buffer (``p2p.buffer_size`` bytes)
+in VRAM next to vLLM, which by itself sizes weights + activations + KV cache to
+``--gpu-memory-utilization`` of the whole GPU. The launcher lowers each decoder's utilization by
+the buffer's share of the GPU (rounded up to 0.01) so both fit, and refuses with a clear error
+when too little would be left for vLLM. Total GPU memory comes from ``nvidia-smi`` (the launcher
+must not create a CUDA context of its own: that costs ~0.5 GiB on every GPU it touches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+import subprocess
+from collections.abc import Sequence
+
+MIN_VLLM_UTILIZATION = 0.05  # below this vLLM has no room for a KV cache worth serving from
+NVIDIA_SMI_TIMEOUT_S = 20.0
+
+
+class GpuPlanError(RuntimeError):
+    """The GPU plan cannot work; the message names what was seen, the limit and the flag to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSlot:
+    index: int  # CUDA device index on this host, as nvidia-smi numbers it
+    total_bytes: int
+
+
+def query_gpus(timeout_s: float = NVIDIA_SMI_TIMEOUT_S) -> list[GpuSlot]:
+    """Every GPU of this host with its total memory, from nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        raise GpuPlanError("--device cuda: nvidia-smi not found on PATH, so no GPU can be seen; "
+                           "install the NVIDIA driver tools or use --device cpu")
+    out = subprocess.run([exe, "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=timeout_s, check=True).stdout
+    return parse_nvidia_smi(out)
+
+
+def parse_nvidia_smi(text: str) -> list[GpuSlot]:
+    """``index, memory.total`` rows (MiB, as ``--format=csv,noheader,nounits`` prints them)."""
+    slots = []
+    for line in text.strip().splitlines():
+        index, mib = (field.strip() for field in line.split(","))
+        slots.append(GpuSlot(int(index), int(mib) * 2**20))
+    return slots
+
+
+def pick_gpus(count: int, available: Sequence[GpuSlot], wanted: Sequence[int] | None) -> list[GpuSlot]:
+    """``count`` GPUs, one per instance: ``wanted`` (``--gpus``) or the first ``count`` of the host."""
+    by_index = {slot.index: slot for slot in available}
+    if wanted:
+        missing = [i for i in wanted if i not in by_index]
+        if missing:
+            raise GpuPlanError(f"--gpus names GPU(s) {missing} but this host has {sorted(by_index)}")
+        if len(set(wanted)) != len(wanted):
+            raise GpuPlanError(f"--gpus {','.join(map(str, wanted))} repeats a GPU: one GPU per instance")
+        if len(wanted) < count:
+            raise GpuPlanError(f"{count} instances need {count} GPUs (one each) but --gpus lists {len(wanted)}")
+        return [by_index[i] for i in wanted[:count]]
+    if len(available) < count:
+        raise GpuPlanError(f"{count} instances need {count} GPUs (one each) but this host has {len(available)}: "
+                           f"lower --prefill/--decode")
+    return list(available[:count])
+
+
+def decoder_utilization(base: float, buffer_bytes: int, total_bytes: int) -> float:
+    """vLLM's ``--gpu-memory-utilization`` for a decoder whose receive buffer lives on the same GPU."""
+    share = math.ceil(buffer_bytes / total_bytes * 100) / 100
+    util = round(base - share, 2)
+    if util < MIN_VLLM_UTILIZATION:
+        raise GpuPlanError(
+            f"the decoder's receive buffer (--buffer-size, {buffer_bytes / 2**30:.1f} GiB) takes {share:.2f} of its "
+            f"GPU ({total_bytes / 2**30:.0f} GiB), leaving vLLM {util:.2f} of --gpu-memory-utilization {base:.2f} "
+            f"(at least {MIN_VLLM_UTILIZATION} needed): lower --buffer-size or raise --gpu-memory-utilization")
+    return util
+
+
+def split_utilization_arg(vllm_args: Sequence[str]) -> tuple[float | None, list[str]]:
+    """Take ``--gpu-memory-utilization`` out of pass-through vLLM args (the launcher sets it per role)."""
+    rest: list[str] = []
+    value: float | None = None
+    it = iter(vllm_args)
+    for arg in it:
+        if arg == "--gpu-memory-utilization":
+            value = float(next(it))
+        elif arg.startswith("--gpu-memory-utilization="):
+            value = float(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+    return value, rest

@@ -1,0 +1,132 @@
+"""``lmcache-p2p launch`` with fake vLLM servers: supervision of the whole deployment, end to end.
+
+vLLM and the proxy are replaced by ``fake_server.py`` (argv patched in); the launcher's own loop,
+signal handling and stop-everything path are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lmcache_p2p.cli import launch
+from lmcache_p2p.cli.main import build_parser
+from lmcache_p2p.cli.processes import Child
+from .conftest import fake_argv, free_port, pids_of
+
+WAIT_S = 60.0
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def wait_for(condition, what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s}s")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def fake_launch(tmp_path: Path, monkeypatch):
+    """Patch vLLM and the proxy into fake servers; return (args builder, pid dir)."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({}))
+    monkeypatch.setattr(launch, "vllm_argv", lambda _model, port, *_extra: fake_argv(port, pid_dir))
+
+    def fake_proxy(args, log_dir: Path) -> Child:
+        return Child("proxy", fake_argv(args.proxy_port, pid_dir), {}, log_dir / "proxy.log",
+                     f"http://127.0.0.1:{args.proxy_port}/health")
+
+    monkeypatch.setattr(launch, "proxy_child", fake_proxy)
+    monkeypatch.setattr(launch, "wait_registered", lambda *a, **k: None)
+    old_term = signal.getsignal(signal.SIGTERM)
+    yield lambda *extra: build_parser().parse_args([
+        "launch", "--model", str(model), "--log-dir", str(tmp_path / "logs"), "--proxy-port", str(free_port()),
+        "--prefill-port", str(free_port()), "--decode-port", str(free_port()), "--startup-timeout-s", "60",
+        *extra]), pid_dir
+    signal.signal(signal.SIGTERM, old_term)
+
+
+def kill_when_up(pid_dir: Path, port: int, then=None) -> threading.Thread:
+    """In the background: SIGKILL the first server on ``port`` once it is up, then call ``then()``."""
+    def run() -> None:
+        wait_for(lambda: pids_of(pid_dir, port), f"server on {port}")
+        time.sleep(0.5)
+        os.kill(pids_of(pid_dir, port)[0], signal.SIGKILL)
+        if then is not None:
+            then()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_on_exit_stop_stops_everything(fake_launch) -> None:
+    build, pid_dir = fake_launch
+    args = build("--on-exit", "stop")
+    kill_when_up(pid_dir, args.decode_port)
+
+    assert launch.run(args) == 1
+
+    all_pids = [p for port in (args.proxy_port, args.prefill_port, args.decode_port) for p in pids_of(pid_dir, port)]
+    assert len(all_pids) == 3  # nothing was restarted
+    assert not any(alive(p) for p in all_pids)
+
+
+def test_killed_decoder_is_restarted_while_the_rest_keeps_serving(fake_launch) -> None:
+    build, pid_dir = fake_launch
+    args = build("--restart-backoff-s", "0.1", "--restart-backoff-max-s", "0.2")
+
+    def after_kill() -> None:  # once the decoder is back, stop the launcher as Ctrl-C / SIGTERM would
+        wait_for(lambda: len(pids_of(pid_dir, args.decode_port)) == 2, "decoder restart")
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    kill_when_up(pid_dir, args.decode_port, then=after_kill)
+
+    assert launch.run(args) == 0  # stopped by the signal, not by the decoder's exit
+
+    assert len(pids_of(pid_dir, args.proxy_port)) == 1
+    assert len(pids_of(pid_dir, args.prefill_port)) == 1
+    assert len(pids_of(pid_dir, args.decode_port)) == 2
+    all_pids = [p for port in (args.proxy_port, args.prefill_port, args.decode_port) for p in pids_of(pid_dir, port)]
+    assert not any(alive(p) for p in all_pids)
+    log = (Path(args.log_dir) / "decoder-0.log").read_text()
+    assert log.count("fake server pid") == 2  # the restart appends to the same log
+
+
+def test_restart_limit_stops_everything_with_a_clear_error(fake_launch, caplog) -> None:
+    build, pid_dir = fake_launch
+    args = build("--max-restarts", "1", "--restart-backoff-s", "0.1", "--restart-backoff-max-s", "0.1")
+
+    def kill_twice() -> None:
+        wait_for(lambda: len(pids_of(pid_dir, args.decode_port)) == 2, "decoder restart")
+        time.sleep(0.5)
+        os.kill(_newest(pid_dir, args.decode_port), signal.SIGKILL)
+
+    kill_when_up(pid_dir, args.decode_port, then=kill_twice)
+
+    assert launch.run(args) == 1
+    assert "decoder-0 exited with code -9 after 1 restarts within 600s (limit --max-restarts 1" in caplog.text
+    all_pids = [p for port in (args.proxy_port, args.prefill_port, args.decode_port) for p in pids_of(pid_dir, port)]
+    assert not any(alive(p) for p in all_pids)
+
+
+def _newest(pid_dir: Path, port: int) -> int:
+    files = sorted(pid_dir.glob(f"{port}.*"), key=lambda p: p.stat().st_mtime_ns)
+    return int(files[-1].name.split(".")[1])
