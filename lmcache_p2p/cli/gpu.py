@@ -36,8 +36,11 @@ def query_gpus(timeout_s: float = NVIDIA_SMI_TIMEOUT_S) -> list[GpuSlot]:
     if exe is None:
         raise GpuPlanError("--device cuda: nvidia-smi not found on PATH, so no GPU can be seen; "
                            "install the NVIDIA driver tools or use --device cpu")
-    out = subprocess.run([exe, "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=timeout_s, check=True).stdout
+    try:
+        out = subprocess.run([exe, "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=timeout_s, check=True).stdout
+    except (subprocess.SubprocessError, OSError) as exc:
+        raise GpuPlanError(f"--device cuda: nvidia-smi could not list the GPUs within {timeout_s:.0f}s: {exc}") from exc
     return parse_nvidia_smi(out)
 
 

@@ -1,0 +1,478 @@
+"""End to end on GPUs: PD (1P1D on two GPUs) against one plain vLLM instance, with vLLM's bench client.
+
+Systems, one after the other (each gets the GPUs alone; its servers are stopped before the next):
+
+  single             one vLLM server on GPU 0, no LMCache, no kv-transfer-config
+  lmcache_p2p-nixl   ``lmcache-p2p launch --device cuda --prefill 1 --decode 1 --transport nixl``
+  lmcache_p2p-nccl   the same over NCCL
+  lmcache-pd         LMCache's built-in PD (``enable_pd: true``, NIXL, ``pd_buffer_device: cuda``),
+                     prefiller GPU 0, decoder GPU 1, behind the LMCache PD proxy of ``../shared/anchor``
+                     (``--lmcache-pd-proxy``)
+
+Every system gets the same vLLM flags (``--vllm-arg``/after ``--``: e.g. ``--load-format dummy
+--enforce-eager``), no prefix caching, the same ``--max-model-len`` and ``--gpu-memory-utilization``
+(a decoder's lowered by its VRAM receive buffer). Load: ``vllm bench serve`` (random dataset,
+``--input-len`` in / ``--output-len`` out, ``--ignore-eos``, seed 0, Poisson arrivals at each
+``--rates`` value, ``--num-prompts`` per rate).
+
+Per (system, rate) row (``bench/results/e2e_gpu.json``, issue 7's schema): output tok/s per GPU,
+TTFT / TPOT p50 and p99, ITL p99, handover and KV wait p50/p99 (lmcache_p2p's proxy ``/stats``,
+reset before each rate), the decoder's KV hit ratio (LMCache's "hit tokens" over the tokens it
+looked up, from the decoder's log), failed requests, and whether every generated text equals the
+single instance's at the same rate. ``goodput_per_gpu``: the highest rate a system held at
+TTFT p99 <= ``--slo-ttft-ms`` and TPOT p99 <= ``--slo-tpot-ms`` with no failure, over its GPUs.
+
+Resumable: each system's rows are cached in ``--results-dir``/``<system>.json`` as soon as a rate
+finishes; a rerun skips the rates already there (``--force`` redoes them). ``--budget-s`` stops
+before a step that would not finish in the time left (the device tool's command limit), so a
+pass can be split over several calls. Shrink with ``--systems``, ``--rates``, ``--num-prompts``.
+
+    python3 bench/e2e_gpu.py --model /tmp/models/llama8b-shape --rates 1,2,4,8,16 -- --load-format dummy
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from lmcache_p2p.cli.cluster import lookups_in_log
+from lmcache_p2p.cli.gpu import decoder_utilization, query_gpus
+from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
+from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
+from lmcache_p2p.config import parse_size_bytes
+
+logger = logging.getLogger("bench.e2e_gpu")
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = ("single", "lmcache_p2p-nixl", "lmcache_p2p-nccl", "lmcache-pd")
+GPUS = {"single": 1, "lmcache_p2p-nixl": 2, "lmcache_p2p-nccl": 2, "lmcache-pd": 2}
+STARTUP_TIMEOUT_S = 600.0
+STOP_GRACE_S = 30.0
+BENCH_TIMEOUT_S = 1800.0
+HTTP_TIMEOUT_S = 10.0
+# Ports (127.0.0.1): single 8300; lmcache_p2p's launcher from 9100/7100; LMCache PD 8100/8200/9000, 7300-7500.
+SINGLE_PORT = 8300
+PD_PORTS = {"prefiller": 8100, "decoder": 8200, "proxy": 9000, "init": 7300, "alloc": 7400, "notif": 7500}
+P2P_PROXY_PORT = 9100
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: Path
+    systems: tuple[str, ...]
+    rates: tuple[float, ...]
+    num_prompts: int
+    input_len: int
+    output_len: int
+    max_model_len: int
+    gpu_memory_utilization: float
+    buffer_size: str
+    vllm_args: tuple[str, ...]
+    results_dir: Path
+    out: Path
+    log_dir: Path
+    lmcache_pd_proxy: Path
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    force: bool
+    deadline: float  # time.monotonic() after which no new step starts
+    estimate_start_s: float
+
+
+@dataclasses.dataclass
+class Deployment:
+    """A running system: what to stop, where to send load, which log holds the decoder's lookups."""
+
+    system: str
+    url: str
+    stop: Any  # () -> None
+    decoder_log: Path | None
+    has_stats: bool
+
+
+# ---- starting each system -------------------------------------------------------------------------
+
+
+def start_single(cfg: Config) -> Deployment:
+    log_dir = cfg.log_dir / "single"
+    logging_config = write_logging_config(log_dir / "logging.json")
+    argv = vllm_argv(cfg.model, SINGLE_PORT, "--no-enable-prefix-caching", "--max-model-len", str(cfg.max_model_len),
+                     "--gpu-memory-utilization", f"{cfg.gpu_memory_utilization:.2f}", *cfg.vllm_args)
+    child = Child("single", argv, vllm_env(gpu=0, logging_config=logging_config), log_dir / "single.log",
+                  f"http://127.0.0.1:{SINGLE_PORT}/health")
+    child.start()
+    try:
+        wait_healthy([child], STARTUP_TIMEOUT_S)
+    except BaseException:
+        child.stop()
+        raise
+    return Deployment("single", f"http://127.0.0.1:{SINGLE_PORT}", child.stop, None, False)
+
+
+def start_p2p(cfg: Config, transport: str) -> Deployment:
+    """``lmcache-p2p launch`` itself, as a user starts it (its own process; stopped with SIGTERM)."""
+    system = f"lmcache_p2p-{transport}"
+    log_dir = cfg.log_dir / system
+    log_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "launch", "--device", "cuda", "--prefill", "1",
+            "--decode", "1", "--transport", transport, "--model", str(cfg.model), "--log-dir", str(log_dir),
+            "--buffer-size", cfg.buffer_size, "--max-model-len", str(cfg.max_model_len),
+            "--gpu-memory-utilization", f"{cfg.gpu_memory_utilization:.2f}", "--proxy-port", str(P2P_PROXY_PORT),
+            "--proxy-control-port", str(P2P_PROXY_PORT + 1), "--on-exit", "stop",
+            "--startup-timeout-s", str(int(STARTUP_TIMEOUT_S)), "--", *cfg.vllm_args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    launcher = Child(f"launch-{transport}", argv, env, log_dir / "launch.log",
+                     f"http://127.0.0.1:{P2P_PROXY_PORT}/health")
+    launcher.start()
+    url = f"http://127.0.0.1:{P2P_PROXY_PORT}"
+    deployment = Deployment(system, url, lambda: launcher.stop(STOP_GRACE_S), log_dir / "decoder-0.log", True)
+    try:
+        wait_registered(launcher, url, STARTUP_TIMEOUT_S)
+    except BaseException:
+        deployment.stop()
+        raise
+    return deployment
+
+
+def wait_registered(launcher: Child, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if launcher.exited() is not None:
+            raise StartupError(f"lmcache-p2p launch exited with code {launcher.exited()}; see "
+                               f"{launcher.log_path}:\n{launcher.log_tail(40)}")
+        try:
+            health = httpx.get(f"{url}/health", timeout=2).json()
+            if health.get("prefillers", 0) >= 1 and health.get("decoders", 0) >= 1:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(1)
+    raise StartupError(f"1P1D not registered with the proxy within {timeout_s:.0f}s; see {launcher.log_path}")
+
+
+def lmcache_pd_config(role: str, buffer_bytes: int) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"chunk_size": 256, "local_cpu": False, "max_local_cpu_size": 0, "save_unfull_chunk": True,
+                           "enable_pd": True, "pd_role": role, "transfer_channel": "nixl", "nixl_backends": ["UCX"],
+                           "pd_buffer_size": buffer_bytes, "pd_buffer_device": "cuda"}
+    if role == "sender":
+        cfg.update(pd_proxy_host="127.0.0.1", pd_proxy_port=PD_PORTS["notif"])
+    else:
+        cfg.update(pd_peer_host="127.0.0.1", pd_peer_init_port=[PD_PORTS["init"]],
+                   pd_peer_alloc_port=[PD_PORTS["alloc"]])
+    return cfg
+
+
+def start_lmcache_pd(cfg: Config) -> Deployment:
+    """LMCache's own PD: prefiller (GPU 0, kv_producer) -> decoder (GPU 1, kv_consumer), its PD proxy."""
+    if not cfg.lmcache_pd_proxy.is_file():
+        raise StartupError(f"LMCache PD proxy not found at {cfg.lmcache_pd_proxy}: pass --lmcache-pd-proxy")
+    log_dir = cfg.log_dir / "lmcache-pd"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logging_config = write_logging_config(log_dir / "logging.json")
+    buffer_bytes = parse_size_bytes("--buffer-size", cfg.buffer_size)
+    total = query_gpus()[1].total_bytes
+    children = []
+    for role, kv_role, gpu in (("decoder", "kv_consumer", 1), ("prefiller", "kv_producer", 0)):
+        yaml_path = log_dir / f"{role}.yaml"
+        yaml_path.write_text(yaml.safe_dump(lmcache_pd_config("receiver" if role == "decoder" else "sender",
+                                                              buffer_bytes)))
+        extra: dict[str, Any] = {"discard_partial_chunks": False, "lmcache_rpc_port": f"{role}1"}
+        if role == "decoder":
+            extra["skip_last_n_tokens"] = 1
+        transfer = {"kv_connector": "LMCacheConnectorV1", "kv_role": kv_role, "kv_connector_extra_config": extra}
+        util = decoder_utilization(cfg.gpu_memory_utilization, buffer_bytes, total)  # both hold a VRAM buffer
+        argv = vllm_argv(cfg.model, PD_PORTS[role], "--no-enable-prefix-caching", "--max-model-len",
+                         str(cfg.max_model_len), "--gpu-memory-utilization", f"{util:.2f}",
+                         "--kv-transfer-config", json.dumps(transfer), *cfg.vllm_args)
+        env = vllm_env(gpu=gpu, lmcache_config=yaml_path, logging_config=logging_config)
+        children.append(Child(role, argv, env, log_dir / f"{role}.log", f"http://127.0.0.1:{PD_PORTS[role]}/health"))
+    proxy_argv = [sys.executable, str(cfg.lmcache_pd_proxy), "--port", str(PD_PORTS["proxy"]),
+                  "--prefiller", f"http://127.0.0.1:{PD_PORTS['prefiller']}",
+                  "--decoder", f"http://127.0.0.1:{PD_PORTS['decoder']}",
+                  "--decoder-init-port", str(PD_PORTS["init"]), "--decoder-alloc-port", str(PD_PORTS["alloc"]),
+                  "--notif-port", str(PD_PORTS["notif"])]
+    children.append(Child("proxy", proxy_argv, dict(os.environ), log_dir / "proxy.log",
+                          f"http://127.0.0.1:{PD_PORTS['proxy']}/health"))
+    for child in children:
+        child.start()
+    try:
+        wait_healthy(children, STARTUP_TIMEOUT_S)
+    except BaseException:
+        stop_all(children, STOP_GRACE_S)
+        raise
+    return Deployment("lmcache-pd", f"http://127.0.0.1:{PD_PORTS['proxy']}",
+                      lambda: stop_all(children, STOP_GRACE_S), log_dir / "decoder.log", False)
+
+
+def start(system: str, cfg: Config) -> Deployment:
+    if system == "single":
+        return start_single(cfg)
+    if system.startswith("lmcache_p2p-"):
+        return start_p2p(cfg, system.split("-", 1)[1])
+    return start_lmcache_pd(cfg)
+
+
+# ---- one rate -------------------------------------------------------------------------------------
+
+
+def bench_argv(cfg: Config, url: str, rate: float, result_dir: Path, name: str) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
+            "--base-url", url, "--model", str(cfg.model), "--tokenizer", str(cfg.model),
+            "--dataset-name", "random", "--random-input-len", str(cfg.input_len),
+            "--random-output-len", str(cfg.output_len), "--num-prompts", str(cfg.num_prompts),
+            "--request-rate", f"{rate:g}", "--ignore-eos", "--seed", "0", "--temperature", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", name,
+            "--disable-tqdm"]
+
+
+def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
+    result_dir = cfg.log_dir / dep.system
+    name = f"bench-r{rate:g}.json"
+    seen = len(lookups_in_log(dep.decoder_log)) if dep.decoder_log and dep.decoder_log.exists() else 0
+    if dep.has_stats:
+        httpx.post(f"{dep.url}/stats/reset", timeout=HTTP_TIMEOUT_S).raise_for_status()
+    log_path = result_dir / f"bench-r{rate:g}.log"
+    with log_path.open("w") as log:
+        rc = subprocess.run(bench_argv(cfg, dep.url, rate, result_dir, name), stdout=log, stderr=subprocess.STDOUT,
+                            timeout=BENCH_TIMEOUT_S, env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
+    if rc != 0:
+        raise RuntimeError(f"vllm bench serve exited with {rc}; see {log_path}:\n"
+                           + "\n".join(log_path.read_text(errors="replace").splitlines()[-20:]))
+    result = json.loads((result_dir / name).read_text())
+    stats = httpx.get(f"{dep.url}/stats", timeout=HTTP_TIMEOUT_S).json() if dep.has_stats else None
+    lookups = lookups_in_log(dep.decoder_log)[seen:] if dep.decoder_log and dep.decoder_log.exists() else []
+    return make_row(dep.system, rate, result, stats, lookups)
+
+
+def make_row(system: str, rate: float, result: dict[str, Any], stats: dict[str, Any] | None,
+             lookups: Sequence[Any]) -> dict[str, Any]:
+    gpus = GPUS[system]
+    looked_up = sum(lk.total_tokens - 1 for lk in lookups)  # the decoder skips the last token (skip_last_n_tokens)
+    texts = result.get("generated_texts") or []
+    errors = [e for e in result.get("errors") or [] if e]
+
+    def stat(key: str, field: str) -> float | None:
+        return None if stats is None else stats.get(key, {}).get(field)
+
+    def r2(value: Any) -> float | None:
+        return None if value is None else round(float(value), 2)
+
+    return {
+        "system": system, "gpus": gpus, "rate": rate,
+        "output_tok_s_per_gpu": r2(result["output_throughput"] / gpus),
+        "ttft_ms_p50": r2(result.get("p50_ttft_ms")), "ttft_ms_p99": r2(result.get("p99_ttft_ms")),
+        "tpot_ms_p50": r2(result.get("p50_tpot_ms")), "tpot_ms_p99": r2(result.get("p99_tpot_ms")),
+        "itl_ms_p99": r2(result.get("p99_itl_ms")),
+        "handover_ms_p50": stat("handover_ms", "p50"), "handover_ms_p99": stat("handover_ms", "p99"),
+        "kv_wait_ms_p50": stat("kv_wait_ms", "p50"), "kv_wait_ms_p99": stat("kv_wait_ms", "p99"),
+        "kv_hit_ratio": round(sum(lk.hit_tokens for lk in lookups) / looked_up, 4) if looked_up else None,
+        "kv_lookups": len(lookups) if system != "single" else None,
+        "failed": int(result.get("failed", len(errors))), "completed": int(result["completed"]),
+        "first_error": errors[0][:300] if errors else None,
+        "outputs_equal_single": None,  # filled in by assemble()
+        "output_sha1": [hashlib.sha1(t.encode()).hexdigest()[:12] for t in texts],
+    }
+
+
+# ---- the pass -------------------------------------------------------------------------------------
+
+
+def load_cached(cfg: Config, system: str) -> dict[str, dict[str, Any]]:
+    path = cfg.results_dir / f"{system}.json"
+    if cfg.force or not path.exists():
+        return {}
+    return json.loads(path.read_text())["rows"]
+
+
+def save_cached(cfg: Config, system: str, rows: dict[str, dict[str, Any]]) -> None:
+    path = cfg.results_dir / f"{system}.json"
+    path.write_text(json.dumps({"system": system, "rows": rows}, indent=1))
+
+
+def time_left_s(cfg: Config) -> float:
+    return cfg.deadline - time.monotonic()
+
+
+def estimate_rate_s(cfg: Config, rate: float) -> float:
+    """Arrivals plus one request's generation at a slow 30 ms per token, plus the bench's warm-up."""
+    return cfg.num_prompts / rate + cfg.output_len * 0.03 + 30
+
+
+def run_system(cfg: Config, system: str) -> str | None:
+    """Run every missing rate of one system; None when done, else why it stopped early."""
+    rows = load_cached(cfg, system)
+    todo = [r for r in cfg.rates if f"{r:g}" not in rows]
+    if not todo:
+        logger.info("%s: every rate cached in %s", system, cfg.results_dir)
+        return None
+    if time_left_s(cfg) < cfg.estimate_start_s + estimate_rate_s(cfg, todo[0]):
+        return f"{system}: not started, {time_left_s(cfg):.0f}s left (rerun to resume)"
+    started = time.monotonic()
+    logger.info("%s: starting (rates %s)", system, ",".join(f"{r:g}" for r in todo))
+    dep = start(system, cfg)
+    logger.info("%s: up in %.0fs", system, time.monotonic() - started)
+    try:
+        for rate in todo:
+            if time_left_s(cfg) < estimate_rate_s(cfg, rate):
+                return f"{system}: stopped before rate {rate:g}, {time_left_s(cfg):.0f}s left (rerun to resume)"
+            logger.info("%s: rate %g req/s, %d prompts", system, rate, cfg.num_prompts)
+            row = run_rate(cfg, dep, rate)
+            rows[f"{rate:g}"] = row
+            save_cached(cfg, system, rows)
+            logger.info("%s @ %g: %s", system, rate, {k: v for k, v in row.items() if k != "output_sha1"})
+    finally:
+        dep.stop()
+    return None
+
+
+def goodput(rows: Sequence[dict[str, Any]], slo_ttft_ms: float, slo_tpot_ms: float) -> float | None:
+    held = [r["rate"] for r in rows if r["failed"] == 0 and r["ttft_ms_p99"] is not None
+            and r["ttft_ms_p99"] <= slo_ttft_ms and r["tpot_ms_p99"] is not None and r["tpot_ms_p99"] <= slo_tpot_ms]
+    return round(max(held) / rows[0]["gpus"], 3) if held else None
+
+
+def assemble(cfg: Config, notes: Sequence[str]) -> dict[str, Any]:
+    """Every cached row (all systems in the results dir), outputs compared with single's, goodput."""
+    by_system = {s: load_cached(dataclasses.replace(cfg, force=False), s) for s in SYSTEMS}
+    single = by_system.get("single", {})
+    rows = []
+    for system in SYSTEMS:
+        for key, row in sorted(by_system[system].items(), key=lambda kv: float(kv[0])):
+            row = dict(row)
+            ref = single.get(key)
+            if system != "single" and ref is not None and row["output_sha1"] and ref["output_sha1"]:
+                pairs = list(zip(row["output_sha1"], ref["output_sha1"]))
+                row["outputs_equal_single"] = all(a == b for a, b in pairs) and len(pairs) == len(ref["output_sha1"])
+                row["outputs_mismatched"] = sum(a != b for a, b in pairs)
+            row.pop("output_sha1", None)
+            rows.append(row)
+    return {"machine": machine(), "workload": {"dataset": "random", "input_len": cfg.input_len,
+                                               "output_len": cfg.output_len, "num_prompts": cfg.num_prompts,
+                                               "ignore_eos": True, "model": str(cfg.model),
+                                               "vllm_args": list(cfg.vllm_args),
+                                               "gpu_memory_utilization": cfg.gpu_memory_utilization,
+                                               "buffer_size": cfg.buffer_size},
+            "slo": {"ttft_ms_p99": cfg.slo_ttft_ms, "tpot_ms_p99": cfg.slo_tpot_ms},
+            "rows": rows,
+            "goodput_per_gpu": {s: goodput([r for r in rows if r["system"] == s], cfg.slo_ttft_ms, cfg.slo_tpot_ms)
+                                for s in SYSTEMS if any(r["system"] == s for r in rows)},
+            "notes": list(notes)}
+
+
+def machine() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout.strip().splitlines()
+        return f"{len(out)}x {out[0]}" if out else "no GPU"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def pack_logs(cfg: Config, dest: Path) -> None:
+    """Every server and bench log of the pass in one archive (the device tool returns few files)."""
+    with tarfile.open(dest, "w:gz") as tar:
+        for path in sorted(cfg.log_dir.rglob("*")):
+            if path.is_file() and path.suffix in (".log", ".yaml", ".json") and path.stat().st_size < 64 * 2**20:
+                tar.add(path, arcname=str(path.relative_to(cfg.log_dir)))
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, passthrough = argv[:at], argv[at + 1:]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument("--rates", default="1,2,4,8,16", help="request rates (req/s), comma list (default 1,2,4,8,16)")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per rate (default 64)")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--buffer-size", default="8GB", help="lmcache_p2p's decoder receive buffer and LMCache PD's "
+                   "pd_buffer_size, both in VRAM (default 8GB)")
+    p.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM flag for every server (or after --)")
+    p.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results" / "e2e_gpu_parts",
+                   help="per-system row cache: rates found there are skipped")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "e2e_gpu.json")
+    p.add_argument("--log-dir", type=Path, default=None, help="server logs (default logs/e2e-gpu-<time>)")
+    p.add_argument("--logs-archive", type=Path, default=None, help="also pack every log into this .tar.gz")
+    p.add_argument("--lmcache-pd-proxy", type=Path,
+                   default=Path(os.environ.get("LMCACHE_PD_PROXY", REPO.parent / "shared" / "anchor" / "pd_proxy.py")))
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=25.0)
+    p.add_argument("--force", action="store_true", help="redo rates already cached")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no step that would not end within this many seconds (default: no limit)")
+    p.add_argument("--estimate-start-s", type=float, default=150.0,
+                   help="what one system's start-up is budgeted at (default 150)")
+    a = p.parse_args(argv)
+    systems = tuple(s for s in a.systems.split(",") if s)
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        p.error(f"unknown --systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    budget = float("inf") if a.budget_s is None else a.budget_s
+    return Config(model=a.model.resolve(), systems=systems, rates=tuple(float(r) for r in a.rates.split(",")),
+                  num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len,
+                  max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
+                  buffer_size=a.buffer_size, vllm_args=tuple(a.vllm_arg + passthrough),
+                  results_dir=a.results_dir.resolve(), out=a.out.resolve(),
+                  log_dir=(a.log_dir or REPO / "logs" / time.strftime("e2e-gpu-%Y%m%d-%H%M%S")).resolve(),
+                  lmcache_pd_proxy=a.lmcache_pd_proxy.resolve(), slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
+                  force=a.force, deadline=time.monotonic() + budget, estimate_start_s=a.estimate_start_s), a.logs_archive
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds through every ``finally``: servers stopped, results written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg, archive = parse_args(argv)
+    cfg.results_dir.mkdir(parents=True, exist_ok=True)
+    cfg.log_dir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+    notes: list[str] = []
+    failed = False
+    try:
+        for system in cfg.systems:
+            try:
+                note = run_system(cfg, system)
+            except (StartupError, RuntimeError, httpx.HTTPError, subprocess.TimeoutExpired) as exc:
+                logger.error("%s failed: %s", system, exc)
+                notes.append(f"{system}: {str(exc)[:2000]}")
+                failed = True
+                continue
+            if note:
+                logger.warning("%s", note)
+                notes.append(note)
+    finally:
+        result = assemble(cfg, notes)
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        cfg.out.write_text(json.dumps(result, indent=1) + "\n")
+        logger.info("wrote %s (%d rows); goodput per GPU %s", cfg.out, len(result["rows"]), result["goodput_per_gpu"])
+        if archive is not None:
+            pack_logs(cfg, archive)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# ON the GPU machine (device kind nvidia-h200-x2), from the repo root; scripts/gpu_prepare.sh made what it carries.
+#
+#   bash scripts/gpu_pass.sh stage         copy the carried bundle part(s) to /tmp/stage (one call per part)
+#   bash scripts/gpu_pass.sh run [ARGS]    stage the last part, install the bundle (idempotent, seconds), make
+#                                          the models (/tmp/models/tiny, /tmp/models/llama8b-shape), then
+#                                          bench/e2e_gpu.py ARGS (default: the full pass, see below)
+#
+# Results: $OUT/e2e_gpu.json, $OUT/e2e_gpu_parts/<system>.json (copy them to build/e2e_gpu_parts here and carry
+# that folder next time: rates already measured are skipped), $OUT/logs.tar.gz (every server and bench log),
+# $OUT/pass.log. GPU_BUILD (default build) is where the carried bundle, kit and parts are.
+set -uo pipefail
+GPU_BUILD=$(cd "${GPU_BUILD:-build}" && pwd)
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+OUT=${OUT:-/tmp/gpu_pass_out}
+mkdir -p /tmp/stage "$OUT"
+
+stage() {
+  compgen -G "$GPU_BUILD/gpu-bundle/parts/p[0-9]" >/dev/null && cp "$GPU_BUILD"/gpu-bundle/parts/p[0-9] /tmp/stage/
+  echo "[gpu_pass] staged: $(cd /tmp/stage && ls p[0-9] 2>/dev/null | tr '\n' ' ')($(du -sm /tmp/stage | cut -f1) MiB)"
+}
+
+case "${1:-}" in
+  stage) stage; exit 0 ;;
+  run) shift ;;
+  *) echo "usage: gpu_pass.sh stage | run [bench/e2e_gpu.py arguments]" >&2; exit 2 ;;
+esac
+stage
+set -o pipefail
+{
+  start=$(date +%s)
+  eval "$(bash "$GPU_BUILD/gpu-kit/install_bundle.sh" "$GPU_BUILD/gpu-bundle/bundle.sha")" || exit 1
+  export PYTHONPATH="$ROOT:$PYTHONPATH" PYTHONUNBUFFERED=1
+  echo "[gpu_pass] installed in $(($(date +%s) - start))s"
+  nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv
+  [ -f /tmp/models/llama8b-shape/config.json ] || python3 "$GPU_BUILD/gpu-kit/make_models.py" /tmp/models || exit 1
+  mkdir -p "$OUT/e2e_gpu_parts"
+  compgen -G "$GPU_BUILD/e2e_gpu_parts/*.json" >/dev/null && cp -n "$GPU_BUILD"/e2e_gpu_parts/*.json "$OUT/e2e_gpu_parts/"
+  if [ $# -eq 0 ]; then  # the full pass; a call of the device tool runs 10 minutes at most: --budget-s
+    set -- --model /tmp/models/llama8b-shape --rates 1,2,4,8,16 --num-prompts 64 --budget-s 540 -- --load-format dummy
+  fi
+  python3 bench/e2e_gpu.py --results-dir "$OUT/e2e_gpu_parts" --out "$OUT/e2e_gpu.json" \
+    --log-dir /tmp/e2e_gpu_logs --logs-archive "$OUT/logs.tar.gz" --lmcache-pd-proxy "$GPU_BUILD/gpu-kit/pd_proxy.py" "$@"
+  rc=$?
+  echo "[gpu_pass] e2e_gpu.py rc=$rc after $(($(date +%s) - start))s"
+  ps -eo pid,args | grep -E "vllm|lmcache_p2p|pd_proxy" | grep -v grep | head -5
+  exit $rc
+} 2>&1 | tee "$OUT/pass.log"

@@ -1,0 +1,89 @@
+"""bench/e2e_gpu.py's bookkeeping (rows, goodput, resuming), on CPU with no server."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmcache_p2p.cli.cluster import Lookup
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def e2e_gpu():
+    spec = importlib.util.spec_from_file_location("e2e_gpu", REPO / "bench" / "e2e_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["e2e_gpu"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_result(texts, ttft_p99=100.0, tpot_p99=20.0, failed=0):
+    return {"completed": len(texts) - failed, "failed": failed, "output_throughput": 1000.0,
+            "p50_ttft_ms": 50.0, "p99_ttft_ms": ttft_p99, "p50_tpot_ms": 10.0, "p99_tpot_ms": tpot_p99,
+            "p99_itl_ms": 30.0, "generated_texts": texts, "errors": [""] * len(texts)}
+
+
+def test_row_per_gpu_hit_ratio_and_proxy_stats(e2e_gpu) -> None:
+    stats = {"handover_ms": {"p50": 3.0, "p99": 9.0}, "kv_wait_ms": {"p50": 1.0, "p99": 2.0}}
+    # prompt 1024 + first token: 1025 tokens, the last one skipped: 1024 looked up, all hit; one miss
+    row = e2e_gpu.make_row("lmcache_p2p-nixl", 2.0, bench_result(["a", "b"]), stats,
+                           [Lookup(1025, 1024), Lookup(1025, 1024), Lookup(1025, 0)])
+    assert row["output_tok_s_per_gpu"] == 500.0 and row["gpus"] == 2
+    assert row["handover_ms_p50"] == 3.0 and row["handover_ms_p99"] == 9.0
+    assert row["kv_hit_ratio"] == pytest.approx(2 / 3, abs=1e-4)
+    assert row["failed"] == 0 and row["ttft_ms_p99"] == 100.0
+
+
+def test_goodput_is_the_highest_rate_within_the_slo_per_gpu(e2e_gpu) -> None:
+    rows = [{"rate": 1, "gpus": 2, "failed": 0, "ttft_ms_p99": 200, "tpot_ms_p99": 20},
+            {"rate": 4, "gpus": 2, "failed": 0, "ttft_ms_p99": 900, "tpot_ms_p99": 24},
+            {"rate": 8, "gpus": 2, "failed": 0, "ttft_ms_p99": 1500, "tpot_ms_p99": 24},
+            {"rate": 16, "gpus": 2, "failed": 3, "ttft_ms_p99": 100, "tpot_ms_p99": 10}]
+    assert e2e_gpu.goodput(rows, 1000, 25) == 2.0
+    assert e2e_gpu.goodput(rows[2:], 1000, 25) is None
+
+
+def test_cached_rates_are_skipped_and_outputs_compared_with_single(e2e_gpu, tmp_path, monkeypatch) -> None:
+    cfg, _ = e2e_gpu.parse_args(["--model", str(tmp_path), "--systems", "single,lmcache_p2p-nixl", "--rates", "1,2",
+                                 "--results-dir", str(tmp_path / "parts"), "--out", str(tmp_path / "out.json"),
+                                 "--log-dir", str(tmp_path / "logs"), "--", "--enforce-eager"])
+    assert cfg.vllm_args == ("--enforce-eager",)
+    cfg.results_dir.mkdir()
+    single_rows = {f"{r:g}": e2e_gpu.make_row("single", r, bench_result(["x", "y"]), None, []) for r in (1.0, 2.0)}
+    e2e_gpu.save_cached(cfg, "single", single_rows)  # a partial pass left single complete
+    started, rated = [], []
+
+    class Dep:
+        system = "lmcache_p2p-nixl"
+
+        def stop(self) -> None:
+            started.append("stopped")
+
+    monkeypatch.setattr(e2e_gpu, "start", lambda system, _cfg: started.append(system) or Dep())
+    monkeypatch.setattr(e2e_gpu, "run_rate", lambda _cfg, dep, rate: rated.append(rate) or e2e_gpu.make_row(
+        dep.system, rate, bench_result(["x", "z" if rate == 2 else "y"]), None, []))
+
+    assert e2e_gpu.run_system(cfg, "single") is None
+    assert started == []  # nothing to do: single was cached
+    assert e2e_gpu.run_system(cfg, "lmcache_p2p-nixl") is None
+    assert started == ["lmcache_p2p-nixl", "stopped"] and rated == [1.0, 2.0]
+    assert e2e_gpu.run_system(cfg, "lmcache_p2p-nixl") is None and rated == [1.0, 2.0]  # resumed: nothing redone
+
+    result = e2e_gpu.assemble(cfg, [])
+    equal = {(r["system"], r["rate"]): r["outputs_equal_single"] for r in result["rows"]}
+    assert equal[("lmcache_p2p-nixl", 1.0)] is True and equal[("lmcache_p2p-nixl", 2.0)] is False
+    json.dumps(result)  # serialisable as written
+
+
+def test_budget_stops_before_a_step_that_would_not_fit(e2e_gpu, tmp_path) -> None:
+    cfg, _ = e2e_gpu.parse_args(["--model", str(tmp_path), "--results-dir", str(tmp_path / "parts"),
+                                 "--log-dir", str(tmp_path / "logs"), "--budget-s", "60"])
+    cfg.results_dir.mkdir()
+    note = e2e_gpu.run_system(cfg, "single")
+    assert note is not None and "not started" in note and "rerun to resume" in note
