@@ -257,34 +257,61 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
     result = json.loads((result_dir / name).read_text())
     stats = httpx.get(f"{dep.url}/stats", timeout=HTTP_TIMEOUT_S).json() if dep.has_stats else None
     lookups = lookups_in_log(dep.decoder_log)[seen:] if dep.decoder_log and dep.decoder_log.exists() else []
-    return make_row(dep.system, rate, result, stats, lookups)
+    return make_row(dep.system, rate, result, stats, lookups, cfg.output_len)
+
+
+def percentile(values: Sequence[float], pct: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default, as ``vllm bench serve`` reports)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * pct / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def make_row(system: str, rate: float, result: dict[str, Any], stats: dict[str, Any] | None,
-             lookups: Sequence[Any]) -> dict[str, Any]:
+             lookups: Sequence[Any], output_len: int) -> dict[str, Any]:
+    """One row from ``vllm bench serve``'s detailed result.
+
+    Token counts are the requested ``output_len`` (``--ignore-eos``: every successful request
+    generates exactly that many), not the bench's own count, which re-tokenizes the text when a
+    server sends no ``usage`` (LMCache's PD proxy does not): TTFT, TPOT and tok/s are recomputed
+    from the per-request times so every system is measured the same way.
+    """
     gpus = GPUS[system]
+    errors = [e or "" for e in result.get("errors") or []]
+    n = len(result["ttfts"])
+    ok = [i for i in range(n) if not (errors[i] if i < len(errors) else "") and result["ttfts"][i]]
+    ttfts_ms = [result["ttfts"][i] * 1e3 for i in ok]
+    # first token -> last token over the tokens after the first (vLLM 0.24's result has no "latencies")
+    tpots_ms = [sum(result["itls"][i]) * 1e3 / (output_len - 1) for i in ok] if output_len > 1 else []
+    itls_ms = [x * 1e3 for i in ok for x in result["itls"][i]]
     looked_up = sum(lk.total_tokens - 1 for lk in lookups)  # the decoder skips the last token (skip_last_n_tokens)
     texts = result.get("generated_texts") or []
-    errors = [e for e in result.get("errors") or [] if e]
+    reported = result.get("output_lens") or []
 
     def stat(key: str, field: str) -> float | None:
         return None if stats is None else stats.get(key, {}).get(field)
 
-    def r2(value: Any) -> float | None:
-        return None if value is None else round(float(value), 2)
+    def r2(value: float | None) -> float | None:
+        return None if value is None else round(value, 2)
 
     return {
         "system": system, "gpus": gpus, "rate": rate,
-        "output_tok_s_per_gpu": r2(result["output_throughput"] / gpus),
-        "ttft_ms_p50": r2(result.get("p50_ttft_ms")), "ttft_ms_p99": r2(result.get("p99_ttft_ms")),
-        "tpot_ms_p50": r2(result.get("p50_tpot_ms")), "tpot_ms_p99": r2(result.get("p99_tpot_ms")),
-        "itl_ms_p99": r2(result.get("p99_itl_ms")),
+        "output_tok_s_per_gpu": r2(len(ok) * output_len / result["duration"] / gpus),
+        "ttft_ms_p50": r2(percentile(ttfts_ms, 50)), "ttft_ms_p99": r2(percentile(ttfts_ms, 99)),
+        "tpot_ms_p50": r2(percentile(tpots_ms, 50)), "tpot_ms_p99": r2(percentile(tpots_ms, 99)),
+        "itl_ms_p99": r2(percentile(itls_ms, 99)),
         "handover_ms_p50": stat("handover_ms", "p50"), "handover_ms_p99": stat("handover_ms", "p99"),
         "kv_wait_ms_p50": stat("kv_wait_ms", "p50"), "kv_wait_ms_p99": stat("kv_wait_ms", "p99"),
         "kv_hit_ratio": round(sum(lk.hit_tokens for lk in lookups) / looked_up, 4) if looked_up else None,
         "kv_lookups": len(lookups) if system != "single" else None,
-        "failed": int(result.get("failed", len(errors))), "completed": int(result["completed"]),
-        "first_error": errors[0][:300] if errors else None,
+        "kv_full_hits": sum(lk.hit_tokens == lk.total_tokens - 1 for lk in lookups) if system != "single" else None,
+        "failed": n - len(ok), "completed": len(ok),
+        "bench_output_lens_off": sum(1 for i in ok if i < len(reported) and reported[i] != output_len),
+        "first_error": next((e[:300] for e in errors if e), None),
         "outputs_equal_single": None,  # filled in by assemble()
         "output_sha1": [hashlib.sha1(t.encode()).hexdigest()[:12] for t in texts],
     }

@@ -18,7 +18,7 @@ mkdir -p /tmp/stage "$OUT"
 
 stage() {
   compgen -G "$GPU_BUILD/gpu-bundle/parts/p[0-9]" >/dev/null && cp "$GPU_BUILD"/gpu-bundle/parts/p[0-9] /tmp/stage/
-  echo "[gpu_pass] staged: $(cd /tmp/stage && ls p[0-9] 2>/dev/null | tr '\n' ' ')($(du -sm /tmp/stage | cut -f1) MiB)"
+  echo "[gpu_pass] staged: $(cd /tmp/stage && ls p[0-9] 2>/dev/null | tr "\n" " ")($(du -cm /tmp/stage/p[0-9] | tail -n 1 | cut -f1) MiB)"
 }
 
 case "${1:-}" in

@@ -92,6 +92,7 @@ def write_logging_config(path: Path, packages: Sequence[str] = ("lmcache_p2p",),
         "handlers": {"vllm": handler},
         "loggers": {name: dict(logger_config) for name in ("vllm", *packages)},
     }
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=2))
     return path
 

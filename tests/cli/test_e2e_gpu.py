@@ -23,21 +23,37 @@ def e2e_gpu():
     return module
 
 
-def bench_result(texts, ttft_p99=100.0, tpot_p99=20.0, failed=0):
-    return {"completed": len(texts) - failed, "failed": failed, "output_throughput": 1000.0,
-            "p50_ttft_ms": 50.0, "p99_ttft_ms": ttft_p99, "p50_tpot_ms": 10.0, "p99_tpot_ms": tpot_p99,
-            "p99_itl_ms": 30.0, "generated_texts": texts, "errors": [""] * len(texts)}
+OUTPUT_LEN = 11
+
+
+def bench_result(texts, errors=None, output_lens=None):
+    """``vllm bench serve --save-detailed``'s fields: request i has TTFT (i+1)*10 ms, then 10 tokens 20 ms apart."""
+    n = len(texts)
+    return {"duration": 2.0, "completed": n, "ttfts": [(i + 1) * 0.01 for i in range(n)],
+            "itls": [[0.02] * 10 for _ in range(n)],
+            "output_lens": output_lens or [OUTPUT_LEN] * n, "generated_texts": texts,
+            "errors": errors or [""] * n}
 
 
 def test_row_per_gpu_hit_ratio_and_proxy_stats(e2e_gpu) -> None:
     stats = {"handover_ms": {"p50": 3.0, "p99": 9.0}, "kv_wait_ms": {"p50": 1.0, "p99": 2.0}}
     # prompt 1024 + first token: 1025 tokens, the last one skipped: 1024 looked up, all hit; one miss
-    row = e2e_gpu.make_row("lmcache_p2p-nixl", 2.0, bench_result(["a", "b"]), stats,
-                           [Lookup(1025, 1024), Lookup(1025, 1024), Lookup(1025, 0)])
-    assert row["output_tok_s_per_gpu"] == 500.0 and row["gpus"] == 2
+    row = e2e_gpu.make_row("lmcache_p2p-nixl", 2.0, bench_result(["a", "b", "c"]), stats,
+                           [Lookup(1025, 1024), Lookup(1025, 1024), Lookup(1025, 0)], OUTPUT_LEN)
+    assert row["gpus"] == 2 and row["output_tok_s_per_gpu"] == 3 * OUTPUT_LEN / 2.0 / 2
     assert row["handover_ms_p50"] == 3.0 and row["handover_ms_p99"] == 9.0
-    assert row["kv_hit_ratio"] == pytest.approx(2 / 3, abs=1e-4)
-    assert row["failed"] == 0 and row["ttft_ms_p99"] == 100.0
+    assert row["kv_hit_ratio"] == pytest.approx(2 / 3, abs=1e-4) and row["kv_full_hits"] == 2
+    assert (row["ttft_ms_p50"], row["ttft_ms_p99"]) == (20.0, 29.8)
+    assert row["tpot_ms_p50"] == row["tpot_ms_p99"] == 20.0 and row["itl_ms_p99"] == 20.0
+    assert row["failed"] == 0 and row["bench_output_lens_off"] == 0
+
+
+def test_tokens_are_counted_from_output_len_not_the_bench_s_retokenized_text(e2e_gpu) -> None:
+    """LMCache's PD proxy sends no usage: the bench re-tokenizes the text and miscounts (seen: 83..1125 for 64)."""
+    result = bench_result(["a", "b", "c"], errors=["", "boom", ""], output_lens=[83, 0, 1125])
+    row = e2e_gpu.make_row("lmcache-pd", 2.0, result, None, [], OUTPUT_LEN)
+    assert row["completed"] == 2 and row["failed"] == 1 and row["first_error"] == "boom"
+    assert row["output_tok_s_per_gpu"] == 2 * OUTPUT_LEN / 2.0 / 2 and row["bench_output_lens_off"] == 2
 
 
 def test_goodput_is_the_highest_rate_within_the_slo_per_gpu(e2e_gpu) -> None:
@@ -55,7 +71,7 @@ def test_cached_rates_are_skipped_and_outputs_compared_with_single(e2e_gpu, tmp_
                                  "--log-dir", str(tmp_path / "logs"), "--", "--enforce-eager"])
     assert cfg.vllm_args == ("--enforce-eager",)
     cfg.results_dir.mkdir()
-    single_rows = {f"{r:g}": e2e_gpu.make_row("single", r, bench_result(["x", "y"]), None, []) for r in (1.0, 2.0)}
+    single_rows = {f"{r:g}": e2e_gpu.make_row("single", r, bench_result(["x", "y"]), None, [], OUTPUT_LEN) for r in (1.0, 2.0)}
     e2e_gpu.save_cached(cfg, "single", single_rows)  # a partial pass left single complete
     started, rated = [], []
 
@@ -67,7 +83,7 @@ def test_cached_rates_are_skipped_and_outputs_compared_with_single(e2e_gpu, tmp_
 
     monkeypatch.setattr(e2e_gpu, "start", lambda system, _cfg: started.append(system) or Dep())
     monkeypatch.setattr(e2e_gpu, "run_rate", lambda _cfg, dep, rate: rated.append(rate) or e2e_gpu.make_row(
-        dep.system, rate, bench_result(["x", "z" if rate == 2 else "y"]), None, []))
+        dep.system, rate, bench_result(["x", "z" if rate == 2 else "y"]), None, [], OUTPUT_LEN))
 
     assert e2e_gpu.run_system(cfg, "single") is None
     assert started == []  # nothing to do: single was cached
