@@ -92,14 +92,22 @@ def test_killed_decoder_is_restarted_while_the_rest_keeps_serving(fake_launch) -
     build, pid_dir = fake_launch
     args = build("--restart-backoff-s", "0.1", "--restart-backoff-max-s", "0.2")
 
+    running = threading.Event()
+
     def after_kill() -> None:  # once the decoder is back, stop the launcher as Ctrl-C / SIGTERM would
         wait_for(lambda: len(pids_of(pid_dir, args.decode_port)) == 2, "decoder restart")
         time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGTERM)
+        if running.is_set():  # never signal pytest itself once the launcher has returned
+            os.kill(os.getpid(), signal.SIGTERM)
 
     kill_when_up(pid_dir, args.decode_port, then=after_kill)
 
-    assert launch.run(args) == 0  # stopped by the signal, not by the decoder's exit
+    running.set()
+    try:
+        code = launch.run(args)
+    finally:
+        running.clear()
+    assert code == 0  # stopped by the signal, not by the decoder's exit
 
     assert len(pids_of(pid_dir, args.proxy_port)) == 1
     assert len(pids_of(pid_dir, args.prefill_port)) == 1
