@@ -320,16 +320,27 @@ def make_row(system: str, rate: float, result: dict[str, Any], stats: dict[str, 
 # ---- the pass -------------------------------------------------------------------------------------
 
 
+def workload(cfg: Config) -> dict[str, Any]:
+    """What a cached row was measured with; rows of another workload are never reused."""
+    return {"model": str(cfg.model), "input_len": cfg.input_len, "output_len": cfg.output_len,
+            "num_prompts": cfg.num_prompts, "max_model_len": cfg.max_model_len, "vllm_args": list(cfg.vllm_args),
+            "gpu_memory_utilization": cfg.gpu_memory_utilization, "buffer_size": cfg.buffer_size}
+
+
 def load_cached(cfg: Config, system: str) -> dict[str, dict[str, Any]]:
     path = cfg.results_dir / f"{system}.json"
     if cfg.force or not path.exists():
         return {}
-    return json.loads(path.read_text())["rows"]
+    cached = json.loads(path.read_text())
+    if cached.get("workload") != workload(cfg):
+        logger.warning("%s: ignoring %s, measured with another workload: %s", system, path, cached.get("workload"))
+        return {}
+    return cached["rows"]
 
 
 def save_cached(cfg: Config, system: str, rows: dict[str, dict[str, Any]]) -> None:
     path = cfg.results_dir / f"{system}.json"
-    path.write_text(json.dumps({"system": system, "rows": rows}, indent=1))
+    path.write_text(json.dumps({"system": system, "workload": workload(cfg), "rows": rows}, indent=1))
 
 
 def time_left_s(cfg: Config) -> float:
@@ -389,12 +400,7 @@ def assemble(cfg: Config, notes: Sequence[str]) -> dict[str, Any]:
                 row["outputs_mismatched"] = sum(a != b for a, b in pairs)
             row.pop("output_sha1", None)
             rows.append(row)
-    return {"machine": machine(), "workload": {"dataset": "random", "input_len": cfg.input_len,
-                                               "output_len": cfg.output_len, "num_prompts": cfg.num_prompts,
-                                               "ignore_eos": True, "model": str(cfg.model),
-                                               "vllm_args": list(cfg.vllm_args),
-                                               "gpu_memory_utilization": cfg.gpu_memory_utilization,
-                                               "buffer_size": cfg.buffer_size},
+    return {"machine": machine(), "workload": {"dataset": "random", "ignore_eos": True, **workload(cfg)},
             "slo": {"ttft_ms_p99": cfg.slo_ttft_ms, "tpot_ms_p99": cfg.slo_tpot_ms},
             "rows": rows,
             "goodput_per_gpu": {s: goodput([r for r in rows if r["system"] == s], cfg.slo_ttft_ms, cfg.slo_tpot_ms)

@@ -97,6 +97,17 @@ def test_cached_rates_are_skipped_and_outputs_compared_with_single(e2e_gpu, tmp_
     json.dumps(result)  # serialisable as written
 
 
+def test_rows_of_another_workload_are_not_reused(e2e_gpu, tmp_path) -> None:
+    base = ["--model", str(tmp_path), "--rates", "2", "--results-dir", str(tmp_path / "parts"),
+            "--log-dir", str(tmp_path / "logs")]
+    cfg, _ = e2e_gpu.parse_args([*base, "--output-len", "64"])
+    cfg.results_dir.mkdir()
+    e2e_gpu.save_cached(cfg, "single", {"2": e2e_gpu.make_row("single", 2.0, bench_result(["x"]), None, [], 64)})
+    assert set(e2e_gpu.load_cached(cfg, "single")) == {"2"}
+    other, _ = e2e_gpu.parse_args([*base, "--output-len", "1024"])
+    assert e2e_gpu.load_cached(other, "single") == {}
+
+
 def test_budget_stops_before_a_step_that_would_not_fit(e2e_gpu, tmp_path) -> None:
     cfg, _ = e2e_gpu.parse_args(["--model", str(tmp_path), "--results-dir", str(tmp_path / "parts"),
                                  "--log-dir", str(tmp_path / "logs"), "--budget-s", "60"])
