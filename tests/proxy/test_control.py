@@ -74,7 +74,7 @@ async def test_malformed_and_foreign_messages_are_rejected_and_the_listener_keep
     plane.listener.handle([b"only one frame"])
     plane.listener.handle(codec.pack(Hello(version=1, sender_id="s", tp_rank=0,
                                            transport=TransportInfo(kind="nixl", name="n"))))
-    plane.listener.handle([codec._tag(b"\x93garbage"), b"\x93garbage"])
+    plane.listener.handle(codec.seal(b"\x93garbage"))
     assert plane.rejected("malformed") == 3
     agent = FakeAgent(plane.listener.address, "sender", "http://127.0.0.1:8100", secret="s3cret")
     try:
