@@ -70,9 +70,10 @@ class ReceiveService:
         self._region_addr = region_addr
         self._chunk_tokens = chunk_tokens
         self._dtype = dtype
-        self.instance_id = cfg.instance_id or f"decoder-{cfg.host}:{cfg.control_port(0)}"
+        self.instance_id = cfg.default_instance_id()
         self.receiver_id = f"{self.instance_id}/r{tp_rank}/{uuid.uuid4().hex[:8]}"
-        self._codec = protocol.Codec(cfg.shared_secret)
+        self._codec = protocol.Codec(cfg.shared_secret, identity=self.receiver_id, window_s=cfg.auth_window_s)
+        self._rejections = protocol.RejectionLog(logger, "receiver control port")
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._index: dict[str, deque[Chunk]] = {}  # READY chunks by key, oldest first
@@ -85,6 +86,7 @@ class ReceiveService:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted sender with the same identity takes over
         try:
             self._sock.bind(self.control_endpoint)
@@ -134,6 +136,10 @@ class ReceiveService:
     @property
     def free_slots(self) -> int:
         return self._pool.free_slots
+
+    def rejected_frames(self) -> dict[str, int]:
+        """Control frames refused so far, by reason (auth, replay, stale, oversized, malformed)."""
+        return self._codec.rejected
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -190,8 +196,8 @@ class ReceiveService:
             identity, body = frames[0], frames[1:]
             try:
                 msg = self._codec.unpack(body)
-            except ProtocolError as exc:
-                logger.warning("dropped a control frame from %r: %s", identity, exc)
+            except ProtocolError as exc:  # counted by the codec (rejected_frames)
+                self._rejections.log(protocol.rejection_of(exc), f"from {identity!r}: {exc}")
                 self._reply(identity, protocol.ErrorReply(seq=-1, message=str(exc)))
                 continue
             reply = self._handle(identity, msg)
@@ -390,7 +396,7 @@ class ReceiveService:
         return protocol.Announce(
             version=protocol.PROTOCOL_VERSION, instance_id=self.instance_id, role="receiver",
             http_url=self._cfg.http_url or "", tp_rank=self._tp_rank, tp_size=self._tp_size,
-            control_host=self._cfg.host, control_port=self._cfg.control_port(self._tp_rank),
+            control_host=self._cfg.advertised_host(), control_port=self._cfg.control_port(self._tp_rank),
             transport_port=self._cfg.transport_port(self._tp_rank), capacity_slots=self._pool.num_slots,
             free_slots=self._pool.free_slots, slot_bytes=self._slot_bytes, chunk_tokens=self._chunk_tokens,
         )
