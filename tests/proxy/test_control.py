@@ -84,6 +84,38 @@ async def test_malformed_and_foreign_messages_are_rejected_and_the_listener_keep
         agent.close()
 
 
+async def test_replayed_stale_and_oversized_frames_are_rejected_by_reason(plane):
+    """A captured Goodbye replayed later must not unregister the instance; each refusal has its own label."""
+    import zmq
+    import zmq.asyncio
+
+    from lmcache_p2p.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Announce, Goodbye
+
+    codec = Codec("s3cret", identity="decoder-a")
+    announce = Announce(PROTOCOL_VERSION, "decoder-a", "receiver", "http://127.0.0.1:8200", 0, 1, "127.0.0.1", 7300)
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(plane.listener.address)
+    try:
+        goodbye = codec.pack(Goodbye("decoder-a"))
+        await sock.send_multipart(codec.pack(announce))
+        await sock.send_multipart(goodbye)
+        await eventually(lambda: plane.registry.instances() == [])
+        await sock.send_multipart(codec.pack(announce))
+        await eventually(lambda: len(plane.registry.instances()) == 1)
+        await sock.send_multipart(goodbye)  # the captured frame, replayed
+        old = Codec("s3cret", clock=lambda: __import__("time").time() - 60)
+        await sock.send_multipart(old.pack(Goodbye("decoder-a")))
+        await sock.send_multipart(codec.seal(b"\x00" * MAX_MESSAGE_BYTES))
+        await eventually(lambda: (plane.rejected("replay"), plane.rejected("stale"), plane.rejected("oversized"))
+                         == (1, 1, 1))
+        assert [i.instance_id for i in plane.registry.instances()] == ["decoder-a"]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
 async def test_close_is_idempotent_and_frees_the_port():
     p = Plane(None)
     p.listener.start()
