@@ -314,6 +314,7 @@ def test_fuzz_the_sender_control_socket(secret):
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops what exceeds its high-water mark: queue everything
     port = router.bind_to_random_port("tcp://127.0.0.1")
     cfg = P2PConfig(role=Role.SENDER, shared_secret=secret, connect_timeout_s=3600.0, alloc_timeout_s=3600.0)
     service = SendService(cfg, tp_rank=0, tp_size=1, transport=FakeTransport())

@@ -126,6 +126,7 @@ class SendService:
         self.instance_id = cfg.default_instance_id()
         self.sender_id = f"{self.instance_id}/r{tp_rank}/{uuid.uuid4().hex[:8]}"
         self._codec = protocol.Codec(cfg.shared_secret, identity=self.sender_id, window_s=cfg.auth_window_s)
+        self._rejections = protocol.RejectionLog(logger, "sender control socket")
         self._seq = itertools.count(1)
         self._inbox: deque[tuple[str, Target, _Batch]] = deque()
         self._inbox_lock = threading.Lock()
@@ -276,8 +277,7 @@ class SendService:
             try:
                 msg = self._codec.unpack(frames)
             except ProtocolError as exc:  # counted by the codec (stats().rejected_frames)
-                logger.error("bad control message from %s (%d rejected so far): %s", peer.target.endpoint,
-                             sum(self._codec.rejected.values()), exc)
+                self._rejections.log(protocol.rejection_of(exc), f"from {peer.target.endpoint}: {exc}")
                 continue
             self._on_message(peer, msg)
 
