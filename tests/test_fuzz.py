@@ -29,7 +29,7 @@ from lmcache_p2p import protocol
 from lmcache_p2p.backend.receive_service import ReceiveService
 from lmcache_p2p.backend.send_service import Chunk, SendService, Target
 from lmcache_p2p.buffer import SlotPool
-from lmcache_p2p.config import P2PConfig, Role
+from lmcache_p2p.config import P2PConfig, Role, TransportKind
 from lmcache_p2p.errors import ProtocolError
 from lmcache_p2p.transport import Notification, Transport, WriteHandle
 
@@ -425,3 +425,34 @@ async def test_fuzz_the_proxy_registry(secret):
         sock.close(linger=0)
         ctx.term()
         await listener.close()
+
+
+# ---- what a receiver tells its peers ---------------------------------------------------------------------
+
+
+def test_the_announce_carries_the_advertised_host_and_a_host_qualified_id(monkeypatch):
+    monkeypatch.setattr(socket, "gethostname", lambda: "node7")
+    port = free_port()
+    cfg = P2PConfig(role=Role.RECEIVER, control_ports=port, advertise_host="10.0.0.5")
+    service = ReceiveService(cfg, tp_rank=0, tp_size=1, transport=FakeTransport(), pool=SlotPool(4),
+                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16")
+    try:
+        announce = service._announce()
+        assert (announce.control_host, announce.control_port) == ("10.0.0.5", port)
+        assert service.control_endpoint == f"tcp://127.0.0.1:{port}"  # bound where p2p.host says
+        assert announce.instance_id == f"decoder-node7:{port}"
+    finally:
+        service.close()
+
+
+def test_the_nccl_store_binds_host_and_advertises_advertise_host():
+    pytest.importorskip("torch")
+    from lmcache_p2p.backend.common import build_transport
+
+    cfg = P2PConfig(role=Role.RECEIVER, transport=TransportKind.NCCL, transport_ports=free_port(), advertise_host="127.0.0.9")
+    transport = build_transport(cfg, "adv-test", 0)
+    try:
+        info = transport.info()
+        assert (info.host, info.port) == ("127.0.0.9", cfg.transport_port(0))
+    finally:
+        transport.close()
