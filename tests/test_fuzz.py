@@ -456,3 +456,17 @@ def test_the_nccl_store_binds_host_and_advertises_advertise_host():
         assert (info.host, info.port) == ("127.0.0.9", cfg.transport_port(0))
     finally:
         transport.close()
+
+
+def test_the_nccl_store_listens_on_the_configured_host_only():
+    pytest.importorskip("torch")
+    from lmcache_p2p.backend.common import build_transport
+
+    cfg = P2PConfig(role=Role.RECEIVER, transport=TransportKind.NCCL, transport_ports=free_port())
+    transport = build_transport(cfg, "bind-test", 0)
+    try:
+        socket.create_connection(("127.0.0.1", cfg.transport_port(0)), timeout=5).close()
+        with pytest.raises(ConnectionRefusedError):  # another address of this machine: nothing listens
+            socket.create_connection(("127.0.0.2", cfg.transport_port(0)), timeout=5)
+    finally:
+        transport.close()
