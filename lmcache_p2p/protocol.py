@@ -268,6 +268,7 @@ class Rejection(str, enum.Enum):
     OVERSIZED = "oversized"  # larger than MAX_MESSAGE_BYTES
     MALFORMED = "malformed"  # wrong number of parts, bad header, undecodable or unknown message
     VERSION = "version"  # a message of another protocol version (counted by the receiving service)
+    FOREIGN = "foreign"  # a Written for a request another sender owns, or from a peer that is not its sender
 
 
 def rejection_of(exc: ProtocolError) -> Rejection:

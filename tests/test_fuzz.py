@@ -470,3 +470,39 @@ def test_the_nccl_store_listens_on_the_configured_host_only():
             socket.create_connection(("127.0.0.2", cfg.transport_port(0)), timeout=5)
     finally:
         transport.close()
+
+
+# ---- a Written notification only counts from the sender that owns the request -----------------------------
+
+
+def test_written_is_matched_to_the_sender_that_owns_the_slots():
+    transport = FakeTransport()
+    pool = SlotPool(8)
+    service = ReceiveService(receiver_config("s3cret"), tp_rank=0, tp_size=1, transport=transport, pool=pool,
+                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16")
+    ctx = zmq.Context()
+    codec = protocol.Codec("s3cret")
+    a, b = dealer(ctx, service.control_endpoint, b"a"), dealer(ctx, service.control_endpoint, b"b")
+    try:
+        for sock, name in ((a, "sender-a"), (b, "sender-b")):
+            sock.send_multipart(codec.pack(hello(name)))  # transport name == sender name here
+            assert isinstance(recv(sock, codec), protocol.Welcome)
+        a.send_multipart(codec.pack(protocol.Alloc(1, "req-a", ["key-a"], [SHAPE], True)))
+        grant = recv(a, codec)
+        assert isinstance(grant, protocol.Grant)
+
+        def written(peer: str, sender_id: str) -> None:
+            payload = protocol.encode(protocol.Written(sender_id, "req-a", grant.slots))
+            transport.notifications.append(Notification(peer, payload))
+
+        written("sender-b", "sender-b")  # B claims A's slots
+        written("sender-b", "sender-a")  # B pretends to be A
+        wait_until(lambda: service.rejected_frames().get("foreign") == 2, "both forged notifications")
+        assert service.count_ready(["key-a"]) == 0 and pool.reserved_slots == 1
+        written("sender-a", "sender-a")
+        wait_until(lambda: service.count_ready(["key-a"]) == 1, "the owner's notification")
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+        service.close()

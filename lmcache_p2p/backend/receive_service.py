@@ -78,6 +78,7 @@ class ReceiveService:
         self._requests: dict[str, _Request] = {}
         self._index: dict[str, deque[Chunk]] = {}  # READY chunks by key, oldest first
         self._senders: dict[bytes, str] = {}  # ZMQ identity -> sender_id (after Hello)
+        self._by_transport: dict[str, str] = {}  # transport peer name -> sender_id (after Hello)
         self._cancelled: dict[str, float] = {}  # req_id -> until when a late Alloc is refused
         self._stop = threading.Event()
         self._closed = False
@@ -235,6 +236,7 @@ class ReceiveService:
         if previous is not None and previous != msg.sender_id:
             self._on_sender_gone(identity, "replaced by a new sender incarnation")
         self._senders[identity] = msg.sender_id
+        self._by_transport[msg.transport.name] = msg.sender_id
         self._transport.accept(msg.transport)
         logger.info("sender %s connected (rank %d)", msg.sender_id, msg.tp_rank)
         return protocol.Welcome(
@@ -300,6 +302,7 @@ class ReceiveService:
         sender_id = self._senders.pop(identity, None)
         if sender_id is None:
             return
+        self._by_transport = {name: sid for name, sid in self._by_transport.items() if sid != sender_id}
         with self._lock:
             pending = [r for r in self._requests.values() if r.sender_id == sender_id and not r.reported]
             for req in pending:
@@ -317,10 +320,24 @@ class ReceiveService:
             if not isinstance(msg, protocol.Written):
                 logger.warning("unexpected notification %s from %s", type(msg).__name__, notif.peer)
                 continue
+            if self._by_transport.get(notif.peer) != msg.sender_id:
+                self._codec.count_rejected(protocol.Rejection.FOREIGN)
+                self._rejections.log(protocol.Rejection.FOREIGN, (
+                    f"write notification from transport peer {notif.peer} claims sender {msg.sender_id}, which that "
+                    f"peer did not greet as (request {msg.req_id}, slots {msg.slots})"))
+                continue
             self._on_written(msg)
 
     def _on_written(self, msg: protocol.Written) -> None:
         self._last_activity = time.monotonic()
+        with self._lock:
+            owner = self._requests.get(msg.req_id)
+            if owner is not None and owner.sender_id != msg.sender_id:
+                self._codec.count_rejected(protocol.Rejection.FOREIGN)
+                self._rejections.log(protocol.Rejection.FOREIGN, (
+                    f"sender {msg.sender_id} reported writing slots {msg.slots} of request {msg.req_id}, which "
+                    f"belongs to sender {owner.sender_id}: ignored"))
+                return
         stale = self._pool.mark_ready(msg.req_id, msg.slots, self._cfg.ready_lease_s)
         with self._lock:
             req = self._requests.get(msg.req_id)
