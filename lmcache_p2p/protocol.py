@@ -407,8 +407,9 @@ class Codec:
         (stamp_ms,) = _STAMP.unpack_from(header, _NONCE_BYTES)
         now_ms = int(self._clock() * 1000)
         if abs(now_ms - stamp_ms) > self._window_ms:
-            raise StaleFrameError(f"control frame stamped {(now_ms - stamp_ms) / 1000:.1f} s from this clock, outside "
-                                  f"the window of {self._window_ms / 1000:.0f} s (p2p.auth_window_s; are clocks in sync?)")
+            raise StaleFrameError(f"control frame stamped {(now_ms - stamp_ms) / 1000:.1f} s from this clock, "
+                                  f"outside the window of {self._window_ms / 1000:.0f} s (p2p.auth_window_s / "
+                                  "--auth-window-s; are clocks in sync?)")
         with self._lock:
             self._replay.check_and_add(nonce, stamp_ms, now_ms, self._window_ms)
         sender = header[_NONCE_BYTES + _STAMP.size:].decode("utf-8", errors="replace")

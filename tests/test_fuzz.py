@@ -449,7 +449,8 @@ def test_the_nccl_store_binds_host_and_advertises_advertise_host():
     pytest.importorskip("torch")
     from lmcache_p2p.backend.common import build_transport
 
-    cfg = P2PConfig(role=Role.RECEIVER, transport=TransportKind.NCCL, transport_ports=free_port(), advertise_host="127.0.0.9")
+    cfg = P2PConfig(role=Role.RECEIVER, transport=TransportKind.NCCL, transport_ports=free_port(),
+                    advertise_host="127.0.0.9")
     transport = build_transport(cfg, "adv-test", 0)
     try:
         info = transport.info()
@@ -506,3 +507,56 @@ def test_written_is_matched_to_the_sender_that_owns_the_slots():
         b.close(linger=0)
         ctx.term()
         service.close()
+
+
+# ---- a real sender and a real receiver, with matching and mismatched secrets --------------------------------
+
+
+class LoopbackTransport(FakeTransport):
+    """A write lands at once and notifies the receiving LoopbackTransport named in ``net``."""
+
+    def __init__(self, name: str, net: dict[str, LoopbackTransport]) -> None:
+        super().__init__()
+        self.name = name
+        self.net = net
+        net[name] = self
+
+    def info(self) -> protocol.TransportInfo:
+        return protocol.TransportInfo(kind=self.kind, name=self.name)
+
+    def write(self, peer: str, srcs: Sequence, dst_addrs: Sequence[int], notif: bytes) -> WriteHandle:
+        self.net[peer].notifications.append(Notification(self.name, notif))
+        return super().write(peer, srcs, dst_addrs, notif)
+
+
+@pytest.mark.parametrize("sender_secret, receiver_secret, outcome", [
+    ("s3cret", "s3cret", "delivered"),
+    (None, None, "delivered"),
+    ("other", "s3cret", "refused"),
+    (None, "s3cret", "refused"),
+])
+def test_sender_and_receiver_secrets(sender_secret, receiver_secret, outcome):
+    net: dict[str, LoopbackTransport] = {}
+    pool = SlotPool(8)
+    receiver = ReceiveService(receiver_config(receiver_secret), tp_rank=0, tp_size=1,
+                              transport=LoopbackTransport("recv", net), pool=pool, slot_bytes=SLOT_BYTES,
+                              region_addr=0, chunk_tokens=16, dtype="bfloat16")
+    cfg = P2PConfig(role=Role.SENDER, shared_secret=sender_secret, connect_timeout_s=1.0)
+    sender = SendService(cfg, tp_rank=0, tp_size=1, transport=LoopbackTransport("send", net))
+    released: list[str] = []
+    try:
+        target = Target("127.0.0.1", int(receiver.control_endpoint.rsplit(":", 1)[1]))
+        sender.submit("req-1", target, [Chunk("k1", SHAPE, None, lambda: released.append("k1"))], True)
+        wait_until(lambda: sender.stats().requests_done + sender.stats().requests_failed == 1, "the request to end")
+        assert released == ["k1"]  # the chunk's reference is dropped either way
+        if outcome == "delivered":
+            assert sender.stats().requests_done == 1 and receiver.count_ready(["k1"]) == 1
+            assert receiver.rejected_frames() == {} and sender.stats().rejected_frames == {}
+        else:
+            assert sender.stats().requests_failed == 1 and pool.reserved_slots == 0 and pool.free_slots == 8
+            assert receiver.rejected_frames() == {"auth": 1}  # the Hello, unsigned or signed with another secret
+            if sender_secret:  # the receiver's refusal is signed with a key the sender does not share
+                assert sender.stats().rejected_frames == {"auth": 1}
+    finally:
+        sender.close()
+        receiver.close()

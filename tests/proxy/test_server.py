@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -88,7 +89,7 @@ async def test_accepted_http_connections_have_tcp_nodelay():
 
 
 def test_process_refuses_to_serve_the_registry_beyond_loopback_without_a_secret():
-    env = {k: v for k, v in __import__("os").environ.items() if k != "LMCACHE_P2P_SECRET"}
+    env = {k: v for k, v in os.environ.items() if k != "LMCACHE_P2P_SECRET"}
     proc = subprocess.run([sys.executable, "-c", _MAIN, "--port", "0", "--control-port", "0", "--host", "0.0.0.0"],
                           capture_output=True, text=True, timeout=20, env=env)
     assert proc.returncode == 2
