@@ -30,7 +30,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import hashlib
 import hmac
 import logging
 import os
@@ -349,11 +348,7 @@ class Codec:
 
     def _tag(self, header: bytes, payload: bytes) -> bytes:
         assert self._key is not None
-        mac = hmac.new(self._key, _DOMAIN, hashlib.sha256)
-        mac.update(_STAMP.pack(len(header)))
-        mac.update(header)
-        mac.update(payload)
-        return mac.digest()
+        return hmac.digest(self._key, b"".join((_DOMAIN, _STAMP.pack(len(header)), header, payload)), "sha256")
 
     def pack(self, msg: Message) -> list[bytes]:
         return self.seal(encode(msg))
