@@ -23,6 +23,9 @@ Version history:
   1  first version.
   2  Hello and Announce carry the KV :class:`Fingerprint`; a receiver refuses a sender whose
      fingerprint differs and the proxy never pairs such instances.
+Framing under a shared secret (not versioned: both sides share the secret and the release):
+  ``auth`` was the bare HMAC of the payload; it now carries identity, nonce and timestamp inside
+  the tag. A peer of the older framing is refused as ``auth`` (malformed envelope).
 """
 
 from __future__ import annotations
