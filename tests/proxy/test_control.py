@@ -165,3 +165,40 @@ async def test_notice_before_the_wait_is_kept():
     waiters.deliver(ready("r", 0))
     await asyncio.sleep(0)
     assert (await waiter.wait(timeout_s=0.01)).status is KvStatus.READY
+
+
+async def test_a_forged_reply_to_a_cancel_is_counted_as_rejected():
+    """The proxy's Cancel sockets read replies too: one signed with another secret is refused and counted."""
+    import zmq
+    import zmq.asyncio
+
+    from lmcache_p2p.protocol import PROTOCOL_VERSION, Ack, Announce
+    from lmcache_p2p.proxy.cancel import KvCanceller
+
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    registry = Registry(ttl_s=30)
+    metrics = ProxyMetrics(registry.instances)
+    canceller = KvCanceller(Codec("s3cret"), metrics)
+    try:
+        decoder = registry.announce(Announce(
+            version=PROTOCOL_VERSION, instance_id="d", role="receiver", http_url="http://127.0.0.1:1", tp_rank=0,
+            tp_size=1, control_host="127.0.0.1", control_port=port, transport_port=1))
+        canceller.cancel(decoder, "r1", "test")
+        identity, *frames = await asyncio.wait_for(router.recv_multipart(), 10)
+        msg = Codec("s3cret").unpack(frames)
+        await router.send_multipart([identity, *Codec("forged").pack(Ack(msg.seq))])
+        await asyncio.sleep(0.1)
+
+        def rejected() -> float:
+            canceller.cancel(decoder, "r2", "test")  # replies are read before each send
+            return metrics.registry.get_sample_value("lmcache_p2p_proxy_control_rejected_total",
+                                                     {"reason": "auth"}) or 0.0
+
+        await eventually(lambda: rejected() == 1)
+    finally:
+        canceller.close()
+        router.close(linger=0)
+        ctx.term()
