@@ -12,6 +12,14 @@ Our settings live in the LMCache YAML (``LMCACHE_CONFIG_FILE``) under ``extra_co
 
 Every key is checked once, at load; a mistake raises one :class:`ConfigError` naming the key
 (``p2p.buffer_size``) and what is allowed. Nothing else in the package reads raw YAML.
+
+Addresses: ``p2p.host`` is where a receiver binds its control port and its NCCL store;
+``p2p.advertise_host`` is the address peers are told to dial (in Announce and in the transport
+info). It defaults to ``host``; when ``host`` is a wildcard (0.0.0.0, ::) it defaults to this
+machine's resolvable address, and load fails asking for it when that is loopback or unknown.
+
+Exposure: a receiver bound beyond loopback must set ``p2p.shared_secret`` (every control frame
+is then authenticated, see protocol.Codec), or ``p2p.insecure: true`` to accept the risk.
 This module imports nothing heavy (no torch, lmcache, zmq).
 """
 
@@ -19,13 +27,20 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
+import logging
+import os
 import re
+import socket
 from collections.abc import Mapping
 from typing import Any
 
 from lmcache_p2p.errors import ConfigError
 
 SECTION = "p2p"
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+logger = logging.getLogger(__name__)
 
 
 class Role(str, enum.Enum):
@@ -112,7 +127,8 @@ class P2PConfig:
     # Receiver: the preallocated buffer and where it listens.
     buffer_size_bytes: int = 1 << 30
     buffer_device: str = "cpu"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # bind address of the receiver's control port and NCCL store
+    advertise_host: str | None = None  # what peers dial; default: host (see advertised_host())
     control_ports: tuple[int, ...] | int = 7300
     transport_ports: tuple[int, ...] | int = 7400
     # Registry: where to announce ourselves and report "KV ready"; optional.
@@ -120,6 +136,8 @@ class P2PConfig:
     http_url: str | None = None
     instance_id: str | None = None
     shared_secret: str | None = None
+    insecure: bool = False  # allow binding beyond loopback without shared_secret (anyone can inject)
+    auth_window_s: float = 30.0  # authenticated frames stamped further from our clock are refused
     # Deadlines and leases.
     connect_timeout_s: float = 5.0
     alloc_timeout_s: float = 10.0
@@ -129,6 +147,50 @@ class P2PConfig:
     heartbeat_interval_s: float = 2.0
     # NIXL: UCX backend parameters, e.g. {"ucx_error_handling_mode": "none"}.
     nixl_backend_params: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.check_exposure()
+
+    def check_exposure(self) -> None:
+        """A receiver's control port (and NCCL store) beyond loopback needs a shared secret."""
+        if self.role is not Role.RECEIVER or is_loopback(self.host) or self.shared_secret:
+            return
+        if not self.insecure:
+            raise ConfigError(f"{SECTION}.shared_secret", (
+                f"p2p.host is {self.host!r} (beyond loopback) but p2p.shared_secret is not set: anyone who can reach "
+                f"the control port could reserve slots, cancel requests and write KV. Set p2p.shared_secret (the same "
+                f"on every instance and the proxy), bind p2p.host to 127.0.0.1, or set p2p.insecure: true to accept "
+                f"the risk"))
+        logger.warning("INSECURE: p2p.host is %s and p2p.shared_secret is not set (p2p.insecure: true): control "
+                       "messages on this port are NOT authenticated", self.host)
+
+    def advertised_host(self) -> str:
+        """The address peers dial to reach this instance (p2p.advertise_host, else p2p.host, resolved)."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host not in WILDCARD_HOSTS:
+            return self.host
+        try:
+            resolved = socket.gethostbyname(socket.gethostname())
+        except OSError as exc:
+            raise ConfigError(f"{SECTION}.advertise_host", (
+                f"p2p.host is {self.host!r} (every interface), which peers cannot dial, and this machine's name "
+                f"{socket.gethostname()!r} does not resolve ({exc}): set p2p.advertise_host to the address peers "
+                "reach")) from exc
+        if is_loopback(resolved):
+            raise ConfigError(f"{SECTION}.advertise_host", (
+                f"p2p.host is {self.host!r} (every interface), which peers cannot dial, and this machine's name "
+                f"{socket.gethostname()!r} resolves to loopback {resolved}: set p2p.advertise_host to the address "
+                "peers reach"))
+        return resolved
+
+    def default_instance_id(self, tp_rank: int = 0) -> str:
+        """p2p.instance_id, else one unique across hosts: ``decoder-HOSTNAME:PORT`` / ``prefiller-HOSTNAME-PID``."""
+        if self.instance_id:
+            return self.instance_id
+        if self.role is Role.RECEIVER:
+            return f"decoder-{socket.gethostname()}:{self.control_port(0)}"
+        return f"prefiller-{socket.gethostname()}-{os.getpid()}"
 
     def control_port(self, tp_rank: int) -> int:
         return _rank_port("p2p.control_ports", self.control_ports, tp_rank)
@@ -157,7 +219,10 @@ class P2PConfig:
             key = f"{SECTION}.{name}"
             name = aliases.get(name, name)
             values[name] = _convert(key, name, value)
-        return cls(**values)
+        cfg = cls(**values)
+        if cfg.role is Role.RECEIVER:
+            cfg.advertised_host()  # fail at load, not when the first peer is told where to dial
+        return cfg
 
     @classmethod
     def from_lmcache(cls, lmcache_config: Any) -> P2PConfig:
@@ -179,6 +244,15 @@ def _convert(key: str, name: str, value: Any) -> Any:
         return _ports(key, value)
     if name.endswith("_s"):
         return _positive_float(key, value)
+    if name == "insecure":
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"must be true or false, got {value!r}")
+        return value
+    if name == "advertise_host" and value is not None:
+        value = _str(key, value)
+        if value in WILDCARD_HOSTS:
+            raise ConfigError(key, f"must be an address peers can dial, not the wildcard {value!r}")
+        return value
     if name == "proxy_url":
         value = _str(key, value)
         if not re.fullmatch(r"tcp://[^:/\s]+:\d+", value):
@@ -188,9 +262,19 @@ def _convert(key: str, name: str, value: Any) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(key, f"must be a map of UCX backend parameters, got {value!r}")
         return {str(k): str(v) for k, v in value.items()}
-    if value is None and name in ("http_url", "instance_id", "shared_secret"):
+    if value is None and name in ("http_url", "instance_id", "shared_secret", "advertise_host"):
         return None
     return _str(key, value)
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and ``localhost``; any other name counts as beyond loopback."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _rank_port(key: str, ports: tuple[int, ...] | int, tp_rank: int) -> int:

@@ -4,6 +4,9 @@
     ├── ConfigError              a setting is missing, malformed or out of range (names the key)
     ├── ProtocolError            a control frame that cannot be trusted or understood
     │   ├── AuthError            the shared-secret tag is missing or wrong
+    │   │   ├── ReplayError      an authentic frame whose nonce was already seen (a replay)
+    │   │   └── StaleFrameError  an authentic frame whose timestamp is outside the window
+    │   ├── OversizedError       a frame larger than protocol.MAX_MESSAGE_BYTES
     │   └── VersionError         the peer speaks another protocol version
     ├── TransportError           moving bytes failed
     │   ├── PeerUnreachable      connecting to a peer failed
@@ -37,6 +40,18 @@ class ProtocolError(P2PError):
 
 class AuthError(ProtocolError):
     """A control frame's authentication tag is missing or does not match."""
+
+
+class ReplayError(AuthError):
+    """An authentic control frame whose nonce was already accepted: a replay."""
+
+
+class StaleFrameError(AuthError):
+    """An authentic control frame stamped outside the accepted time window."""
+
+
+class OversizedError(ProtocolError):
+    """A control frame larger than the configured limit."""
 
 
 class VersionError(ProtocolError):

@@ -1,9 +1,12 @@
 """Every control-plane message of lmcache_p2p, and how it crosses the wire.
 
 Messages are msgspec structs in one tagged union, encoded as MessagePack. A frame on the wire is
-two ZMQ parts: ``[tag, payload]`` where ``tag`` is HMAC-SHA256(shared_secret, payload) when a
-shared secret is configured and empty otherwise. Nothing from a peer is ever unpickled: decoding
-accepts only the structs below and raises :class:`ProtocolError` for anything else.
+two ZMQ parts: ``[auth, payload]``. ``auth`` is empty without a shared secret; with one it holds
+an HMAC-SHA256 tag over the sender's identity, a random nonce, a timestamp and the payload, and
+:class:`Codec` refuses a wrong tag, a replayed nonce and a frame outside the time window (see its
+docstring). Every frame is bounded by ``MAX_MESSAGE_BYTES``. Nothing from a peer is ever
+unpickled: decoding accepts only the structs below and raises :class:`ProtocolError` for anything
+else.
 
 Conversations:
   sender -> receiver (ZMQ DEALER -> ROUTER, the receiver's control port):
@@ -20,17 +23,28 @@ Version history:
   1  first version.
   2  Hello and Announce carry the KV :class:`Fingerprint`; a receiver refuses a sender whose
      fingerprint differs and the proxy never pairs such instances.
+Framing under a shared secret (not versioned: both sides share the secret and the release):
+  ``auth`` was the bare HMAC of the payload; it now carries identity, nonce and timestamp inside
+  the tag. A peer of the older framing is refused as ``auth`` (malformed envelope).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import enum
-import hashlib
 import hmac
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 import msgspec
 
-from lmcache_p2p.errors import AuthError, ProtocolError
+from lmcache_p2p.errors import (AuthError, OversizedError, ProtocolError, ReplayError, StaleFrameError,
+                                VersionError)
 
 PROTOCOL_VERSION = 2
 
@@ -234,25 +248,192 @@ def decode(payload: bytes) -> Message:
         raise ProtocolError(f"malformed or unknown control message ({len(payload)} bytes): {exc}") from exc
 
 
+# ---- framing -----------------------------------------------------------------------------------
+
+MAX_MESSAGE_BYTES = 4 << 20  # the largest control frame any socket accepts (also its zmq.MAXMSGSIZE)
+AUTH_WINDOW_S = 30.0  # default of p2p.auth_window_s / --auth-window-s
+REPLAY_CACHE_ENTRIES = 1 << 17  # nonces remembered per Codec; older ones raise the timestamp floor
+MAX_IDENTITY_BYTES = 256
+_NONCE_BYTES = 16
+_TAG_BYTES = 32
+_STAMP = struct.Struct(">Q")  # milliseconds since the epoch
+_HEADER_MIN_BYTES = _TAG_BYTES + _NONCE_BYTES + _STAMP.size
+_DOMAIN = b"lmcache_p2p/frame/1\x00"  # a tag made for anything else never verifies here
+
+
+class Rejection(str, enum.Enum):
+    """Why a control frame was dropped (the label of every rejected-frame counter)."""
+
+    AUTH = "auth"  # missing or wrong shared-secret tag
+    REPLAY = "replay"  # an authentic frame seen before
+    STALE = "stale"  # an authentic frame stamped outside the window
+    OVERSIZED = "oversized"  # larger than MAX_MESSAGE_BYTES
+    MALFORMED = "malformed"  # wrong number of parts, bad header, undecodable or unknown message
+    VERSION = "version"  # a message of another protocol version (counted by the receiving service)
+    FOREIGN = "foreign"  # a Written for a request another sender owns, or from a peer that is not its sender
+
+
+def rejection_of(exc: ProtocolError) -> Rejection:
+    """The counter label of a rejected frame's error."""
+    for cls, reason in ((ReplayError, Rejection.REPLAY), (StaleFrameError, Rejection.STALE),
+                        (AuthError, Rejection.AUTH), (OversizedError, Rejection.OVERSIZED),
+                        (VersionError, Rejection.VERSION)):
+        if isinstance(exc, cls):
+            return reason
+    return Rejection.MALFORMED
+
+
+@dataclasses.dataclass(frozen=True)
+class Envelope:
+    """An accepted frame: the message, and who sent it (authenticated only under a shared secret)."""
+
+    msg: Message
+    sender: str  # the peer's identity as its Codec stamped it; "" without a shared secret
+    sent_at_s: float  # the peer's wall clock when it packed the frame; 0.0 without a shared secret
+
+
+class _ReplayCache:
+    """Nonces accepted within the window, bounded: evicting one raises a timestamp floor below which
+    every frame is refused, so a frame whose nonce was forgotten can never be accepted again."""
+
+    def __init__(self, max_entries: int) -> None:
+        self._max_entries = max_entries
+        self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # nonce -> stamp (ms)
+        self.floor_ms = 0
+
+    def check_and_add(self, nonce: bytes, stamp_ms: int, now_ms: int, window_ms: int) -> None:
+        if stamp_ms <= self.floor_ms:
+            raise StaleFrameError(f"control frame stamped {stamp_ms} ms is at or below the replay floor "
+                                  f"{self.floor_ms} ms (replay cache full: {self._max_entries} nonces)")
+        if nonce in self._seen:
+            raise ReplayError(f"control frame replayed: nonce {nonce.hex()} was already accepted within "
+                              f"the last {window_ms / 1000:.0f} s (p2p.auth_window_s)")
+        while self._seen:  # forget nonces whose frames are stale anyway
+            oldest, oldest_ms = next(iter(self._seen.items()))
+            if oldest_ms >= now_ms - window_ms and len(self._seen) < self._max_entries:
+                break
+            del self._seen[oldest]
+            if oldest_ms >= now_ms - window_ms:
+                self.floor_ms = max(self.floor_ms, oldest_ms)
+        self._seen[nonce] = stamp_ms
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
 class Codec:
-    """Frames messages as ``[tag, payload]`` and checks the tag, with an optional shared secret."""
+    """Frames messages as ``[auth, payload]``, checks them, and counts what it rejects.
 
-    def __init__(self, shared_secret: str | None = None) -> None:
+    Without a shared secret ``auth`` is empty: framing costs one MessagePack encode. With one,
+    ``auth`` is ``tag(32) | nonce(16) | stamp_ms(8, big-endian) | identity (UTF-8)`` where
+    ``tag = HMAC-SHA256(secret, domain | len(rest of auth) | rest of auth | payload)``: the sender's
+    identity, a random nonce and a timestamp are inside the authenticated envelope. ``unpack``
+    refuses a wrong tag, a frame stamped more than ``window_s`` from this clock, and a nonce it
+    already accepted (a bounded replay cache). Every frame larger than ``max_message_bytes`` in
+    all is refused before anything else is looked at. Thread-safe.
+    """
+
+    def __init__(self, shared_secret: str | None = None, *, identity: str = "", window_s: float = AUTH_WINDOW_S,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, replay_cache_entries: int = REPLAY_CACHE_ENTRIES,
+                 clock: Callable[[], float] = time.time) -> None:
         self._key = shared_secret.encode() if shared_secret else None
+        self._identity = identity.encode()[:MAX_IDENTITY_BYTES]
+        self._window_ms = int(window_s * 1000)
+        self.max_message_bytes = max_message_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._replay = _ReplayCache(replay_cache_entries)
+        self._rejected: collections.Counter[Rejection] = collections.Counter()
 
-    def _tag(self, payload: bytes) -> bytes:
-        if self._key is None:
-            return b""
-        return hmac.new(self._key, payload, hashlib.sha256).digest()
+    @property
+    def authenticated(self) -> bool:
+        return self._key is not None
+
+    def _tag(self, header: bytes, payload: bytes) -> bytes:
+        assert self._key is not None
+        return hmac.digest(self._key, b"".join((_DOMAIN, _STAMP.pack(len(header)), header, payload)), "sha256")
 
     def pack(self, msg: Message) -> list[bytes]:
-        payload = encode(msg)
-        return [self._tag(payload), payload]
+        return self.seal(encode(msg))
 
-    def unpack(self, frames: list[bytes]) -> Message:
+    def seal(self, payload: bytes) -> list[bytes]:
+        """Frame already-encoded bytes (``pack`` without the encoding; tests forge payloads with it)."""
+        if self._key is None:
+            return [b"", payload]
+        header = os.urandom(_NONCE_BYTES) + _STAMP.pack(int(self._clock() * 1000)) + self._identity
+        return [self._tag(header, payload) + header, payload]
+
+    def unpack(self, frames: Sequence[bytes]) -> Message:
+        return self.open(frames).msg
+
+    def open(self, frames: Sequence[bytes]) -> Envelope:
+        """Check and decode one frame; a rejected frame is counted and raises a ProtocolError subclass."""
+        try:
+            return self._open(frames)
+        except ProtocolError as exc:
+            self.count_rejected(rejection_of(exc))
+            raise
+
+    def count_rejected(self, reason: Rejection) -> None:
+        with self._lock:
+            self._rejected[reason] += 1
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Frames refused so far, by :class:`Rejection` value."""
+        with self._lock:
+            return {reason.value: n for reason, n in self._rejected.items()}
+
+    def _open(self, frames: Sequence[bytes]) -> Envelope:
+        size = sum(len(f) for f in frames)
+        if size > self.max_message_bytes:
+            raise OversizedError(f"control frame of {size} bytes exceeds the limit of {self.max_message_bytes} bytes "
+                                 "(protocol.MAX_MESSAGE_BYTES)")
         if len(frames) != 2:
-            raise ProtocolError(f"expected 2 frames [tag, payload], got {len(frames)}")
-        tag, payload = bytes(frames[0]), bytes(frames[1])
-        if self._key is not None and not hmac.compare_digest(tag, self._tag(payload)):
-            raise AuthError("control message rejected: missing or wrong shared-secret tag (p2p.shared_secret)")
-        return decode(payload)
+            raise ProtocolError(f"expected 2 frames [auth, payload], got {len(frames)}")
+        auth, payload = bytes(frames[0]), bytes(frames[1])
+        if self._key is None:
+            return Envelope(decode(payload), "", 0.0)
+        if len(auth) < _HEADER_MIN_BYTES or len(auth) > _HEADER_MIN_BYTES + MAX_IDENTITY_BYTES:
+            raise AuthError(f"control message rejected: missing or malformed shared-secret envelope ({len(auth)} "
+                            "bytes; p2p.shared_secret / --shared-secret must match on both sides)")
+        tag, header = auth[:_TAG_BYTES], auth[_TAG_BYTES:]
+        if not hmac.compare_digest(tag, self._tag(header, payload)):
+            raise AuthError("control message rejected: wrong shared-secret tag "
+                            "(p2p.shared_secret / --shared-secret must match on both sides)")
+        nonce = header[:_NONCE_BYTES]
+        (stamp_ms,) = _STAMP.unpack_from(header, _NONCE_BYTES)
+        now_ms = int(self._clock() * 1000)
+        if abs(now_ms - stamp_ms) > self._window_ms:
+            raise StaleFrameError(f"control frame stamped {(now_ms - stamp_ms) / 1000:.1f} s from this clock, "
+                                  f"outside the window of {self._window_ms / 1000:.0f} s (p2p.auth_window_s / "
+                                  "--auth-window-s; are clocks in sync?)")
+        with self._lock:
+            self._replay.check_and_add(nonce, stamp_ms, now_ms, self._window_ms)
+        sender = header[_NONCE_BYTES + _STAMP.size:].decode("utf-8", errors="replace")
+        return Envelope(decode(payload), sender, stamp_ms / 1000)
+
+
+class RejectionLog:
+    """Logs rejected frames without flooding: WARNING for the first of a kind, then at most every
+    ``warn_every_s`` with the count since (DEBUG in between). A flood of forged frames costs a
+    line per reason per interval."""
+
+    def __init__(self, logger: logging.Logger, where: str, warn_every_s: float = 10.0) -> None:
+        self._logger = logger
+        self._where = where
+        self._warn_every_s = warn_every_s
+        self._last_s: dict[str, float] = {}
+        self._since: dict[str, int] = {}
+
+    def log(self, reason: Rejection | str, detail: object) -> None:
+        reason = getattr(reason, "value", reason)
+        now = time.monotonic()
+        self._since[reason] = self._since.get(reason, 0) + 1
+        if now - self._last_s.get(reason, -self._warn_every_s) >= self._warn_every_s:
+            self._logger.warning("%s dropped a control message (%s; %d dropped since the last report): %s",
+                                 self._where, reason, self._since[reason], detail)
+            self._last_s[reason] = now
+            self._since[reason] = 0
+        else:
+            self._logger.debug("%s dropped a control message (%s): %s", self._where, reason, detail)

@@ -74,3 +74,77 @@ def test_lmcache_settings_that_break_the_plugin():
     Cfg.enable_pd, Cfg.save_unfull_chunk = False, False
     with pytest.raises(ConfigError, match="^save_unfull_chunk: must be true"):
         check_lmcache_settings(Cfg())
+
+
+# ---- exposure and addresses -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "decoder1.example", "::"])
+def test_a_receiver_beyond_loopback_needs_a_secret(host):
+    with pytest.raises(ConfigError, match=r"^p2p\.shared_secret: p2p\.host is .* p2p\.insecure: true") as err:
+        P2PConfig.from_mapping({"role": "receiver", "host": host, "advertise_host": "10.1.2.3"})
+    assert err.value.key == "p2p.shared_secret"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
+def test_loopback_needs_no_secret(host):
+    assert P2PConfig.from_mapping({"role": "receiver", "host": host}).host == host
+
+
+def test_secret_or_explicit_insecure_allows_binding_beyond_loopback(caplog):
+    cfg = P2PConfig.from_mapping({"role": "receiver", "host": "10.1.2.3", "shared_secret": "s"})
+    assert cfg.advertised_host() == "10.1.2.3"
+    caplog.set_level("WARNING", logger="lmcache_p2p.config")
+    cfg = P2PConfig.from_mapping({"role": "receiver", "host": "10.1.2.3", "insecure": True})
+    assert cfg.insecure and "INSECURE" in caplog.text and "NOT authenticated" in caplog.text
+    with pytest.raises(ConfigError, match=r"^p2p\.insecure: must be true or false"):
+        P2PConfig.from_mapping({"role": "receiver", "insecure": "yes"})
+
+
+def test_a_sender_binds_nothing_reachable_and_needs_no_secret():
+    assert P2PConfig.from_mapping({"role": "sender", "host": "0.0.0.0"}).role is Role.SENDER
+
+
+def test_advertise_host_is_separate_from_the_bind_host():
+    cfg = P2PConfig.from_mapping({"role": "receiver", "host": "0.0.0.0", "advertise_host": "10.0.0.5",
+                                  "shared_secret": "s"})
+    assert (cfg.host, cfg.advertised_host()) == ("0.0.0.0", "10.0.0.5")
+    assert P2PConfig.from_mapping({"role": "receiver"}).advertised_host() == "127.0.0.1"
+    with pytest.raises(ConfigError, match=r"^p2p\.advertise_host: must be an address peers can dial"):
+        P2PConfig.from_mapping({"role": "receiver", "advertise_host": "0.0.0.0"})
+
+
+def test_a_wildcard_host_resolves_the_machine_or_asks_for_advertise_host(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node7")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: {"node7": "10.9.8.7"}[name])
+    cfg = P2PConfig.from_mapping({"role": "receiver", "host": "0.0.0.0", "shared_secret": "s"})
+    assert cfg.advertised_host() == "10.9.8.7"
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # Debian's /etc/hosts default
+    with pytest.raises(ConfigError, match=r"^p2p\.advertise_host: .*'node7' resolves to loopback 127\.0\.1\.1"):
+        P2PConfig.from_mapping({"role": "receiver", "host": "0.0.0.0", "shared_secret": "s"})
+
+    def fail(name):
+        raise OSError("unknown host")
+
+    monkeypatch.setattr(socket, "gethostbyname", fail)
+    with pytest.raises(ConfigError, match=r"^p2p\.advertise_host: .*does not resolve"):
+        P2PConfig.from_mapping({"role": "receiver", "host": "::", "shared_secret": "s"})
+
+
+def test_default_instance_ids_name_the_host(monkeypatch):
+    import os
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node7")
+    assert P2PConfig.from_mapping({"role": "receiver", "control_ports": 7310}).default_instance_id() == \
+        "decoder-node7:7310"
+    assert P2PConfig.from_mapping({"role": "sender"}).default_instance_id() == f"prefiller-node7-{os.getpid()}"
+    assert P2PConfig.from_mapping({"role": "sender", "instance_id": "p0"}).default_instance_id() == "p0"
+
+
+def test_auth_window_is_a_positive_number_of_seconds():
+    assert P2PConfig.from_mapping({"role": "sender"}).auth_window_s == 30.0
+    with pytest.raises(ConfigError, match=r"^p2p\.auth_window_s: must be a positive number"):
+        P2PConfig.from_mapping({"role": "sender", "auth_window_s": 0})

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from lmcache_p2p import protocol
-from lmcache_p2p.errors import AuthError, ProtocolError
+from lmcache_p2p.errors import AuthError, OversizedError, ProtocolError, ReplayError, StaleFrameError
 
 INFO = protocol.TransportInfo(kind="nixl", name="a", metadata=b"\x00\x01", regions=[protocol.Region(4096, 1 << 20)])
 SHAPE = protocol.ChunkShape(shape=[2, 2, 256, 64], dtype="bfloat16", nbytes=131072)
@@ -64,3 +64,114 @@ def test_shared_secret():
     tampered = [frames[0], frames[1][:-1] + b"\x02"]
     with pytest.raises(AuthError):
         good.unpack(tampered)
+    assert good.rejected == {"auth": 2} and bad.rejected == {"auth": 1}
+
+
+class Clock:
+    def __init__(self, now_s: float = 1_800_000_000.0) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_without_a_secret_framing_is_cheap_and_anonymous():
+    codec = protocol.Codec(identity="prefiller-a")
+    frames = codec.pack(protocol.Ack(1))
+    assert frames == [b"", protocol.encode(protocol.Ack(1))]
+    env = codec.open(frames)
+    assert env.msg == protocol.Ack(1) and env.sender == ""
+    assert codec.unpack(frames) == protocol.Ack(1)  # no replay protection without a secret
+
+
+def test_envelope_authenticates_the_sender_identity():
+    clock = Clock()
+    sender = protocol.Codec("s3cret", identity="prefiller-hostA-12/r0", clock=clock)
+    receiver = protocol.Codec("s3cret", identity="decoder-hostB:7300", clock=clock)
+    env = receiver.open(sender.pack(protocol.Ack(7)))
+    assert env.msg == protocol.Ack(7) and env.sender == "prefiller-hostA-12/r0"
+    assert env.sent_at_s == pytest.approx(clock.now_s, abs=0.001)
+    auth, payload = sender.pack(protocol.Ack(7))
+    for at in (32, 32 + 16, 32 + 16 + 8, len(auth) - 1):  # nonce, stamp, identity: all covered by the tag
+        forged = auth[:at] + bytes([auth[at] ^ 1]) + auth[at + 1:]
+        with pytest.raises(AuthError, match="wrong shared-secret tag"):
+            receiver.open([forged, payload])
+    assert receiver.rejected == {"auth": 4}
+
+
+def test_a_replayed_frame_is_refused_and_counted():
+    codec = protocol.Codec("s3cret")
+    frames = codec.pack(protocol.Cancel(1, "req", "why"))
+    assert codec.unpack(frames) == protocol.Cancel(1, "req", "why")
+    with pytest.raises(ReplayError, match="replayed"):
+        codec.unpack(frames)
+    assert codec.unpack(codec.pack(protocol.Cancel(1, "req", "why"))) == protocol.Cancel(1, "req", "why")
+    assert codec.rejected == {"replay": 1}
+
+
+@pytest.mark.parametrize("skew_s", [-31.0, 31.0])
+def test_a_frame_outside_the_window_is_refused(skew_s):
+    sent, received = Clock(), Clock()
+    sender = protocol.Codec("s3cret", clock=sent)
+    receiver = protocol.Codec("s3cret", window_s=30.0, clock=received)
+    sent.now_s = received.now_s + skew_s
+    with pytest.raises(StaleFrameError, match="window of 30 s .p2p.auth_window_s"):
+        receiver.unpack(sender.pack(protocol.Ack(1)))
+    sent.now_s = received.now_s + skew_s / 31 * 29  # inside the window
+    assert receiver.unpack(sender.pack(protocol.Ack(1))) == protocol.Ack(1)
+    assert receiver.rejected == {"stale": 1}
+
+
+def test_the_replay_cache_is_bounded_and_never_readmits_a_forgotten_nonce():
+    clock = Clock()
+    codec = protocol.Codec("s3cret", replay_cache_entries=4, clock=clock)
+    sent = []
+    for i in range(10):
+        clock.now_s += 0.01
+        frames = codec.pack(protocol.Ack(i))
+        codec.unpack(frames)
+        sent.append(frames)
+    assert len(codec._replay) <= 4
+    for frames in sent:  # each is refused: still remembered (replay) or below the floor (stale)
+        with pytest.raises((ReplayError, StaleFrameError)):
+            codec.unpack(frames)
+    clock.now_s += 0.01
+    assert codec.unpack(codec.pack(protocol.Ack(99))) == protocol.Ack(99)  # fresh frames still pass
+
+
+def test_expired_nonces_are_forgotten():
+    clock = Clock()
+    codec = protocol.Codec("s3cret", window_s=30.0, clock=clock)
+    for i in range(5):
+        codec.unpack(codec.pack(protocol.Ack(i)))
+    clock.now_s += 31
+    codec.unpack(codec.pack(protocol.Ack(5)))
+    assert len(codec._replay) == 1
+
+
+@pytest.mark.parametrize("secret", [None, "s3cret"])
+def test_oversized_frames_are_refused_before_decoding(secret):
+    codec = protocol.Codec(secret, max_message_bytes=1024)
+    small = codec.pack(protocol.ErrorReply(1, "x" * 900))
+    assert codec.unpack(small).message == "x" * 900
+    with pytest.raises(OversizedError, match="exceeds the limit of 1024 bytes"):
+        codec.unpack(codec.pack(protocol.ErrorReply(1, "x" * 1100)))
+    with pytest.raises(OversizedError):
+        codec.unpack([b"", b"a" * 600, b"b" * 600])  # counted over every part
+    assert codec.rejected == {"oversized": 2}
+
+
+def test_malformed_envelopes_are_rejected():
+    codec = protocol.Codec("s3cret")
+    _, payload = codec.pack(protocol.Ack(1))
+    for auth in (b"", b"x" * 10, b"x" * 1000):
+        with pytest.raises(AuthError, match="malformed shared-secret envelope"):
+            codec.unpack([auth, payload])
+
+
+def test_rejection_reasons():
+    assert protocol.rejection_of(ReplayError("r")) is protocol.Rejection.REPLAY
+    assert protocol.rejection_of(StaleFrameError("s")) is protocol.Rejection.STALE
+    assert protocol.rejection_of(AuthError("a")) is protocol.Rejection.AUTH
+    assert protocol.rejection_of(OversizedError("o")) is protocol.Rejection.OVERSIZED
+    assert protocol.rejection_of(ProtocolError("m")) is protocol.Rejection.MALFORMED

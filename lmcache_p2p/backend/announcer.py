@@ -30,6 +30,7 @@ class Announcer:
             self._ctx = zmq.Context()
             self._sock = self._ctx.socket(zmq.PUSH)
             self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)  # PUSH reads nothing; bound anyway
             self._sock.setsockopt(zmq.SNDHWM, 1000)
             self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing until the proxy is connected
             self._sock.connect(proxy_url)

@@ -56,6 +56,7 @@ def build_transport(cfg: P2PConfig, name: str, tp_rank: int, gpu: str | None = N
     receiver = cfg.role is Role.RECEIVER
     device = cfg.buffer_device if receiver and cfg.buffer_device != "cpu" else gpu or "cpu"
     return create_transport("nccl", name, host=cfg.host, port=cfg.transport_port(tp_rank) if receiver else 0,
+                            advertise_host=cfg.advertised_host() if receiver else None,
                             device=device, timeout_s=cfg.transfer_timeout_s)
 
 

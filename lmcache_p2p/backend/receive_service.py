@@ -70,13 +70,15 @@ class ReceiveService:
         self._region_addr = region_addr
         self._chunk_tokens = chunk_tokens
         self._dtype = dtype
-        self.instance_id = cfg.instance_id or f"decoder-{cfg.host}:{cfg.control_port(0)}"
+        self.instance_id = cfg.default_instance_id()
         self.receiver_id = f"{self.instance_id}/r{tp_rank}/{uuid.uuid4().hex[:8]}"
-        self._codec = protocol.Codec(cfg.shared_secret)
+        self._codec = protocol.Codec(cfg.shared_secret, identity=self.receiver_id, window_s=cfg.auth_window_s)
+        self._rejections = protocol.RejectionLog(logger, "receiver control port")
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._index: dict[str, deque[Chunk]] = {}  # READY chunks by key, oldest first
         self._senders: dict[bytes, str] = {}  # ZMQ identity -> sender_id (after Hello)
+        self._by_transport: dict[str, str] = {}  # transport peer name -> sender_id (after Hello)
         self._cancelled: dict[str, float] = {}  # req_id -> until when a late Alloc is refused
         self._stop = threading.Event()
         self._closed = False
@@ -85,6 +87,7 @@ class ReceiveService:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted sender with the same identity takes over
         try:
             self._sock.bind(self.control_endpoint)
@@ -134,6 +137,10 @@ class ReceiveService:
     @property
     def free_slots(self) -> int:
         return self._pool.free_slots
+
+    def rejected_frames(self) -> dict[str, int]:
+        """Control frames refused so far, by reason (auth, replay, stale, oversized, malformed)."""
+        return self._codec.rejected
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -190,8 +197,8 @@ class ReceiveService:
             identity, body = frames[0], frames[1:]
             try:
                 msg = self._codec.unpack(body)
-            except ProtocolError as exc:
-                logger.warning("dropped a control frame from %r: %s", identity, exc)
+            except ProtocolError as exc:  # counted by the codec (rejected_frames)
+                self._rejections.log(protocol.rejection_of(exc), f"from {identity!r}: {exc}")
                 self._reply(identity, protocol.ErrorReply(seq=-1, message=str(exc)))
                 continue
             reply = self._handle(identity, msg)
@@ -229,6 +236,7 @@ class ReceiveService:
         if previous is not None and previous != msg.sender_id:
             self._on_sender_gone(identity, "replaced by a new sender incarnation")
         self._senders[identity] = msg.sender_id
+        self._by_transport[msg.transport.name] = msg.sender_id
         self._transport.accept(msg.transport)
         logger.info("sender %s connected (rank %d)", msg.sender_id, msg.tp_rank)
         return protocol.Welcome(
@@ -294,6 +302,7 @@ class ReceiveService:
         sender_id = self._senders.pop(identity, None)
         if sender_id is None:
             return
+        self._by_transport = {name: sid for name, sid in self._by_transport.items() if sid != sender_id}
         with self._lock:
             pending = [r for r in self._requests.values() if r.sender_id == sender_id and not r.reported]
             for req in pending:
@@ -311,10 +320,24 @@ class ReceiveService:
             if not isinstance(msg, protocol.Written):
                 logger.warning("unexpected notification %s from %s", type(msg).__name__, notif.peer)
                 continue
+            if self._by_transport.get(notif.peer) != msg.sender_id:
+                self._codec.count_rejected(protocol.Rejection.FOREIGN)
+                self._rejections.log(protocol.Rejection.FOREIGN, (
+                    f"write notification from transport peer {notif.peer} claims sender {msg.sender_id}, which that "
+                    f"peer did not greet as (request {msg.req_id}, slots {msg.slots})"))
+                continue
             self._on_written(msg)
 
     def _on_written(self, msg: protocol.Written) -> None:
         self._last_activity = time.monotonic()
+        with self._lock:
+            owner = self._requests.get(msg.req_id)
+            if owner is not None and owner.sender_id != msg.sender_id:
+                self._codec.count_rejected(protocol.Rejection.FOREIGN)
+                self._rejections.log(protocol.Rejection.FOREIGN, (
+                    f"sender {msg.sender_id} reported writing slots {msg.slots} of request {msg.req_id}, which "
+                    f"belongs to sender {owner.sender_id}: ignored"))
+                return
         stale = self._pool.mark_ready(msg.req_id, msg.slots, self._cfg.ready_lease_s)
         with self._lock:
             req = self._requests.get(msg.req_id)
@@ -390,7 +413,7 @@ class ReceiveService:
         return protocol.Announce(
             version=protocol.PROTOCOL_VERSION, instance_id=self.instance_id, role="receiver",
             http_url=self._cfg.http_url or "", tp_rank=self._tp_rank, tp_size=self._tp_size,
-            control_host=self._cfg.host, control_port=self._cfg.control_port(self._tp_rank),
+            control_host=self._cfg.advertised_host(), control_port=self._cfg.control_port(self._tp_rank),
             transport_port=self._cfg.transport_port(self._tp_rank), capacity_slots=self._pool.num_slots,
             free_slots=self._pool.free_slots, slot_bytes=self._slot_bytes, chunk_tokens=self._chunk_tokens,
         )

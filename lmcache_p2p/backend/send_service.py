@@ -112,6 +112,7 @@ class SendStats:
     requests_done: int
     requests_failed: int
     bytes_sent: int
+    rejected_frames: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason, see protocol.Rejection
 
 
 class SendService:
@@ -122,9 +123,10 @@ class SendService:
         self._tp_rank = tp_rank
         self._tp_size = tp_size
         self._transport = transport
-        self.instance_id = cfg.instance_id or f"prefiller-{os.getpid()}"
+        self.instance_id = cfg.default_instance_id()
         self.sender_id = f"{self.instance_id}/r{tp_rank}/{uuid.uuid4().hex[:8]}"
-        self._codec = protocol.Codec(cfg.shared_secret)
+        self._codec = protocol.Codec(cfg.shared_secret, identity=self.sender_id, window_s=cfg.auth_window_s)
+        self._rejections = protocol.RejectionLog(logger, "sender control socket")
         self._seq = itertools.count(1)
         self._inbox: deque[tuple[str, Target, _Batch]] = deque()
         self._inbox_lock = threading.Lock()
@@ -156,7 +158,7 @@ class SendService:
         os.write(self._wake_w, b"x")
 
     def stats(self) -> SendStats:
-        return SendStats(self._done, self._failed, self._bytes)
+        return SendStats(self._done, self._failed, self._bytes, self._codec.rejected)
 
     def pending_requests(self) -> int:
         return len(self._requests) + len(self._inbox)
@@ -242,6 +244,7 @@ class SendService:
         if peer is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
             sock.setsockopt(zmq.IDENTITY, f"{self.sender_id}@{uuid.uuid4().hex[:6]}".encode())
             sock.connect(target.endpoint)
             self._poller.register(sock, zmq.POLLIN)
@@ -273,8 +276,8 @@ class SendService:
                 return
             try:
                 msg = self._codec.unpack(frames)
-            except ProtocolError as exc:
-                logger.error("bad control message from %s: %s", peer.target.endpoint, exc)
+            except ProtocolError as exc:  # counted by the codec (stats().rejected_frames)
+                self._rejections.log(protocol.rejection_of(exc), f"from {peer.target.endpoint}: {exc}")
                 continue
             self._on_message(peer, msg)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 import httpx
@@ -25,14 +26,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def drain(proxy: str, instance_id: str, timeout_s: float) -> bool:
-    """Ask the proxy to drain ``instance_id``; True once it is idle and forgotten."""
-    resp = httpx.post(f"{proxy}/instances/drain", json={"instance_id": instance_id}, timeout=10)
+def drain(proxy: str, instance_id: str, timeout_s: float, secret: str | None = None) -> bool:
+    """Ask the proxy to drain ``instance_id``; True once it is idle and forgotten.
+
+    ``secret``: the proxy's shared secret (default ``$LMCACHE_P2P_SECRET``), sent as a Bearer token.
+    """
+    secret = secret or os.environ.get("LMCACHE_P2P_SECRET")
+    headers = {"authorization": f"Bearer {secret}"} if secret else {}
+    resp = httpx.post(f"{proxy}/instances/drain", json={"instance_id": instance_id}, headers=headers, timeout=10)
     if resp.status_code != 200:
         raise SystemExit(f"drain {instance_id}: {resp.json().get('error', {}).get('message', resp.text)}")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        listed = httpx.get(f"{proxy}/instances", params={"all": "1"}, timeout=10).json()
+        listed = httpx.get(f"{proxy}/instances", params={"all": "1"}, headers=headers, timeout=10).json()
         inst = next((i for i in listed if i["instance_id"] == instance_id), None)
         if inst is None or inst["static"] and inst["inflight_requests"] == 0:
             return True

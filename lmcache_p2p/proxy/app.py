@@ -3,12 +3,16 @@
     POST /v1/completions, /v1/chat/completions   disaggregated generation, streamed (SSE) or not
     GET  /v1/models                              from the first healthy decoder (else prefiller)
     GET  /health                                 200 while the proxy runs; counts routable instances
-    GET  /instances                              routable instances (?all=1: every registered one)
-    POST /instances/drain                        {"instance_id"}: no new work; forgotten once idle
+    GET  /instances                              routable instances (?all=1: every registered one)   [admin]
+    POST /instances/drain                        {"instance_id"}: no new work; forgotten once idle   [admin]
     GET  /metrics                                Prometheus
     GET  /stats                                  TTFT / handover / kv_wait count, mean, p50, p99 (ms) since
                                                  start or the last reset; read-only
-    POST /stats/reset                            start a new stats window; answers the one that ended
+    POST /stats/reset                            start a new stats window; answers the one that ended [admin]
+
+[admin]: with a shared secret (``--shared-secret``) these need ``Authorization: Bearer <secret>``
+(compared in constant time): 401 without the header, 403 with a wrong one. They show the
+registry's internals (control addresses) or change it.
 
 Errors are OpenAI-style JSON (``errors.py``). Once a stream has started (after the first token),
 a later failure is sent in the stream as ``data: {"error": ...}`` followed by ``data: [DONE]``.
@@ -18,8 +22,10 @@ A client that disconnects cancels the request's upstream calls and drops its KV 
 from __future__ import annotations
 
 import asyncio
+import functools
+import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -44,10 +50,12 @@ _CANCEL_WAIT_S = 2.0
 
 
 class ProxyApp:
-    def __init__(self, orchestrator: Orchestrator, chars_per_token: float, models_timeout_s: float) -> None:
+    def __init__(self, orchestrator: Orchestrator, chars_per_token: float, models_timeout_s: float,
+                 admin_secret: str | None = None) -> None:
         self._o = orchestrator
         self._chars_per_token = chars_per_token
         self._models_timeout_s = models_timeout_s
+        self._admin_token = f"Bearer {admin_secret}".encode() if admin_secret else None
 
     def build(self) -> Starlette:
         return Starlette(routes=[
@@ -55,12 +63,31 @@ class ProxyApp:
             Route(Endpoint.CHAT.value, self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
-            Route("/instances", self.instances, methods=["GET"]),
-            Route("/instances/drain", self.drain, methods=["POST"]),
+            Route("/instances", self._admin(self.instances), methods=["GET"]),
+            Route("/instances/drain", self._admin(self.drain), methods=["POST"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/stats", self.stats, methods=["GET"]),
-            Route("/stats/reset", self.reset_stats, methods=["POST"]),
+            Route("/stats/reset", self._admin(self.reset_stats), methods=["POST"]),
         ])
+
+    def _admin(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """``handler`` behind the admin secret (open when the proxy has none: loopback or --insecure)."""
+
+        @functools.wraps(handler)
+        async def guarded(request: Request) -> Response:
+            if self._admin_token is None:
+                return await handler(request)
+            given = request.headers.get("authorization")
+            if given is None:
+                return _auth_error(401, f"{request.url.path} is an admin endpoint: send 'Authorization: Bearer "
+                                        "<secret>' with the proxy's --shared-secret")
+            if not hmac.compare_digest(given.encode(), self._admin_token):
+                logger.warning("admin call %s %s from %s refused: wrong secret", request.method, request.url.path,
+                               request.client.host if request.client else "?")
+                return _auth_error(403, f"{request.url.path}: wrong admin secret (the proxy's --shared-secret)")
+            return await handler(request)
+
+        return guarded
 
     # ---- generation ------------------------------------------------------------------------------
 
@@ -232,6 +259,12 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 async def _disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _auth_error(status: int, message: str) -> Response:
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": {"message": message, "type": "authentication_error", "code": status}},
+                        status_code=status, headers=headers)
 
 
 def _response_id(req: ClientRequest, flow: RequestFlow) -> str:

@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from lmcache_p2p.errors import ProtocolError
-from lmcache_p2p.protocol import Cancel, Codec, ErrorReply
+from lmcache_p2p.protocol import MAX_MESSAGE_BYTES, Cancel, Codec, ErrorReply, rejection_of
 from lmcache_p2p.proxy.metrics import ProxyMetrics
 from lmcache_p2p.proxy.registry import Instance
 
@@ -113,6 +113,7 @@ class KvCanceller:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         if ":" in decoder.control_host:
             sock.setsockopt(zmq.IPV6, 1)
         try:
@@ -133,6 +134,7 @@ class KvCanceller:
             try:
                 reply = self._codec.unpack(frames)
             except ProtocolError as exc:
+                self._metrics.control_rejected.labels(rejection_of(exc).value).inc()
                 problem = str(exc)
             else:
                 if not isinstance(reply, ErrorReply):

@@ -1,8 +1,9 @@
 """The proxy's control socket: a ZMQ PULL where instances push Announce, Goodbye, KvReady, KvFailed.
 
 Frames are checked and decoded by :class:`lmcache_p2p.protocol.Codec` (shared secret optional).
-A frame that fails authentication, decoding or validation is dropped, counted in
-``lmcache_p2p_proxy_control_rejected_total{reason}`` and logged (WARNING at most every
+A frame that fails authentication (wrong tag, replayed, stale), is oversized, or fails decoding
+or validation is dropped, counted in ``lmcache_p2p_proxy_control_rejected_total{reason}`` (reason:
+auth, replay, stale, oversized, malformed, version) and logged (WARNING at most every
 ``_WARN_EVERY_S`` per reason, with the count since). PUSH/PULL has no replies.
 """
 
@@ -10,20 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import zmq
 import zmq.asyncio
 
-from lmcache_p2p.errors import AuthError, ClosedError, ProtocolError, VersionError
-from lmcache_p2p.protocol import Announce, Codec, Goodbye, KvFailed, KvReady
+from lmcache_p2p.errors import ClosedError, ProtocolError
+from lmcache_p2p.protocol import (MAX_MESSAGE_BYTES, Announce, Codec, Goodbye, KvFailed, KvReady, Rejection,
+                                  RejectionLog, rejection_of)
 from lmcache_p2p.proxy.metrics import ProxyMetrics
 from lmcache_p2p.proxy.registry import Registry
 from lmcache_p2p.proxy.waiters import KvWaiters
 
 logger = logging.getLogger(__name__)
 
-_MAX_MESSAGE_BYTES = 1 << 20
 _WARN_EVERY_S = 10.0
 _CLOSE_TIMEOUT_S = 2.0
 
@@ -41,7 +41,7 @@ class ControlListener:
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        self._rejections = _RejectionLog()
+        self._rejections = RejectionLog(logger, "proxy control socket", _WARN_EVERY_S)
         self.port = 0
 
     @property
@@ -55,7 +55,7 @@ class ControlListener:
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._sock = sock
         try:
             if self._requested_port == 0:
@@ -102,12 +102,8 @@ class ControlListener:
         try:
             msg = self._codec.unpack(frames)
             self._dispatch(msg)
-        except AuthError as exc:
-            self._reject("auth", exc)
-        except VersionError as exc:
-            self._reject("version", exc)
         except ProtocolError as exc:
-            self._reject("malformed", exc)
+            self._reject(rejection_of(exc), exc)
 
     def _dispatch(self, msg: object) -> None:
         match msg:
@@ -121,25 +117,6 @@ class ControlListener:
                 raise ProtocolError(f"{type(msg).__name__} is not a message for the proxy's control port")
         self._metrics.control_messages.labels(type(msg).__name__).inc()
 
-    def _reject(self, reason: str, exc: Exception) -> None:
-        self._metrics.control_rejected.labels(reason).inc()
+    def _reject(self, reason: Rejection, exc: Exception) -> None:
+        self._metrics.control_rejected.labels(reason.value).inc()
         self._rejections.log(reason, exc)
-
-
-class _RejectionLog:
-    """WARNING for the first rejection of a kind, then at most every ``_WARN_EVERY_S`` with a count."""
-
-    def __init__(self) -> None:
-        self._last_s: dict[str, float] = {}
-        self._since: dict[str, int] = {}
-
-    def log(self, reason: str, exc: Exception) -> None:
-        now = time.monotonic()
-        self._since[reason] = self._since.get(reason, 0) + 1
-        if now - self._last_s.get(reason, -_WARN_EVERY_S) >= _WARN_EVERY_S:
-            logger.warning("dropped a control message (%s; %d dropped since the last report): %s", reason,
-                           self._since[reason], exc)
-            self._last_s[reason] = now
-            self._since[reason] = 0
-        else:
-            logger.debug("dropped a control message (%s): %s", reason, exc)

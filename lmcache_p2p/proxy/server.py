@@ -21,6 +21,7 @@ from typing import Any
 
 import uvicorn
 
+from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.protocol import Codec
 from lmcache_p2p.proxy.app import ProxyApp
 from lmcache_p2p.proxy.cancel import KvCanceller
@@ -52,7 +53,7 @@ class Proxy:
         self.waiters = KvWaiters()
         self.metrics = ProxyMetrics(self.registry.instances)
         self.upstream = Upstream(settings.connect_timeout_s)
-        codec = Codec(settings.shared_secret)
+        codec = Codec(settings.shared_secret, identity=settings.identity, window_s=settings.auth_window_s)
         self.canceller = KvCanceller(codec, self.metrics)
         self.prober = HealthProber(self.registry, self.upstream, settings.health_probe_interval_s,
                                    settings.health_probe_timeout_s)
@@ -66,7 +67,8 @@ class Proxy:
         )
         self.control = ControlListener(settings.control_host, settings.control_port, codec,
                                        self.registry, self.waiters, self.metrics)
-        self.app = ProxyApp(self.orchestrator, settings.chars_per_token, settings.connect_timeout_s).build()
+        self.app = ProxyApp(self.orchestrator, settings.chars_per_token, settings.connect_timeout_s,
+                            admin_secret=settings.shared_secret).build()
         self._tasks: set[asyncio.Task[None]] = set()
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
@@ -75,6 +77,11 @@ class Proxy:
 
     async def start(self) -> None:
         """Bind the control socket and start the background tasks (not the HTTP server)."""
+        exposed = self.settings.exposed_ports()
+        if exposed and not self.settings.shared_secret:
+            logger.warning("INSECURE (--insecure): %s reachable beyond loopback WITHOUT a shared secret: anyone who "
+                           "reaches them can register a decoder (and receive prompts, KV and clients' Authorization "
+                           "headers) or drain instances", " and ".join(exposed))
         self.control.start()
         self.prober.start()
         self._spawn(self._evict_loop(), "proxy-evict")
@@ -171,6 +178,9 @@ async def serve(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> None:
     try:
         asyncio.run(serve(args))
+    except ConfigError as exc:
+        logger.error("proxy not started: %s", exc)
+        raise SystemExit(2) from exc
     except KeyboardInterrupt:
         pass
 

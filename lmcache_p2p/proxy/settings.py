@@ -18,6 +18,10 @@ must still have ``p2p.proxy_url`` pointing at ``--control-port`` or every reques
 ``--kv-timeout-s`` and is recomputed. An instance that also announces itself replaces its static
 entry (matched by role and HTTP URL) while it is alive.
 
+Security: the control socket and the admin endpoints (``GET /instances``, ``POST /instances/drain``,
+``POST /stats/reset``) bound beyond loopback need ``--shared-secret`` (or ``$LMCACHE_P2P_SECRET``);
+``--insecure`` overrides, loudly. With a secret, admin calls carry ``Authorization: Bearer <secret>``.
+
 Health gating: an instance, static or announced, takes traffic only once its ``GET /health``
 answered 200 (probed every ``--health-probe-interval-s``, each attempt bounded by
 ``--health-probe-timeout-s``); after ``--max-connect-failures`` failed connections in a row it
@@ -30,11 +34,12 @@ import argparse
 import dataclasses
 import enum
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from lmcache_p2p.config import Role
+from lmcache_p2p.config import Role, is_loopback
 from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.proxy.registry import StaticInstance
 from lmcache_p2p.proxy.routing import Policy
@@ -59,6 +64,8 @@ class ProxySettings:
     control_host: str = "127.0.0.1"
     control_port: int = 9101
     shared_secret: str | None = None
+    insecure: bool = False  # allow --host / --control-host beyond loopback without a shared secret
+    auth_window_s: float = 30.0
     policy: Policy = Policy.LEAST_LOADED
     on_kv_failure: KvFailurePolicy = KvFailurePolicy.RETRY
     kv_timeout_s: float = 10.0
@@ -78,10 +85,35 @@ class ProxySettings:
         # Accept the flags' string values when built directly (tests, launchers).
         object.__setattr__(self, "policy", Policy(self.policy))
         object.__setattr__(self, "on_kv_failure", KvFailurePolicy(self.on_kv_failure))
+        self.check_exposure()
+
+    def exposed_ports(self) -> list[str]:
+        """The listening ports bound beyond loopback (control: ZMQ PULL; admin: the HTTP port)."""
+        exposed = []
+        if not is_loopback(self.control_host):
+            exposed.append(f"control socket on {self.control_host}:{self.control_port} (--control-host)")
+        if not is_loopback(self.host):
+            exposed.append(f"HTTP/admin endpoints on {self.host}:{self.port} (--host)")
+        return exposed
+
+    def check_exposure(self) -> None:
+        """Refuse to serve the registry or the admin endpoints beyond loopback without a shared secret."""
+        exposed = self.exposed_ports()
+        if exposed and not self.shared_secret and not self.insecure:
+            raise ConfigError("--shared-secret", (
+                f"{' and '.join(exposed)} would be reachable beyond loopback without a shared secret: anyone could "
+                f"register a decoder (and receive prompts, KV and clients' Authorization headers) or drain "
+                f"instances. Set --shared-secret (or ${SECRET_ENV}; the same as p2p.shared_secret on every "
+                f"instance), bind to 127.0.0.1, or pass --insecure to accept the risk"))
+
+    @property
+    def identity(self) -> str:
+        """How this proxy signs its control frames (Cancel to decoders)."""
+        return f"proxy-{socket.gethostname()}:{self.control_port}"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ProxySettings:
-        for name in ("kv_timeout_s", "instance_ttl_s", "connect_timeout_s", "prefill_timeout_s",
+        for name in ("kv_timeout_s", "auth_window_s", "instance_ttl_s", "connect_timeout_s", "prefill_timeout_s",
                      "decode_idle_timeout_s", "graceful_shutdown_s", "chars_per_token", "health_probe_interval_s",
                      "health_probe_timeout_s", "max_connect_failures"):
             if getattr(args, name) <= 0:
@@ -95,6 +127,8 @@ class ProxySettings:
             control_host=args.control_host or args.host,
             control_port=args.control_port,
             shared_secret=args.shared_secret or os.environ.get(SECRET_ENV) or None,
+            insecure=args.insecure,
+            auth_window_s=args.auth_window_s,
             policy=Policy(args.policy),
             on_kv_failure=KvFailurePolicy(args.on_kv_failure),
             kv_timeout_s=args.kv_timeout_s,
@@ -122,7 +156,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--control-port", type=int, default=d.control_port,
                    help="control socket (ZMQ PULL) port; instances' p2p.proxy_url points here (default %(default)s)")
     g.add_argument("--shared-secret", default=None,
-                   help=f"authenticate every control message (default: ${SECRET_ENV}, else none)")
+                   help=f"authenticate every control message, and admin HTTP calls as 'Authorization: Bearer "
+                        f"<secret>' (default: ${SECRET_ENV}, else none; required beyond loopback)")
+    g.add_argument("--insecure", action="store_true",
+                   help="serve the control socket / admin endpoints beyond loopback WITHOUT a shared secret "
+                        "(anyone who reaches them can register instances and drain them)")
+    g.add_argument("--auth-window-s", type=float, default=d.auth_window_s,
+                   help="refuse authenticated control frames stamped further than this from our clock, and replays "
+                        "within it (default %(default)s)")
     g.add_argument("--prefill", action="append", type=_flag_type(parse_prefill_flag), metavar="URL",
                    help="a static prefiller's HTTP URL (repeatable)")
     g.add_argument("--decode", action="append", type=_flag_type(parse_decode_flag),

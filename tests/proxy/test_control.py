@@ -74,7 +74,7 @@ async def test_malformed_and_foreign_messages_are_rejected_and_the_listener_keep
     plane.listener.handle([b"only one frame"])
     plane.listener.handle(codec.pack(Hello(version=1, sender_id="s", tp_rank=0,
                                            transport=TransportInfo(kind="nixl", name="n"))))
-    plane.listener.handle([codec._tag(b"\x93garbage"), b"\x93garbage"])
+    plane.listener.handle(codec.seal(b"\x93garbage"))
     assert plane.rejected("malformed") == 3
     agent = FakeAgent(plane.listener.address, "sender", "http://127.0.0.1:8100", secret="s3cret")
     try:
@@ -82,6 +82,38 @@ async def test_malformed_and_foreign_messages_are_rejected_and_the_listener_keep
         await eventually(lambda: [i.role for i in plane.registry.instances()] == [Role.SENDER])
     finally:
         agent.close()
+
+
+async def test_replayed_stale_and_oversized_frames_are_rejected_by_reason(plane):
+    """A captured Goodbye replayed later must not unregister the instance; each refusal has its own label."""
+    import zmq
+    import zmq.asyncio
+
+    from lmcache_p2p.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Announce, Goodbye
+
+    codec = Codec("s3cret", identity="decoder-a")
+    announce = Announce(PROTOCOL_VERSION, "decoder-a", "receiver", "http://127.0.0.1:8200", 0, 1, "127.0.0.1", 7300)
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(plane.listener.address)
+    try:
+        goodbye = codec.pack(Goodbye("decoder-a"))
+        await sock.send_multipart(codec.pack(announce))
+        await sock.send_multipart(goodbye)
+        await eventually(lambda: plane.registry.instances() == [])
+        await sock.send_multipart(codec.pack(announce))
+        await eventually(lambda: len(plane.registry.instances()) == 1)
+        await sock.send_multipart(goodbye)  # the captured frame, replayed
+        old = Codec("s3cret", clock=lambda: __import__("time").time() - 60)
+        await sock.send_multipart(old.pack(Goodbye("decoder-a")))
+        await sock.send_multipart(codec.seal(b"\x00" * MAX_MESSAGE_BYTES))
+        await eventually(lambda: (plane.rejected("replay"), plane.rejected("stale"), plane.rejected("oversized"))
+                         == (1, 1, 1))
+        assert [i.instance_id for i in plane.registry.instances()] == ["decoder-a"]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 async def test_close_is_idempotent_and_frees_the_port():
@@ -133,3 +165,40 @@ async def test_notice_before_the_wait_is_kept():
     waiters.deliver(ready("r", 0))
     await asyncio.sleep(0)
     assert (await waiter.wait(timeout_s=0.01)).status is KvStatus.READY
+
+
+async def test_a_forged_reply_to_a_cancel_is_counted_as_rejected():
+    """The proxy's Cancel sockets read replies too: one signed with another secret is refused and counted."""
+    import zmq
+    import zmq.asyncio
+
+    from lmcache_p2p.protocol import PROTOCOL_VERSION, Ack, Announce
+    from lmcache_p2p.proxy.cancel import KvCanceller
+
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    registry = Registry(ttl_s=30)
+    metrics = ProxyMetrics(registry.instances)
+    canceller = KvCanceller(Codec("s3cret"), metrics)
+    try:
+        decoder = registry.announce(Announce(
+            version=PROTOCOL_VERSION, instance_id="d", role="receiver", http_url="http://127.0.0.1:1", tp_rank=0,
+            tp_size=1, control_host="127.0.0.1", control_port=port, transport_port=1))
+        canceller.cancel(decoder, "r1", "test")
+        identity, *frames = await asyncio.wait_for(router.recv_multipart(), 10)
+        msg = Codec("s3cret").unpack(frames)
+        await router.send_multipart([identity, *Codec("forged").pack(Ack(msg.seq))])
+        await asyncio.sleep(0.1)
+
+        def rejected() -> float:
+            canceller.cancel(decoder, "r2", "test")  # replies are read before each send
+            return metrics.registry.get_sample_value("lmcache_p2p_proxy_control_rejected_total",
+                                                     {"reason": "auth"}) or 0.0
+
+        await eventually(lambda: rejected() == 1)
+    finally:
+        canceller.close()
+        router.close(linger=0)
+        ctx.term()

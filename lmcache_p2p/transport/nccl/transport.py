@@ -127,6 +127,7 @@ class NcclTransport(Transport):
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        advertise_host: str | None = None,
         device: str = "cpu",
         timeout_s: float = 30.0,
         close_timeout_s: float = 5.0,
@@ -136,6 +137,7 @@ class NcclTransport(Transport):
     ) -> None:
         # Every attribute close() touches is set before anything that can fail.
         self._name = name
+        self._advertise_host = advertise_host  # what peers dial (TransportInfo.host); default: host
         self._lock = threading.RLock()
         self._connect_lock = threading.Lock()
         self._closed = False
@@ -235,7 +237,8 @@ class NcclTransport(Transport):
         with self._lock:
             self._check_open()
             return TransportInfo(
-                kind=self.kind, name=self._name, host=self._s.host, port=self._s.port, regions=list(self._regions)
+                kind=self.kind, name=self._name, host=self._advertise_host or self._s.host, port=self._s.port,
+                regions=list(self._regions),
             )
 
     def _region_bytes(self) -> list[int]:
