@@ -170,3 +170,29 @@ def test_dead_peer_fails_writes_within_deadline(fresh_receiver: Pair) -> None:
     error = pair.tx.call("write_until_error", pair.peer, 1 << 20, pair.slot_addr(1), 2.0, 10.0)
     assert error in {cls.__name__ for cls in (TransportError, PeerUnreachable, TransportTimeout)}
     assert time.monotonic() - start < 12.0
+
+
+def test_aborted_write_settles_only_once_its_reads_ended(fresh_receiver: Pair) -> None:
+    """``abort`` fails a write for its caller at once, but the sources stay in use until
+    ``settled``: never while a stopped receiver still has to take the bytes in, always once
+    the write finished (the caller may then hand the memory back)."""
+    pair = fresh_receiver
+    count = pair.num_slots
+    windows = pair.src_bytes // pair.slot_bytes
+    chunks = [((i % windows) * pair.slot_bytes, pair.slot_bytes) for i in range(count)]
+    addrs = [pair.slot_addr(i) for i in range(count)]
+    pair.rx.signal(signal.SIGSTOP)
+    handle, _ = pair.tx.call("write", pair.peer, chunks, addrs, b"to-abort")
+    time.sleep(0.3)  # two-sided transports post from a pair thread: let it reach the wire
+    pair.tx.call("abort", handle)
+    if pair.case.stalls_without_receiver:
+        assert pair.tx.call("poll_error", handle) != "", "an aborted write did not fail for its caller"
+        assert not pair.tx.call("settle_within", handle, 1.0), (
+            "settled while a stopped receiver still had to take the write's bytes: its sources could be reused "
+            "under a live read")
+    pair.rx.signal(signal.SIGCONT)
+    marker, _, notif = _write(pair, [0], [4096], [0])  # the receiver polls until this one lands
+    pair.rx.begin("notifications_until", notif, WAIT_S)
+    assert pair.tx.call("settle_within", handle, WAIT_S), "an aborted write never settled after it could finish"
+    pair.tx.call("wait", marker, WAIT_S)
+    assert (pair.tx.name, notif) in pair.rx.finish("notifications_until", WAIT_S + 5)
