@@ -119,6 +119,7 @@ class _Request:
     alloc_sent_at: float = 0.0  # when the outstanding Alloc left (a silent receiver never answers it)
     retry_at: float | None = None
     retry_delay_s: float = _RETRY_FIRST_S
+    refusal: str = ""  # the receiver's last FULL refusal, for the error if credit never comes
     writes: list[tuple[WriteHandle, list[Chunk], float]] = dataclasses.field(default_factory=list)
     last_granted: bool = False
     last_received: bool = False  # the engine's last store batch arrived
@@ -534,10 +535,12 @@ class SendService:
         try:
             handle = self._transport.write(peer.name, [c.tensor for c in chunks],
                                            [peer.buffer_addr + s * peer.slot_bytes for s in slots], notif)
-        except (TransportError, ValueError) as exc:
+        except Exception as exc:  # a write that raises posted nothing (the transport's contract)
+            if not isinstance(exc, (TransportError, ValueError)):
+                logger.exception("request %s: unexpected error writing to %s", req.req_id, req.target.endpoint)
             for c in chunks:
-                c.done()  # nothing was posted: no transfer reads them
-            self._fail(req.req_id, f"write to {req.target.endpoint} failed: {exc}")
+                c.done()
+            self._fail(req.req_id, f"write to {req.target.endpoint} failed: {type(exc).__name__}: {exc}")
             return
         req.writes.append((handle, chunks, time.monotonic() + self._cfg.transfer_timeout_s))
 
@@ -607,6 +610,8 @@ class SendService:
         req = self._requests.get(self._by_seq.get(msg.seq, ""))
         if req is None:
             return
+        if msg.code is protocol.RefusalCode.FULL:
+            req.refusal = f"{msg.free_slots} of {msg.capacity_slots} slots free, {msg.needed_slots} needed"
         if msg.code is protocol.RefusalCode.FULL and time.monotonic() < req.alloc_deadline:
             self._pop_alloc(msg.seq)
             req.retry_at = time.monotonic() + req.retry_delay_s  # alloc_batch stays for the retry
@@ -677,7 +682,8 @@ class SendService:
         elif req.alloc_deadline and now > req.alloc_deadline and (req.alloc_seq is not None or req.retry_at):
             # The receiver is alive but had no buffer credit for this request in time: it alone fails.
             self._fail(req.req_id, f"no buffer credit on {req.target.endpoint} within "
-                                   f"{self._cfg.alloc_timeout_s:.1f}s (p2p.alloc_timeout_s)")
+                                   f"{self._cfg.alloc_timeout_s:.1f}s (p2p.alloc_timeout_s)"
+                                   + (f"; last refusal: {req.refusal}" if req.refusal else ""))
         elif req.retry_at is not None and now >= req.retry_at:
             self._retry_alloc(req, peer)
         elif not req.last_received and now > req.started + self._cfg.request_timeout_s:

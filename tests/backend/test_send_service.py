@@ -309,7 +309,7 @@ def test_oversized_chunk_in_a_grant_is_refused_before_writing(make_service, tran
     assert transport.writes == [], "a chunk larger than a slot was written over the next slot"
 
 
-def test_an_unexpected_error_in_one_request_does_not_stop_the_thread(
+def test_a_write_raising_an_unexpected_error_fails_that_request_only(
         make_service, transport, receiver, chunks, monkeypatch) -> None:
     service = make_service()
     real_write = transport.write
@@ -320,10 +320,39 @@ def test_an_unexpected_error_in_one_request_does_not_stop_the_thread(
         return real_write(peer, srcs, addrs, notif)
 
     monkeypatch.setattr(transport, "write", exploding_write)
-    service.submit("req-boom", receiver.target, chunks.make(3), last=True)
+    boom = chunks.make(3)
+    service.submit("req-boom", receiver.target, boom, last=True)
     receiver.welcome()
     receiver.grant()
     assert receiver.recv(protocol.Cancel).req_id == "req-boom"
+    wait_for(lambda: sorted(chunks.released) == sorted(_keys(boom)), "the failed request's chunks to be released")
+    service.submit("req-ok", receiver.target, chunks.make(1), last=True)
+    receiver.grant()
+    wait_for(lambda: service.stats().requests_done == 1, "a later request to complete")
+
+
+def test_an_unexpected_error_polling_one_request_does_not_stop_the_thread(
+        make_service, transport, receiver, chunks, monkeypatch, caplog) -> None:
+    service = make_service()
+    real_poll = transport.poll
+
+    def exploding_poll(handle):
+        if handle.nbytes == 3 * SHAPE.nbytes:
+            raise RuntimeError("boom")
+        return real_poll(handle)
+
+    transport.auto_complete = False
+    monkeypatch.setattr(transport, "poll", exploding_poll)
+    boom = chunks.make(3)
+    service.submit("req-boom", receiver.target, boom, last=True)
+    receiver.welcome()
+    receiver.grant()
+    assert receiver.recv(protocol.Cancel).req_id == "req-boom"
+    assert "req-boom" in caplog.text and "boom" in caplog.text
+    assert transport.writes[0].aborted
+    transport.writes[0].reads_ended = True
+    wait_for(lambda: sorted(chunks.released) == sorted(_keys(boom)), "the failed request's chunks to be released")
+    transport.auto_complete = True
     service.submit("req-ok", receiver.target, chunks.make(1), last=True)
     receiver.grant()
     wait_for(lambda: service.stats().requests_done == 1, "a later request to complete")
@@ -333,6 +362,7 @@ class _Die(BaseException):
     """Stands for whatever might still kill the thread."""
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_submit_refuses_loudly_once_the_thread_died(make_service, chunks, receiver, monkeypatch) -> None:
     service = make_service()
 
