@@ -264,7 +264,8 @@ class SendService:
             self._shutdown()
 
     def _step(self) -> None:
-        busy = bool(self._unsettled) or any(r.writes or r.retry_at is not None for r in self._requests.values())
+        # Unsettled writes (a failure path) are checked at the idle pace: no spinning for them.
+        busy = any(r.writes or r.retry_at is not None for r in self._requests.values())
         events = dict(self._poller.poll(_BUSY_POLL_MS if busy else _IDLE_POLL_MS))
         if self._wake_r in events:
             self._drain_wake()
@@ -597,11 +598,12 @@ class SendService:
                     c.done()
             elif final or now >= item.give_up_at:
                 self._leaked += len(item.chunks)
-                logger.error("request %s: a failed write of %d bytes to %s did not confirm that its reads ended "
-                             "within %.1fs (p2p.settle_timeout_s); its %d chunk(s) stay referenced (leaked) so "
-                             "that LMCache never reuses memory a transfer may still read",
-                             item.req_id, item.handle.nbytes, item.handle.peer, self._cfg.settle_timeout_s,
-                             len(item.chunks))
+                logger.log(logging.WARNING if final else logging.ERROR,
+                           "request %s: a failed write of %d bytes to %s did not confirm that its reads ended %s; "
+                           "its %d chunk(s) stay referenced (leaked) so that LMCache never reuses memory a "
+                           "transfer may still read", item.req_id, item.handle.nbytes, item.handle.peer,
+                           "before shutdown" if final else
+                           f"within {self._cfg.settle_timeout_s:.1f}s (p2p.settle_timeout_s)", len(item.chunks))
             else:
                 keep.append(item)
         self._unsettled = keep
