@@ -74,3 +74,13 @@ def test_lmcache_settings_that_break_the_plugin():
     Cfg.enable_pd, Cfg.save_unfull_chunk = False, False
     with pytest.raises(ConfigError, match="^save_unfull_chunk: must be true"):
         check_lmcache_settings(Cfg())
+
+
+def test_sender_request_and_settle_timeouts():
+    cfg = P2PConfig.from_mapping({"role": "sender", "request_timeout_s": 120, "settle_timeout_s": 5})
+    assert (cfg.request_timeout_s, cfg.settle_timeout_s) == (120.0, 5.0)
+    assert P2PConfig(role=Role.SENDER).request_timeout_s >= 300  # generous: long prefills are legitimate
+    for key in ("request_timeout_s", "settle_timeout_s"):
+        with pytest.raises(ConfigError) as info:
+            P2PConfig.from_mapping({"role": "sender", key: -1})
+        assert info.value.key == f"p2p.{key}"
