@@ -142,6 +142,12 @@ class P2PConfig:
     connect_timeout_s: float = 5.0
     alloc_timeout_s: float = 10.0
     transfer_timeout_s: float = 30.0
+    # Sender: a request whose last store batch has not arrived this long after its first fails
+    # (client gone mid-prefill); its slots are cancelled on the receiver.
+    request_timeout_s: float = 600.0
+    # Sender: how long a failed write's chunks stay referenced until the transport confirms that
+    # nothing reads them any more; past it they are never handed back to LMCache (logged leak).
+    settle_timeout_s: float = 60.0
     reserve_lease_s: float = 30.0
     ready_lease_s: float = 120.0
     heartbeat_interval_s: float = 2.0

@@ -148,3 +148,13 @@ def test_auth_window_is_a_positive_number_of_seconds():
     assert P2PConfig.from_mapping({"role": "sender"}).auth_window_s == 30.0
     with pytest.raises(ConfigError, match=r"^p2p\.auth_window_s: must be a positive number"):
         P2PConfig.from_mapping({"role": "sender", "auth_window_s": 0})
+
+
+def test_sender_request_and_settle_timeouts():
+    cfg = P2PConfig.from_mapping({"role": "sender", "request_timeout_s": 120, "settle_timeout_s": 5})
+    assert (cfg.request_timeout_s, cfg.settle_timeout_s) == (120.0, 5.0)
+    assert P2PConfig(role=Role.SENDER).request_timeout_s >= 300  # generous: long prefills are legitimate
+    for key in ("request_timeout_s", "settle_timeout_s"):
+        with pytest.raises(ConfigError) as info:
+            P2PConfig.from_mapping({"role": "sender", key: -1})
+        assert info.value.key == f"p2p.{key}"

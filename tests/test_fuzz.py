@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import pytest
+import torch
 import zmq
 
 from lmcache_p2p import protocol
@@ -38,6 +39,10 @@ SEED = int(os.environ.get("LMCACHE_P2P_FUZZ_SEED", "20261130"))
 SECRETS = [None, "fuzz-s3cret"]
 SLOT_BYTES = 4096
 SHAPE = protocol.ChunkShape(shape=[2, 1, 16, 64], dtype="bfloat16", nbytes=4096)
+
+
+def chunk_bytes() -> torch.Tensor:
+    return torch.zeros(SHAPE.nbytes, dtype=torch.uint8)
 WAIT_S = 60.0 + FRAMES / 20  # a 2-core machine shared with other work; never hit when things work
 REASONS = ("auth", "replay", "stale", "oversized", "malformed")
 
@@ -321,7 +326,7 @@ def test_fuzz_the_sender_control_socket(secret):
     codec = protocol.Codec(secret, identity="fake-receiver")
     done: list[str] = []
     try:
-        service.submit("req-1", Target("127.0.0.1", port), [Chunk("k1", SHAPE, None, lambda: done.append("k1"))],
+        service.submit("req-1", Target("127.0.0.1", port), [Chunk("k1", SHAPE, chunk_bytes(), lambda: done.append("k1"))],
                        True)
         assert router.poll(int(WAIT_S * 1000))
         identity, *frames = router.recv_multipart()
@@ -546,7 +551,7 @@ def test_sender_and_receiver_secrets(sender_secret, receiver_secret, outcome):
     released: list[str] = []
     try:
         target = Target("127.0.0.1", int(receiver.control_endpoint.rsplit(":", 1)[1]))
-        sender.submit("req-1", target, [Chunk("k1", SHAPE, None, lambda: released.append("k1"))], True)
+        sender.submit("req-1", target, [Chunk("k1", SHAPE, chunk_bytes(), lambda: released.append("k1"))], True)
         wait_until(lambda: sender.stats().requests_done + sender.stats().requests_failed == 1, "the request to end")
         assert released == ["k1"]  # the chunk's reference is dropped either way
         if outcome == "delivered":

@@ -9,10 +9,22 @@ every socket and drives all requests as a small event loop, never blocking on on
 Within a request at most one Alloc is outstanding, so the receiver sees batches in order and the
 ``last`` flag only after every earlier batch was granted; across requests everything overlaps,
 and a batch's write overlaps the next batch's Alloc. A refused Alloc (buffer full) is retried
-with backoff until ``p2p.alloc_timeout_s``; then the request fails, its slots are cancelled on
-the receiver and nothing waits forever. A receiver that does not answer within
-``p2p.connect_timeout_s`` / ``alloc_timeout_s`` is dropped and greeted afresh next time, so a
-restarted decoder is found again without restarting the prefiller.
+with backoff until ``p2p.alloc_timeout_s``; then THAT request fails, its slots are cancelled on
+the receiver and nothing waits forever. A receiver that sends nothing at all within
+``p2p.connect_timeout_s`` (Hello) / ``alloc_timeout_s`` (an Alloc) is dropped with every request
+to it, and greeted afresh next time, so a restarted decoder is found again without restarting
+the prefiller. A request whose last batch never comes fails after ``p2p.request_timeout_s``.
+
+Liveness: the thread never dies of one bad message or request. An unexpected error while
+handling a message or a request fails that request only (logged with request id, peer and
+cause); should the thread stop anyway, ``submit`` refuses with ClosedError. Transport pairing
+runs on a helper thread (NCCL pairing can take seconds), so one slow decoder never stalls the
+others.
+
+Memory: a chunk's reference goes back to LMCache (``Chunk.done``) only once the transport says
+nothing reads it any more (``Transport.settled``): at once for a completed write, later for an
+aborted one. One that never settles within ``p2p.settle_timeout_s`` is kept (leaked, logged):
+LMCache reusing memory that a transfer still reads would put other KV on the wire.
 """
 
 from __future__ import annotations
@@ -43,6 +55,9 @@ _IDLE_POLL_MS = 50
 _BUSY_POLL_MS = 0
 _RETRY_FIRST_S = 0.002
 _RETRY_MAX_S = 0.05
+_CONNECT_GRACE_S = 1.0  # past the transport's own connect timeout, before a pairing is given up
+_LOOP_ERROR_PAUSE_S = 0.05  # after an unexpected error in the loop itself (never a hot error loop)
+_LOOP_ERRORS_MAX = 100  # consecutive loop errors after which the thread gives up (submit then refuses)
 
 
 @dataclasses.dataclass
@@ -74,7 +89,8 @@ class _Batch:
 
 
 class _PeerState(enum.Enum):
-    GREETING = "greeting"
+    GREETING = "greeting"  # Hello sent, waiting for Welcome
+    CONNECTING = "connecting"  # Welcome received, transport.connect running on a helper thread
     READY = "ready"
 
 
@@ -87,6 +103,8 @@ class _Peer:
     name: str = ""  # transport peer name, after Welcome
     buffer_addr: int = 0  # the receiver's slot 0, after Welcome
     slot_bytes: int = 0
+    num_slots: int = 0
+    last_heard: float = 0.0  # monotonic time of the last valid message from this receiver
     waiting: list[str] = dataclasses.field(default_factory=list)  # req ids waiting for the handshake
 
 
@@ -97,14 +115,36 @@ class _Request:
     queue: deque[_Batch] = dataclasses.field(default_factory=deque)
     alloc_seq: int | None = None  # outstanding Alloc
     alloc_batch: _Batch | None = None
-    alloc_deadline: float = 0.0
+    alloc_deadline: float = 0.0  # buffer credit: the first Alloc of the batch + p2p.alloc_timeout_s
+    alloc_sent_at: float = 0.0  # when the outstanding Alloc left (a silent receiver never answers it)
     retry_at: float | None = None
     retry_delay_s: float = _RETRY_FIRST_S
+    refusal: str = ""  # the receiver's last FULL refusal, for the error if credit never comes
     writes: list[tuple[WriteHandle, list[Chunk], float]] = dataclasses.field(default_factory=list)
     last_granted: bool = False
+    last_received: bool = False  # the engine's last store batch arrived
     granted_any: bool = False  # the receiver holds some of this request's chunks
     started: float = dataclasses.field(default_factory=time.monotonic)
     nbytes: int = 0
+
+
+@dataclasses.dataclass
+class _Unsettled:
+    """A failed or aborted write whose chunks wait until the transport says nothing reads them."""
+
+    handle: WriteHandle
+    chunks: list[Chunk]
+    req_id: str
+    give_up_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Connected:
+    """What a pairing thread hands back to the service thread."""
+
+    peer: _Peer
+    name: str
+    error: Exception | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +153,7 @@ class SendStats:
     requests_failed: int
     bytes_sent: int
     rejected_frames: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason, see protocol.Rejection
+    chunks_leaked: int = 0  # never handed back: their transfer never confirmed it stopped reading
 
 
 class SendService:
@@ -129,15 +170,19 @@ class SendService:
         self._rejections = protocol.RejectionLog(logger, "sender control socket")
         self._seq = itertools.count(1)
         self._inbox: deque[tuple[str, Target, _Batch]] = deque()
+        self._connected: deque[_Connected] = deque()  # results of pairing threads (under _inbox_lock)
         self._inbox_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._peers: dict[Target, _Peer] = {}
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, str] = {}
-        self._done = self._failed = self._bytes = 0
+        self._unsettled: list[_Unsettled] = []
+        self._done = self._failed = self._bytes = self._leaked = 0
         self._stop = threading.Event()
         self._closed = False
+        self._dead = ""  # why the service thread stopped, once it has
         self._ctx = zmq.Context()
         self._poller = zmq.Poller()
         self._poller.register(self._wake_r, zmq.POLLIN)
@@ -148,17 +193,28 @@ class SendService:
     # ---- engine-facing -----------------------------------------------------------------------
 
     def submit(self, req_id: str, target: Target, chunks: list[Chunk], last: bool) -> None:
-        """Queue one store batch of a request; returns immediately."""
-        if self._closed:
+        """Queue one store batch of a request; returns immediately. ClosedError if the service
+        cannot send it (closed, or its thread stopped): the chunks are released then."""
+        with self._inbox_lock:
+            refusal = self._refusal()
+            if not refusal:
+                self._inbox.append((req_id, target, _Batch(chunks, last)))
+                self._wake_locked()
+        if refusal:
             for c in chunks:
                 c.done()
-            raise ClosedError("sender is closed")
-        with self._inbox_lock:
-            self._inbox.append((req_id, target, _Batch(chunks, last)))
-        os.write(self._wake_w, b"x")
+            raise ClosedError(f"request {req_id}: KV not sent to {target.endpoint}: {refusal}")
+
+    def _refusal(self) -> str:
+        if self._closed:
+            return "the sender is closed"
+        if self._dead or not self._thread.is_alive():
+            return (f"the sender's service thread stopped ({self._dead or 'unknown cause'}); "
+                    "restart the prefiller (see its log for the cause)")
+        return ""
 
     def stats(self) -> SendStats:
-        return SendStats(self._done, self._failed, self._bytes, self._codec.rejected)
+        return SendStats(self._done, self._failed, self._bytes, self._codec.rejected, self._leaked)
 
     def pending_requests(self) -> int:
         return len(self._requests) + len(self._inbox)
@@ -168,35 +224,73 @@ class SendService:
             return
         self._closed = True
         self._stop.set()
-        os.write(self._wake_w, b"x")
+        self._wake()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.error("sender thread did not stop within %.1fs", timeout_s)
 
+    def _wake(self) -> None:
+        with self._inbox_lock:
+            self._wake_locked()
+
+    def _wake_locked(self) -> None:
+        if self._wake_w < 0:
+            return  # the loop is gone (its pipe is closed)
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # a full pipe wakes the loop anyway
+
     # ---- the loop ----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        errors = 0
         try:
             while not self._stop.is_set():
-                busy = any(r.writes or r.retry_at is not None for r in self._requests.values())
-                events = dict(self._poller.poll(_BUSY_POLL_MS if busy else _IDLE_POLL_MS))
-                if self._wake_r in events:
-                    self._drain_wake()
-                self._take_inbox()
-                for peer in list(self._peers.values()):
-                    if peer.sock in events:
-                        self._drain_peer(peer)
-                self._progress_writes()
-                self._check_deadlines()
-                if self._announcer.heartbeat_due():
-                    self._announcer.heartbeat(self._announce())
-                if busy:
-                    time.sleep(0)  # let the engine thread run on a 2-core machine
-        except Exception:
-            logger.exception("sender service thread crashed; KV of new requests will not be sent")
+                try:
+                    self._step()
+                    errors = 0
+                except Exception:  # a bug in one step must not stop every later request
+                    errors += 1
+                    if errors >= _LOOP_ERRORS_MAX:
+                        raise
+                    logger.exception("sender service loop error (the loop goes on)")
+                    self._stop.wait(_LOOP_ERROR_PAUSE_S)
+        except BaseException as exc:
+            self._dead = f"{type(exc).__name__}: {exc}"
+            logger.critical("sender service thread stopped: %s; KV of new requests will not be sent", self._dead)
+            raise
         finally:
+            self._dead = self._dead or "stopped"
             self._shutdown()
+
+    def _step(self) -> None:
+        # Unsettled writes (a failure path) are checked at the idle pace: no spinning for them.
+        busy = any(r.writes or r.retry_at is not None for r in self._requests.values())
+        events = dict(self._poller.poll(_BUSY_POLL_MS if busy else _IDLE_POLL_MS))
+        if self._wake_r in events:
+            self._drain_wake()
+        self._take_connected()
+        self._take_inbox()
+        for peer in list(self._peers.values()):
+            if peer.sock in events:
+                self._drain_peer(peer)
+        self._progress_writes()
+        self._progress_unsettled()
+        self._check_deadlines()
+        if self._announcer.heartbeat_due():
+            self._announcer.heartbeat(self._announce())
+        if busy:
+            time.sleep(0)  # let the engine thread run on a 2-core machine
+
+    def _guarded(self, req_id: str, peer: str, what: str, step: Callable[[], None]) -> None:
+        """Run one request's step; an unexpected error fails that request only."""
+        try:
+            step()
+        except Exception as exc:
+            logger.exception("request %s (receiver %s): unexpected error while %s", req_id, peer, what)
+            self._fail(req_id, f"internal error while {what}: {type(exc).__name__}: {exc}")
 
     def _shutdown(self) -> None:
         for req_id in list(self._requests):
@@ -206,13 +300,16 @@ class SendService:
         for _, _, batch in pending:
             for c in batch.chunks:
                 c.done()
+        self._progress_unsettled(final=True)
         for peer in list(self._peers.values()):
             self._send(peer, protocol.Goodbye(self.sender_id, self._tp_rank))
             self._drop_peer(peer)
         self._announcer.close(protocol.Goodbye(self.instance_id, self._tp_rank))
         self._ctx.term()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._inbox_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_w = -1
 
     def _drain_wake(self) -> None:
         try:
@@ -225,17 +322,22 @@ class SendService:
         with self._inbox_lock:
             items, self._inbox = self._inbox, deque()
         for req_id, target, batch in items:
-            req = self._requests.get(req_id)
-            if req is None:
-                req = self._requests[req_id] = _Request(req_id, target)
-            elif req.target != target:
-                logger.error("request %s changed receiver mid-way (%s -> %s); ignoring batch",
-                             req_id, req.target.endpoint, target.endpoint)
-                for c in batch.chunks:
-                    c.done()
-                continue
-            req.queue.append(batch)
-            self._advance(req)
+            self._guarded(req_id, target.endpoint, "queueing a store batch",
+                          lambda r=req_id, t=target, b=batch: self._queue_batch(r, t, b))
+
+    def _queue_batch(self, req_id: str, target: Target, batch: _Batch) -> None:
+        req = self._requests.get(req_id)
+        if req is None:
+            req = self._requests[req_id] = _Request(req_id, target)
+        elif req.target != target:
+            logger.error("request %s changed receiver mid-way (%s -> %s); ignoring batch",
+                         req_id, req.target.endpoint, target.endpoint)
+            for c in batch.chunks:
+                c.done()
+            return
+        req.queue.append(batch)
+        req.last_received = req.last_received or batch.last
+        self._advance(req)
 
     # ---- peers -------------------------------------------------------------------------------
 
@@ -260,7 +362,14 @@ class SendService:
         self._poller.unregister(peer.sock)
         peer.sock.close()
         if peer.name:
-            self._transport.disconnect(peer.name)
+            self._disconnect(peer.name)
+
+    def _disconnect(self, name: str) -> None:
+        """Forget a transport peer; the transport must return at once (teardown runs on its side)."""
+        try:
+            self._transport.disconnect(name)
+        except P2PError as exc:
+            logger.warning("disconnecting transport peer %s failed: %s", name, exc)
 
     def _send(self, peer: _Peer, msg: protocol.Message) -> None:
         try:
@@ -279,13 +388,28 @@ class SendService:
             except ProtocolError as exc:  # counted by the codec (stats().rejected_frames)
                 self._rejections.log(protocol.rejection_of(exc), f"from {peer.target.endpoint}: {exc}")
                 continue
+            peer.last_heard = time.monotonic()
+            self._on_message_guarded(peer, msg)
+
+    def _on_message_guarded(self, peer: _Peer, msg: protocol.Message) -> None:
+        """Handle one message; an unexpected error fails the request it concerns, or the peer."""
+        try:
             self._on_message(peer, msg)
+        except Exception as exc:
+            req_id = self._by_seq.get(getattr(msg, "seq", -1)) or getattr(msg, "req_id", "")
+            logger.exception("unexpected error handling %s from receiver %s (request %s)",
+                             type(msg).__name__, peer.target.endpoint, req_id or "-")
+            reason = f"internal error handling {type(msg).__name__}: {type(exc).__name__}: {exc}"
+            if req_id in self._requests:
+                self._fail(req_id, reason)
+            elif self._peers.get(peer.target) is peer and peer.state is not _PeerState.READY:
+                self._fail_peer(peer, reason)
 
     def _on_message(self, peer: _Peer, msg: protocol.Message) -> None:
         if isinstance(msg, protocol.Welcome):
             self._on_welcome(peer, msg)
         elif isinstance(msg, protocol.Grant):
-            self._on_grant(msg)
+            self._on_grant(peer, msg)
         elif isinstance(msg, protocol.Refused):
             self._on_refused(peer, msg)
         elif isinstance(msg, protocol.ErrorReply):
@@ -298,19 +422,52 @@ class SendService:
     def _on_welcome(self, peer: _Peer, msg: protocol.Welcome) -> None:
         if peer.state is not _PeerState.GREETING:
             return
-        try:
-            peer.name = self._transport.connect(msg.transport, self._cfg.connect_timeout_s)
-        except TransportError as exc:
-            self._fail_peer(peer, f"transport connect to {peer.target.endpoint} failed: {exc}")
+        if msg.num_slots <= 0 or msg.slot_bytes <= 0:
+            self._fail_peer(peer, f"receiver {peer.target.endpoint} offers {msg.num_slots} slots of "
+                                  f"{msg.slot_bytes} bytes: nothing can be granted")
             return
-        peer.state = _PeerState.READY
-        peer.buffer_addr, peer.slot_bytes = msg.buffer_addr, msg.slot_bytes
-        logger.info("connected to receiver %s at %s (%d slots of %d bytes)",
-                    msg.receiver_id, peer.target.endpoint, msg.num_slots, msg.slot_bytes)
+        peer.state = _PeerState.CONNECTING
+        peer.buffer_addr, peer.slot_bytes, peer.num_slots = msg.buffer_addr, msg.slot_bytes, msg.num_slots
+        peer.deadline = time.monotonic() + self._cfg.connect_timeout_s + _CONNECT_GRACE_S
+        logger.debug("receiver %s at %s welcomed us; pairing its transport", msg.receiver_id, peer.target.endpoint)
+        threading.Thread(target=self._pair, args=(peer, msg.transport), daemon=True,
+                         name=f"p2p-sender-{self._tp_rank}-pair").start()
+
+    def _pair(self, peer: _Peer, info: protocol.TransportInfo) -> None:
+        """On a helper thread: the transport's connect (NCCL pairing can block for seconds)."""
+        try:
+            result = _Connected(peer, self._transport.connect(info, self._cfg.connect_timeout_s), None)
+        except Exception as exc:  # handed to the service thread, which fails the peer
+            result = _Connected(peer, "", exc)
+        with self._inbox_lock:
+            self._connected.append(result)
+            self._wake_locked()
+
+    def _take_connected(self) -> None:
+        with self._inbox_lock:
+            results, self._connected = self._connected, deque()
+        for result in results:
+            self._on_connected(result)
+
+    def _on_connected(self, result: _Connected) -> None:
+        peer = result.peer
+        if self._peers.get(peer.target) is not peer or peer.state is not _PeerState.CONNECTING:
+            # Given up meanwhile: undo a pairing nobody uses, unless a newer peer shares it.
+            if result.name and not any(p.name == result.name or p.state is _PeerState.CONNECTING
+                                       for p in self._peers.values() if p.target == peer.target):
+                self._disconnect(result.name)
+            return
+        if result.error is not None:
+            self._fail_peer(peer, f"transport connect to {peer.target.endpoint} failed: {result.error}")
+            return
+        peer.name, peer.state = result.name, _PeerState.READY
+        logger.info("connected to receiver at %s (%d slots of %d bytes)",
+                    peer.target.endpoint, peer.num_slots, peer.slot_bytes)
         waiting, peer.waiting = peer.waiting, []
         for req_id in waiting:
             if req_id in self._requests:
-                self._advance(self._requests[req_id])
+                self._guarded(req_id, peer.target.endpoint, "starting after the handshake",
+                              lambda r=self._requests[req_id]: self._advance(r))
 
     def _fail_peer(self, peer: _Peer, reason: str) -> None:
         for req_id in [r.req_id for r in self._requests.values() if r.target == peer.target]:
@@ -338,21 +495,25 @@ class SendService:
     def _send_alloc(self, peer: _Peer, req: _Request, batch: _Batch) -> None:
         seq = next(self._seq)
         req.alloc_seq, req.alloc_batch = seq, batch
+        req.alloc_sent_at = time.monotonic()
         if not req.alloc_deadline:
-            req.alloc_deadline = time.monotonic() + self._cfg.alloc_timeout_s
+            req.alloc_deadline = req.alloc_sent_at + self._cfg.alloc_timeout_s
         self._by_seq[seq] = req.req_id
         self._send(peer, protocol.Alloc(seq, req.req_id, [c.key for c in batch.chunks],
                                         [c.shape for c in batch.chunks], batch.last))
 
-    def _on_grant(self, msg: protocol.Grant) -> None:
+    def _on_grant(self, peer: _Peer, msg: protocol.Grant) -> None:
         req = self._pop_alloc(msg.seq)
         if req is None:
             return
         batch, req.alloc_batch = req.alloc_batch, None
         req.alloc_deadline = 0.0
         req.retry_delay_s = _RETRY_FIRST_S
-        if len(msg.slots) != len(batch.chunks):
-            self._fail(req.req_id, f"grant has {len(msg.slots)} slots for {len(batch.chunks)} chunks")
+        problem = _grant_problem(msg.slots, batch.chunks, peer)
+        if problem:
+            for c in batch.chunks:
+                c.done()  # nothing of this batch was written
+            self._fail(req.req_id, f"bad grant from {peer.target.endpoint}: {problem}")
             return
         to_write = [(c, s) for c, s in zip(batch.chunks, msg.slots) if s >= 0]
         for c, s in zip(batch.chunks, msg.slots):
@@ -378,44 +539,84 @@ class SendService:
         try:
             handle = self._transport.write(peer.name, [c.tensor for c in chunks],
                                            [peer.buffer_addr + s * peer.slot_bytes for s in slots], notif)
-        except TransportError as exc:
+        except Exception as exc:  # a write that raises posted nothing (the transport's contract)
+            if not isinstance(exc, (TransportError, ValueError)):
+                logger.exception("request %s: unexpected error writing to %s", req.req_id, req.target.endpoint)
             for c in chunks:
                 c.done()
-            self._fail(req.req_id, f"write to {req.target.endpoint} failed: {exc}")
+            self._fail(req.req_id, f"write to {req.target.endpoint} failed: {type(exc).__name__}: {exc}")
             return
         req.writes.append((handle, chunks, time.monotonic() + self._cfg.transfer_timeout_s))
 
     def _progress_writes(self) -> None:
         for req in list(self._requests.values()):
-            if not req.writes:
+            if req.writes:
+                self._guarded(req.req_id, req.target.endpoint, "polling its writes",
+                              lambda r=req: self._progress_request_writes(r))
+
+    def _progress_request_writes(self, req: _Request) -> None:
+        still: list[tuple[WriteHandle, list[Chunk], float]] = []
+        failed: str | None = None
+        for handle, chunks, deadline in req.writes:
+            try:
+                done = self._transport.poll(handle)
+            except TransportError as exc:
+                self._release_after(handle, chunks, req.req_id)
+                failed = f"write to {req.target.endpoint} failed: {exc}"
                 continue
-            still: list[tuple[WriteHandle, list[Chunk], float]] = []
-            failed: str | None = None
-            for handle, chunks, deadline in req.writes:
-                try:
-                    done = self._transport.poll(handle)
-                except TransportError as exc:
-                    done, failed = True, f"write to {req.target.endpoint} failed: {exc}"
-                if not done and time.monotonic() > deadline:
-                    self._transport.abort(handle)
-                    done, failed = True, (f"write of {handle.nbytes} bytes to {req.target.endpoint} not done "
-                                          f"after {self._cfg.transfer_timeout_s:.1f}s (p2p.transfer_timeout_s)")
-                if done:
-                    for c in chunks:
-                        c.done()
-                    req.nbytes += handle.nbytes
-                else:
-                    still.append((handle, chunks, deadline))
-            req.writes = still
-            if failed:
-                self._fail(req.req_id, failed)
-            elif not still:
-                self._advance(req)
+            if not done and time.monotonic() > deadline:
+                self._transport.abort(handle)
+                self._release_after(handle, chunks, req.req_id)
+                failed = (f"write of {handle.nbytes} bytes to {req.target.endpoint} not done "
+                          f"after {self._cfg.transfer_timeout_s:.1f}s (p2p.transfer_timeout_s)")
+            elif done:
+                for c in chunks:
+                    c.done()  # completed: settled by contract
+                req.nbytes += handle.nbytes
+            else:
+                still.append((handle, chunks, deadline))
+        req.writes = still
+        if failed:
+            self._fail(req.req_id, failed)
+        elif not still:
+            self._advance(req)
+
+    def _release_after(self, handle: WriteHandle, chunks: list[Chunk], req_id: str) -> None:
+        """Hand ``chunks`` back once nothing reads them: now if the write settled, else later."""
+        if self._transport.settled(handle):
+            for c in chunks:
+                c.done()
+            return
+        self._unsettled.append(_Unsettled(handle, chunks, req_id, time.monotonic() + self._cfg.settle_timeout_s))
+
+    def _progress_unsettled(self, final: bool = False) -> None:
+        """Release chunks of failed writes whose reads ended; give up (leak) past settle_timeout_s."""
+        if not self._unsettled:
+            return
+        now = time.monotonic()
+        keep: list[_Unsettled] = []
+        for item in self._unsettled:
+            if self._transport.settled(item.handle):
+                for c in item.chunks:
+                    c.done()
+            elif final or now >= item.give_up_at:
+                self._leaked += len(item.chunks)
+                logger.log(logging.WARNING if final else logging.ERROR,
+                           "request %s: a failed write of %d bytes to %s did not confirm that its reads ended %s; "
+                           "its %d chunk(s) stay referenced (leaked) so that LMCache never reuses memory a "
+                           "transfer may still read", item.req_id, item.handle.nbytes, item.handle.peer,
+                           "before shutdown" if final else
+                           f"within {self._cfg.settle_timeout_s:.1f}s (p2p.settle_timeout_s)", len(item.chunks))
+            else:
+                keep.append(item)
+        self._unsettled = keep
 
     def _on_refused(self, peer: _Peer, msg: protocol.Refused) -> None:
         req = self._requests.get(self._by_seq.get(msg.seq, ""))
         if req is None:
             return
+        if msg.code is protocol.RefusalCode.FULL:
+            req.refusal = f"{msg.free_slots} of {msg.capacity_slots} slots free, {msg.needed_slots} needed"
         if msg.code is protocol.RefusalCode.FULL and time.monotonic() < req.alloc_deadline:
             self._pop_alloc(msg.seq)
             req.retry_at = time.monotonic() + req.retry_delay_s  # alloc_batch stays for the retry
@@ -450,7 +651,8 @@ class SendService:
             resumable.append(req)
         self._drop_peer(peer)
         for req in resumable:
-            self._advance(req)
+            self._guarded(req.req_id, peer.target.endpoint, "greeting a restarted receiver",
+                          lambda r=req: self._advance(r))
 
     def _pop_alloc(self, seq: int) -> _Request | None:
         req_id = self._by_seq.pop(seq, None)
@@ -460,30 +662,52 @@ class SendService:
         req.alloc_seq = None
         return req
 
+    # ---- deadlines ---------------------------------------------------------------------------
+
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         for peer in list(self._peers.values()):
             if peer.state is _PeerState.GREETING and now > peer.deadline:
                 self._fail_peer(peer, f"receiver {peer.target.endpoint} did not answer Hello within "
                                       f"{self._cfg.connect_timeout_s:.1f}s (p2p.connect_timeout_s)")
+            elif peer.state is _PeerState.CONNECTING and now > peer.deadline:
+                self._fail_peer(peer, f"transport pairing with {peer.target.endpoint} did not finish within "
+                                      f"{self._cfg.connect_timeout_s:.1f}s (p2p.connect_timeout_s)")
         for req in list(self._requests.values()):
-            if req.retry_at is not None and now >= req.retry_at:
-                req.retry_at = None
-                batch, req.alloc_batch = req.alloc_batch, None
-                peer = self._peers.get(req.target)
-                if peer is None or peer.state is not _PeerState.READY:
-                    req.queue.appendleft(batch)
-                    self._advance(req)
-                else:
-                    self._send_alloc(peer, req, batch)
-            elif req.alloc_seq is not None and now > req.alloc_deadline:
-                peer = self._peers.get(req.target)
-                reason = (f"receiver {req.target.endpoint} did not answer an allocation within "
-                          f"{self._cfg.alloc_timeout_s:.1f}s (p2p.alloc_timeout_s)")
-                if peer is not None:
-                    self._fail_peer(peer, reason)  # a silent receiver is dropped; next request greets again
-                else:
-                    self._fail(req.req_id, reason)
+            if req.req_id in self._requests:  # an earlier one may have failed its whole peer
+                self._guarded(req.req_id, req.target.endpoint, "checking its deadlines",
+                              lambda r=req, t=now: self._check_request(r, t))
+
+    def _check_request(self, req: _Request, now: float) -> None:
+        peer = self._peers.get(req.target)
+        if req.alloc_seq is not None and peer is not None and self._silent(peer, req, now):
+            # No reply to this Alloc and nothing else from the receiver since it left: it is gone.
+            self._fail_peer(peer, f"receiver {req.target.endpoint} sent nothing for "
+                                  f"{now - req.alloc_sent_at:.1f}s after an allocation (p2p.alloc_timeout_s)")
+        elif req.alloc_deadline and now > req.alloc_deadline and (req.alloc_seq is not None or req.retry_at):
+            # The receiver is alive but had no buffer credit for this request in time: it alone fails.
+            self._fail(req.req_id, f"no buffer credit on {req.target.endpoint} within "
+                                   f"{self._cfg.alloc_timeout_s:.1f}s (p2p.alloc_timeout_s)"
+                                   + (f"; last refusal: {req.refusal}" if req.refusal else ""))
+        elif req.retry_at is not None and now >= req.retry_at:
+            self._retry_alloc(req, peer)
+        elif not req.last_received and now > req.started + self._cfg.request_timeout_s:
+            self._fail(req.req_id, f"its last store batch did not arrive within {self._cfg.request_timeout_s:.1f}s "
+                                   "of its first (p2p.request_timeout_s): the client left mid-prefill?")
+
+    def _silent(self, peer: _Peer, req: _Request, now: float) -> bool:
+        return now > req.alloc_sent_at + self._cfg.alloc_timeout_s and peer.last_heard < req.alloc_sent_at
+
+    def _retry_alloc(self, req: _Request, peer: _Peer | None) -> None:
+        req.retry_at = None
+        batch, req.alloc_batch = req.alloc_batch, None
+        if peer is None or peer.state is not _PeerState.READY:
+            req.queue.appendleft(batch)
+            self._advance(req)
+        else:
+            self._send_alloc(peer, req, batch)
+
+    # ---- endings -----------------------------------------------------------------------------
 
     def _finish(self, req: _Request) -> None:
         del self._requests[req.req_id]
@@ -504,8 +728,7 @@ class SendService:
                 c.done()
         for handle, chunks, _ in req.writes:
             self._transport.abort(handle)
-            for c in chunks:
-                c.done()
+            self._release_after(handle, chunks, req_id)  # only once nothing reads them
         err = RequestFailed(f"request {req_id} to {req.target.endpoint}: {reason}")
         logger.log(logging.INFO if expected else logging.ERROR, "%s", err)
         peer = self._peers.get(req.target)
@@ -518,6 +741,25 @@ class SendService:
             version=protocol.PROTOCOL_VERSION, instance_id=self.instance_id, role="sender",
             http_url=self._cfg.http_url or "", tp_rank=self._tp_rank, tp_size=self._tp_size,
         )
+
+
+def _grant_problem(slots: Sequence[int], chunks: Sequence[Chunk], peer: _Peer) -> str:
+    """What is wrong with a Grant for ``chunks`` from ``peer`` ("" when it can be written)."""
+    if len(slots) != len(chunks):
+        return f"{len(slots)} slots for {len(chunks)} chunks"
+    seen: set[int] = set()
+    for slot, chunk in zip(slots, chunks):
+        if slot < 0:
+            continue  # already held by the receiver
+        if slot >= peer.num_slots:
+            return f"slot {slot} is outside the receiver's {peer.num_slots} slots"
+        if slot in seen:
+            return f"slot {slot} granted twice"
+        seen.add(slot)
+        nbytes = int(chunk.tensor.nbytes)
+        if nbytes > peer.slot_bytes:  # it would spill into the next slot
+            return f"chunk {chunk.key} is {nbytes} bytes but a slot of {peer.target.endpoint} holds {peer.slot_bytes}"
+    return ""
 
 
 __all__ = ["Chunk", "P2PError", "SendService", "SendStats", "Target"]

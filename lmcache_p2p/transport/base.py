@@ -11,10 +11,26 @@ Rules every implementation follows (the contract suite in tests/transport checks
   * every wait takes a timeout and raises :class:`TransportTimeout` past it;
   * third-party failures surface as :class:`TransportError` subclasses, mapped at the edge;
   * ``close()`` is idempotent and safe after a failed start; later use raises ClosedError;
+  * a write's SOURCES stay in use until :meth:`Transport.settled` says otherwise: completion
+    (``poll`` True) settles a write; a failed or aborted one is settled only once the transport
+    knows nothing reads its sources any more (see "Aborting" below);
   * sources may be host or device memory, destinations host or device memory;
   * a receiver keeps polling ``get_notifications`` while it expects writes: some paths (UCX tcp
     with no progress thread) only take bytes in while the receiver polls, so a receiver that
     stops polling stalls its senders until their waits time out.
+
+Aborting (what a caller may free, and when):
+  ``abort(handle)`` fails an unfinished write for its caller and returns at once; it does NOT
+  promise that the transport stopped reading the write's sources. Neither library can recall a
+  write already on the wire: NIXL 1.5.1's ``release_xfer_handle`` on an active transfer calls
+  ``ucp_request_cancel`` (UCX honours it for receives only, not for RMA puts) and frees the
+  handle, so the put may still read the source after NIXL forgot it; a posted Gloo/NCCL send
+  cannot be cancelled at all, only completed or torn down with its pair. So the handle stays
+  pollable after ``abort`` and ``settled(handle)`` turns True once the transport KNOWS no more
+  reads can happen (the write completed or failed in the library, was never posted, or its pair
+  was torn down). Transports settle every write by their own deadline where the library allows;
+  a caller still bounds its wait (``p2p.settle_timeout_s``) and, past it, keeps the memory
+  referenced (a small leak, logged) rather than let it be reused under a live read.
 """
 
 from __future__ import annotations
@@ -25,7 +41,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lmcache_p2p.errors import TransportTimeout
+from lmcache_p2p.errors import P2PError, TransportTimeout
 from lmcache_p2p.protocol import Region, TransportInfo
 
 if TYPE_CHECKING:
@@ -95,7 +111,8 @@ class Transport(abc.ABC):
         """True when the write completed; raise TransportError if it failed."""
 
     def wait(self, handle: WriteHandle, timeout_s: float) -> None:
-        """Block until ``handle`` completes or ``timeout_s`` passes (TransportTimeout)."""
+        """Block until ``handle`` completes or ``timeout_s`` passes (TransportTimeout, after ``abort``:
+        the sources stay in use until :meth:`settled`)."""
         deadline = time.monotonic() + timeout_s
         while not self.poll(handle):
             if time.monotonic() >= deadline:
@@ -107,7 +124,24 @@ class Transport(abc.ABC):
             time.sleep(0)  # yield the GIL; a 2-core machine needs the other threads to progress
 
     def abort(self, handle: WriteHandle) -> None:  # noqa: B027 - optional hook
-        """Release what an unfinished write holds (after a timeout)."""
+        """Fail an unfinished write for its caller; returns at once, never raises.
+
+        Later ``poll`` calls raise TransportError. The sources may still be read until
+        :meth:`settled` returns True: keep them alive until then.
+        """
+
+    def settled(self, handle: WriteHandle) -> bool:
+        """True once nothing will read ``handle``'s sources again; non-blocking, never raises.
+
+        A completed write is settled. A failed or aborted one is settled once the transport
+        confirmed that its reads ended (see the module docstring). This default knows only
+        completion: a failed write never settles, so its caller keeps the memory (leaks it)
+        rather than free it under a live read. Implementations override it.
+        """
+        try:
+            return self.poll(handle)
+        except P2PError:
+            return False
 
     @abc.abstractmethod
     def get_notifications(self) -> list[Notification]:

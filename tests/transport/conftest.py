@@ -63,10 +63,12 @@ NIXL = "lmcache_p2p.transport.nixl.transport:NixlTransport"
 NCCL = "lmcache_p2p.transport.nccl.transport:NcclTransport"
 
 # On the GPU machine: receiver on GPU 1, sender on GPU 0 (one process per GPU). NVLink multicast
-# stays off (the machine's rule); a failed NCCL op fails its pair, not the process.
+# stays off (the machine's rule). A failed NCCL op fails its pair, not the process: the NCCL
+# transport sets TORCH_NCCL_ASYNC_ERROR_HANDLING itself (group.nccl_env_for_pairs), so the cases
+# leave it unset, as a user would.
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 UCX_GPU_ENV = {**GPU_ENV, "UCX_TLS": "cuda_ipc,cuda_copy,tcp,self"}
-NCCL_GPU_ENV = {**GPU_ENV, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+NCCL_GPU_ENV = dict(GPU_ENV)
 RX_GPU = Side("cuda:1", "cuda:1")
 
 TRANSPORTS: dict[str, TransportCase] = {

@@ -170,3 +170,33 @@ def test_dead_peer_fails_writes_within_deadline(fresh_receiver: Pair) -> None:
     error = pair.tx.call("write_until_error", pair.peer, 1 << 20, pair.slot_addr(1), 2.0, 10.0)
     assert error in {cls.__name__ for cls in (TransportError, PeerUnreachable, TransportTimeout)}
     assert time.monotonic() - start < 12.0
+    if pair.case.factory.endswith("NcclTransport"):
+        time.sleep(2.0)  # torch's NCCL watchdog acts on a failed op within a few hundred ms
+        assert pair.tx.process.is_alive(), "a dead peer's failed pair ended the sender's process"
+
+
+@pytest.mark.parametrize("then_disconnect", [False, True], ids=["abort", "abort+disconnect"])
+def test_aborted_write_settles_only_once_its_reads_ended(fresh_receiver: Pair, then_disconnect: bool) -> None:
+    """``abort`` fails a write for its caller at once, but the sources stay in use until
+    ``settled``: never while a stopped receiver still has to take the bytes in, always once
+    the write finished (the caller may then hand the memory back), disconnected peer included."""
+    pair = fresh_receiver
+    count = pair.num_slots
+    windows = pair.src_bytes // pair.slot_bytes
+    chunks = [((i % windows) * pair.slot_bytes, pair.slot_bytes) for i in range(count)]
+    addrs = [pair.slot_addr(i) for i in range(count)]
+    pair.rx.signal(signal.SIGSTOP)
+    handle, _ = pair.tx.call("write", pair.peer, chunks, addrs, b"to-abort")
+    time.sleep(0.3)  # two-sided transports post from a pair thread: let it reach the wire
+    pair.tx.call("abort", handle)
+    if then_disconnect:
+        pair.tx.call("disconnect", pair.peer)  # as the sender service does when a request to it fails
+    if pair.case.stalls_without_receiver:
+        assert pair.tx.call("poll_error", handle) != "", "an aborted write did not fail for its caller"
+        assert not pair.tx.call("settle_within", handle, 1.0), (
+            "settled while a stopped receiver still had to take the write's bytes: its sources could be reused "
+            "under a live read")
+    pair.rx.signal(signal.SIGCONT)
+    pair.rx.begin("notifications", 1, 3.0)  # a receiver keeps polling (UCX tcp moves bytes only then)
+    assert pair.tx.call("settle_within", handle, WAIT_S), "an aborted write never settled after it could finish"
+    pair.rx.finish("notifications", WAIT_S)

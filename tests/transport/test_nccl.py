@@ -7,6 +7,7 @@ two CUDA devices (the device machine) and exercise ProcessGroupNCCL and the stag
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -143,6 +144,36 @@ def test_disconnect_then_reconnect_makes_a_new_pair(make) -> None:
     tx.wait(tx.write(peer, [data], [base + 7], b"second"), WAIT_S)
     assert _collect(rx, 2) == [("tx", b"first"), ("tx", b"second")]
     assert torch.equal(buf[7 : 7 + 5000], data)
+
+
+def test_disconnect_returns_at_once_while_a_posted_write_is_still_on_the_wire(make) -> None:
+    """The sender's service thread calls disconnect: it must not wait for the pair's writes."""
+    rx, tx = make("rx"), make("tx", close_timeout_s=10.0)
+    _recv_buffer(rx, MIB)
+    gate = threading.Event()
+    real_view = rx._hooks.slot_view
+
+    def held_view(chunk):  # the receiver takes the write in only once the gate opens
+        gate.wait(WAIT_S)
+        return real_view(chunk)
+
+    rx._hooks = dataclasses.replace(rx._hooks, slot_view=held_view)
+    peer = _connect(rx, tx)
+    handle = tx.write(peer, [_random(64 * KIB, 1)], [rx.info().regions[0].addr], b"held")
+    opener = threading.Timer(3.0, gate.set)
+    opener.start()
+    try:
+        tx.disconnect(peer)
+        returned_before_the_write_ended = not gate.is_set()
+        assert not tx.settled(handle), "a write still on the wire was reported settled"
+    finally:
+        gate.set()
+        opener.cancel()
+    assert returned_before_the_write_ended, "disconnect waited for the pair's write instead of returning"
+    assert _eventually(lambda: tx.settled(handle)), "the write never settled after its pair was stopped"
+    # Whether the held write still lands or is aborted with its pair depends on which side's teardown
+    # wins (both are correct); what matters is that a notification never precedes its bytes.
+    assert _collect(rx, 1) in ([("tx", b"held")], [])
 
 
 def test_killed_sender_restarted_under_the_same_name_gets_a_new_pair(fresh_pair) -> None:
@@ -374,3 +405,43 @@ def test_gpu_throughput(make, nccl_env, source: str) -> None:
     print(
         f"\nNCCL transport {source} -> cuda: {chunk * count / elapsed / 1e9:.1f} GB/s ({elapsed * 1e3:.1f} ms per GiB)"
     )
+
+
+# ---- keeping NCCL failures inside one pair ------------------------------------------------------
+
+
+@pytest.mark.parametrize("before, after", [
+    ({}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}),
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+                                                 "TORCH_NCCL_ENABLE_MONITORING": "0"}),
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ENABLE_MONITORING": "1"},
+     {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "1"}),
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+                                                 "TORCH_NCCL_ENABLE_MONITORING": "0"}),
+])
+def test_nccl_pairs_never_run_with_a_process_ending_error_mode(before: dict, after: dict) -> None:
+    from lmcache_p2p.transport.nccl.group import nccl_env_for_pairs
+
+    env = dict(before)
+    nccl_env_for_pairs(env)
+    assert env == after
+    assert nccl_env_for_pairs(env) == {}, "a second call changed the environment again"
+
+
+def test_importing_and_building_gloo_transports_leaves_the_environment_alone() -> None:
+    """The NCCL settings are applied right before an NCCL group is built: never at import, never
+    for Gloo (a CPU-only engine's environment stays as its operator set it)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os; before = dict(os.environ)\n"
+        "from lmcache_p2p.transport.nccl.transport import NcclTransport\n"
+        "NcclTransport('probe', device='cpu').close()\n"
+        "print(sorted(k for k in set(os.environ) ^ set(before) if k.startswith('TORCH_NCCL')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NCCL")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -124,6 +124,31 @@ class PeerState:
             elapsed = time.monotonic() - start
         return elapsed
 
+    def abort(self, handle_id: int) -> None:
+        handle, _ = self.handles[handle_id]
+        self.transport.abort(handle)
+
+    def poll_error(self, handle_id: int) -> str:
+        """The type name of what ``poll`` raises for this write ("" if it does not raise)."""
+        from lmcache_p2p.errors import P2PError
+
+        handle, _ = self.handles[handle_id]
+        try:
+            self.transport.poll(handle)
+        except P2PError as exc:
+            return type(exc).__name__
+        return ""
+
+    def settle_within(self, handle_id: int, timeout_s: float) -> bool:
+        """Poll ``settled`` until it is True (then True) or ``timeout_s`` passed (then False)."""
+        handle, _ = self.handles[handle_id]
+        deadline = time.monotonic() + timeout_s
+        while not self.transport.settled(handle):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
     def write_until_error(self, peer: str, nbytes: int, dst_addr: int, timeout_s: float, budget_s: float) -> str:
         """Write and wait repeatedly until the transport raises; return the error's type name."""
         from lmcache_p2p.errors import TransportError

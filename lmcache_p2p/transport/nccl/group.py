@@ -17,13 +17,24 @@ the current CUDA stream wait; with a timeout it blocks the CPU, sleeping between
 for a pipeline of sub-millisecond writes), and on expiry torch's watchdog may end the whole
 process. So NCCL ops are waited for by polling ``is_completed()`` (it reads the op's CUDA event)
 against our own deadline; a late op fails its pair, which is then aborted (``drop_group``).
+
+Keeping an NCCL failure inside its pair (torch's ProcessGroupNCCL, read when each group is
+constructed): ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 0 = no handling (a failed communicator is
+never aborted; its kernels may spin), 1 = abort and end the process, 2 = abort the communicator
+only ("CleanUpOnly"), 3 = end the process without aborting (torch's default). The watchdog's
+heartbeat monitor (``TORCH_NCCL_ENABLE_MONITORING``, default on) ends the process when a
+watchdog stops beating (e.g. hung aborting a dead peer's communicator). :func:`nccl_env_for_pairs`
+sets 2 and (unless the operator chose) monitoring off, right before our first NCCL group: never
+at import, and groups built earlier (vLLM's own) keep what they read.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +47,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MIN_WAIT_S = 0.001
+_ENV_LOCK = threading.Lock()
+# TORCH_NCCL_ASYNC_ERROR_HANDLING values that never end the process (0: none, 2: CleanUpOnly).
+_SURVIVING_MODES = ("0", "2")
 POLL_S = 0.00002  # how often an NCCL op's completion is checked while a thread waits for it
 
 
@@ -118,11 +132,37 @@ def new_group(
         return dist.ProcessGroupGloo(prefix_store, rank, 2, opts)
     if not dist.is_nccl_available():
         raise TransportError("this torch build has no NCCL: use device 'cpu' (Gloo) or a CUDA build of torch")
+    nccl_env_for_pairs()
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta_s(watchdog_s)
     opts.is_high_priority_stream = False
     opts.group_name = wire.group_prefix(pair_id)  # names the pair in NCCL's and the watchdog's logs
     return dist.ProcessGroupNCCL(prefix_store, rank, 2, opts)
+
+
+def nccl_env_for_pairs(environ: Any = None) -> dict[str, str]:
+    """Make the next ProcessGroupNCCL fail alone instead of ending the process; returns what changed.
+
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` becomes 2 unless it is 0 or 2 already (an operator's 1 or
+    3 would end vLLM on a decoder's death: overridden, with a warning). ``TORCH_NCCL_ENABLE_MONITORING``
+    becomes 0 only when unset. Idempotent; called right before each NCCL group is built.
+    """
+    env = os.environ if environ is None else environ
+    changed: dict[str, str] = {}
+    with _ENV_LOCK:
+        mode = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        if mode not in _SURVIVING_MODES:
+            if mode is not None:
+                logger.warning("TORCH_NCCL_ASYNC_ERROR_HANDLING=%s would end this process when one KV pair fails; "
+                               "setting 2 (abort that communicator only) for the NCCL groups created from now on",
+                               mode)
+            env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = changed["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        if "TORCH_NCCL_ENABLE_MONITORING" not in env:
+            env["TORCH_NCCL_ENABLE_MONITORING"] = changed["TORCH_NCCL_ENABLE_MONITORING"] = "0"
+    if changed:
+        logger.info("NCCL pair groups: set %s so that a dead peer fails its pair, not this process",
+                    ", ".join(f"{k}={v}" for k, v in changed.items()))
+    return changed
 
 
 def handshake(group: Any, rank: int, device: torch.device, deadline: float) -> None:
@@ -172,10 +212,16 @@ def wait_work(work: Any, deadline: float, what: str, cuda: bool = False) -> None
 
 
 def drop_group(group: Any) -> None:
-    """Abort a group (NCCL: frees communicators; Gloo: no-op). Never raises."""
+    """Abort a group, never a collective shutdown (the peer may be dead): NCCL aborts its
+    communicators (``ncclCommAbort``: kernels stop, nothing waits for the peer); Gloo: no-op,
+    dropping the group closes its sockets. Never raises."""
     if group is None:
         return
+    abort = getattr(group, "abort", None) or getattr(group, "_abort", None)
+    if abort is None:
+        logger.warning("%s has no abort(): its pair is left to the destructor", type(group).__name__)
+        return
     try:
-        group.abort()
+        abort()
     except Exception:  # teardown must not fail; the cause was logged already
         logger.debug("abort of a pair group failed", exc_info=True)

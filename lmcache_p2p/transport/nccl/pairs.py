@@ -47,6 +47,8 @@ class PendingWrite:
     timed_out: bool = False
     works: list[Any] = dataclasses.field(default_factory=list)
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)  # done or failed
+    # Nothing reads ``srcs`` any more: never posted, completed, or its pair's group was torn down.
+    settled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def fail(self, error: str, timed_out: bool = False) -> None:
         if not self.done and not self.error:
@@ -62,6 +64,11 @@ class PendingWrite:
     def release(self) -> None:
         self.srcs = []
         self.works = []
+
+    def settle(self) -> None:
+        """No op of the pair reads this write's sources any more (caller: the pair's thread)."""
+        self.release()
+        self.settled.set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +124,7 @@ class SendPair:
         self._lock = threading.Lock()
         self._queue: queue.Queue[Any] = queue.Queue()
         self._inflight: collections.deque[PendingWrite] = collections.deque()
+        self._broken: list[PendingWrite] = []  # posted writes that failed: settled once the group is gone
         self._seq = 0
         self._ring: Any = None
         self._stopping = threading.Event()
@@ -136,13 +144,16 @@ class SendPair:
     def abort(self, write: PendingWrite) -> None:
         """Fail an unfinished write for its caller.
 
-        A queued write is dropped. One already on the wire cannot be recalled from a two-sided
-        stream: it still completes in order (its memory stays referenced until then), so its
-        bytes and notification may still arrive, as with an aborted NIXL write.
+        A queued write is dropped (and settled: it is never sent). One already on the wire
+        cannot be recalled from a two-sided stream: it still completes in order, or fails with
+        its pair; it settles then. Its bytes and notification may still arrive, as with an
+        aborted NIXL write.
         """
         with self._lock:
             if not write.done and not write.error:
                 write.fail("aborted while on the wire" if write.posted else "aborted before it was sent")
+            if not write.posted:
+                write.settle()  # _start sees the error under this lock and never posts it
 
     def stop(self) -> None:
         with self._lock:
@@ -173,8 +184,22 @@ class SendPair:
             self._fail_queued()
             if graceful:
                 self._ring_bye()
-            group_ops.drop_group(self._group)
+            group_ops.drop_group(self._group)  # abort, never a collective: the peer may be dead
+            self._settle_broken()
             self._group = self._store = self._ring = None
+
+    def _settle_broken(self) -> None:
+        """The group is aborted: NCCL/Gloo ops no longer touch the failed writes' memory, except
+        a staged host->device copy still queued on the ring's stream (waited for, bounded)."""
+        if not self._broken:
+            return
+        if self._ring is not None and not self._ring.quiesce(time.monotonic() + self._s.timeout_s):
+            logger.error("%s: staging stream of pair %s did not drain; %d failed write(s) stay unsettled",
+                         self._s.name, self.pair_id, len(self._broken))
+            return
+        for write in self._broken:
+            write.settle()
+        self._broken.clear()
 
     def _loop(self) -> None:
         """Post queued writes first; complete the oldest posted one when nothing is queued.
@@ -204,12 +229,15 @@ class SendPair:
     def _start(self, write: PendingWrite) -> bool:
         with self._lock:
             if write.error:
-                return False  # aborted while queued
+                write.settle()  # aborted while queued (settled by abort already)
+                return False
             if self._stopping.is_set() or self.down:
                 write.fail(f"pair to {self.peer} is down ({self.down or 'disconnected'}) before the write was sent")
+                write.settle()
                 return False
             if time.monotonic() >= write.deadline:  # never sent, so the pair stays in step
                 write.fail("not sent before its deadline (p2p.transfer_timeout_s)", timed_out=True)
+                write.settle()
                 return False
             write.posted = True
         try:
@@ -268,21 +296,22 @@ class SendPair:
             raise
         with self._lock:
             write.succeed()
-        write.release()
+        write.settle()  # every op of this write completed
 
     def _fail_first(self, write: PendingWrite, exc: TransportError) -> None:
-        """The write whose op failed: the pair goes down BEFORE its caller hears of it."""
+        """The write whose op failed: the pair goes down BEFORE its caller hears of it. Its ops
+        may still run (a late NCCL kernel) until the thread aborts the group: settled then."""
         with self._lock:
             self.down = self.down or str(exc)
             write.fail(str(exc), timed_out=isinstance(exc, TransportTimeout))
-        write.release()  # the group is dead: its ops no longer touch this memory
+            self._broken.append(write)
 
     def _break(self, reason: str) -> None:
         with self._lock:
             self.down = self.down or reason
             for write in self._inflight:
                 write.fail(f"pair to {self.peer} broke: {reason}")
-                write.release()  # the group is dead: its ops no longer touch this memory
+                self._broken.append(write)  # settled once the thread aborted the group
             self._inflight.clear()
 
     def _fail_queued(self) -> None:
@@ -293,6 +322,7 @@ class SendPair:
                 return
             if item is not _STOP:
                 item.fail(f"pair to {self.peer} is down ({self.down}) before the write was sent")
+                item.settle()
 
     def _ring_bye(self) -> None:
         try:

@@ -70,6 +70,15 @@ class SendRing:
             works.append(work)
         return works
 
+    def quiesce(self, deadline: float) -> bool:
+        """Wait (until ``deadline``) for every copy out of host memory queued on the ring's stream;
+        after the pair's group was aborted nothing else reads host sources. False if it did not drain."""
+        try:
+            _wait_until(self._stream.query, deadline, "staging stream drain")
+        except TransportTimeout:
+            return False
+        return True
+
     def _take_slot(self, deadline: float) -> int:
         k = self._next
         self._next = (k + 1) % len(self._dev)

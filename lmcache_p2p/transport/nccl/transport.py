@@ -32,15 +32,26 @@ Emulating a one-sided write on a two-sided library:
     caller's own timeout) only fails the handle: a write already on the wire still completes in
     order, so its bytes and notification may arrive later; the receiver's buffer layer ignores
     notifications of cancelled requests.
-  * teardown - ``disconnect``/``close`` fail writes not yet posted; posted ones finish or fail
-    at their own deadline (their memory stays referenced until then). The sender rings a BYE
-    doorbell so the receiver's thread ends at once; a stopped receiver thread is woken through
-    its doorbell (serving) or its claim key (pairing). Threads are joined with ``close_timeout_s``; one stuck in a Gloo/NCCL
-    wait (which cannot be interrupted) ends by itself at that wait's deadline.
+  * settling - a posted send cannot be cancelled: its sources are read until it completes or
+    its pair's group is aborted. ``settled(handle)`` is True once the write was never posted,
+    completed, or failed AND the pair thread aborted the group (and drained its staging
+    stream); every posted write settles by its deadline (``timeout_s``) plus the abort.
+  * teardown - ``disconnect`` returns at once (the service thread calls it): it stops the
+    pair and its thread finishes alone; ``close`` joins every thread. Writes not yet posted
+    fail; posted ones finish or fail at their own deadline (their memory stays referenced
+    until then). A pair ends with ``abort`` of its group, never a collective (the peer may be
+    dead). The sender rings a BYE doorbell so the receiver's thread ends at once; a stopped
+    receiver thread is woken through its doorbell (serving) or its claim key (pairing). Threads
+    are joined with ``close_timeout_s``; one stuck in a Gloo/NCCL wait (which cannot be
+    interrupted) ends by itself at that wait's deadline.
 
-For NCCL, set ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` in the process environment (the launcher's
-job): with torch's default, a failed op (e.g. a peer died mid-transfer) may make the NCCL
-watchdog end the whole process instead of failing one pair.
+NCCL failures stay inside one pair: before building its first NCCL group the transport makes
+sure ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is 2 ("CleanUpOnly": on an async error or watchdog
+timeout torch aborts the failed communicator and does not end the process; torch's default 3
+ends it) and, unless set, ``TORCH_NCCL_ENABLE_MONITORING=0`` (the heartbeat monitor would
+otherwise end the process if a watchdog hangs in a dead pair's abort). Both are read by each
+ProcessGroupNCCL when it is constructed, so groups created earlier (vLLM's own) keep theirs;
+see group.py ``nccl_env_for_pairs``.
 """
 
 from __future__ import annotations
@@ -48,7 +59,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -103,16 +113,6 @@ def _claim_offer(store: Any, me: str, peer: str, deadline: float) -> str:
         time.sleep(OFFER_POLL_S)
 
 
-def _warn_nccl_error_handling() -> None:
-    mode = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-    if mode not in ("0", "2"):
-        logger.warning(
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING is %s: a failed NCCL op (a peer dying mid-transfer) may make torch's "
-            "watchdog end this process; set it to 2 so that only the pair fails",
-            mode if mode is not None else "unset (torch default 3)",
-        )
-
-
 # ---- the transport ---------------------------------------------------------------------------
 
 
@@ -149,6 +149,7 @@ class NcclTransport(Transport):
         self._senders: dict[str, SendPair] = {}
         self._receivers: dict[str, RecvPair] = {}  # the serving pair of each sender
         self._recv_threads: set[RecvPair] = set()  # every live receiver pair, pairing ones included
+        self._stopped: list[SendPair | RecvPair] = []  # disconnected pairs whose threads close() joins
         self._notifs: collections.deque[Notification] = collections.deque()
         if timeout_s <= 0 or close_timeout_s <= 0 or stage_slot_bytes <= 0 or stage_slots <= 0:
             raise ValueError("timeout_s, close_timeout_s, stage_slot_bytes and stage_slots must be positive")
@@ -166,8 +167,6 @@ class NcclTransport(Transport):
         except BaseException:
             self.close()
             raise
-        if self._s.cuda:
-            _warn_nccl_error_handling()
         logger.info("NCCL transport %s ready on %s (store %s:%d)", name, dev, host, self._s.port)
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -181,6 +180,7 @@ class NcclTransport(Transport):
             self._notified.notify_all()  # wait_notifications callers return now
             senders = list(self._senders.values())
             receivers = list(self._recv_threads)
+            stopped, self._stopped = self._stopped, []
             self._senders.clear()
             self._receivers.clear()
             self._recv_threads.clear()
@@ -188,7 +188,7 @@ class NcclTransport(Transport):
             pair.stop()
         for rpair in receivers:
             self._stop_receiver(rpair)
-        self._join_all([*senders, *receivers])
+        self._join_all([*senders, *receivers, *stopped])
         with self._lock:
             store, self._store = self._store, None  # dropping it stops the server; stragglers' waits fail
             self._notifs.clear()
@@ -368,21 +368,25 @@ class NcclTransport(Transport):
         return group
 
     def _drop_sender(self, pair: SendPair) -> None:
+        """Stop a pair that went down; its thread ends alone (close joins it)."""
         pair.stop()
-        if not pair.join(self._close_timeout_s):
-            logger.warning("%s: sender thread to %s still finishing posted writes", self._name, pair.peer)
+        with self._lock:
+            self._stopped.append(pair)
 
     def disconnect(self, peer: str) -> None:
-        """Tear down our pair(s) with ``peer`` (as sender and/or receiver); unknown peers are ignored."""
+        """Stop our pair(s) with ``peer`` (as sender and/or receiver) and return at once; their
+        threads finish posted writes (or fail them at their deadline), abort the group and end
+        alone (``close`` joins them). Unknown peers are ignored."""
         with self._lock:
             self._check_open()
             sender = self._senders.pop(peer, None)
             receiver = self._receivers.pop(peer, None)
+            self._stopped = [p for p in self._stopped if not p.join(0)]
+            self._stopped += [p for p in (sender, receiver) if p is not None]
         if sender is not None:
             sender.stop()
         if receiver is not None:
             self._stop_receiver(receiver)
-        self._join_all([p for p in (sender, receiver) if p is not None])
 
     # ---- writes -------------------------------------------------------------------------------
 
@@ -431,6 +435,11 @@ class NcclTransport(Transport):
         """Fail an unfinished write for its caller (see SendPair.abort); the pair stays up."""
         pair, write = handle.token
         pair.abort(write)
+
+    def settled(self, handle: WriteHandle) -> bool:
+        """True once no op reads the write's sources (see "settling" in the module docstring)."""
+        _, write = handle.token
+        return write.settled.is_set()
 
 
 def _contains(region: Region, addr: int, nbytes: int) -> bool:

@@ -23,7 +23,7 @@ polls its handles continuously. Writes go through the ring in submission order.
 Failures: a failed or aborted write stops using the ring: its queued pieces are dropped, its
 filled-but-unsent slots are freed (later copies into them are ordered on the same stream), and
 slots already on the wire are freed when their transfer ends. Host sources must stay valid until
-the handle completes or fails (the caller holds them, as for any write).
+the write is settled: finished, and the last copy out of them landed (``StagedWrite.settled``).
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class StagedWrite:
     done: bool = False
     error: str = ""
     unreachable: bool = False  # the failure was the peer going away
+    last_copy: Any = None  # CUDA event after the latest host -> slot copy of this write's pieces
 
     def fail(self, error: str, unreachable: bool = False) -> None:
         if not self.done and not self.error:
@@ -83,6 +84,12 @@ class StagedWrite:
     @property
     def finished(self) -> bool:
         return self.done or bool(self.error)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing reads the host sources any more: finished, and every copy out of them landed
+        (NIXL reads only ring slots; pieces never copied are never read after a failure)."""
+        return self.finished and (self.last_copy is None or bool(self.last_copy.query()))
 
 
 @dataclasses.dataclass(eq=False)
@@ -241,6 +248,7 @@ class StagingRing:
                     off = -(-(off + n) // ALIGN_BYTES) * ALIGN_BYTES
                 slot.event = torch.cuda.Event()
                 slot.event.record(self._stream)
+            write.last_copy = slot.event
             slot.state, slot.write = _State.COPYING, write
             write.open_slots += 1
             if not write.pieces:

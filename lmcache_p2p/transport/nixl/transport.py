@@ -24,6 +24,16 @@ NIXL/UCX behaviour this module relies on or works around (nixl 1.5.1; see shared
   * The receiver needs no metadata of its senders to get their notifications.
   * ``add_remote_agent`` returns bytes; ``get_new_notifs`` keys its dict by str; statuses are
     the strings "DONE" / "PROC" / "ERR", wrapped in :class:`_Status` here.
+  * No write can be recalled. ``release_xfer_handle`` on an active transfer makes the UCX
+    backend call ``ucp_request_cancel`` (which UCX honours for receives, not for RMA puts) and
+    free the request, then reports success: the put may go on reading its source with nobody
+    left to tell when it stops. And once a remote agent is removed, ``check_xfer_state`` on a
+    transfer to it only answers NOT_FOUND. So ``abort`` never releases an active transfer: it
+    fails the handle for the caller and keeps polling it; the write is ``settled`` once NIXL
+    reports it DONE or ERR (UCX completed every request). ``disconnect`` keeps the peer's agent
+    loaded until its writes in flight settled (then removes it). Only ``close`` (or a reconnect
+    under the same name) gives up on an unsettled write: it never settles, so its caller keeps
+    the memory.
 
 Host sources into a peer's GPU memory go through a :class:`~lmcache_p2p.transport.nixl.staging.StagingRing`
 on the sender's own GPU when the transport is built with ``stage_device`` (UCX alone moves them at
@@ -116,6 +126,7 @@ class _Xfer:
     temp: list[_Registration]  # sources registered for this write only
     done: bool = False
     error: str = ""
+    settled: bool = False  # NIXL reported the transfer finished (DONE/ERR): nothing reads the sources
 
 
 def _nixl_error_types(bindings: Any) -> tuple[type[BaseException], ...]:
@@ -153,7 +164,8 @@ class NixlTransport(Transport):
         self._disconnected: tuple[type[BaseException], ...] = ()
         self._regs: list[_Registration] = []
         self._peers: dict[str, _Peer] = {}
-        self._inflight: dict[int, _Xfer] = {}
+        self._inflight: dict[int, _Xfer] = {}  # posted and not yet settled (aborted ones included)
+        self._retiring: set[str] = set()  # disconnected peers whose agents stay until their writes settled
         self._leaked: list[_Registration] = []  # temp sources of writes NIXL refused to cancel
         self._ring: StagingRing | None = None
         params = dict(DEFAULT_BACKEND_PARAMS if backend_params is None else backend_params)
@@ -212,10 +224,16 @@ class NixlTransport(Transport):
                 return
             if self._ring is not None:
                 self._ring.close()
-            for xfer in list(self._inflight.values()):
-                self._release(agent, xfer, "transport closed")
-            for peer in list(self._peers):
-                self._forget_peer(agent, peer)
+            unsettled = list(self._inflight.values())
+            for xfer in unsettled:
+                self._release(agent, xfer, "transport closed", ended=False)
+            if unsettled:
+                logger.warning("%s closed with %d write(s) in flight: they never settle (their sources stay "
+                               "referenced by their callers)", self._name, len(unsettled))
+            for peer in [*self._peers, *self._retiring]:
+                self._remove_remote(agent, peer)
+            self._peers.clear()
+            self._retiring.clear()
             for reg in self._regs + self._leaked:
                 self._deregister(agent, reg)
             self._regs.clear()
@@ -296,6 +314,8 @@ class NixlTransport(Transport):
             raise PeerUnreachable(f"peer {peer.name!r} speaks transport {peer.kind!r}, we speak {self.kind!r}")
         with self._lock:
             agent = self._check_open()
+            if peer.name in self._retiring:
+                self._give_up_retiring(agent, peer.name)
             known = self._peers.get(peer.name)
             if known is not None and known.metadata == peer.metadata:
                 known.spans = _spans(peer.regions)
@@ -323,12 +343,40 @@ class NixlTransport(Transport):
             self._forget_peer(agent, peer)
 
     def _forget_peer(self, agent: Any, peer: str) -> None:
+        """Fail our writes to ``peer``; unload its agent now, or once its writes in flight settled."""
         if self._peers.pop(peer, None) is None:
             return
         if self._ring is not None:
             self._ring.fail_peer(peer, f"peer {peer} disconnected")
-        for xfer in [x for x in self._inflight.values() if x.peer == peer]:
-            self._release(agent, xfer, f"peer {peer} disconnected")
+        live = [x for x in self._inflight.values() if x.peer == peer]
+        for xfer in live:
+            if not xfer.done and not xfer.error:
+                xfer.error = f"peer {peer} disconnected"
+        if live:
+            self._retiring.add(peer)  # NIXL cannot report on a write to an agent it no longer knows
+        else:
+            self._remove_remote(agent, peer)
+
+    def _reap_retiring(self, agent: Any) -> None:
+        """Advance writes to disconnected peers; unload each peer whose writes all settled."""
+        for peer in list(self._retiring):
+            for xfer in [x for x in self._inflight.values() if x.peer == peer and x.xfer is not None]:
+                try:
+                    self._advance(agent, xfer)
+                except self._errors:
+                    pass  # the transfer ended with an error: it is settled (released in _advance)
+            if not any(x.peer == peer for x in self._inflight.values()):
+                self._retiring.discard(peer)
+                self._remove_remote(agent, peer)
+
+    def _give_up_retiring(self, agent: Any, peer: str) -> None:
+        """``peer`` reconnects under the same name before its old writes settled: they never will."""
+        stuck = [x for x in self._inflight.values() if x.peer == peer]
+        for xfer in stuck:
+            self._release(agent, xfer, f"peer {peer} reconnected", ended=False)
+        logger.warning("%s: %s reconnected with %d old write(s) still in flight; they never settle", self._name,
+                       peer, len(stuck))
+        self._retiring.discard(peer)
         self._remove_remote(agent, peer)
 
     def _remove_remote(self, agent: Any, name: str) -> None:
@@ -367,7 +415,7 @@ class NixlTransport(Transport):
             try:
                 self._post(agent, xfer, src_rows, src_mem, dst_rows, dst_mem, notif)
             except BaseException:
-                self._release(agent, xfer, "post failed")
+                self._release(agent, xfer, "post failed", ended=True)  # UCX completed what it had started
                 raise
             nbytes = sum(row[1] for row in src_rows)
             if not xfer.done:
@@ -467,12 +515,12 @@ class NixlTransport(Transport):
         try:
             status = _Status(agent.check_xfer_state(xfer.xfer))
         except self._errors as exc:
-            self._release(agent, xfer, f"state check failed: {exc}")
+            self._release(agent, xfer, f"state check failed: {exc}", ended=True)
             raise
         if status is _Status.DONE:
             self._finish(agent, xfer)
         elif status is _Status.ERR:
-            self._release(agent, xfer, "NIXL reported ERR")
+            self._release(agent, xfer, "NIXL reported ERR", ended=True)
 
     def _poll_staged(self, handle: WriteHandle, write: StagedWrite) -> bool:
         with self._lock:
@@ -485,16 +533,35 @@ class NixlTransport(Transport):
         return write.done
 
     def abort(self, handle: WriteHandle) -> None:
-        """Release an unfinished write (NIXL cancels it where it can)."""
+        """Fail an unfinished write for its caller; it stays in flight until NIXL finishes it
+        (see the module docstring: NIXL cannot recall a put), so poll ``settled``."""
         with self._lock:
             if isinstance(handle.token, StagedWrite):
                 if self._ring is not None and not handle.token.finished:
                     self._ring.abort(handle.token, "aborted")
                 return
             xfer: _Xfer = handle.token
-            if xfer.done or xfer.error or self._agent is None:
-                return
-            self._release(self._agent, xfer, "aborted")
+            if not xfer.done and not xfer.error:
+                xfer.error = "aborted"
+
+    def settled(self, handle: WriteHandle) -> bool:
+        """True once NIXL reported the write finished (DONE or ERR); advances it if need be."""
+        with self._lock:
+            agent = self._agent
+            if isinstance(handle.token, StagedWrite):
+                write: StagedWrite = handle.token
+                if agent is not None and self._ring is not None and not write.settled:
+                    self._ring.pump()
+                return write.settled
+            xfer: _Xfer = handle.token
+            if agent is not None and not xfer.settled and xfer.xfer is not None:
+                try:
+                    self._advance(agent, xfer)
+                except self._errors:
+                    pass  # it ended with an error: released (and settled) in _advance
+            if agent is not None and self._retiring:
+                self._reap_retiring(agent)
+            return xfer.settled
 
     # ---- the staging ring's port (called by StagingRing under our lock) ---------------------------
 
@@ -507,7 +574,7 @@ class NixlTransport(Transport):
         try:
             self._post(agent, xfer, src_rows, "VRAM", dst_rows, "VRAM", notif)
         except BaseException:
-            self._release(agent, xfer, "post failed")
+            self._release(agent, xfer, "post failed", ended=True)
             raise
         if not xfer.done:
             self._inflight[id(xfer)] = xfer
@@ -525,33 +592,40 @@ class NixlTransport(Transport):
         return xfer.done
 
     def drop_staged(self, xfer: _Xfer) -> None:
-        if not xfer.done and not xfer.error and self._agent is not None:
-            self._release(self._agent, xfer, "aborted")
+        """The ring closes with ``xfer`` reading one of its slots (ring memory, not a caller's)."""
+        if not xfer.settled and xfer.xfer is not None and self._agent is not None:
+            self._release(self._agent, xfer, "aborted", ended=False)
 
     def _finish(self, agent: Any, xfer: _Xfer) -> None:
-        self._release(agent, xfer, "")
+        self._release(agent, xfer, "", ended=True)
         xfer.done = True
 
-    def _release(self, agent: Any, xfer: _Xfer, error: str) -> None:
-        """Free the NIXL handle and the write's temporary registrations; record ``error`` if any."""
+    def _release(self, agent: Any, xfer: _Xfer, error: str, *, ended: bool) -> None:
+        """Free the NIXL handle and the write's temporary registrations; record ``error`` if any.
+
+        ``ended``: NIXL reported the transfer finished (DONE/ERR), so nothing reads its sources and
+        the write is settled. Otherwise (close, a reconnect) NIXL only attempts a cancel: the
+        sources may still be read, the write never settles and its temporary registrations stay
+        until close.
+        """
         self._inflight.pop(id(xfer), None)
-        if error and not xfer.done:
+        if error and not xfer.done and not xfer.error:
             xfer.error = error
         released = True
         if xfer.xfer is not None:
             try:
                 xfer.xfer.release()
             except self._errors:
-                # NIXL could not cancel it: the memory may still be read; keep it registered till close.
                 logger.warning("%s: NIXL could not release a write to %s (%s)", self._name, xfer.peer, error)
                 released = False
             xfer.xfer = None
         for reg in xfer.temp:
-            if released:
+            if released and ended:
                 self._deregister(agent, reg)
             else:
                 self._leaked.append(reg)
         xfer.temp = []
+        xfer.settled = ended
 
     # ---- notifications ------------------------------------------------------------------------
 
@@ -559,6 +633,8 @@ class NixlTransport(Transport):
         """Payloads of writes into our memory completed since the last call (also drives UCX progress)."""
         with self._lock:
             agent = self._check_open()
+            if self._retiring:
+                self._reap_retiring(agent)
             try:
                 new = agent.get_new_notifs()
             except self._errors as exc:

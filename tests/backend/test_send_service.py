@@ -1,0 +1,467 @@
+"""SendService against a scripted receiver (a real ZMQ ROUTER) and a test-double transport.
+
+The receiver side is played by the test: it reads the sender's control messages and answers
+with whatever the case needs (bad grants, refusals, silence). The transport double records
+writes and lets the test decide when each completes, fails or settles, so the tests check what
+the service does with LMCache's memory (``Chunk.done``) and with other requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from lmcache_p2p import protocol
+from lmcache_p2p.backend.send_service import Chunk, SendService, Target
+from lmcache_p2p.config import P2PConfig, Role
+from lmcache_p2p.errors import ClosedError, PeerUnreachable, TransportError
+from lmcache_p2p.transport import Notification, Transport, WriteHandle
+
+WAIT_S = 10.0
+SLOT_BYTES = 4096
+NUM_SLOTS = 8
+BUFFER_ADDR = 1 << 20
+SHAPE = protocol.ChunkShape(shape=[2, 1, 4, 8], dtype="uint8", nbytes=256)
+
+
+def wait_for(cond: Any, what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.005)
+
+
+# ---- the transport double ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class FakeWrite:
+    peer: str
+    nbytes: int
+    addrs: list[int]
+    done: bool = False
+    error: str = ""
+    aborted: bool = False
+    reads_ended: bool = False  # what settled() reports for a failed/aborted write
+
+
+class FakeTransport(Transport):
+    """Writes complete, fail and settle when the test says so; destinations are checked like the
+    real transports do (ValueError outside the peer's registered memory)."""
+
+    kind = "fake"
+
+    def __init__(self) -> None:
+        self.writes: list[FakeWrite] = []
+        self.connected: list[str] = []
+        self.disconnected: list[str] = []
+        self.connect_gate: dict[str, threading.Event] = {}  # peer name -> released when set
+        self.auto_complete = True
+
+    def register(self, tensor: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def info(self) -> protocol.TransportInfo:
+        return protocol.TransportInfo(kind=self.kind, name="fake-sender")
+
+    def connect(self, peer: protocol.TransportInfo, timeout_s: float) -> str:
+        gate = self.connect_gate.get(peer.name)
+        if gate is not None and not gate.wait(WAIT_S):
+            raise PeerUnreachable(f"{peer.name} did not pair within {timeout_s}s")
+        self.connected.append(peer.name)
+        return peer.name
+
+    def write(self, peer: str, srcs: Sequence[torch.Tensor], dst_addrs: Sequence[int], notif: bytes) -> WriteHandle:
+        for src, addr in zip(srcs, dst_addrs):
+            if not BUFFER_ADDR <= addr <= BUFFER_ADDR + NUM_SLOTS * SLOT_BYTES - src.nbytes:
+                raise ValueError(f"destination 0x{addr:x} is outside every region of {peer}")
+        write = FakeWrite(peer, sum(s.nbytes for s in srcs), list(dst_addrs), done=self.auto_complete)
+        self.writes.append(write)
+        return WriteHandle(peer=peer, nbytes=write.nbytes, token=write)
+
+    def poll(self, handle: WriteHandle) -> bool:
+        write: FakeWrite = handle.token
+        if write.error:
+            raise TransportError(write.error)
+        return write.done
+
+    def abort(self, handle: WriteHandle) -> None:
+        write: FakeWrite = handle.token
+        write.aborted = True
+        if not write.done:
+            write.error = write.error or "aborted"
+
+    def settled(self, handle: WriteHandle) -> bool:
+        write: FakeWrite = handle.token
+        return write.done or write.reads_ended
+
+    def get_notifications(self) -> list[Notification]:
+        return []
+
+    def disconnect(self, peer: str) -> None:
+        self.disconnected.append(peer)
+
+    def close(self) -> None:
+        pass
+
+
+# ---- the scripted receiver -----------------------------------------------------------------------
+
+
+class ScriptedReceiver:
+    """A ZMQ ROUTER playing a decoder's control port; the test reads and answers by hand."""
+
+    def __init__(self, name: str, num_slots: int = NUM_SLOTS) -> None:
+        self.name = name
+        self.num_slots = num_slots
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.target = Target("127.0.0.1", port)
+        self._codec = protocol.Codec()
+        self.identity = b""
+        self.seen: list[protocol.Message] = []
+
+    def recv(self, kind: type, timeout_s: float = WAIT_S) -> Any:
+        """The next message of type ``kind`` (others are kept in ``seen``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._sock.poll(left_ms):
+                raise AssertionError(f"{self.name}: no {kind.__name__} within {timeout_s}s (saw {self.seen})")
+            identity, *frames = self._sock.recv_multipart()
+            self.identity = identity
+            msg = self._codec.unpack(frames)
+            self.seen.append(msg)
+            if isinstance(msg, kind):
+                return msg
+
+    def send(self, msg: protocol.Message) -> None:
+        self._sock.send_multipart([self.identity, *self._codec.pack(msg)])
+
+    def welcome(self) -> None:
+        self.recv(protocol.Hello)
+        self.send(protocol.Welcome(protocol.PROTOCOL_VERSION, self.name, BUFFER_ADDR, SLOT_BYTES, self.num_slots,
+                                   protocol.TransportInfo(kind="fake", name=self.name)))
+
+    def grant(self, slots: list[int] | None = None) -> protocol.Alloc:
+        alloc = self.recv(protocol.Alloc)
+        slots = list(range(len(alloc.keys))) if slots is None else slots
+        self.send(protocol.Grant(alloc.seq, alloc.req_id, slots, free_slots=self.num_slots - len(slots)))
+        return alloc
+
+    def refuse_full(self, alloc: protocol.Alloc) -> None:
+        self.send(protocol.Refused(alloc.seq, alloc.req_id, protocol.RefusalCode.FULL, "full",
+                                   needed_slots=len(alloc.keys), free_slots=0, capacity_slots=self.num_slots))
+
+    def cancels(self) -> list[str]:
+        return [m.req_id for m in self.seen if isinstance(m, protocol.Cancel)]
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+
+
+class Chunks:
+    """Chunks whose ``done`` calls are counted: LMCache's references, as the service sees them."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+        self._n = 0
+
+    def make(self, count: int, nbytes: int = SHAPE.nbytes) -> list[Chunk]:
+        out = []
+        for _ in range(count):
+            self._n += 1
+            key = f"chunk-{self._n}"
+            out.append(Chunk(key, SHAPE, torch.zeros(nbytes, dtype=torch.uint8),
+                             lambda k=key: self.released.append(k)))
+        return out
+
+
+@pytest.fixture
+def chunks() -> Chunks:
+    return Chunks()
+
+
+@pytest.fixture
+def transport() -> FakeTransport:
+    return FakeTransport()
+
+
+@pytest.fixture
+def make_service(transport: FakeTransport) -> Iterator[Any]:
+    services: list[SendService] = []
+
+    def make(**overrides: Any) -> SendService:
+        cfg = P2PConfig(role=Role.SENDER, **{"connect_timeout_s": 5.0, "alloc_timeout_s": 5.0,
+                                              "transfer_timeout_s": 5.0, **overrides})
+        service = SendService(cfg, tp_rank=0, tp_size=1, transport=transport)
+        services.append(service)
+        return service
+
+    yield make
+    for service in services:
+        service.close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[ScriptedReceiver]:
+    rx = ScriptedReceiver("rx-a")
+    yield rx
+    rx.close()
+
+
+def _keys(chunks: list[Chunk]) -> list[str]:
+    return [c.key for c in chunks]
+
+
+# ---- item 1: memory is handed back only once nothing reads it ------------------------------------
+
+
+def test_aborted_write_keeps_its_chunks_until_the_transport_says_reads_ended(
+        make_service, transport, receiver, chunks) -> None:
+    transport.auto_complete = False
+    service = make_service(transfer_timeout_s=0.3)
+    batch = chunks.make(2)
+    service.submit("req-1", receiver.target, batch, last=True)
+    receiver.welcome()
+    receiver.grant()
+    wait_for(lambda: service.stats().requests_failed == 1, "the write to pass its transfer deadline")
+    write = transport.writes[0]
+    assert write.aborted
+    assert receiver.recv(protocol.Cancel).req_id == "req-1"
+    time.sleep(0.2)  # the loop keeps polling: nothing may be released while the write may still read
+    assert chunks.released == [], "chunks went back to LMCache while the aborted write could still read them"
+    write.reads_ended = True
+    wait_for(lambda: sorted(chunks.released) == sorted(_keys(batch)), "the chunks to be released once settled")
+    assert service.stats().chunks_leaked == 0
+
+
+def test_failed_write_that_never_settles_is_leaked_not_released(make_service, transport, receiver, chunks) -> None:
+    transport.auto_complete = False
+    service = make_service(settle_timeout_s=0.3)
+    batch = chunks.make(3)
+    service.submit("req-1", receiver.target, batch, last=True)
+    receiver.welcome()
+    receiver.grant()
+    wait_for(lambda: transport.writes, "the write")
+    transport.writes[0].error = "peer reset"
+    wait_for(lambda: service.stats().chunks_leaked == 3, "the unsettled chunks to be given up")
+    assert chunks.released == []
+    assert service.stats().requests_failed == 1
+
+
+def test_completed_writes_release_their_chunks_at_once(make_service, transport, receiver, chunks) -> None:
+    service = make_service()
+    batch = chunks.make(2)
+    service.submit("req-1", receiver.target, batch, last=True)
+    receiver.welcome()
+    receiver.grant()
+    wait_for(lambda: service.stats().requests_done == 1, "the request to finish")
+    assert sorted(chunks.released) == sorted(_keys(batch))
+
+
+# ---- item 2: a bad grant fails its request only; a dead thread refuses loudly --------------------
+
+
+@pytest.mark.parametrize("slots, problem", [
+    ([0, NUM_SLOTS], "outside the receiver's"),
+    ([3, 3], "granted twice"),
+    ([1], "1 slots for 2 chunks"),
+])
+def test_bad_grant_fails_that_request_only(make_service, transport, receiver, chunks, slots, problem,
+                                           caplog) -> None:
+    service = make_service()
+    bad = chunks.make(2)
+    service.submit("req-bad", receiver.target, bad, last=True)
+    receiver.welcome()
+    receiver.grant(slots)
+    assert receiver.recv(protocol.Cancel).req_id == "req-bad"
+    wait_for(lambda: sorted(chunks.released) == sorted(_keys(bad)), "the bad request's chunks to be released")
+    assert problem in caplog.text and "req-bad" in caplog.text
+    good = chunks.make(2)
+    service.submit("req-good", receiver.target, good, last=True)
+    receiver.grant()
+    wait_for(lambda: service.stats().requests_done == 1, "a later request to complete (the thread lives)")
+    assert service.stats().requests_failed == 1
+
+
+def test_oversized_chunk_in_a_grant_is_refused_before_writing(make_service, transport, receiver, chunks) -> None:
+    service = make_service()
+    big = chunks.make(1, nbytes=SLOT_BYTES + 1)
+    service.submit("req-big", receiver.target, big, last=True)
+    receiver.welcome()
+    receiver.grant([NUM_SLOTS - 1])
+    assert receiver.recv(protocol.Cancel).req_id == "req-big"
+    assert transport.writes == [], "a chunk larger than a slot was written over the next slot"
+
+
+def test_a_write_raising_an_unexpected_error_fails_that_request_only(
+        make_service, transport, receiver, chunks, monkeypatch) -> None:
+    service = make_service()
+    real_write = transport.write
+
+    def exploding_write(peer, srcs, addrs, notif):
+        if len(srcs) == 3:
+            raise RuntimeError("boom")
+        return real_write(peer, srcs, addrs, notif)
+
+    monkeypatch.setattr(transport, "write", exploding_write)
+    boom = chunks.make(3)
+    service.submit("req-boom", receiver.target, boom, last=True)
+    receiver.welcome()
+    receiver.grant()
+    assert receiver.recv(protocol.Cancel).req_id == "req-boom"
+    wait_for(lambda: sorted(chunks.released) == sorted(_keys(boom)), "the failed request's chunks to be released")
+    service.submit("req-ok", receiver.target, chunks.make(1), last=True)
+    receiver.grant()
+    wait_for(lambda: service.stats().requests_done == 1, "a later request to complete")
+
+
+def test_an_unexpected_error_polling_one_request_does_not_stop_the_thread(
+        make_service, transport, receiver, chunks, monkeypatch, caplog) -> None:
+    service = make_service()
+    real_poll = transport.poll
+
+    def exploding_poll(handle):
+        if handle.nbytes == 3 * SHAPE.nbytes:
+            raise RuntimeError("boom")
+        return real_poll(handle)
+
+    transport.auto_complete = False
+    monkeypatch.setattr(transport, "poll", exploding_poll)
+    boom = chunks.make(3)
+    service.submit("req-boom", receiver.target, boom, last=True)
+    receiver.welcome()
+    receiver.grant()
+    assert receiver.recv(protocol.Cancel).req_id == "req-boom"
+    assert "req-boom" in caplog.text and "boom" in caplog.text
+    assert transport.writes[0].aborted
+    transport.writes[0].reads_ended = True
+    wait_for(lambda: sorted(chunks.released) == sorted(_keys(boom)), "the failed request's chunks to be released")
+    transport.auto_complete = True
+    service.submit("req-ok", receiver.target, chunks.make(1), last=True)
+    receiver.grant()
+    wait_for(lambda: service.stats().requests_done == 1, "a later request to complete")
+
+
+class _Die(BaseException):
+    """Stands for whatever might still kill the thread."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_submit_refuses_loudly_once_the_thread_died(make_service, chunks, receiver, monkeypatch) -> None:
+    service = make_service()
+
+    def die() -> None:
+        raise _Die("simulated")
+
+    monkeypatch.setattr(service, "_step", die)
+    service._wake()
+    wait_for(lambda: not service._thread.is_alive(), "the thread to die")
+    batch = chunks.make(2)
+    with pytest.raises(ClosedError, match="service thread stopped"):
+        service.submit("req-late", receiver.target, batch, last=True)
+    assert sorted(chunks.released) == sorted(_keys(batch))
+
+
+# ---- item 3: a request out of buffer credit fails alone; a silent receiver fails all ------------
+
+
+def test_credit_timeout_with_a_retry_in_flight_fails_only_that_request(
+        make_service, transport, receiver, chunks) -> None:
+    service = make_service(alloc_timeout_s=1.0)
+    b_first = chunks.make(1)
+    service.submit("req-b", receiver.target, b_first, last=False)
+    receiver.welcome()
+    receiver.grant()
+    service.submit("req-a", receiver.target, chunks.make(1), last=True)
+    first = receiver.recv(protocol.Alloc)
+    assert first.req_id == "req-a"
+    receiver.refuse_full(first)
+    retry = receiver.recv(protocol.Alloc)  # left unanswered: in flight when A's credit runs out
+    assert retry.req_id == "req-a"
+    service.submit("req-b", receiver.target, chunks.make(1), last=False)
+    receiver.grant()  # the receiver is alive: it answers B after A's retry left
+    assert receiver.recv(protocol.Cancel, timeout_s=5.0).req_id == "req-a"
+    service.submit("req-b", receiver.target, chunks.make(1), last=True)
+    receiver.grant()
+    wait_for(lambda: service.stats().requests_done == 1, "request B to complete")
+    assert service.stats().requests_failed == 1
+    assert receiver.cancels() == ["req-a"]
+
+
+def test_a_silent_receiver_fails_every_request_to_it(make_service, transport, receiver, chunks) -> None:
+    service = make_service(alloc_timeout_s=0.5)
+    service.submit("req-1", receiver.target, chunks.make(1), last=False)
+    receiver.welcome()
+    receiver.grant()
+    service.submit("req-1", receiver.target, chunks.make(1), last=True)
+    service.submit("req-2", receiver.target, chunks.make(1), last=True)
+    receiver.recv(protocol.Alloc)
+    receiver.recv(protocol.Alloc)  # neither is answered, nothing else is sent
+    wait_for(lambda: service.stats().requests_failed == 2, "both requests to fail with the silent receiver")
+    assert transport.disconnected == ["rx-a"]
+
+
+# ---- item 4: a request whose last batch never comes ends ----------------------------------------
+
+
+def test_request_without_its_last_batch_fails_at_request_timeout(make_service, transport, receiver, chunks) -> None:
+    service = make_service(request_timeout_s=0.5)
+    first = chunks.make(2)
+    service.submit("req-gone", receiver.target, first, last=False)
+    receiver.welcome()
+    receiver.grant()
+    assert receiver.recv(protocol.Cancel, timeout_s=5.0).req_id == "req-gone"
+    assert service.stats().requests_failed == 1
+    assert service.pending_requests() == 0
+    assert sorted(chunks.released) == sorted(_keys(first))
+
+
+# ---- item 5: a slow pairing does not stall other receivers ---------------------------------------
+
+
+def test_slow_transport_pairing_does_not_block_other_receivers(make_service, transport, receiver, chunks) -> None:
+    other = ScriptedReceiver("rx-b")
+    gate = transport.connect_gate["rx-a"] = threading.Event()
+    try:
+        service = make_service()
+        service.submit("req-slow", receiver.target, chunks.make(1), last=True)
+        receiver.welcome()  # its transport pairing now hangs until the gate opens
+        time.sleep(0.1)
+        service.submit("req-fast", other.target, chunks.make(1), last=True)
+        other.welcome()
+        other.grant()
+        wait_for(lambda: service.stats().requests_done == 1, "the other receiver's request, while pairing hangs")
+        gate.set()
+        receiver.grant()
+        wait_for(lambda: service.stats().requests_done == 2, "the slow receiver's request after pairing")
+    finally:
+        gate.set()
+        other.close()
+
+
+def test_pairing_that_never_finishes_fails_its_requests_and_is_undone_later(
+        make_service, transport, receiver, chunks) -> None:
+    gate = transport.connect_gate["rx-a"] = threading.Event()
+    service = make_service(connect_timeout_s=0.5)
+    service.submit("req-1", receiver.target, chunks.make(1), last=True)
+    receiver.welcome()
+    wait_for(lambda: service.stats().requests_failed == 1, "the request to fail at the pairing deadline")
+    gate.set()  # too late: the transport reports success, but nobody uses this pairing now
+    wait_for(lambda: transport.connected == ["rx-a"], "the late connect to return")
+    wait_for(lambda: transport.disconnected == ["rx-a"], "the unused pairing to be undone")
