@@ -148,6 +148,11 @@ class _Handover:
         return self.waiter.req_id
 
 
+def _nothing_routable() -> NoInstanceAvailable:
+    return NoInstanceAvailable("no prefiller or decoder available: start one (p2p.proxy_url -> this proxy's control "
+                               "port) or pass --prefill / --decode URL")
+
+
 class _PrefillBroken(Exception):
     """A prefill's connection broke after it was sent (the prefiller died): retry it elsewhere."""
 
@@ -275,17 +280,22 @@ class RequestFlow:
         body = prefill_body(req, None)
         failed: set[str] = set()
         broken = 0
+        last: UpstreamUnreachable | None = None
         while True:
             inst = self._pick_any(cost, failed)
+            if inst is None:
+                raise last or _nothing_routable()
+            if last is not None:
+                self._o.metrics.failovers.labels("prefill").inc()
             try:
                 answer = await self._post(inst, req.endpoint.value, body, cost.prompt_tokens)
                 break
             except UpstreamUnreachable as exc:
                 failed.add(inst.instance_id)
                 broken += not isinstance(exc, UpstreamConnectError)
-                if broken > _RETRIES_AFTER_BROKEN_PREFILL or self._pick_any(cost, failed, count=False) is None:
+                if broken > _RETRIES_AFTER_BROKEN_PREFILL:
                     raise
-                self._o.metrics.failovers.labels("prefill").inc()
+                last = exc
         if inst.role is Role.RECEIVER:
             self._note_colocated(inst, ColocatedReason.NO_PREFILLER)
         first = first_token(req, answer)
@@ -314,6 +324,8 @@ class RequestFlow:
         """Prefill on a prefiller compatible with the leased decoder, KV to that decoder."""
         req = self.req
         decoder = self._lease().instance
+        if not self._compatible_prefillers(decoder):  # gone while the request waited for admission
+            return await self._colocate_on(decoder, cost, ColocatedReason.NO_PREFILLER)
         prefiller = self._pick_prefiller(exclude=(), decoder=decoder)
         broken = 0
         while True:
@@ -366,7 +378,8 @@ class RequestFlow:
             raise CannotAdmit(reason, f"no decoder to pair with a prefiller any more ({reason.value})")
         decoder = o.router.decoder_with_room(decoders, cost)
         if decoder is not None:
-            return o.registry.lease(decoder, cost.decode_tokens, chunks_needed(cost.prompt_tokens, decoder.chunk_tokens))
+            chunks = chunks_needed(cost.prompt_tokens, decoder.chunk_tokens)
+            return o.registry.lease(decoder, cost.decode_tokens, chunks)
         if exceeds_every_buffer(decoders, cost.prompt_tokens):
             raise CannotAdmit(ColocatedReason.TOO_LARGE, str(no_capacity(decoders, cost.prompt_tokens)))
         return None
@@ -380,9 +393,7 @@ class RequestFlow:
         while True:
             inst = self._pick_any(cost, failed, roles)
             if inst is None:
-                raise NoInstanceAvailable(
-                    "no prefiller or decoder available: start one (p2p.proxy_url -> this proxy's control port) or "
-                    "pass --prefill / --decode URL")
+                raise _nothing_routable()
             try:
                 return await self._colocate_on(inst, cost, reason)
             except UpstreamUnreachable as exc:  # /tokenize failed: that instance is gone
@@ -393,23 +404,21 @@ class RequestFlow:
         """Lease ``inst`` for the whole request and learn the prompt ids; the output comes in ``decode()``."""
         self._abandon_kv(f"the request is served colocated instead ({reason.value})")
         self._hold_decoder(inst, cost.decode_tokens, chunks=0)
-        self.colocated = reason
-        self._note_colocated(inst, reason)
         req = self.req
         self.prompt_ids = list(req.prompt_ids) if req.prompt_ids is not None else await self._tokenize(inst)
+        self.colocated = reason
+        self._note_colocated(inst, reason)
         return FirstToken(token_id=-1, text="", finish_reason=None, stop_reason=None, logprobs=None,
                           prompt_ids=self.prompt_ids, model=str(req.body.get("model") or ""), created=int(time.time()))
 
     def _pick_any(self, cost: RequestCost, failed: Collection[str],
-                  roles: tuple[Role, Role] = (Role.SENDER, Role.RECEIVER), *, count: bool = True) -> Instance | None:
+                  roles: tuple[Role, Role] = (Role.SENDER, Role.RECEIVER)) -> Instance | None:
         """The best routable instance not in ``failed``, of the first of ``roles`` that has one."""
         o = self._o
         for role in roles:
             left = [i for i in o.registry.routable(role) if i.instance_id not in failed]
             if not left:
                 continue
-            if not count:
-                return left[0]
             if role is Role.SENDER:
                 inst = o.router.pick_prefiller(left, exclude=self._tried)
             else:
