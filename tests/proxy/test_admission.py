@@ -227,3 +227,24 @@ async def test_a_full_admission_queue_sends_the_request_to_a_decoder_not_a_503()
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
         assert c.metric("lmcache_p2p_proxy_colocated_total", reason="admission_queue_full", role="receiver") == 1
         assert c.decoders[0].vllm.calls("/tokenize")  # the decoder learnt the chat prompt's ids itself
+
+
+async def test_a_heartbeat_with_free_slots_admits_the_waiting_request():
+    async with make_cluster(admission_timeout_s=20) as c:
+        decoder = c.decoders[0]
+        decoder.agent.free_slots = 0
+        await decoder.agent.announce()
+        inst, = c.proxy.registry.routable(Role.RECEIVER)
+        await eventually(lambda: inst.free_slots() == 0)
+        prompt = ids_prompt(3, 20)
+        pending = asyncio.ensure_future(c.post("/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                                   "max_tokens": 4}))
+        await eventually(lambda: len(c.proxy.orchestrator.admission) == 1)
+        assert c.metric("lmcache_p2p_proxy_admission_waiting") == 1
+        decoder.agent.free_slots = 8  # the decoder loaded someone else's KV
+        await decoder.agent.announce()
+        resp = await pending
+        assert resp.json()["choices"][0]["text"] == expected(prompt, 4)
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 1
+        assert c.metric("lmcache_p2p_proxy_admission_total", outcome="admitted") == 1
+        assert c.prefillers[0].vllm.calls("/v1/completions")[0]["kv_transfer_params"]["disagg_spec"]
