@@ -3,7 +3,8 @@
 Owns: the HTTP endpoints clients call (``app.py``), one request's prefill -> wait for KV ->
 decode orchestration (``flow.py``), the request and response shapes of the OpenAI API
 (``shaping.py``, ``responses.py``), the registry of prefillers and decoders (``registry.py``),
-health gating of instances (``health.py``), routing policies (``routing.py``), the control socket
+health gating of instances (``health.py``), routing policies and colocated serving
+(``routing.py``), the queue where requests wait for decoder buffer credit (``admission.py``), the control socket
 where instances announce themselves and report "KV ready" (``control.py``, ``waiters.py``), the
 Cancel sent to decoders for KV the proxy will not use (``cancel.py``), upstream HTTP calls
 (``upstream.py``), metrics (``metrics.py``), flags (``settings.py``), the errors it answers with
@@ -17,7 +18,7 @@ in milliseconds (null without samples; nearest-rank percentiles). ttft = request
 first token; handover = prefill answer received -> first decode byte; kv_wait = the part of the
 handover spent waiting for "KV ready".
 
-Reading order: ``settings`` -> ``registry`` -> ``health`` -> ``routing`` -> ``waiters`` -> ``control``
+Reading order: ``settings`` -> ``registry`` -> ``health`` -> ``routing`` -> ``admission`` -> ``waiters`` -> ``control``
 -> ``cancel`` -> ``shaping`` -> ``responses`` -> ``flow`` -> ``app`` -> ``server``.
 
 Must not: import lmcache, vllm, torch or nixl (it speaks to instances only over HTTP and the

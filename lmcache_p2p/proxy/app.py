@@ -164,7 +164,8 @@ class ProxyApp:
     async def health(self, request: Request) -> Response:
         registry = self._o.registry
         prefillers, decoders = len(registry.routable(Role.SENDER)), len(registry.routable(Role.RECEIVER))
-        return JSONResponse({"status": "ok", "ready": bool(prefillers and decoders), "prefillers": prefillers,
+        # ready: some instance can serve (one alone serves requests colocated, see routing.py)
+        return JSONResponse({"status": "ok", "ready": bool(prefillers or decoders), "prefillers": prefillers,
                              "decoders": decoders})
 
     async def instances(self, request: Request) -> Response:
@@ -279,4 +280,5 @@ def _describe(inst: Instance) -> dict[str, Any]:
         "control_host": inst.control_host, "inflight_requests": inst.inflight_requests,
         "inflight_tokens": inst.inflight_tokens, "capacity_slots": inst.capacity_slots,
         "free_slots": inst.free_slots(), "chunk_tokens": inst.chunk_tokens,
+        "fingerprint": msgspec.to_builtins(inst.fingerprint) if inst.fingerprint is not None else None,
     }

@@ -15,10 +15,24 @@ The waiter for "KV ready" is registered before the prefill is sent. On a KV fail
 when there is one) and then recomputes, ``recompute`` sends the decode at once (the decoder
 recomputes what it lacks), ``fail`` answers 502/504. Nothing waits without a deadline.
 
+Routing (``routing.py`` has the policy): a disaggregated request first waits in the admission
+queue (``admission.py``) for buffer credit on a decoder whose KV fingerprint matches a prefiller's,
+then prefills on a compatible prefiller. When that is not possible the request is served colocated
+(one instance, no KV transfer, ``colocated_total{reason}``): on a prefiller when no decoder is
+routable or compatible, on a decoder (it computes the prompt itself) when no prefiller is routable or
+reachable, when admission timed out, its queue was full, or the KV is larger than every buffer. A
+colocated request gets no first token from a prefill: ``prefill()`` learns the prompt ids (the
+client's, else ``/tokenize`` on that instance) and the instance generates the whole output in
+``decode()``. The proxy answers 503 only when no instance at all is routable.
+
 A prefill or decode whose connection failed (refused / connect timeout: the instance got nothing)
 goes to another routable instance of that role, each tried once; a decode that moves to another
-decoder recomputes there. Every failed connection counts towards taking the instance out of
-rotation (``registry.note_connect_failure``).
+decoder recomputes there. A prefill whose connection broke after it was sent (the prefiller died:
+ReadError, RemoteProtocolError) is retried once, invisibly (the client has received nothing yet):
+its KV on the decoder is cancelled, then it goes to another compatible prefiller, or the decoder
+computes the prompt itself (``colocated{reason=prefill_failed}``); a second break fails the request
+(a request that kills every engine it reaches must not go round the cluster). Every failed or broken
+connection counts towards taking the instance out of rotation (``registry.note_connect_failure``).
 
 A request's KV handover (its ``req_id`` on decoder D) ends in one of two ways: the decode request
 reaches D, or the proxy abandons it (KV failed or timed out, the decode moved elsewhere, the first
@@ -37,12 +51,27 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from typing import Any
 
 from lmcache_p2p.config import Role
+from lmcache_p2p.proxy.admission import Admission, AdmissionQueue, CannotAdmit, Outcome
 from lmcache_p2p.proxy.cancel import KvCanceller
-from lmcache_p2p.proxy.errors import KvNotReady, ProxyError, UpstreamConnectError, UpstreamMalformed
+from lmcache_p2p.proxy.errors import (
+    KvNotReady,
+    NoInstanceAvailable,
+    ProxyError,
+    UpstreamConnectError,
+    UpstreamMalformed,
+    UpstreamUnreachable,
+)
 from lmcache_p2p.proxy.metrics import ProxyMetrics
 from lmcache_p2p.proxy.registry import Instance, Lease, Registry
 from lmcache_p2p.proxy.responses import Delta, FirstToken, decode_delta, first_token, usage
-from lmcache_p2p.proxy.routing import RequestCost, Router, chunks_needed
+from lmcache_p2p.proxy.routing import (
+    ColocatedReason,
+    RequestCost,
+    Router,
+    chunks_needed,
+    exceeds_every_buffer,
+    no_capacity,
+)
 from lmcache_p2p.proxy.settings import KvFailurePolicy
 from lmcache_p2p.proxy.shaping import (
     ClientRequest,
@@ -59,12 +88,31 @@ from lmcache_p2p.proxy.waiters import KvOutcome, KvStatus, KvWaiter, KvWaiters
 logger = logging.getLogger(__name__)
 
 
+_RETRIES_AFTER_BROKEN_PREFILL = 1  # a prefill whose connection broke after it was sent is retried once
+
+_ADMISSION_REASONS = {
+    Outcome.TIMEOUT: ColocatedReason.ADMISSION_TIMEOUT,
+    Outcome.QUEUE_FULL: ColocatedReason.ADMISSION_QUEUE_FULL,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class FlowSettings:
     kv_timeout_s: float = 10.0
     prefill_timeout_s: float = 120.0
     decode_idle_timeout_s: float = 120.0
     on_kv_failure: KvFailurePolicy = KvFailurePolicy.RETRY
+    admission_timeout_s: float = 5.0
+    admission_queue_max: int = 1024
+
+
+async def prompt_token_count(req: ClientRequest) -> int:
+    """The prompt's length in tokens, for routing and admission (before any prefill answered).
+
+    Exact when the client sent token ids; otherwise the ``--chars-per-token`` estimate. This is the
+    one place where the proxy's exact tokenization plugs in.
+    """
+    return req.prompt_tokens_estimate
 
 
 class Orchestrator:
@@ -79,6 +127,9 @@ class Orchestrator:
         self.metrics = metrics
         self.settings = settings
         self.clock = clock
+        self.admission = AdmissionQueue(settings.admission_timeout_s, settings.admission_queue_max)
+        registry.on_credit.append(self.admission.poke)
+        metrics.admission_waiting.set_function(lambda: len(self.admission))
 
     def open(self, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> RequestFlow:
         return RequestFlow(self, req, headers, received_s)
@@ -89,12 +140,26 @@ class _Handover:
     """One attempt at getting a request's KV onto ``decoder``, under a fresh ``req_id``."""
 
     waiter: KvWaiter
-    decoder: Instance
+    decoder: Lease  # the lease whose buffer credit this KV takes
     prefill_sent: bool = True  # False once every prefiller refused the connection: no KV can be on its way
 
     @property
     def req_id(self) -> str:
         return self.waiter.req_id
+
+
+def _nothing_routable() -> NoInstanceAvailable:
+    return NoInstanceAvailable("no prefiller or decoder available: start one (p2p.proxy_url -> this proxy's control "
+                               "port) or pass --prefill / --decode URL")
+
+
+class _PrefillBroken(Exception):
+    """A prefill's connection broke after it was sent (the prefiller died): retry it elsewhere."""
+
+    def __init__(self, prefiller: Instance, cause: UpstreamUnreachable) -> None:
+        super().__init__(str(cause))
+        self.prefiller = prefiller
+        self.cause = cause
 
 
 class RequestFlow:
@@ -104,8 +169,9 @@ class RequestFlow:
         self.response_id = uuid.uuid4().hex
         self._headers = headers
         self._received_s = received_s
-        self._decoder: Lease | None = None
+        self._decoder: Lease | None = None  # the instance that decodes (colocated: serves the whole request)
         self._handover: _Handover | None = None
+        self.colocated: ColocatedReason | None = None  # set when one instance serves the whole request
         self._tried: set[str] = set()
         self.first: FirstToken | None = None
         self.prompt_ids: list[int] = []
@@ -116,24 +182,21 @@ class RequestFlow:
     # ---- phase 1: prefill ----------------------------------------------------------------------
 
     async def prefill(self) -> FirstToken:
-        """Route, prefill on the client's endpoint, learn the prompt ids; returns the first token."""
+        """Route, prefill on the client's endpoint, learn the prompt ids; returns the first token.
+
+        Colocated (``self.colocated``), no prefill runs: the returned first token is empty and the
+        serving instance generates the whole output in ``decode()``.
+        """
         req = self.req
-        cost = RequestCost(req.prompt_tokens_estimate, req.output_tokens_estimate)
+        cost = RequestCost(await prompt_token_count(req), req.output_tokens_estimate)
         if req.max_tokens == 1:  # nothing to decode: no decoder, no KV transfer
-            prefiller, answer = await self._post_prefill(self._pick_prefiller(exclude=()), req.endpoint.value,
-                                                         prefill_body(req, None), cost.prompt_tokens)
+            first = await self._prefill_alone(cost)
         else:
-            self._lease_decoder(cost, exclude=())
-            prefiller, answer = await self._send_prefill(self._pick_prefiller(exclude=()), req.endpoint.value,
-                                                         lambda kv: prefill_body(req, kv), cost.prompt_tokens)
-        first = first_token(req, answer)
-        self.prompt_ids = first.prompt_ids or list(req.prompt_ids or ()) or await self._tokenize(prefiller)
-        if self._decoder is not None:
-            self._decoder.resize_commit(chunks_needed(len(self.prompt_ids), self._decoder.instance.chunk_tokens))
+            first = await self._prefill_routed(cost)
         self.first = first
         self._prefill_done_s = self._o.clock()
-        ttft_s = self._prefill_done_s - self._received_s
-        self._o.metrics.observe_ttft(req.endpoint.value, ttft_s)
+        if self.colocated is None:
+            self._o.metrics.observe_ttft(req.endpoint.value, self._prefill_done_s - self._received_s)
         return first
 
     @property
@@ -145,11 +208,15 @@ class RequestFlow:
         decoder gets the prompt alone and generates the whole output, first token included; the
         prefill still provided the KV. The client has received nothing visible yet.
         """
+        if self.colocated is not None:
+            return True
         return self.needs_decode and not self._first_or_raise().text
 
     @property
     def needs_decode(self) -> bool:
         """False when the first token already ended the output (max_tokens 1, EOS, a stop string)."""
+        if self.colocated is not None:
+            return True  # the serving instance generates the whole output
         more_allowed = self.req.max_tokens is None or self.req.max_tokens > 1
         return more_allowed and self._first_or_raise().finish_reason in (None, "length")
 
@@ -167,7 +234,7 @@ class RequestFlow:
             async for event in events:
                 if first_event:
                     first_event = False
-                    o.metrics.observe_handover(o.clock() - self._prefill_done_s)
+                    self._on_first_output()
                 if isinstance(event.get("usage"), dict):
                     self._decode_completion_tokens = event["usage"].get("completion_tokens")
                 delta = decode_delta(event)
@@ -203,62 +270,257 @@ class RequestFlow:
             raise RuntimeError("no decoder leased: prefill() first")
         return self._decoder
 
-    def _lease_decoder(self, cost: RequestCost, exclude: Collection[str]) -> Instance:
+    # ---- routing and prefill (see the module doc) --------------------------------------------------
+
+    async def _prefill_alone(self, cost: RequestCost) -> FirstToken:
+        """max_tokens 1: the prefill's answer is the whole output and no KV goes anywhere. A prefiller
+        answers it, else a decoder; a refused connection goes to the next instance, a broken one is
+        retried once."""
+        req = self.req
+        body = prefill_body(req, None)
+        failed: set[str] = set()
+        broken = 0
+        last: UpstreamUnreachable | None = None
+        while True:
+            inst = self._pick_any(cost, failed)
+            if inst is None:
+                raise last or _nothing_routable()
+            if last is not None:
+                self._o.metrics.failovers.labels("prefill").inc()
+            try:
+                answer = await self._post(inst, req.endpoint.value, body, cost.prompt_tokens)
+                break
+            except UpstreamUnreachable as exc:
+                failed.add(inst.instance_id)
+                broken += not isinstance(exc, UpstreamConnectError)
+                if broken > _RETRIES_AFTER_BROKEN_PREFILL:
+                    raise
+                last = exc
+        if inst.role is Role.RECEIVER:
+            self._note_colocated(inst, ColocatedReason.NO_PREFILLER)
+        first = first_token(req, answer)
+        self.prompt_ids = first.prompt_ids or list(req.prompt_ids or ()) or await self._tokenize(inst)
+        return first
+
+    async def _prefill_routed(self, cost: RequestCost) -> FirstToken:
+        """Disaggregated when a compatible pair has room (after waiting for it), else colocated."""
         o = self._o
-        decoder = o.router.pick_decoder(o.registry.routable(Role.RECEIVER), cost, exclude)
+        _, reason = self._pairable()
+        if reason is not None:
+            return await self._colocate(cost, reason)
+        admission = await o.admission.admit(lambda: self._grant_decoder(cost))
+        self._count_admission(admission)
+        if admission.granted is None:
+            reason = (admission.refusal.reason if admission.refusal is not None
+                      else _ADMISSION_REASONS[admission.outcome])
+            logger.info("request %s: no decoder buffer credit for ~%d prompt tokens (%s after %.2f s): %s",
+                        self.response_id, cost.prompt_tokens, admission.outcome.value, admission.wait_s,
+                        admission.message)
+            return await self._colocate(cost, reason)
+        self._take_lease(admission.granted)
+        return await self._prefill_disaggregated(cost)
+
+    async def _prefill_disaggregated(self, cost: RequestCost) -> FirstToken:
+        """Prefill on a prefiller compatible with the leased decoder, KV to that decoder."""
+        req = self.req
+        decoder = self._lease().instance
+        if not self._compatible_prefillers(decoder):  # gone while the request waited for admission
+            return await self._colocate_on(decoder, cost, ColocatedReason.NO_PREFILLER)
+        prefiller = self._pick_prefiller(exclude=(), decoder=decoder)
+        broken = 0
+        while True:
+            try:
+                prefiller, answer = await self._send_prefill(prefiller, req.endpoint.value,
+                                                             lambda kv: prefill_body(req, kv), cost.prompt_tokens)
+                break
+            except UpstreamConnectError as exc:  # every compatible prefiller refused: nothing was sent
+                logger.warning("request %s: no prefiller reachable (%s); decoder %s computes the prompt",
+                               self.response_id, exc, decoder.instance_id)
+                return await self._colocate_on(decoder, cost, ColocatedReason.NO_PREFILLER)
+            except _PrefillBroken as broke:  # sent, then the connection broke: nothing reached the client
+                broken += 1
+                self._abandon_kv(f"the prefill on {broke.prefiller.instance_id} broke: {broke.cause}")
+                if broken > _RETRIES_AFTER_BROKEN_PREFILL:
+                    raise broke.cause from None
+                retry_on = self._untried_prefiller(decoder)
+                if retry_on is None:
+                    logger.warning("request %s: the prefill on %s broke before its first token (%s); decoder %s "
+                                   "computes the prompt", self.response_id, broke.prefiller.instance_id, broke.cause,
+                                   decoder.instance_id)
+                    return await self._colocate_on(decoder, cost, ColocatedReason.PREFILL_FAILED)
+                logger.warning("request %s: the prefill on %s broke before its first token (%s); retrying on %s",
+                               self.response_id, broke.prefiller.instance_id, broke.cause, retry_on.instance_id)
+                self._o.metrics.failovers.labels("prefill").inc()
+                self._hold_decoder(decoder, cost.decode_tokens, self._lease().chunks)  # credit for the new KV
+                prefiller = retry_on
+        first = first_token(req, answer)
+        self.prompt_ids = first.prompt_ids or list(req.prompt_ids or ()) or await self._tokenize(prefiller)
+        self._lease().resize_commit(chunks_needed(len(self.prompt_ids), decoder.chunk_tokens))
+        return first
+
+    def _pairable(self) -> tuple[list[Instance], ColocatedReason | None]:
+        """Routable decoders whose KV fingerprint matches a routable prefiller's; else why none."""
+        o = self._o
+        prefillers, decoders = o.registry.routable(Role.SENDER), o.registry.routable(Role.RECEIVER)
+        if not decoders:
+            return [], ColocatedReason.NO_DECODER
+        if not prefillers:
+            return [], ColocatedReason.NO_PREFILLER
+        pairable = [d for d in decoders if any([o.registry.compatible(p, d) for p in prefillers])]  # logs every pair
+        return pairable, None if pairable else ColocatedReason.NO_COMPATIBLE_DECODER
+
+    def _grant_decoder(self, cost: RequestCost) -> Lease | None:
+        """Admission's grant: a lease with credit for the KV on a pairable decoder, None while none has
+        room; raises CannotAdmit when none ever will. Never awaits."""
+        o = self._o
+        decoders, reason = self._pairable()
+        if reason is not None:
+            raise CannotAdmit(reason, f"no decoder to pair with a prefiller any more ({reason.value})")
+        decoder = o.router.decoder_with_room(decoders, cost)
+        if decoder is not None:
+            chunks = chunks_needed(cost.prompt_tokens, decoder.chunk_tokens)
+            return o.registry.lease(decoder, cost.decode_tokens, chunks)
+        if exceeds_every_buffer(decoders, cost.prompt_tokens):
+            raise CannotAdmit(ColocatedReason.TOO_LARGE, str(no_capacity(decoders, cost.prompt_tokens)))
+        return None
+
+    async def _colocate(self, cost: RequestCost, reason: ColocatedReason) -> FirstToken:
+        """One instance serves the whole request: a prefiller when decoders are missing or incompatible,
+        else a decoder (it computes the prompt); the other role when the preferred one has none."""
+        failed: set[str] = set()
+        on_prefiller = reason in (ColocatedReason.NO_DECODER, ColocatedReason.NO_COMPATIBLE_DECODER)
+        roles = (Role.SENDER, Role.RECEIVER) if on_prefiller else (Role.RECEIVER, Role.SENDER)
+        while True:
+            inst = self._pick_any(cost, failed, roles)
+            if inst is None:
+                raise _nothing_routable()
+            try:
+                return await self._colocate_on(inst, cost, reason)
+            except UpstreamUnreachable as exc:  # /tokenize failed: that instance is gone
+                self._connect_failed(inst, exc)
+                failed.add(inst.instance_id)
+
+    async def _colocate_on(self, inst: Instance, cost: RequestCost, reason: ColocatedReason) -> FirstToken:
+        """Lease ``inst`` for the whole request and learn the prompt ids; the output comes in ``decode()``."""
+        self._abandon_kv(f"the request is served colocated instead ({reason.value})")
+        self._hold_decoder(inst, cost.decode_tokens, chunks=0)
+        req = self.req
+        self.prompt_ids = list(req.prompt_ids) if req.prompt_ids is not None else await self._tokenize(inst)
+        self.colocated = reason
+        self._note_colocated(inst, reason)
+        return FirstToken(token_id=-1, text="", finish_reason=None, stop_reason=None, logprobs=None,
+                          prompt_ids=self.prompt_ids, model=str(req.body.get("model") or ""), created=int(time.time()))
+
+    def _pick_any(self, cost: RequestCost, failed: Collection[str],
+                  roles: tuple[Role, Role] = (Role.SENDER, Role.RECEIVER)) -> Instance | None:
+        """The best routable instance not in ``failed``, of the first of ``roles`` that has one."""
+        o = self._o
+        for role in roles:
+            left = [i for i in o.registry.routable(role) if i.instance_id not in failed]
+            if not left:
+                continue
+            if role is Role.SENDER:
+                inst = o.router.pick_prefiller(left, exclude=self._tried)
+            else:
+                inst = o.router.pick_decoder(left, cost, exclude=self._tried, needs_kv=False)
+            self._tried.add(inst.instance_id)
+            return inst
+        return None
+
+    def _note_colocated(self, inst: Instance, reason: ColocatedReason) -> None:
+        self._o.metrics.colocated.labels(reason.value, inst.role.value).inc()
+        logger.info("request %s: served colocated on %s %s, no KV transfer (%s)", self.response_id, inst.role_name,
+                    inst.instance_id, reason.value)
+
+    def _count_admission(self, admission: Admission[Lease]) -> None:
+        m = self._o.metrics
+        m.admission.labels(admission.outcome.value).inc()
+        if admission.outcome is not Outcome.IMMEDIATE:
+            m.admission_wait.observe(admission.wait_s)
+
+    def _lease_decoder(self, cost: RequestCost, exclude: Collection[str]) -> Instance:
+        """A pairable decoder with credit now, leased (no waiting: a retry); raises when none."""
+        decoders, reason = self._pairable()
+        if reason is not None:
+            raise NoInstanceAvailable(f"no decoder to pair with a prefiller ({reason.value})")
+        decoder = self._o.router.pick_decoder(decoders, cost, exclude)
         self._hold_decoder(decoder, cost.decode_tokens, chunks_needed(cost.prompt_tokens, decoder.chunk_tokens))
         return decoder
 
     def _hold_decoder(self, decoder: Instance, tokens: int, chunks: int) -> None:
-        lease = self._o.registry.lease(decoder, tokens, chunks)
+        self._take_lease(self._o.registry.lease(decoder, tokens, chunks))
+
+    def _take_lease(self, lease: Lease) -> None:
         if self._decoder is not None:
             self._decoder.release()
         self._decoder = lease
-        self._tried.add(decoder.instance_id)
+        self._tried.add(lease.instance.instance_id)
 
-    def _pick_prefiller(self, exclude: Collection[str]) -> Instance:
+    def _compatible_prefillers(self, decoder: Instance | None) -> list[Instance]:
         o = self._o
-        prefiller = o.router.pick_prefiller(o.registry.routable(Role.SENDER), exclude)
+        prefillers = o.registry.routable(Role.SENDER)
+        return prefillers if decoder is None else [p for p in prefillers if o.registry.compatible(p, decoder)]
+
+    def _pick_prefiller(self, exclude: Collection[str], decoder: Instance | None = None) -> Instance:
+        prefiller = self._o.router.pick_prefiller(self._compatible_prefillers(decoder), exclude)
+        self._tried.add(prefiller.instance_id)
+        return prefiller
+
+    def _untried_prefiller(self, decoder: Instance) -> Instance | None:
+        untried = [p for p in self._compatible_prefillers(decoder) if p.instance_id not in self._tried]
+        if not untried:
+            return None
+        prefiller = self._o.router.pick_prefiller(untried)
         self._tried.add(prefiller.instance_id)
         return prefiller
 
     async def _send_prefill(self, prefiller: Instance, path: str, build: Callable[[dict[str, Any]], dict[str, Any]],
                             prompt_tokens: int) -> tuple[Instance, dict[str, Any]]:
         """Register a fresh waiter for a fresh req_id, THEN send the prefill."""
-        decoder = self._lease().instance
+        lease = self._lease()
+        decoder = lease.instance
         self._abandon_kv("superseded by a new prefill")
         req_id = uuid.uuid4().hex
-        handover = self._handover = _Handover(self._o.waiters.register(req_id, decoder.tp_size), decoder)
+        handover = self._handover = _Handover(self._o.waiters.register(req_id, decoder.tp_size), lease)
         body = build(kv_transfer_params(req_id, decoder))
         logger.debug("prefill %s on %s, KV to %s", req_id, prefiller.http_url, decoder.instance_id)
         try:
-            return await self._post_prefill(prefiller, path, body, prompt_tokens)
+            return await self._post_prefill(prefiller, path, body, prompt_tokens, decoder)
         except UpstreamConnectError:
             handover.prefill_sent = False
             raise
 
-    async def _post_prefill(self, prefiller: Instance, path: str, body: dict[str, Any],
-                            prompt_tokens: int) -> tuple[Instance, dict[str, Any]]:
-        """POST the prefill; on a failed connection, to the next routable prefiller. Returns who answered."""
-        o = self._o
+    async def _post_prefill(self, prefiller: Instance, path: str, body: dict[str, Any], prompt_tokens: int,
+                            decoder: Instance) -> tuple[Instance, dict[str, Any]]:
+        """POST the prefill; on a refused connection, to the next compatible prefiller. Returns who
+        answered; raises _PrefillBroken when a connection broke after the prefill was sent."""
         failed: set[str] = set()
         while True:
             try:
-                with o.registry.lease(prefiller, prompt_tokens):
-                    answer = await o.upstream.post_json(prefiller.http_url, path, body,
-                                                        timeout_s=o.settings.prefill_timeout_s, headers=self._headers)
+                return prefiller, await self._post(prefiller, path, body, prompt_tokens)
             except UpstreamConnectError as exc:
                 failed.add(prefiller.instance_id)
-                self._connect_failed(prefiller, exc)
-                prefiller = self._next_prefiller(failed, exc)
-                continue
-            o.registry.note_connected(prefiller)
-            return prefiller, answer
+                prefiller = self._next_prefiller(failed, exc, decoder)
+            except UpstreamUnreachable as exc:
+                raise _PrefillBroken(prefiller, exc) from exc
 
-    def _next_prefiller(self, failed: Collection[str], exc: UpstreamConnectError) -> Instance:
-        """Another routable prefiller (untried ones first); re-raises ``exc`` when there is none."""
+    async def _post(self, inst: Instance, path: str, body: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
+        """One POST to ``inst`` under a lease of its load; failed connections are counted against it."""
         o = self._o
-        others = [p for p in o.registry.routable(Role.SENDER) if p.instance_id not in failed]
+        try:
+            with o.registry.lease(inst, prompt_tokens):
+                answer = await o.upstream.post_json(inst.http_url, path, body, timeout_s=o.settings.prefill_timeout_s,
+                                                    headers=self._headers)
+        except UpstreamUnreachable as exc:
+            self._connect_failed(inst, exc)
+            raise
+        o.registry.note_connected(inst)
+        return answer
+
+    def _next_prefiller(self, failed: Collection[str], exc: UpstreamConnectError, decoder: Instance) -> Instance:
+        """Another compatible routable prefiller (untried ones first); re-raises ``exc`` when there is none."""
+        o = self._o
+        others = [p for p in self._compatible_prefillers(decoder) if p.instance_id not in failed]
         if not others:
             raise exc
         prefiller = o.router.pick_prefiller(others, exclude=self._tried)
@@ -266,6 +528,18 @@ class RequestFlow:
         o.metrics.failovers.labels("prefill").inc()
         logger.info("request %s: prefilling on %s instead", self.response_id, prefiller.instance_id)
         return prefiller
+
+    def _on_first_output(self) -> None:
+        """The decoding instance sent its first output, so it has loaded the request's KV: its receive
+        slots are free again (the buffer credit returns now, not at the next heartbeat)."""
+        o = self._o
+        now_s = o.clock()
+        if self.colocated is not None:
+            o.metrics.observe_ttft(self.req.endpoint.value, now_s - self._received_s)
+        else:
+            o.metrics.observe_handover(now_s - self._prefill_done_s)
+        if self._decoder is not None:
+            self._decoder.return_credit()
 
     async def _open_decode(self, stack: contextlib.AsyncExitStack, body: dict[str, Any]
                            ) -> AsyncIterator[dict[str, Any]]:
@@ -303,10 +577,12 @@ class RequestFlow:
         logger.info("request %s: decoding on %s instead (it recomputes the prompt)", self.response_id,
                     decoder.instance_id)
 
-    def _connect_failed(self, inst: Instance, exc: UpstreamConnectError) -> None:
-        logger.info("request %s: cannot connect to %s %s: %s", self.response_id, inst.role_name, inst.instance_id,
-                    exc)
-        self._o.metrics.connect_failures.labels(inst.role.value).inc()
+    def _connect_failed(self, inst: Instance, exc: UpstreamUnreachable) -> None:
+        refused = isinstance(exc, UpstreamConnectError)
+        logger.info("request %s: %s %s %s: %s", self.response_id, "cannot connect to" if refused else "lost",
+                    inst.role_name, inst.instance_id, exc)
+        if refused:
+            self._o.metrics.connect_failures.labels(inst.role.value).inc()
         self._o.registry.note_connect_failure(inst)
 
     def _abandon_kv(self, reason: str) -> None:
@@ -315,18 +591,21 @@ class RequestFlow:
         if handover is None:
             return
         handover.waiter.drop()
+        handover.decoder.return_credit()
         if handover.prefill_sent:
-            self._o.canceller.cancel(handover.decoder, handover.req_id, reason)
+            self._o.canceller.cancel(handover.decoder.instance, handover.req_id, reason)
 
-    async def _tokenize(self, prefiller: Instance) -> list[int]:
-        answer = await self._o.upstream.post_json(prefiller.http_url, "/tokenize", tokenize_body(self.req),
+    async def _tokenize(self, inst: Instance) -> list[int]:
+        answer = await self._o.upstream.post_json(inst.http_url, "/tokenize", tokenize_body(self.req),
                                                   timeout_s=self._o.settings.prefill_timeout_s, headers=self._headers)
         tokens = answer.get("tokens")
         if not isinstance(tokens, list) or not tokens:
-            raise UpstreamMalformed(f"{prefiller.http_url}/tokenize answered without tokens")
+            raise UpstreamMalformed(f"{inst.http_url}/tokenize answered without tokens")
         return tokens
 
     async def _settle_kv(self) -> None:
+        if self._handover is None:  # colocated: no KV comes
+            return
         outcome = await self._wait_kv()
         if outcome.status is KvStatus.READY:
             return
@@ -365,14 +644,17 @@ class RequestFlow:
     async def _retry_prefill(self) -> None:
         cost = RequestCost(len(self.prompt_ids), self.req.output_tokens_estimate)
         exclude = set(self._tried)
-        self._lease_decoder(cost, exclude)
-        prefiller = self._pick_prefiller(exclude)
-        await self._send_prefill(prefiller, Endpoint.COMPLETIONS.value,
-                                 lambda kv: retry_prefill_body(self.req, self.prompt_ids, kv), cost.prompt_tokens)
+        decoder = self._lease_decoder(cost, exclude)
+        prefiller = self._pick_prefiller(exclude, decoder)
+        try:
+            await self._send_prefill(prefiller, Endpoint.COMPLETIONS.value,
+                                     lambda kv: retry_prefill_body(self.req, self.prompt_ids, kv), cost.prompt_tokens)
+        except _PrefillBroken as broke:
+            raise broke.cause from None
 
     def _give_up_kv(self, outcome: KvOutcome, action: str) -> None:
         handover = self._handover
         logger.warning("request %s: KV %s (req_id %s, decoder %s): %s; %s", self.response_id, outcome.status.value,
-                       handover.req_id if handover else "?", handover.decoder.instance_id if handover else "?",
+                       handover.req_id if handover else "?", handover.decoder.instance.instance_id if handover else "?",
                        outcome.reason, action)
         self._abandon_kv(f"KV {outcome.status.value}: {outcome.reason}")

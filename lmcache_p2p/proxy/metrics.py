@@ -10,6 +10,8 @@ Definitions:
   ttft      request received -> first token available (sent at once to a streaming client)
   handover  prefill answer received -> first decode byte (includes the KV wait and any retry)
   kv_wait   prefill answer received -> every rank's KV ready (0 when it was ready first), or failure
+  A colocated request (one instance serves it whole, ``colocated_total``) has a TTFT (received ->
+  first output of that instance) and no handover.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -61,6 +63,17 @@ class ProxyMetrics:
         self.kv_cancels = Counter(_PREFIX + "kv_cancels",
                                   "Cancel messages to decoder ranks for KV the proxy will not use, by result "
                                   "(sent, dropped, refused)", ["result"], registry=r)
+        self.colocated = Counter(_PREFIX + "colocated",
+                                 "Requests served whole by one instance, no KV transfer, by reason (see routing.py) "
+                                 "and the serving instance's role", ["reason", "role"], registry=r)
+        self.admission = Counter(_PREFIX + "admission",
+                                 "Disaggregated requests by admission outcome (immediate, admitted after a wait, "
+                                 "timeout, queue_full, refused)", ["outcome"], registry=r)
+        self.admission_wait = Histogram(_PREFIX + "admission_wait_seconds",
+                                        "Time a request waited for decoder buffer credit",
+                                        buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.admission_waiting = Gauge(_PREFIX + "admission_waiting", "Requests waiting for decoder buffer credit",
+                                       registry=r)
         r.register(_InstanceCollector(instances))
         self.ttft_window = SampleWindow()
         self.handover_window = SampleWindow()

@@ -14,10 +14,28 @@ answers 200. ``max_connect_failures`` failed connections in a row (``note_connec
 an UP instance :attr:`Health.DOWN` and probing starts again. ``on_forgotten`` hears of every
 instance the registry drops, so that whoever holds resources for it (probes, sockets) lets go.
 
-Buffer credit: a decoder announces its free receive slots. Between heartbeats the proxy counts the
-slots it has itself promised (a :class:`Commit` per request); a promise stops counting once a
-heartbeat from every rank arrived after the request's KV settled (ready, failed, or never sent),
-since that heartbeat's ``free_slots`` already reflects it.
+Buffer credit: a decoder announces its free receive slots (``free_slots``, every heartbeat). The
+proxy keeps a :class:`Commit` per request it routed there, and a decoder's credit is
+``announced free slots - promised + returned``:
+
+* promised: a commit still counts against the credit until every rank's announcement holds it, i.e.
+  a heartbeat from every rank arrived after its KV settled (ready: every slot it takes is reserved).
+* returned: once the decoder no longer holds the request's KV (the decode loaded it: its first
+  output arrived; the proxy cancelled it; it failed) the commit is returned (:meth:`Lease.return_credit`)
+  and, while the announcements are older than that, its slots count as free again at once.
+* a returned commit is forgotten once a heartbeat from every rank arrived after it was returned.
+
+Errors lean towards too little credit (a commit that was partly reserved counts twice until the
+next heartbeat), with one exception: a heartbeat taken by the decoder between its loading the KV and
+the proxy seeing the first output counts those slots free twice until the next heartbeat; the
+receiver then refuses with ``full`` and the sender retries (``alloc_timeout_s``), nothing fails.
+Every change that may free credit (a returned commit, a released lease, a heartbeat, an instance
+coming up) is told to the ``on_credit`` listeners (the admission queue, ``admission.py``).
+
+Fingerprints: an instance announces its KV :class:`~lmcache_p2p.protocol.Fingerprint` (model, layers,
+heads, dtype, chunk size, TP split, layout). :meth:`Registry.compatible` says whether a prefiller's KV
+may go to a decoder; unknown (None, old or test peers) counts as compatible. A mismatched pair is
+logged once with the fields that differ.
 
 Single-threaded (the event loop); nothing here awaits, listeners included.
 """
@@ -34,7 +52,7 @@ from urllib.parse import urlsplit
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ProtocolError, VersionError
-from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Goodbye
+from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Fingerprint, Goodbye
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +69,7 @@ class Health(str, enum.Enum):
 
 
 InstanceCallback = Callable[["Instance"], None]
+CreditCallback = Callable[[], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +97,7 @@ class RankInfo:
     slot_bytes: int = 0
     chunk_tokens: int = 0
     last_seen_s: float = math.inf
+    fingerprint: Fingerprint | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -85,7 +105,8 @@ class Commit:
     """Receive slots the proxy promised one request on one decoder."""
 
     chunks: int
-    settled_at_s: float | None = None
+    settled_at_s: float | None = None  # the KV is ready (every slot reserved) or failed
+    returned_at_s: float | None = None  # the decoder no longer holds it: loaded, cancelled or failed
 
 
 @dataclasses.dataclass(eq=False)
@@ -143,16 +164,32 @@ class Instance:
         known = [r.capacity_slots for r in self.ranks.values() if r.capacity_slots > 0]
         return min(known) if known and len(known) == len(self.ranks) else None
 
+    @property
+    def fingerprint(self) -> Fingerprint | None:
+        """What its KV means (rank 0's; ranks differ only in ``tp_rank``); None when not announced."""
+        first = self.ranks.get(0) or next(iter(self.ranks.values()), None)
+        return first.fingerprint if first is not None else None
+
     def free_slots(self) -> int | None:
-        """Announced free slots minus what the proxy promised since; None when unknown."""
+        """Buffer credit: announced free slots - promised + returned since (see the module doc); None
+        when unknown."""
         if self.capacity_slots is None:
             return None
-        announced = min(r.free_slots for r in self.ranks.values())
-        return announced - sum(c.chunks for c in self.commits)
+        oldest_s = min(r.last_seen_s for r in self.ranks.values())
+        newest_s = max(r.last_seen_s for r in self.ranks.values())
+        free = min(r.free_slots for r in self.ranks.values())
+        for c in self.commits:
+            announced_held = c.settled_at_s is not None and c.settled_at_s < oldest_s
+            if c.returned_at_s is None and not announced_held:
+                free -= c.chunks
+            elif c.returned_at_s is not None and announced_held and c.returned_at_s > newest_s:
+                free += c.chunks
+        return free
 
     def _absorb_commits(self) -> None:
+        """Forget returned commits that every rank's announcement already reflects."""
         heard_s = min((r.last_seen_s for r in self.ranks.values()), default=-math.inf)
-        self.commits = [c for c in self.commits if c.settled_at_s is None or c.settled_at_s >= heard_s]
+        self.commits = [c for c in self.commits if c.returned_at_s is None or c.returned_at_s >= heard_s]
 
 
 class Lease:
@@ -169,26 +206,46 @@ class Lease:
         if self._commit is not None:
             instance.commits.append(self._commit)
 
+    @property
+    def chunks(self) -> int:
+        """Receive slots this lease promised (0: no KV comes with it)."""
+        return self._commit.chunks if self._commit is not None else 0
+
     def resize_commit(self, chunks: int) -> None:
         """Replace the estimate with the exact chunk count once the prompt is tokenized."""
-        if self._commit is not None and self._commit.settled_at_s is None:
+        if self._commit is not None and self._commit.settled_at_s is None and self._commit.returned_at_s is None:
+            shrank = chunks < self._commit.chunks
             self._commit.chunks = chunks
+            if shrank:  # the estimate was high: credit frees
+                self._registry._credit_changed()
 
     def settle(self) -> None:
         """The request's KV is ready or failed: the decoder's next heartbeat accounts for it."""
         if self._commit is not None and self._commit.settled_at_s is None:
             self._commit.settled_at_s = self._registry.now()
 
+    def return_credit(self) -> None:
+        """The decoder no longer holds this request's KV (loaded, cancelled or failed): its slots are
+        free again. Idempotent; does not await."""
+        commit = self._commit
+        if commit is None or commit.returned_at_s is not None:
+            return
+        commit.returned_at_s = self._registry.now()
+        self.instance._absorb_commits()
+        self._registry._credit_changed()
+
     def release(self) -> None:
-        """Idempotent; safe inside a cancelled task (does not await)."""
+        """Idempotent; safe inside a cancelled task (does not await). Returns the credit too."""
         if self._released:
             return
         self._released = True
-        self.settle()
+        if self._commit is not None and self._commit.returned_at_s is None:
+            self._commit.returned_at_s = self._registry.now()
         self.instance._absorb_commits()
         self.instance.inflight_requests -= 1
         self.instance.inflight_tokens -= self._tokens
         self._registry._on_release(self.instance)
+        self._registry._credit_changed()
 
     def __enter__(self) -> Lease:
         return self
@@ -208,6 +265,8 @@ class Registry:
         self._drained: dict[str, float] = {}  # instance_id -> last heartbeat, for operator-drained ones
         self.on_pending: list[InstanceCallback] = []  # an instance needs a health probe
         self.on_forgotten: list[InstanceCallback] = []  # an instance was dropped from the registry
+        self.on_credit: list[CreditCallback] = []  # decoder credit or load may have freed: admit waiters
+        self._mismatches: set[tuple[str, str, Fingerprint, Fingerprint]] = set()  # logged once each
 
     def now(self) -> float:
         return self._clock()
@@ -264,12 +323,14 @@ class Registry:
         inst._absorb_commits()
         if fresh or moved or restarted:
             self._set_pending(inst)
+        self._credit_changed()
         return inst
 
     def mark_up(self, inst: Instance) -> None:
         """Its GET /health answered 200: routable (once complete and active)."""
         inst.health = Health.UP
         inst.connect_failures = 0
+        self._credit_changed()
 
     def note_connected(self, inst: Instance) -> None:
         inst.connect_failures = 0
@@ -349,6 +410,25 @@ class Registry:
     def lease(self, instance: Instance, tokens: int, chunks: int = 0) -> Lease:
         return Lease(self, instance, tokens, chunks)
 
+    def compatible(self, prefiller: Instance, decoder: Instance) -> bool:
+        """May ``prefiller``'s KV go to ``decoder``? Unknown fingerprints count as compatible.
+
+        A mismatch is logged once per pair (and fingerprints) with the fields that differ.
+        """
+        ours, theirs = prefiller.fingerprint, decoder.fingerprint
+        if ours is None or theirs is None:
+            return True
+        differences = ours.differences(theirs, ignore=("tp_rank",))
+        if not differences:
+            return True
+        key = (prefiller.instance_id, decoder.instance_id, ours, theirs)
+        if key not in self._mismatches:
+            self._mismatches.add(key)
+            logger.warning("prefiller %s and decoder %s announce different KV fingerprints (%s): they are never "
+                           "paired; run the same model, dtype, chunk size and TP size on both",
+                           prefiller.instance_id, decoder.instance_id, "; ".join(differences))
+        return False
+
     # ---- internals ---------------------------------------------------------------------------
 
     def _new_instance(self, msg: Announce, role: Role) -> Instance:
@@ -379,6 +459,10 @@ class Registry:
     def _on_release(self, inst: Instance) -> None:
         self._forget_if_drained(inst)
 
+    def _credit_changed(self) -> None:
+        for listener in self.on_credit:
+            listener()
+
     def _forget_if_drained(self, inst: Instance) -> None:
         drained = inst.state is InstanceState.DRAINING and inst.inflight_requests == 0
         if drained and self._dynamic.get(inst.instance_id) is inst:
@@ -389,6 +473,7 @@ class Registry:
             del self._dynamic[inst.instance_id]
         logger.log(level, "%s %s (%s) forgotten: %s; %d request(s) in flight", _role_name(inst.role),
                    inst.instance_id, inst.http_url, why, inst.inflight_requests)
+        self._mismatches = {k for k in self._mismatches if inst.instance_id not in k[:2]}
         self._notify(self.on_forgotten, inst)
 
     @staticmethod
@@ -416,6 +501,7 @@ def _rank_info(msg: Announce, now_s: float) -> RankInfo:
         slot_bytes=msg.slot_bytes,
         chunk_tokens=msg.chunk_tokens,
         last_seen_s=now_s,
+        fingerprint=msg.fingerprint,
     )
 
 

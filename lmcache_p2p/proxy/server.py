@@ -63,7 +63,7 @@ class Proxy:
         self.orchestrator = Orchestrator(
             self.registry, Router(settings.policy), self.waiters, self.upstream, self.canceller, self.metrics,
             FlowSettings(settings.kv_timeout_s, settings.prefill_timeout_s, settings.decode_idle_timeout_s,
-                         settings.on_kv_failure),
+                         settings.on_kv_failure, settings.admission_timeout_s, settings.admission_queue_max),
         )
         self.control = ControlListener(settings.control_host, settings.control_port, codec,
                                        self.registry, self.waiters, self.metrics)

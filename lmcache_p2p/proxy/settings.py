@@ -26,6 +26,11 @@ Health gating: an instance, static or announced, takes traffic only once its ``G
 answered 200 (probed every ``--health-probe-interval-s``, each attempt bounded by
 ``--health-probe-timeout-s``); after ``--max-connect-failures`` failed connections in a row it
 is out of rotation until a probe succeeds again.
+
+Admission (``admission.py``): a request whose KV fits no decoder buffer now waits, in a fair FIFO
+of at most ``--admission-queue-max`` requests, up to ``--admission-timeout-s`` for credit; then, or
+at once when the queue is full or the KV is larger than every buffer, a decoder computes its prompt
+itself. The proxy answers 503 only when no instance at all is routable.
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ class ProxySettings:
     health_probe_interval_s: float = 1.0
     health_probe_timeout_s: float = 2.0
     max_connect_failures: int = 2
+    admission_timeout_s: float = 5.0
+    admission_queue_max: int = 1024
     static_instances: tuple[StaticInstance, ...] = ()
 
     def __post_init__(self) -> None:
@@ -118,6 +125,10 @@ class ProxySettings:
                      "health_probe_timeout_s", "max_connect_failures"):
             if getattr(args, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')}", f"must be positive, got {getattr(args, name)}")
+        if args.admission_timeout_s < 0 or args.admission_queue_max < 0:
+            raise ConfigError("--admission-timeout-s / --admission-queue-max",
+                              f"must be >= 0 (0: never wait), got {args.admission_timeout_s} / "
+                              f"{args.admission_queue_max}")
         if args.summary_interval_s < 0:
             raise ConfigError("--summary-interval-s",
                               f"must be >= 0 (0 turns the summary off), got {args.summary_interval_s}")
@@ -142,6 +153,8 @@ class ProxySettings:
             health_probe_interval_s=args.health_probe_interval_s,
             health_probe_timeout_s=args.health_probe_timeout_s,
             max_connect_failures=args.max_connect_failures,
+            admission_timeout_s=args.admission_timeout_s,
+            admission_queue_max=args.admission_queue_max,
             static_instances=tuple(args.prefill or ()) + tuple(args.decode or ()),
         )
 
@@ -198,6 +211,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-connect-failures", type=int, default=d.max_connect_failures,
                    help="take an instance out of rotation after this many failed connections in a row, until "
                         "GET /health answers 200 again (default %(default)s)")
+    g.add_argument("--admission-timeout-s", type=float, default=d.admission_timeout_s,
+                   help="longest wait of a request for decoder buffer credit; then a decoder computes its prompt "
+                        "itself, no KV transfer (default %(default)s)")
+    g.add_argument("--admission-queue-max", type=int, default=d.admission_queue_max,
+                   help="most requests waiting for buffer credit at once; one more is computed by a decoder at "
+                        "once (default %(default)s)")
 
 
 def parse_prefill_flag(value: str) -> StaticInstance:

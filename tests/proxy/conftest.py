@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from lmcache_p2p.config import Role
+from lmcache_p2p.protocol import Fingerprint
 from lmcache_p2p.proxy.server import Proxy
 from lmcache_p2p.proxy.settings import ProxySettings
 
@@ -55,7 +56,8 @@ class Cluster:
         return self.proxy.control.address
 
     async def add_node(self, role: Role, *, tp_size: int = 1, capacity_slots: int = 64, announce: bool = True,
-                       secret: str | None = None, base_port: int | None = None, serve_http: bool = True) -> Node:
+                       secret: str | None = None, base_port: int | None = None, serve_http: bool = True,
+                       chunk_tokens: int = 16, fingerprint: Fingerprint | None = None) -> Node:
         """A fake instance; announced (then routable) unless ``announce`` is False. ``serve_http=False``:
         its HTTP port refuses connections until ``node.vllm.server.start()`` (a vLLM still loading)."""
         vllm = FakeVllm(f"{role.value}-{len(self.prefillers) + len(self.decoders)}")
@@ -66,7 +68,8 @@ class Cluster:
         if base_port is None:
             base_port = next(_ports) if role is Role.RECEIVER else 0
         agent = FakeAgent(self.control_address, role.value, vllm.url, tp_size=tp_size, base_port=base_port,
-                          capacity_slots=capacity_slots, secret=secret if secret is not None else self.secret)
+                          capacity_slots=capacity_slots, secret=secret if secret is not None else self.secret,
+                          chunk_tokens=chunk_tokens, fingerprint=fingerprint)
         node = Node(vllm, agent)
         if role is Role.RECEIVER:
             self.network.add(agent)

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 import uvicorn
 import zmq
 import zmq.asyncio
@@ -26,10 +27,27 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from lmcache_p2p.protocol import PROTOCOL_VERSION, Ack, Announce, Cancel, Codec, Goodbye, KvFailed, KvReady
+from lmcache_p2p.protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    Announce,
+    Cancel,
+    Codec,
+    Fingerprint,
+    Goodbye,
+    KvFailed,
+    KvReady,
+)
 
 EOS = 2
 MODEL = "fake-model"
+
+
+def fingerprint(model: str = MODEL, **changes: Any) -> Fingerprint:
+    """A KV fingerprint as an instance of the fake model announces it."""
+    fields: dict[str, Any] = dict(model=model, num_layers=2, kv_heads=2, head_size=32, dtype="bfloat16",
+                                  chunk_tokens=16, tp_size=1, tp_rank=0, kv_format="KV_2LTD")
+    return Fingerprint(**{**fields, **changes})
 
 
 # ---- the fake model ----------------------------------------------------------------------------
@@ -125,6 +143,7 @@ class FakeVllm:
         self.eos_at: int | None = None  # output position that becomes EOS
         self.token_delay_s = 0.0
         self.prefill_delay_s = 0.0
+        self.break_next = 0  # the next N generation calls break the connection after the request arrived
         self.cancelled_streams = 0
         self.finished_streams = 0
         self.server = HttpServer(Starlette(routes=[
@@ -153,6 +172,8 @@ class FakeVllm:
         prompt = body["prompt"]
         ids = list(prompt) if isinstance(prompt, list) else tokenize(prompt)
         await self._maybe_send_kv(body)
+        if self.break_next:
+            return self._broken()
         tokens, finish = self._generate(ids, body.get("max_tokens", 16))
         if body.get("stream"):
             return StreamingResponse(self._stream(body, ids, tokens, finish), media_type="text/event-stream")
@@ -172,6 +193,8 @@ class FakeVllm:
             return JSONResponse(error, status_code=status)
         ids = tokenize(chat_prompt(body["messages"]))
         await self._maybe_send_kv(body)
+        if self.break_next:
+            return self._broken()
         tokens, finish = self._generate(ids, body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         choice = {"index": 0, "message": {"role": "assistant", "content": self._text(tokens)},
                   "logprobs": None, "finish_reason": finish}
@@ -193,6 +216,16 @@ class FakeVllm:
         return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": self.name}]})
 
     # ---- helpers ----
+
+    def _broken(self) -> StreamingResponse:
+        """Headers, part of a body, then the connection drops (an engine killed mid-request)."""
+        self.break_next -= 1
+
+        async def body() -> Any:
+            yield b'{"id": "cut'
+            raise ConnectionResetError(f"fake {self.name} killed mid-request")
+
+        return StreamingResponse(body(), media_type="application/json")
 
     def _text(self, tokens: list[int]) -> str:
         return "" if self.hold_back_text else "".join(map(token_text, tokens))
@@ -272,7 +305,7 @@ class FakeAgent:
 
     def __init__(self, control_address: str, role: str, http_url: str, *, tp_size: int = 1, base_port: int = 0,
                  capacity_slots: int = 64, chunk_tokens: int = 16, secret: str | None = None,
-                 instance_id: str | None = None) -> None:
+                 instance_id: str | None = None, fingerprint: Fingerprint | None = None) -> None:
         self.instance_id = instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
         self.role = role
         self.http_url = http_url
@@ -281,6 +314,7 @@ class FakeAgent:
         self.capacity_slots = capacity_slots
         self.free_slots = capacity_slots
         self.chunk_tokens = chunk_tokens
+        self.fingerprint = fingerprint
         self.kv_mode = "ready"
         self.kv_delay_s = 0.0
         self.kv_requests: list[str] = []
@@ -308,6 +342,7 @@ class FakeAgent:
                 control_port=self.control_port(rank), transport_port=self.transport_port(rank),
                 capacity_slots=self.capacity_slots, free_slots=self.free_slots, slot_bytes=1 << 20,
                 chunk_tokens=self.chunk_tokens,
+                fingerprint=msgspec.structs.replace(self.fingerprint, tp_rank=rank) if self.fingerprint else None,
             ))
 
     async def goodbye(self) -> None:

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import logging
+
+import msgspec
 import pytest
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ProtocolError, VersionError
-from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Goodbye
+from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Fingerprint, Goodbye
 from lmcache_p2p.proxy.registry import Health, Instance, InstanceState, Registry, StaticInstance
 
 
@@ -17,10 +20,12 @@ class Clock:
 
 
 def announce(instance_id: str = "d1", *, rank: int = 0, tp: int = 1, role: str = "receiver", free: int = 10,
-             capacity: int = 10, url: str = "http://127.0.0.1:8200", version: int = PROTOCOL_VERSION) -> Announce:
+             capacity: int = 10, url: str = "http://127.0.0.1:8200", version: int = PROTOCOL_VERSION,
+             fingerprint: Fingerprint | None = None) -> Announce:
     return Announce(version=version, instance_id=instance_id, role=role, http_url=url, tp_rank=rank, tp_size=tp,
                     control_host="127.0.0.1", control_port=7300 + rank, transport_port=7400 + rank,
-                    capacity_slots=capacity, free_slots=free, slot_bytes=1 << 20, chunk_tokens=256)
+                    capacity_slots=capacity, free_slots=free, slot_bytes=1 << 20, chunk_tokens=256,
+                    fingerprint=fingerprint)
 
 
 @pytest.fixture
@@ -155,8 +160,76 @@ def test_promised_slots_count_until_a_heartbeat_after_the_kv_settled(registry, c
     clock.now_s += 1
     registry.announce(announce(free=6))  # this heartbeat reflects the request
     assert inst.free_slots() == 6
+    clock.now_s += 1
     lease.release()
+    assert inst.free_slots() == 10  # returned: free again before the next heartbeat says so
+    clock.now_s += 1
+    registry.announce(announce(free=10))
+    assert inst.free_slots() == 10 and inst.commits == []
+
+
+def test_returned_credit_is_free_at_once_and_counted_once(registry, clock):
+    inst = registry.announce(announce(free=8, capacity=8))
+    credit_changes = []
+    registry.on_credit.append(lambda: credit_changes.append(inst.free_slots()))
+    a = registry.lease(inst, tokens=10, chunks=4)
+    b = registry.lease(inst, tokens=10, chunks=4)
+    assert inst.free_slots() == 0
+    a.return_credit()  # its KV was loaded (or cancelled) before any heartbeat held it
+    assert inst.free_slots() == 4 and credit_changes == [4]
+    a.return_credit()  # idempotent
+    a.release()
+    assert inst.free_slots() == 4 and a.chunks == 4
+    b.settle()
+    clock.now_s += 1
+    registry.announce(announce(free=4, capacity=8))  # holds b
+    assert inst.free_slots() == 4
+    clock.now_s += 1
+    b.return_credit()
+    assert inst.free_slots() == 8
+    clock.now_s += 1
+    registry.announce(announce(free=4, capacity=8))  # a heartbeat taken before b's slots were freed
+    assert inst.free_slots() == 4  # erring towards too little credit: b is forgotten
+    b.release()
     assert inst.commits == []
+
+
+def test_credit_listeners_hear_of_heartbeats_releases_and_new_instances(registry):
+    heard = []
+    registry.on_credit.append(lambda: heard.append(1))
+    inst = registry.announce(announce())
+    assert heard
+    heard.clear()
+    lease = registry.lease(inst, tokens=1, chunks=1)
+    assert not heard  # a new promise frees nothing
+    lease.release()
+    assert heard
+
+
+def test_fingerprint_is_kept_and_mismatched_pairs_are_logged_once(registry, caplog):
+    fp = Fingerprint(model="m", num_layers=2, kv_heads=2, head_size=32, dtype="bfloat16", chunk_tokens=256,
+                     tp_size=1, tp_rank=0, kv_format="KV_2LTD")
+    decoder = registry.announce(announce("d1", fingerprint=fp))
+    same = registry.announce(announce("p1", role="sender", url="http://p1:1", fingerprint=fp))
+    other = registry.announce(announce("p2", role="sender", url="http://p2:1",
+                                       fingerprint=msgspec.structs.replace(fp, model="n", dtype="float16")))
+    unknown = registry.announce(announce("p3", role="sender", url="http://p3:1"))
+    assert decoder.fingerprint == fp and unknown.fingerprint is None
+    assert registry.compatible(same, decoder) and registry.compatible(unknown, decoder)
+    with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.registry"):
+        assert not registry.compatible(other, decoder)
+        assert not registry.compatible(other, decoder)
+    mismatch, = [r for r in caplog.records if "fingerprints" in r.getMessage()]
+    assert "p2" in mismatch.getMessage() and "d1" in mismatch.getMessage()
+    assert "model: 'n' != 'm'" in mismatch.getMessage() and "dtype: 'float16' != 'bfloat16'" in mismatch.getMessage()
+
+
+def test_a_tp_rank_alone_is_no_mismatch(registry):
+    fp = Fingerprint(model="m", num_layers=2, kv_heads=2, head_size=32, dtype="bfloat16", chunk_tokens=256,
+                     tp_size=2, tp_rank=0, kv_format="KV_2LTD")
+    decoder = registry.announce(announce("d1", rank=1, tp=2, fingerprint=msgspec.structs.replace(fp, tp_rank=1)))
+    prefiller = registry.announce(announce("p1", role="sender", url="http://p1:1", tp=2, fingerprint=fp))
+    assert registry.compatible(prefiller, decoder)
 
 
 def test_resize_commit_replaces_the_estimate(registry):

@@ -1,4 +1,8 @@
+"""Which instances serve a request: the router's choices, and colocated serving / retries through the proxy."""
+
 from __future__ import annotations
+
+import logging
 
 import pytest
 
@@ -6,7 +10,25 @@ from lmcache_p2p.config import Role
 from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce
 from lmcache_p2p.proxy.errors import NoCapacity, NoInstanceAvailable
 from lmcache_p2p.proxy.registry import Registry
-from lmcache_p2p.proxy.routing import Policy, RequestCost, Router, chunks_needed
+from lmcache_p2p.proxy.routing import Policy, RequestCost, Router, chunks_needed, exceeds_every_buffer
+
+from .conftest import eventually, make_cluster
+from .fakes import MODEL, FakeReceiverControl, chat_prompt, fingerprint, generate, token_text, tokenize
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+
+
+def expected_text(prompt_ids: list[int], n: int) -> str:
+    return "".join(token_text(t) for t in generate(prompt_ids, n))
+
+
+def assert_idle(cluster) -> None:
+    """Every lease released, every waiter dropped, no credit held."""
+    assert len(cluster.proxy.waiters) == 0
+    for inst in cluster.proxy.registry.instances():
+        assert (inst.inflight_requests, inst.inflight_tokens) == (0, 0), inst.instance_id
+        assert inst.free_slots() in (None, inst.capacity_slots), inst.instance_id
 
 
 def add(registry: Registry, name: str, *, role: str = "receiver", free: int = 100, capacity: int = 100,
@@ -105,3 +127,172 @@ def test_decoder_with_unknown_capacity_is_always_eligible():
     registry, router = Registry(10), Router(Policy.LEAST_LOADED)
     inst = add(registry, "a", free=0, capacity=0)
     assert router.pick_decoder(registry.routable(Role.RECEIVER), COST) is inst
+
+
+def test_least_loaded_breaks_load_ties_by_free_credit():
+    registry, router = Registry(10), Router(Policy.LEAST_LOADED)
+    add(registry, "a", free=10)
+    b = add(registry, "b", free=30)
+    add(registry, "c", free=20)
+    assert [router.pick_decoder(registry.routable(Role.RECEIVER), COST) for _ in range(3)] == [b, b, b]
+
+
+def test_decoder_with_room_and_exceeds_every_buffer():
+    registry, router = Registry(10), Router(Policy.LEAST_LOADED)
+    full = add(registry, "a", free=0, capacity=8)
+    small = add(registry, "b", free=3, capacity=3)
+    assert router.decoder_with_room([full, small], COST) is None
+    assert not exceeds_every_buffer([full, small], COST.prompt_tokens)  # a's buffer could hold it later
+    assert exceeds_every_buffer([small], COST.prompt_tokens)
+    assert not exceeds_every_buffer([], COST.prompt_tokens)
+    static = add(registry, "c", free=0, capacity=0)  # capacity unknown: it may fit
+    assert not exceeds_every_buffer([small, static], COST.prompt_tokens)
+    assert router.decoder_with_room([full, small, static], COST) is static
+
+
+# ---- who serves a request, through the proxy --------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_only_a_prefiller_alive_serves_requests_colocated():
+    async with make_cluster(n_decode=0) as c:
+        prefiller = c.prefillers[0].vllm
+        ids = tokenize(PROMPT)
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 6,
+                                                "return_token_ids": True})
+        choice = resp.json()["choices"][0]
+        assert choice["text"] == expected_text(ids, 6) and choice["token_ids"] == generate(ids, 6)
+        assert resp.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 6,
+                                        "total_tokens": len(ids) + 6}
+        events = await c.stream("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 4,
+                                                         "stream": True, "stream_options": {"include_usage": True}})
+        chat_ids = tokenize(chat_prompt(MESSAGES))
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
+        assert text == expected_text(chat_ids, 4) and events[-2]["usage"]["completion_tokens"] == 4
+        calls = prefiller.calls("/v1/completions")
+        assert len(calls) == 2 and all("kv_transfer_params" not in b and b["stream"] for b in calls)
+        assert calls[0]["prompt"] == ids and calls[0]["max_tokens"] == 6
+        assert c.metric("lmcache_p2p_proxy_colocated_total", reason="no_decoder", role="sender") == 2
+        assert c.metric("lmcache_p2p_proxy_ttft_seconds_count", endpoint="/v1/completions") == 1
+        assert_idle(c)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_only_a_decoder_alive_computes_the_prompt_itself():
+    async with make_cluster(n_prefill=0) as c:
+        decoder = c.decoders[0].vllm
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 5})
+        assert resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), 5)
+        one = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
+        assert one.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), 1)
+        assert all("kv_transfer_params" not in b for b in decoder.calls("/v1/completions"))
+        assert c.metric("lmcache_p2p_proxy_colocated_total", reason="no_prefiller", role="receiver") == 2
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="timeout") == 0  # nothing waited for KV
+        assert_idle(c)
+
+
+async def cluster_with_cancels(n_prefill: int):
+    """``n_prefill`` prefillers and one decoder whose receiver control socket records Cancels."""
+    cm = make_cluster(n_prefill=n_prefill, n_decode=0)
+    c = await cm.__aenter__()
+    control = FakeReceiverControl(1)
+    node = await c.add_node(Role.RECEIVER, base_port=control.port)
+    control.agent = node.agent
+    return cm, c, control
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_prefill_that_breaks_after_it_was_sent_is_retried_on_another_prefiller():
+    cm, c, control = await cluster_with_cancels(2)
+    try:
+        first, second = c.prefillers
+        first.vllm.break_next = 1
+        other = next(i for i in c.proxy.registry.routable(Role.SENDER) if i.http_url == second.vllm.url)
+        busy = c.proxy.registry.lease(other, tokens=10**6)  # so the first pick is the one that breaks
+        try:
+            events = await c.stream("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 5,
+                                                        "stream": True})
+        finally:
+            busy.release()
+        assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected_text(tokenize(PROMPT), 5)
+        broken_id, retry_id = (s["req_id"] for s in c.network.specs)
+        assert first.vllm.calls("/v1/completions") and second.vllm.calls("/v1/completions")
+        await eventually(lambda: control.req_ids() == [broken_id])  # the broken attempt's KV is freed
+        assert retry_id != broken_id
+        assert c.metric("lmcache_p2p_proxy_failovers_total", phase="prefill") == 1
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 1
+        assert_idle(c)
+    finally:
+        await control.close()
+        await cm.__aexit__(None, None, None)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_broken_prefill_with_no_other_prefiller_is_computed_by_the_decoder():
+    cm, c, control = await cluster_with_cancels(1)
+    try:
+        c.prefillers[0].vllm.break_next = 1
+        resp = await c.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 4})
+        ids = tokenize(chat_prompt(MESSAGES))
+        assert resp.json()["choices"][0]["message"]["content"] == expected_text(ids, 4)
+        broken_id, = (s["req_id"] for s in c.network.specs)
+        await eventually(lambda: control.req_ids() == [broken_id])
+        decode, = c.decoders[0].vllm.calls("/v1/completions")
+        assert decode["prompt"] == ids and decode["max_tokens"] == 4
+        assert c.metric("lmcache_p2p_proxy_colocated_total", reason="prefill_failed", role="receiver") == 1
+        assert_idle(c)
+    finally:
+        await control.close()
+        await cm.__aexit__(None, None, None)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_prefill_that_breaks_twice_fails_cleanly():
+    async with make_cluster(n_prefill=2) as c:
+        for node in c.prefillers:
+            node.vllm.break_next = 1
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        assert resp.status_code == 502 and "RemoteProtocolError" in resp.json()["error"]["message"]
+        assert not c.decoders[0].vllm.requests  # a request that kills engines does not go round the cluster
+        assert_idle(c)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_prefillers_and_decoders_pair_only_when_their_fingerprints_agree(caplog):
+    async with make_cluster(n_prefill=0, n_decode=0) as c:
+        other = await c.add_node(Role.SENDER, fingerprint=fingerprint("other-model"))
+        same = await c.add_node(Role.SENDER, fingerprint=fingerprint())
+        decoder = await c.add_node(Role.RECEIVER, fingerprint=fingerprint())
+        with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.registry"):
+            for _ in range(4):
+                resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
+                assert resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), 3)
+        assert not other.vllm.requests and len(same.vllm.calls("/v1/completions")) == 4
+        assert len(decoder.vllm.calls("/v1/completions")) == 4
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 4
+        mismatch, = [r.getMessage() for r in caplog.records if "fingerprints" in r.getMessage()]
+        assert other.agent.instance_id in mismatch and "model: 'other-model' != 'fake-model'" in mismatch
+        listed = {i["instance_id"]: i for i in (await c.client.get("/instances")).json()}
+        assert listed[decoder.agent.instance_id]["fingerprint"]["model"] == MODEL
+        assert listed[other.agent.instance_id]["fingerprint"]["model"] == "other-model"
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_prefiller_with_no_compatible_decoder_serves_colocated():
+    async with make_cluster(n_prefill=0, n_decode=0) as c:
+        prefiller = await c.add_node(Role.SENDER, fingerprint=fingerprint(dtype="float16"))
+        decoder = await c.add_node(Role.RECEIVER, fingerprint=fingerprint())
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
+        assert resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), 3)
+        call, = prefiller.vllm.calls("/v1/completions")
+        assert "kv_transfer_params" not in call and not decoder.vllm.requests and not c.network.specs
+        assert c.metric("lmcache_p2p_proxy_colocated_total", reason="no_compatible_decoder", role="sender") == 1
