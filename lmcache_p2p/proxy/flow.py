@@ -20,14 +20,27 @@ goes to another routable instance of that role, each tried once; a decode that m
 decoder recomputes there. Every failed connection counts towards taking the instance out of
 rotation (``registry.note_connect_failure``).
 
+The decoder always gets the prompt ids + the first token, so it loads the whole prompt's KV. With
+the model's tokenizer (``tokenizer.py``) the proxy makes the client's text from token ids as one
+vLLM instance would (``detokenize.py``); without one the text comes from the instances, and a
+text prompt whose first token has no text of its own (an incomplete UTF-8 character) falls back
+to "the decoder regenerates the first token" (prompt alone; its last chunk is recomputed).
+
+A decode stream that breaks (the decoder died, answered 5xx, or went silent) continues on another
+decoder, else on a prefiller serving colocated, prompted with prompt ids + every token the client
+already has (remaining ``max_tokens``, same sampling params: with greedy sampling the output
+equals one instance's), at most ``--migration-limit`` times per request; nothing is sent twice.
+
 A request's KV handover (its ``req_id`` on decoder D) ends in one of two ways: the decode request
-reaches D, or the proxy abandons it (KV failed or timed out, the decode moved elsewhere, the first
+reaches D (once D produced its first token, the proxy cancels the ``req_id`` so that slots the
+engine did not load, e.g. an unused partial last chunk, are freed now), or the proxy abandons it (KV failed or timed out, the decode moved elsewhere, the first
 token ended the output, the client left, an error) and tells every rank of D to free it
 (``cancel.py``), unless the prefill never reached a prefiller.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -38,7 +51,17 @@ from typing import Any
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.cancel import KvCanceller
-from lmcache_p2p.proxy.errors import KvNotReady, ProxyError, UpstreamConnectError, UpstreamMalformed
+from lmcache_p2p.proxy.detokenize import OutputText, TextParams
+from lmcache_p2p.proxy.errors import (
+    KvNotReady,
+    ProxyError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamMalformed,
+    UpstreamStatus,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from lmcache_p2p.proxy.metrics import ProxyMetrics
 from lmcache_p2p.proxy.registry import Instance, Lease, Registry
 from lmcache_p2p.proxy.responses import Delta, FirstToken, decode_delta, first_token, usage
@@ -53,6 +76,7 @@ from lmcache_p2p.proxy.shaping import (
     retry_prefill_body,
     tokenize_body,
 )
+from lmcache_p2p.proxy.tokenizer import ProxyTokenizer, TokenizerProvider
 from lmcache_p2p.proxy.upstream import Upstream
 from lmcache_p2p.proxy.waiters import KvOutcome, KvStatus, KvWaiter, KvWaiters
 
@@ -65,12 +89,13 @@ class FlowSettings:
     prefill_timeout_s: float = 120.0
     decode_idle_timeout_s: float = 120.0
     on_kv_failure: KvFailurePolicy = KvFailurePolicy.RETRY
+    migration_limit: int = 2  # mid-stream moves of one request's decode to another instance
 
 
 class Orchestrator:
     def __init__(self, registry: Registry, router: Router, waiters: KvWaiters, upstream: Upstream,
                  canceller: KvCanceller, metrics: ProxyMetrics, settings: FlowSettings,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, tokenizers: TokenizerProvider | None = None) -> None:
         self.registry = registry
         self.router = router
         self.waiters = waiters
@@ -79,6 +104,7 @@ class Orchestrator:
         self.metrics = metrics
         self.settings = settings
         self.clock = clock
+        self.tokenizers = tokenizers or TokenizerProvider.fixed(None)
 
     def open(self, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> RequestFlow:
         return RequestFlow(self, req, headers, received_s)
@@ -110,15 +136,20 @@ class RequestFlow:
         self.first: FirstToken | None = None
         self.prompt_ids: list[int] = []
         self._prefill_done_s = 0.0
-        self._decode_completion_tokens: int | None = None
-        self._decoded_tokens = 0
+        self._tokenizer: ProxyTokenizer | None = None
+        self._text: OutputText | None = None  # None: the text comes from the instances
+        self._output_ids: list[int] = []  # the output's token ids the client has (or will get with ``first``)
+        self._finished = False
+        self._context_full = False
+        self._handover_observed = False
+        self._taken: _Handover | None = None  # the handover the running decode took: cancelled after its 1st token
 
     # ---- phase 1: prefill ----------------------------------------------------------------------
 
     async def prefill(self) -> FirstToken:
         """Route, prefill on the client's endpoint, learn the prompt ids; returns the first token."""
-        req = self.req
-        cost = RequestCost(req.prompt_tokens_estimate, req.output_tokens_estimate)
+        req = self.req = await self._measure(self.req)
+        cost = RequestCost(req.prompt_tokens, req.output_tokens_estimate)
         if req.max_tokens == 1:  # nothing to decode: no decoder, no KV transfer
             prefiller, answer = await self._post_prefill(self._pick_prefiller(exclude=()), req.endpoint.value,
                                                          prefill_body(req, None), cost.prompt_tokens)
@@ -130,56 +161,61 @@ class RequestFlow:
         self.prompt_ids = first.prompt_ids or list(req.prompt_ids or ()) or await self._tokenize(prefiller)
         if self._decoder is not None:
             self._decoder.resize_commit(chunks_needed(len(self.prompt_ids), self._decoder.instance.chunk_tokens))
-        self.first = first
+        self.first = self._shape_first(first)
         self._prefill_done_s = self._o.clock()
         ttft_s = self._prefill_done_s - self._received_s
         self._o.metrics.observe_ttft(req.endpoint.value, ttft_s)
-        return first
+        return self.first
 
     @property
     def decoder_regenerates_first(self) -> bool:
-        """The first token's text is held back (an incomplete UTF-8 character, or a skipped special token).
+        """The proxy has no tokenizer, the prompt is text and the first token has no text of its own.
 
         A decoder prompted with prompt ids + such a token starts detokenizing mid-character and emits
-        the prompt's text with its first output (seen with vLLM 0.32 and a byte-level BPE). So the
-        decoder gets the prompt alone and generates the whole output, first token included; the
-        prefill still provided the KV. The client has received nothing visible yet.
+        the prompt's text with its first output (seen with vLLM 0.32 and a byte-level BPE). Without a
+        tokenizer the proxy cannot make the text itself, so the decoder gets the prompt alone and
+        generates the whole output, first token included (its last chunk is recomputed). Token-id
+        prompts (``--skip-tokenizer-init`` instances have no text at all) always get prompt + first.
         """
-        return self.needs_decode and not self._first_or_raise().text
+        first = self._first_or_raise()
+        return self.needs_decode and self._text is None and self.req.prompt_ids is None and not first.text
 
     @property
     def needs_decode(self) -> bool:
-        """False when the first token already ended the output (max_tokens 1, EOS, a stop string)."""
-        more_allowed = self.req.max_tokens is None or self.req.max_tokens > 1
-        return more_allowed and self._first_or_raise().finish_reason in (None, "length")
+        """False when the first token already ended the output (max_tokens 1, EOS, a stop string, or the
+        prompt + first token fill the context: ``max_model_len`` from the instances' /v1/models)."""
+        return self._needs_decode_after(self._first_or_raise())
 
     # ---- phase 2: KV, then decode ----------------------------------------------------------------
 
     async def decode(self) -> AsyncIterator[Delta]:
-        """Wait for the KV (retrying or recomputing per policy), then stream the decoder's output."""
-        first = self._first_or_raise()
+        """Wait for the KV (retrying or recomputing per policy), then stream the output after the first
+        token; a stream that breaks continues elsewhere (``--migration-limit``)."""
         await self._settle_kv()
-        body = decode_body(self.req, self.prompt_ids, None if self.decoder_regenerates_first else first.token_id)
-        o = self._o
-        async with contextlib.AsyncExitStack() as stack:
-            events = await self._open_decode(stack, body)
-            first_event = True
-            async for event in events:
-                if first_event:
-                    first_event = False
-                    o.metrics.observe_handover(o.clock() - self._prefill_done_s)
-                if isinstance(event.get("usage"), dict):
-                    self._decode_completion_tokens = event["usage"].get("completion_tokens")
-                delta = decode_delta(event)
-                if delta is not None:
-                    self._decoded_tokens += len(delta.token_ids)
+        if self.decoder_regenerates_first:
+            self._output_ids = []
+        failed: set[str] = set()
+        migrations = 0
+        while True:
+            try:
+                async for delta in self._decode_stream():
                     yield delta
+                return
+            except UpstreamError as exc:
+                if _context_full(exc):
+                    logger.info("request %s: the context is full after %d output token(s): the output ends there",
+                                self.response_id, len(self._output_ids))
+                    yield self._end_of_context()
+                    return
+                decoder = self._lease().instance
+                if not _migratable(exc) or self._finished or migrations >= self._o.settings.migration_limit:
+                    raise
+                migrations += 1
+                failed.add(decoder.instance_id)
+                self._migrate(decoder, failed, exc)
 
     def usage(self) -> dict[str, int]:
-        decoded = self._decode_completion_tokens
-        from_prefill = 0 if self.decoder_regenerates_first else 1
-        from_decoder = decoded if isinstance(decoded, int) else self._decoded_tokens
-        return usage(len(self.prompt_ids), from_prefill + from_decoder)
+        return usage(len(self.prompt_ids), len(self._output_ids) or 1)
 
     def close(self) -> None:
         """Abandon a KV handover the decode did not take (cancel it), release the decoder; idempotent,
@@ -188,6 +224,7 @@ class RequestFlow:
             ended = self.first is not None and not self.needs_decode
             self._abandon_kv("no decode needed: the first token ended the output" if ended
                              else "the request ended before its decode (client gone or an error)")
+        self._free_taken_kv()
         if self._decoder is not None:
             self._decoder.release()
 
@@ -287,7 +324,7 @@ class RequestFlow:
             o.registry.note_connected(decoder)
             if self._handover is not None:  # the decode reached the decoder holding the KV: it takes it
                 self._handover.waiter.drop()
-                self._handover = None
+                self._taken, self._handover = self._handover, None
             return events
 
     def _next_decoder(self, failed: Collection[str], exc: UpstreamConnectError) -> None:
@@ -303,11 +340,114 @@ class RequestFlow:
         logger.info("request %s: decoding on %s instead (it recomputes the prompt)", self.response_id,
                     decoder.instance_id)
 
+    # ---- decode side: output text, streams, migration ------------------------------------------------
+
+    async def _measure(self, req: ClientRequest) -> ClientRequest:
+        """``req`` with its exact prompt token count when the proxy has the tokenizer (kept for the text)."""
+        o = self._o
+        self._tokenizer = await o.tokenizers.get(o.registry.routable(Role.SENDER) + o.registry.routable(Role.RECEIVER))
+        if self._tokenizer is None or req.exact_prompt_tokens is not None:
+            return req
+        count = await asyncio.to_thread(self._tokenizer.prompt_tokens, req)
+        return req if count is None else dataclasses.replace(req, exact_prompt_tokens=count)
+
+    def _shape_first(self, first: FirstToken) -> FirstToken:
+        """The first token as the client sees it: its finish reason (the prefill's ``length`` only means
+        max_tokens 1 there), and its text made here when the proxy has the tokenizer and a decode follows."""
+        self._output_ids = [first.token_id]
+        if not self._needs_decode_after(first):
+            return first  # the prefiller's text and finish are final (it had the whole context)
+        limit = self._o.tokenizers.max_model_len
+        if limit is not None and len(self.prompt_ids) + 1 >= limit:
+            self._context_full = True  # vLLM would refuse a decode of max_tokens 0
+            return dataclasses.replace(first, finish_reason="length")
+        first = dataclasses.replace(first, finish_reason=None, stop_reason=None)
+        if self._tokenizer is None:
+            return first
+        self._text = self._tokenizer.output_text(self.prompt_ids, TextParams.from_body(self.req.body))
+        step = self._text.update([first.token_id], stop_terminated=False)
+        if step.stop_string is not None:
+            return dataclasses.replace(first, text=self._text.next_delta(finished=True), finish_reason="stop",
+                                       stop_reason=step.stop_string)
+        return dataclasses.replace(first, text=self._text.next_delta(finished=False))
+
+    def _needs_decode_after(self, first: FirstToken) -> bool:
+        more_allowed = self.req.max_tokens is None or self.req.max_tokens > 1
+        return more_allowed and first.finish_reason in (None, "length") and not self._context_full
+
+    async def _decode_stream(self) -> AsyncIterator[Delta]:
+        """One decode stream from the current decoder, continuing after ``self._output_ids``."""
+        o = self._o
+        body = decode_body(self.req, self.prompt_ids, self._output_ids, proxy_text=self._text is not None)
+        async with contextlib.AsyncExitStack() as stack:
+            events = await self._open_decode(stack, body)
+            async for event in events:
+                if not self._handover_observed:
+                    self._handover_observed = True
+                    o.metrics.observe_handover(o.clock() - self._prefill_done_s)
+                raw = decode_delta(event)
+                if raw is None:
+                    continue
+                self._free_taken_kv()
+                delta = self._shape_delta(raw)
+                self._output_ids.extend(delta.token_ids)
+                self._finished = delta.finish_reason is not None
+                yield delta
+                if self._finished:
+                    return  # a stop string the proxy found: closing the stream aborts the decoder's request
+
+    def _shape_delta(self, delta: Delta) -> Delta:
+        """The client's text for the decoder's tokens (the decoder's own text starts mid-context)."""
+        if self._text is None:
+            return delta
+        # The decoder has no stop strings (the proxy applies them), so "stop" means an EOS / stop token id.
+        step = self._text.update(delta.token_ids, stop_terminated=delta.finish_reason == "stop")
+        finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
+        if step.stop_string is not None:
+            finish_reason, stop_reason = "stop", step.stop_string
+        return Delta(self._text.next_delta(finished=finish_reason is not None), delta.token_ids[:step.kept],
+                     _first_logprobs(delta.logprobs, step.kept), finish_reason, stop_reason)
+
+    def _end_of_context(self) -> Delta:
+        """The output ends because prompt + output fill the context (as one instance's ``length``)."""
+        self._finished = True
+        text = self._text.next_delta(finished=True) if self._text is not None else ""
+        return Delta(text, [], None, "length", None)
+
+    def _free_taken_kv(self) -> None:
+        """The decode produced output: its engine loaded what it will load; free what is left of the KV."""
+        taken, self._taken = self._taken, None
+        if taken is not None and taken.prefill_sent:
+            self._o.canceller.cancel(taken.decoder, taken.req_id,
+                                     "the decode is running: free the KV its engine did not load")
+
+    def _migrate(self, broken: Instance, failed: Collection[str], exc: UpstreamError) -> None:
+        """Lease another instance to continue the output on: a decoder, else a prefiller (colocated)."""
+        o = self._o
+        self._free_taken_kv()
+        logger.warning("request %s: the decode stream on %s broke after %d output token(s) (%s): continuing elsewhere",
+                       self.response_id, broken.instance_id, len(self._output_ids), exc)
+        o.metrics.connect_failures.labels(broken.role.value).inc()
+        o.registry.note_connect_failure(broken)
+        candidates = [d for d in o.registry.routable(Role.RECEIVER) if d.instance_id not in failed]
+        if not candidates:
+            candidates = [p for p in o.registry.routable(Role.SENDER) if p.instance_id not in failed]
+        if not candidates:
+            raise exc
+        cost = RequestCost(len(self.prompt_ids) + len(self._output_ids), self.req.output_tokens_estimate)
+        target = (o.router.pick_decoder(candidates, cost, exclude=(), needs_kv=False) if candidates[0].role is
+                  Role.RECEIVER else o.router.pick_prefiller(candidates))
+        self._hold_decoder(target, cost.decode_tokens, chunks=0)
+        o.metrics.failovers.labels("migrate").inc()
+        logger.info("request %s: decoding continues on %s %s (it recomputes the prompt)", self.response_id,
+                    target.role_name, target.instance_id)
+
     def _connect_failed(self, inst: Instance, exc: UpstreamConnectError) -> None:
         logger.info("request %s: cannot connect to %s %s: %s", self.response_id, inst.role_name, inst.instance_id,
                     exc)
         self._o.metrics.connect_failures.labels(inst.role.value).inc()
         self._o.registry.note_connect_failure(inst)
+
 
     def _abandon_kv(self, reason: str) -> None:
         """The decode will not take this handover's KV: stop waiting, and tell its decoder to free it."""
@@ -376,3 +516,21 @@ class RequestFlow:
                        handover.req_id if handover else "?", handover.decoder.instance_id if handover else "?",
                        outcome.reason, action)
         self._abandon_kv(f"KV {outcome.status.value}: {outcome.reason}")
+
+
+def _migratable(exc: UpstreamError) -> bool:
+    """A broken, silent or failing (5xx) decode stream; a 4xx is the request's own fault."""
+    return isinstance(exc, (UpstreamUnreachable, UpstreamTimeout)) or (
+        isinstance(exc, UpstreamStatus) and exc.status_code >= 500)
+
+
+def _context_full(exc: UpstreamError) -> bool:
+    """vLLM's refusal of a decode whose prompt fills the context (max_tokens computed as 0)."""
+    return isinstance(exc, UpstreamStatus) and exc.status_code == 400 and "max_tokens must be at least 1, got 0" in str(exc)
+
+
+def _first_logprobs(logprobs: dict[str, Any] | None, n: int) -> dict[str, Any] | None:
+    """Completion-format logprobs of the first ``n`` tokens."""
+    if not logprobs:
+        return logprobs
+    return {k: v[:n] if isinstance(v, list) else v for k, v in logprobs.items()}
