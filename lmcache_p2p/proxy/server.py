@@ -26,6 +26,7 @@ from lmcache_p2p.proxy.app import ProxyApp
 from lmcache_p2p.proxy.cancel import KvCanceller
 from lmcache_p2p.proxy.control import ControlListener
 from lmcache_p2p.proxy.flow import FlowSettings, Orchestrator
+from lmcache_p2p.proxy.tokenizer import TokenizerProvider
 from lmcache_p2p.proxy.health import HealthProber
 from lmcache_p2p.proxy.metrics import ProxyMetrics
 from lmcache_p2p.proxy.registry import Registry
@@ -62,7 +63,8 @@ class Proxy:
         self.orchestrator = Orchestrator(
             self.registry, Router(settings.policy), self.waiters, self.upstream, self.canceller, self.metrics,
             FlowSettings(settings.kv_timeout_s, settings.prefill_timeout_s, settings.decode_idle_timeout_s,
-                         settings.on_kv_failure),
+                         settings.on_kv_failure, migration_limit=settings.migration_limit),
+            tokenizers=TokenizerProvider(settings.tokenizer, self.upstream, settings.prefill_timeout_s),
         )
         self.control = ControlListener(settings.control_host, settings.control_port, codec,
                                        self.registry, self.waiters, self.metrics)

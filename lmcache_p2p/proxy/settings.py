@@ -72,6 +72,8 @@ class ProxySettings:
     health_probe_interval_s: float = 1.0
     health_probe_timeout_s: float = 2.0
     max_connect_failures: int = 2
+    tokenizer: str = "auto"  # a folder, "auto" (the served model's folder) or "none"
+    migration_limit: int = 2
     static_instances: tuple[StaticInstance, ...] = ()
 
     def __post_init__(self) -> None:
@@ -86,6 +88,8 @@ class ProxySettings:
                      "health_probe_timeout_s", "max_connect_failures"):
             if getattr(args, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')}", f"must be positive, got {getattr(args, name)}")
+        if args.migration_limit < 0:
+            raise ConfigError("--migration-limit", f"must be >= 0 (0 turns migration off), got {args.migration_limit}")
         if args.summary_interval_s < 0:
             raise ConfigError("--summary-interval-s",
                               f"must be >= 0 (0 turns the summary off), got {args.summary_interval_s}")
@@ -108,6 +112,8 @@ class ProxySettings:
             health_probe_interval_s=args.health_probe_interval_s,
             health_probe_timeout_s=args.health_probe_timeout_s,
             max_connect_failures=args.max_connect_failures,
+            tokenizer=args.tokenizer,
+            migration_limit=args.migration_limit,
             static_instances=tuple(args.prefill or ()) + tuple(args.decode or ()),
         )
 
@@ -157,6 +163,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-connect-failures", type=int, default=d.max_connect_failures,
                    help="take an instance out of rotation after this many failed connections in a row, until "
                         "GET /health answers 200 again (default %(default)s)")
+    g.add_argument("--tokenizer", default=d.tokenizer,
+                   help="the model's tokenizer folder, for exact prompt token counts and output text made from "
+                        "token ids (every prompt's KV used); 'auto': the folder the instances serve when it exists "
+                        "here; 'none': counts are estimates and text comes from the instances (default %(default)s)")
+    g.add_argument("--migration-limit", type=int, default=d.migration_limit,
+                   help="times one request's decode stream may move to another instance when its decoder fails "
+                        "mid-stream; 0 = never (default %(default)s)")
 
 
 def parse_prefill_flag(value: str) -> StaticInstance:
