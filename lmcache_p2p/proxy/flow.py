@@ -345,7 +345,8 @@ class RequestFlow:
     async def _measure(self, req: ClientRequest) -> ClientRequest:
         """``req`` with its exact prompt token count when the proxy has the tokenizer (kept for the text)."""
         o = self._o
-        self._tokenizer = await o.tokenizers.get(o.registry.routable(Role.SENDER) + o.registry.routable(Role.RECEIVER))
+        instances = [] if o.tokenizers.settled else o.registry.routable(Role.SENDER) + o.registry.routable(Role.RECEIVER)
+        self._tokenizer = await o.tokenizers.get(instances)
         if self._tokenizer is None or req.exact_prompt_tokens is not None:
             return req
         count = await asyncio.to_thread(self._tokenizer.prompt_tokens, req)

@@ -79,6 +79,7 @@ class Proxy:
         """Bind the control socket and start the background tasks (not the HTTP server)."""
         self.control.start()
         self.prober.start()
+        self.orchestrator.tokenizers.prefetch()
         self._spawn(self._evict_loop(), "proxy-evict")
         if self.settings.summary_interval_s > 0:
             self._spawn(self._summary_loop(), "proxy-summary")

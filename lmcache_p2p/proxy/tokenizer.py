@@ -20,6 +20,7 @@ Without one, counts are estimates (``--chars-per-token``) and the text comes fro
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 from collections.abc import Sequence
@@ -121,6 +122,7 @@ class TokenizerProvider:
         self._loading: asyncio.Task[ProxyTokenizer | None] | None = None
         self._done = upstream is None and self._source in (AUTO, NONE)
         self._tokenizer: ProxyTokenizer | None = None
+        self._prefetch: asyncio.Task[Any] | None = None
         self.max_model_len: int | None = None
 
     @classmethod
@@ -129,6 +131,18 @@ class TokenizerProvider:
         provider = cls(NONE, None, 0.0)
         provider._tokenizer, provider.max_model_len, provider._done = tokenizer, max_model_len, True
         return provider
+
+    @property
+    def settled(self) -> bool:
+        """Loaded, or known to be absent: ``get`` answers at once."""
+        return self._done
+
+    def prefetch(self) -> None:
+        """Import ``transformers`` in a thread now (seconds), so the first request waits for the load alone."""
+        if not self._done and self._prefetch is None:
+            self._prefetch = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(importlib.import_module, "transformers"), name="proxy-tokenizer-import")
+            self._prefetch.add_done_callback(_log_prefetch_failure)
 
     async def get(self, instances: Sequence[Instance]) -> ProxyTokenizer | None:
         if self._done:
@@ -182,3 +196,8 @@ class TokenizerProvider:
             root = card.get("root")
             return root if isinstance(root, str) else None
         raise error
+
+
+def _log_prefetch_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("importing transformers failed (%s): the proxy will have no tokenizer", task.exception())
