@@ -32,8 +32,9 @@ already has (remaining ``max_tokens``, same sampling params: with greedy samplin
 equals one instance's), at most ``--migration-limit`` times per request; nothing is sent twice.
 
 A request's KV handover (its ``req_id`` on decoder D) ends in one of two ways: the decode request
-reaches D (once D produced its first token, the proxy cancels the ``req_id`` so that slots the
-engine did not load, e.g. an unused partial last chunk, are freed now), or the proxy abandons it (KV failed or timed out, the decode moved elsewhere, the first
+reaches D (once D produced its first token the proxy cancels the ``req_id``, so that slots the
+engine did not load, e.g. an unused partial last chunk, are freed now rather than at lease
+expiry), or the proxy abandons it (KV failed or timed out, the decode moved elsewhere, the first
 token ended the output, the client left, an error) and tells every rank of D to free it
 (``cancel.py``), unless the prefill never reached a prefiller.
 """
@@ -345,7 +346,8 @@ class RequestFlow:
     async def _measure(self, req: ClientRequest) -> ClientRequest:
         """``req`` with its exact prompt token count when the proxy has the tokenizer (kept for the text)."""
         o = self._o
-        instances = [] if o.tokenizers.settled else o.registry.routable(Role.SENDER) + o.registry.routable(Role.RECEIVER)
+        registry = o.registry
+        instances = [] if o.tokenizers.settled else registry.routable(Role.SENDER) + registry.routable(Role.RECEIVER)
         self._tokenizer = await o.tokenizers.get(instances)
         if self._tokenizer is None or req.exact_prompt_tokens is not None:
             return req
@@ -428,8 +430,9 @@ class RequestFlow:
         self._free_taken_kv()
         logger.warning("request %s: the decode stream on %s broke after %d output token(s) (%s): continuing elsewhere",
                        self.response_id, broken.instance_id, len(self._output_ids), exc)
-        o.metrics.connect_failures.labels(broken.role.value).inc()
-        o.registry.note_connect_failure(broken)
+        if not isinstance(exc, UpstreamConnectError):  # connect failures are counted where they happen
+            o.metrics.connect_failures.labels(broken.role.value).inc()
+            o.registry.note_connect_failure(broken)
         candidates = [d for d in o.registry.routable(Role.RECEIVER) if d.instance_id not in failed]
         if not candidates:
             candidates = [p for p in o.registry.routable(Role.SENDER) if p.instance_id not in failed]
@@ -527,7 +530,8 @@ def _migratable(exc: UpstreamError) -> bool:
 
 def _context_full(exc: UpstreamError) -> bool:
     """vLLM's refusal of a decode whose prompt fills the context (max_tokens computed as 0)."""
-    return isinstance(exc, UpstreamStatus) and exc.status_code == 400 and "max_tokens must be at least 1, got 0" in str(exc)
+    return (isinstance(exc, UpstreamStatus) and exc.status_code == 400
+            and "max_tokens must be at least 1, got 0" in str(exc))
 
 
 def _first_logprobs(logprobs: dict[str, Any] | None, n: int) -> dict[str, Any] | None:

@@ -523,7 +523,7 @@ async def test_a_decoder_dying_mid_stream_continues_elsewhere_with_nothing_twice
             assert resp.status_code == 200, resp.text
             text, token_ids = resp.json()["choices"][0]["text"], resp.json()["choices"][0]["token_ids"]
         assert token_ids == generate(ids, 12) and text == expected_text(ids, 12)
-        first_decoder, second_decoder = sorted((n for n in c.decoders), key=lambda n: n.vllm.requests[0][1]["max_tokens"],
+        first_decoder, second_decoder = sorted(c.decoders, key=lambda n: n.vllm.requests[0][1]["max_tokens"],
                                                reverse=True)
         assert first_decoder.vllm.calls("/v1/completions")[0]["prompt"] == ids + generate(ids, 1)
         assert second_decoder.vllm.calls("/v1/completions")[0]["prompt"] == ids + generate(ids, 4)
