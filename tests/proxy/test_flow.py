@@ -544,3 +544,21 @@ async def test_migration_is_bounded_by_the_migration_limit():
         assert "error" in events[-2] and events[-1] == "[DONE]"
         assert sum(len(n.vllm.calls("/v1/completions")) for n in c.decoders) == 1
         assert_idle(c)
+
+
+async def test_a_decoder_answering_5xx_moves_the_decode_and_a_4xx_does_not():
+    async with make_cluster(n_decode=2) as c:
+        for node in c.decoders:
+            node.vllm.errors.append((500, {"error": {"message": "engine dead"}}))
+        ids = tokenize(PROMPT)
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 6})
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == expected_text(ids, 6)
+        colocated = c.prefillers[0].vllm.calls("/v1/completions")[-1]
+        assert colocated["prompt"] == ids + generate(ids, 1) and colocated["max_tokens"] == 5
+        error = {"error": {"message": "bad logit_bias", "type": "BadRequestError", "param": None, "code": 400}}
+        for node in c.decoders:
+            node.vllm.errors.append((400, error))
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 6})
+        assert resp.status_code == 400 and resp.json() == error
+        assert sum(len(n.vllm.errors) for n in c.decoders) == 1  # one decoder was asked, once
+        assert_idle(c)
