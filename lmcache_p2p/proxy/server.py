@@ -64,7 +64,7 @@ class Proxy:
             self.registry, Router(settings.policy), self.waiters, self.upstream, self.canceller, self.metrics,
             FlowSettings(settings.kv_timeout_s, settings.prefill_timeout_s, settings.decode_idle_timeout_s,
                          settings.on_kv_failure, migration_limit=settings.migration_limit),
-            tokenizers=TokenizerProvider(settings.tokenizer, self.upstream, settings.prefill_timeout_s),
+            tokenizers=TokenizerProvider(settings.tokenizer, self.upstream, settings.connect_timeout_s),
         )
         self.control = ControlListener(settings.control_host, settings.control_port, codec,
                                        self.registry, self.waiters, self.metrics)

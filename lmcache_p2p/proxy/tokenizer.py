@@ -139,7 +139,7 @@ class TokenizerProvider:
 
     def prefetch(self) -> None:
         """Import ``transformers`` in a thread now (seconds), so the first request waits for the load alone."""
-        if not self._done and self._prefetch is None:
+        if not self._done and self._prefetch is None and self._source != NONE:
             self._prefetch = asyncio.get_running_loop().create_task(
                 asyncio.to_thread(importlib.import_module, "transformers"), name="proxy-tokenizer-import")
             self._prefetch.add_done_callback(_log_prefetch_failure)
