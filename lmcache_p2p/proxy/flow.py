@@ -34,14 +34,28 @@ computes the prompt itself (``colocated{reason=prefill_failed}``); a second brea
 (a request that kills every engine it reaches must not go round the cluster). Every failed or broken
 connection counts towards taking the instance out of rotation (``registry.note_connect_failure``).
 
+The decoder always gets the prompt ids + the first token, so it loads the whole prompt's KV. With
+the model's tokenizer (``tokenizer.py``) the proxy makes the client's text from token ids as one
+vLLM instance would (``detokenize.py``); without one the text comes from the instances, and a
+text prompt whose first token has no text of its own (an incomplete UTF-8 character) falls back
+to "the decoder regenerates the first token" (prompt alone; its last chunk is recomputed).
+
+A decode stream that breaks (the decoder died, answered 5xx, or went silent) continues on another
+decoder, else on a prefiller serving colocated, prompted with prompt ids + every token the client
+already has (remaining ``max_tokens``, same sampling params: with greedy sampling the output
+equals one instance's), at most ``--migration-limit`` times per request; nothing is sent twice.
+
 A request's KV handover (its ``req_id`` on decoder D) ends in one of two ways: the decode request
-reaches D, or the proxy abandons it (KV failed or timed out, the decode moved elsewhere, the first
+reaches D (once D produced its first token the proxy cancels the ``req_id``, so that slots the
+engine did not load, e.g. an unused partial last chunk, are freed now rather than at lease
+expiry), or the proxy abandons it (KV failed or timed out, the decode moved elsewhere, the first
 token ended the output, the client left, an error) and tells every rank of D to free it
 (``cancel.py``), unless the prefill never reached a prefiller.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -53,12 +67,16 @@ from typing import Any
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.admission import Admission, AdmissionQueue, CannotAdmit, Outcome
 from lmcache_p2p.proxy.cancel import KvCanceller
+from lmcache_p2p.proxy.detokenize import OutputText, TextParams
 from lmcache_p2p.proxy.errors import (
     KvNotReady,
     NoInstanceAvailable,
     ProxyError,
     UpstreamConnectError,
+    UpstreamError,
     UpstreamMalformed,
+    UpstreamStatus,
+    UpstreamTimeout,
     UpstreamUnreachable,
 )
 from lmcache_p2p.proxy.metrics import ProxyMetrics
@@ -82,6 +100,7 @@ from lmcache_p2p.proxy.shaping import (
     retry_prefill_body,
     tokenize_body,
 )
+from lmcache_p2p.proxy.tokenizer import ProxyTokenizer, TokenizerProvider
 from lmcache_p2p.proxy.upstream import Upstream
 from lmcache_p2p.proxy.waiters import KvOutcome, KvStatus, KvWaiter, KvWaiters
 
@@ -104,21 +123,13 @@ class FlowSettings:
     on_kv_failure: KvFailurePolicy = KvFailurePolicy.RETRY
     admission_timeout_s: float = 5.0
     admission_queue_max: int = 1024
-
-
-async def prompt_token_count(req: ClientRequest) -> int:
-    """The prompt's length in tokens, for routing and admission (before any prefill answered).
-
-    Exact when the client sent token ids; otherwise the ``--chars-per-token`` estimate. This is the
-    one place where the proxy's exact tokenization plugs in.
-    """
-    return req.prompt_tokens_estimate
+    migration_limit: int = 2  # mid-stream moves of one request's decode to another instance
 
 
 class Orchestrator:
     def __init__(self, registry: Registry, router: Router, waiters: KvWaiters, upstream: Upstream,
                  canceller: KvCanceller, metrics: ProxyMetrics, settings: FlowSettings,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, tokenizers: TokenizerProvider | None = None) -> None:
         self.registry = registry
         self.router = router
         self.waiters = waiters
@@ -130,6 +141,7 @@ class Orchestrator:
         self.admission = AdmissionQueue(settings.admission_timeout_s, settings.admission_queue_max)
         registry.on_credit.append(self.admission.poke)
         metrics.admission_waiting.set_function(lambda: len(self.admission))
+        self.tokenizers = tokenizers or TokenizerProvider.fixed(None)
 
     def open(self, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> RequestFlow:
         return RequestFlow(self, req, headers, received_s)
@@ -176,8 +188,13 @@ class RequestFlow:
         self.first: FirstToken | None = None
         self.prompt_ids: list[int] = []
         self._prefill_done_s = 0.0
-        self._decode_completion_tokens: int | None = None
-        self._decoded_tokens = 0
+        self._tokenizer: ProxyTokenizer | None = None
+        self._text: OutputText | None = None  # None: the text comes from the instances
+        self._output_ids: list[int] = []  # the output's token ids the client has (or will get with ``first``)
+        self._finished = False
+        self._context_full = False
+        self._handover_observed = False
+        self._taken: _Handover | None = None  # the handover the running decode took: cancelled after its 1st token
 
     # ---- phase 1: prefill ----------------------------------------------------------------------
 
@@ -187,66 +204,71 @@ class RequestFlow:
         Colocated (``self.colocated``), no prefill runs: the returned first token is empty and the
         serving instance generates the whole output in ``decode()``.
         """
-        req = self.req
-        cost = RequestCost(await prompt_token_count(req), req.output_tokens_estimate)
+        req = self.req = await self._measure(self.req)
+        cost = RequestCost(req.prompt_tokens, req.output_tokens_estimate)
         if req.max_tokens == 1:  # nothing to decode: no decoder, no KV transfer
             first = await self._prefill_alone(cost)
         else:
             first = await self._prefill_routed(cost)
-        self.first = first
+        self.first = self._shape_first(first)
         self._prefill_done_s = self._o.clock()
         if self.colocated is None:
             self._o.metrics.observe_ttft(req.endpoint.value, self._prefill_done_s - self._received_s)
-        return first
+        return self.first
 
     @property
     def decoder_regenerates_first(self) -> bool:
-        """The first token's text is held back (an incomplete UTF-8 character, or a skipped special token).
+        """The proxy has no tokenizer, the prompt is text and the first token has no text of its own.
 
         A decoder prompted with prompt ids + such a token starts detokenizing mid-character and emits
-        the prompt's text with its first output (seen with vLLM 0.32 and a byte-level BPE). So the
-        decoder gets the prompt alone and generates the whole output, first token included; the
-        prefill still provided the KV. The client has received nothing visible yet.
+        the prompt's text with its first output (seen with vLLM 0.32 and a byte-level BPE). Without a
+        tokenizer the proxy cannot make the text itself, so the decoder gets the prompt alone and
+        generates the whole output, first token included (its last chunk is recomputed). Token-id
+        prompts (``--skip-tokenizer-init`` instances have no text at all) always get prompt + first.
         """
         if self.colocated is not None:
-            return True
-        return self.needs_decode and not self._first_or_raise().text
+            return True  # the serving instance generates the whole output
+        first = self._first_or_raise()
+        return self.needs_decode and self._text is None and self.req.prompt_ids is None and not first.text
 
     @property
     def needs_decode(self) -> bool:
-        """False when the first token already ended the output (max_tokens 1, EOS, a stop string)."""
+        """False when the first token already ended the output (max_tokens 1, EOS, a stop string, or the
+        prompt + first token fill the context: ``max_model_len`` from the instances' /v1/models)."""
         if self.colocated is not None:
             return True  # the serving instance generates the whole output
-        more_allowed = self.req.max_tokens is None or self.req.max_tokens > 1
-        return more_allowed and self._first_or_raise().finish_reason in (None, "length")
+        return self._needs_decode_after(self._first_or_raise())
 
     # ---- phase 2: KV, then decode ----------------------------------------------------------------
 
     async def decode(self) -> AsyncIterator[Delta]:
-        """Wait for the KV (retrying or recomputing per policy), then stream the decoder's output."""
-        first = self._first_or_raise()
+        """Wait for the KV (retrying or recomputing per policy), then stream the output after the first
+        token; a stream that breaks continues elsewhere (``--migration-limit``)."""
         await self._settle_kv()
-        body = decode_body(self.req, self.prompt_ids, None if self.decoder_regenerates_first else first.token_id)
-        o = self._o
-        async with contextlib.AsyncExitStack() as stack:
-            events = await self._open_decode(stack, body)
-            first_event = True
-            async for event in events:
-                if first_event:
-                    first_event = False
-                    self._on_first_output()
-                if isinstance(event.get("usage"), dict):
-                    self._decode_completion_tokens = event["usage"].get("completion_tokens")
-                delta = decode_delta(event)
-                if delta is not None:
-                    self._decoded_tokens += len(delta.token_ids)
+        if self.decoder_regenerates_first:
+            self._output_ids = []
+        failed: set[str] = set()
+        migrations = 0
+        while True:
+            try:
+                async for delta in self._decode_stream():
                     yield delta
+                return
+            except UpstreamError as exc:
+                if _context_full(exc):
+                    logger.info("request %s: the context is full after %d output token(s): the output ends there",
+                                self.response_id, len(self._output_ids))
+                    yield self._end_of_context()
+                    return
+                decoder = self._lease().instance
+                if not _migratable(exc) or self._finished or migrations >= self._o.settings.migration_limit:
+                    raise
+                migrations += 1
+                failed.add(decoder.instance_id)
+                self._migrate(decoder, failed, exc)
 
     def usage(self) -> dict[str, int]:
-        decoded = self._decode_completion_tokens
-        from_prefill = 0 if self.decoder_regenerates_first else 1
-        from_decoder = decoded if isinstance(decoded, int) else self._decoded_tokens
-        return usage(len(self.prompt_ids), from_prefill + from_decoder)
+        return usage(len(self.prompt_ids), len(self._output_ids) or 1)
 
     def close(self) -> None:
         """Abandon a KV handover the decode did not take (cancel it), release the decoder; idempotent,
@@ -255,6 +277,7 @@ class RequestFlow:
             ended = self.first is not None and not self.needs_decode
             self._abandon_kv("no decode needed: the first token ended the output" if ended
                              else "the request ended before its decode (client gone or an error)")
+        self._free_taken_kv()
         if self._decoder is not None:
             self._decoder.release()
 
@@ -561,7 +584,7 @@ class RequestFlow:
             o.registry.note_connected(decoder)
             if self._handover is not None:  # the decode reached the decoder holding the KV: it takes it
                 self._handover.waiter.drop()
-                self._handover = None
+                self._taken, self._handover = self._handover, None
             return events
 
     def _next_decoder(self, failed: Collection[str], exc: UpstreamConnectError) -> None:
@@ -577,6 +600,116 @@ class RequestFlow:
         logger.info("request %s: decoding on %s instead (it recomputes the prompt)", self.response_id,
                     decoder.instance_id)
 
+    # ---- decode side: output text, streams, migration ------------------------------------------------
+
+    async def _measure(self, req: ClientRequest) -> ClientRequest:
+        """``req`` with its exact prompt token count when the proxy has the tokenizer (kept for the text)."""
+        o = self._o
+        registry = o.registry
+        instances = [] if o.tokenizers.settled else registry.routable(Role.SENDER) + registry.routable(Role.RECEIVER)
+        self._tokenizer = await o.tokenizers.get(instances)
+        if self._tokenizer is None or req.exact_prompt_tokens is not None:
+            return req
+        count = await asyncio.to_thread(self._tokenizer.prompt_tokens, req)
+        return req if count is None else dataclasses.replace(req, exact_prompt_tokens=count)
+
+    def _shape_first(self, first: FirstToken) -> FirstToken:
+        """The first token as the client sees it: its finish reason (the prefill's ``length`` only means
+        max_tokens 1 there), and its text made here when the proxy has the tokenizer and a decode follows.
+        Colocated, there is no first token yet: the serving instance generates the whole output."""
+        if self.colocated is not None:
+            self._output_ids = []
+            if self._tokenizer is not None:
+                self._text = self._tokenizer.output_text(self.prompt_ids, TextParams.from_body(self.req.body))
+            return first
+        self._output_ids = [first.token_id]
+        if not self._needs_decode_after(first):
+            return first  # the prefiller's text and finish are final (it had the whole context)
+        limit = self._o.tokenizers.max_model_len
+        if limit is not None and len(self.prompt_ids) + 1 >= limit:
+            self._context_full = True  # vLLM would refuse a decode of max_tokens 0
+            return dataclasses.replace(first, finish_reason="length")
+        first = dataclasses.replace(first, finish_reason=None, stop_reason=None)
+        if self._tokenizer is None:
+            return first
+        self._text = self._tokenizer.output_text(self.prompt_ids, TextParams.from_body(self.req.body))
+        step = self._text.update([first.token_id], stop_terminated=False)
+        if step.stop_string is not None:
+            return dataclasses.replace(first, text=self._text.next_delta(finished=True), finish_reason="stop",
+                                       stop_reason=step.stop_string)
+        return dataclasses.replace(first, text=self._text.next_delta(finished=False))
+
+    def _needs_decode_after(self, first: FirstToken) -> bool:
+        more_allowed = self.req.max_tokens is None or self.req.max_tokens > 1
+        return more_allowed and first.finish_reason in (None, "length") and not self._context_full
+
+    async def _decode_stream(self) -> AsyncIterator[Delta]:
+        """One decode stream from the current decoder, continuing after ``self._output_ids``."""
+        body = decode_body(self.req, self.prompt_ids, self._output_ids, proxy_text=self._text is not None)
+        async with contextlib.AsyncExitStack() as stack:
+            events = await self._open_decode(stack, body)
+            async for event in events:
+                if not self._handover_observed:
+                    self._handover_observed = True
+                    self._on_first_output()
+                raw = decode_delta(event)
+                if raw is None:
+                    continue
+                self._free_taken_kv()
+                delta = self._shape_delta(raw)
+                self._output_ids.extend(delta.token_ids)
+                self._finished = delta.finish_reason is not None
+                yield delta
+                if self._finished:
+                    return  # a stop string the proxy found: closing the stream aborts the decoder's request
+
+    def _shape_delta(self, delta: Delta) -> Delta:
+        """The client's text for the decoder's tokens (the decoder's own text starts mid-context)."""
+        if self._text is None:
+            return delta
+        # The decoder has no stop strings (the proxy applies them), so "stop" means an EOS / stop token id.
+        step = self._text.update(delta.token_ids, stop_terminated=delta.finish_reason == "stop")
+        finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
+        if step.stop_string is not None:
+            finish_reason, stop_reason = "stop", step.stop_string
+        return Delta(self._text.next_delta(finished=finish_reason is not None), delta.token_ids[:step.kept],
+                     _first_logprobs(delta.logprobs, step.kept), finish_reason, stop_reason)
+
+    def _end_of_context(self) -> Delta:
+        """The output ends because prompt + output fill the context (as one instance's ``length``)."""
+        self._finished = True
+        text = self._text.next_delta(finished=True) if self._text is not None else ""
+        return Delta(text, [], None, "length", None)
+
+    def _free_taken_kv(self) -> None:
+        """The decode produced output: its engine loaded what it will load; free what is left of the KV."""
+        taken, self._taken = self._taken, None
+        if taken is not None and taken.prefill_sent:
+            self._o.canceller.cancel(taken.decoder.instance, taken.req_id,
+                                     "the decode is running: free the KV its engine did not load")
+
+    def _migrate(self, broken: Instance, failed: Collection[str], exc: UpstreamError) -> None:
+        """Lease another instance to continue the output on: a decoder, else a prefiller (colocated)."""
+        o = self._o
+        self._free_taken_kv()
+        logger.warning("request %s: the decode stream on %s broke after %d output token(s) (%s): continuing elsewhere",
+                       self.response_id, broken.instance_id, len(self._output_ids), exc)
+        if not isinstance(exc, UpstreamConnectError):  # connect failures are counted where they happen
+            o.metrics.connect_failures.labels(broken.role.value).inc()
+            o.registry.note_connect_failure(broken)
+        candidates = [d for d in o.registry.routable(Role.RECEIVER) if d.instance_id not in failed]
+        if not candidates:
+            candidates = [p for p in o.registry.routable(Role.SENDER) if p.instance_id not in failed]
+        if not candidates:
+            raise exc
+        cost = RequestCost(len(self.prompt_ids) + len(self._output_ids), self.req.output_tokens_estimate)
+        target = (o.router.pick_decoder(candidates, cost, exclude=(), needs_kv=False) if candidates[0].role is
+                  Role.RECEIVER else o.router.pick_prefiller(candidates))
+        self._hold_decoder(target, cost.decode_tokens, chunks=0)
+        o.metrics.failovers.labels("migrate").inc()
+        logger.info("request %s: decoding continues on %s %s (it recomputes the prompt)", self.response_id,
+                    target.role_name, target.instance_id)
+
     def _connect_failed(self, inst: Instance, exc: UpstreamUnreachable) -> None:
         refused = isinstance(exc, UpstreamConnectError)
         logger.info("request %s: %s %s %s: %s", self.response_id, "cannot connect to" if refused else "lost",
@@ -584,6 +717,7 @@ class RequestFlow:
         if refused:
             self._o.metrics.connect_failures.labels(inst.role.value).inc()
         self._o.registry.note_connect_failure(inst)
+
 
     def _abandon_kv(self, reason: str) -> None:
         """The decode will not take this handover's KV: stop waiting, and tell its decoder to free it."""
@@ -658,3 +792,22 @@ class RequestFlow:
                        handover.req_id if handover else "?", handover.decoder.instance.instance_id if handover else "?",
                        outcome.reason, action)
         self._abandon_kv(f"KV {outcome.status.value}: {outcome.reason}")
+
+
+def _migratable(exc: UpstreamError) -> bool:
+    """A broken, silent or failing (5xx) decode stream; a 4xx is the request's own fault."""
+    return isinstance(exc, (UpstreamUnreachable, UpstreamTimeout)) or (
+        isinstance(exc, UpstreamStatus) and exc.status_code >= 500)
+
+
+def _context_full(exc: UpstreamError) -> bool:
+    """vLLM's refusal of a decode whose prompt fills the context (max_tokens computed as 0)."""
+    return (isinstance(exc, UpstreamStatus) and exc.status_code == 400
+            and "max_tokens must be at least 1, got 0" in str(exc))
+
+
+def _first_logprobs(logprobs: dict[str, Any] | None, n: int) -> dict[str, Any] | None:
+    """Completion-format logprobs of the first ``n`` tokens."""
+    if not logprobs:
+        return logprobs
+    return {k: v[:n] if isinstance(v, list) else v for k, v in logprobs.items()}

@@ -4,7 +4,10 @@ The decoder always answers in ``/v1/completions`` stream format; a renderer turn
 first token plus those events into the client's format (``text_completion`` or
 ``chat.completion``, chunks when streaming), so the client receives the whole output, first token
 included, exactly once. Chat output is plain ``content`` (no reasoning / tool-call parsing on
-this path). Usage is recomputed: prompt = the prompt's ids, completion = 1 + the decoder's.
+this path). The text of every chunk is the one ``flow.py`` gives (made in the proxy from token ids
+when it has the tokenizer). Usage is recomputed: prompt = the prompt's ids, completion = the
+output's token ids (first token included). Completion logprobs' ``text_offset`` is recomputed as
+vLLM does: the running length of the token strings reported so far.
 """
 
 from __future__ import annotations
@@ -120,6 +123,7 @@ class Renderer:
         self._finish_reason = first.finish_reason
         self._stop_reason = first.stop_reason
         self._prompt_ids_sent = not req.return_token_ids  # the first chunk carries them
+        self._text_offset = _token_strings_length(first.logprobs) if include_first else 0
 
     # ---- streaming -----------------------------------------------------------------------------
 
@@ -181,11 +185,14 @@ class Renderer:
         choice["prompt_token_ids"] = self._prompt_ids
 
     def _convert_logprobs(self, logprobs: dict[str, Any] | None) -> Any:
-        """Completion logprobs of the decoder's output, offsets moved past the first token's text."""
+        """Completion logprobs of the decoder's output, ``text_offset`` continuing the client's output."""
         if not logprobs:
             return None
-        shift = len(self._first.text)
-        return {**logprobs, "text_offset": [o + shift for o in logprobs.get("text_offset") or []]}
+        offsets = []
+        for token in logprobs.get("tokens") or ():
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        return {**logprobs, "text_offset": offsets}
 
     def _merge_logprobs(self, parts: list[Any]) -> Any:
         if not parts:
@@ -247,6 +254,12 @@ class ChatRenderer(Renderer):
         if not parts:
             return None
         return {"content": [item for part in parts for item in part.get("content") or ()]}
+
+
+def _token_strings_length(logprobs: Any) -> int:
+    """Characters of the completion-format token strings in ``logprobs`` (0 for chat or none)."""
+    tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+    return sum(len(t) for t in tokens) if isinstance(tokens, list) else 0
 
 
 def renderer_for(req: ClientRequest, response_id: str, first: FirstToken, prompt_ids: list[int],

@@ -27,6 +27,7 @@ from lmcache_p2p.proxy.app import ProxyApp
 from lmcache_p2p.proxy.cancel import KvCanceller
 from lmcache_p2p.proxy.control import ControlListener
 from lmcache_p2p.proxy.flow import FlowSettings, Orchestrator
+from lmcache_p2p.proxy.tokenizer import TokenizerProvider
 from lmcache_p2p.proxy.health import HealthProber
 from lmcache_p2p.proxy.metrics import ProxyMetrics
 from lmcache_p2p.proxy.registry import Registry
@@ -63,7 +64,9 @@ class Proxy:
         self.orchestrator = Orchestrator(
             self.registry, Router(settings.policy), self.waiters, self.upstream, self.canceller, self.metrics,
             FlowSettings(settings.kv_timeout_s, settings.prefill_timeout_s, settings.decode_idle_timeout_s,
-                         settings.on_kv_failure, settings.admission_timeout_s, settings.admission_queue_max),
+                         settings.on_kv_failure, settings.admission_timeout_s, settings.admission_queue_max,
+                         migration_limit=settings.migration_limit),
+            tokenizers=TokenizerProvider(settings.tokenizer, self.upstream, settings.connect_timeout_s),
         )
         self.control = ControlListener(settings.control_host, settings.control_port, codec,
                                        self.registry, self.waiters, self.metrics)
@@ -84,6 +87,7 @@ class Proxy:
                            "headers) or drain instances", " and ".join(exposed))
         self.control.start()
         self.prober.start()
+        self.orchestrator.tokenizers.prefetch()
         self._spawn(self._evict_loop(), "proxy-evict")
         if self.settings.summary_interval_s > 0:
             self._spawn(self._summary_loop(), "proxy-summary")

@@ -86,6 +86,8 @@ class ProxySettings:
     max_connect_failures: int = 2
     admission_timeout_s: float = 5.0
     admission_queue_max: int = 1024
+    tokenizer: str = "auto"  # a folder, "auto" (the served model's folder) or "none"
+    migration_limit: int = 2
     static_instances: tuple[StaticInstance, ...] = ()
 
     def __post_init__(self) -> None:
@@ -129,6 +131,8 @@ class ProxySettings:
             raise ConfigError("--admission-timeout-s / --admission-queue-max",
                               f"must be >= 0 (0: never wait), got {args.admission_timeout_s} / "
                               f"{args.admission_queue_max}")
+        if args.migration_limit < 0:
+            raise ConfigError("--migration-limit", f"must be >= 0 (0 turns migration off), got {args.migration_limit}")
         if args.summary_interval_s < 0:
             raise ConfigError("--summary-interval-s",
                               f"must be >= 0 (0 turns the summary off), got {args.summary_interval_s}")
@@ -155,6 +159,8 @@ class ProxySettings:
             max_connect_failures=args.max_connect_failures,
             admission_timeout_s=args.admission_timeout_s,
             admission_queue_max=args.admission_queue_max,
+            tokenizer=args.tokenizer,
+            migration_limit=args.migration_limit,
             static_instances=tuple(args.prefill or ()) + tuple(args.decode or ()),
         )
 
@@ -217,6 +223,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--admission-queue-max", type=int, default=d.admission_queue_max,
                    help="most requests waiting for buffer credit at once; one more is computed by a decoder at "
                         "once (default %(default)s)")
+    g.add_argument("--tokenizer", default=d.tokenizer,
+                   help="the model's tokenizer folder, for exact prompt token counts and output text made from "
+                        "token ids (every prompt's KV used); 'auto': the folder the instances serve when it exists "
+                        "here; 'none': counts are estimates and text comes from the instances (default %(default)s)")
+    g.add_argument("--migration-limit", type=int, default=d.migration_limit,
+                   help="times one request's decode stream may move to another instance when its decoder fails "
+                        "mid-stream; 0 = never (default %(default)s)")
 
 
 def parse_prefill_flag(value: str) -> StaticInstance:

@@ -6,8 +6,11 @@
   ``/tokenize`` is needed; it remains the fallback) and
   ``kv_transfer_params={"ret_first_tok": true, "disagg_spec": {...}}`` naming the decoder.
 * retry prefill: ``/v1/completions`` with the prompt's token ids (its first token is not used).
-* decode: ``/v1/completions`` with prompt ids + the first token, ``max_tokens - 1``, the client's
-  sampling parameters (chat ones mapped), always streamed with usage and token ids.
+* decode: ``/v1/completions`` with prompt ids + the output so far (the first token; after a
+  mid-stream migration also what the client already received), the remaining ``max_tokens`` and
+  ``min_tokens``, the client's sampling parameters (chat ones mapped), always streamed with usage
+  and token ids. When the proxy makes the text itself (it has the tokenizer) the decoder gets no
+  stop strings: the proxy applies them to its own text (``detokenize.py``).
 
 What cannot be split between two instances is refused with 400: ``n``/``best_of`` > 1, beam
 search, ``echo``, batched prompts, prompt embeddings, ``prompt_logprobs``, structured outputs (the decoder's grammar
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from lmcache_p2p.proxy.errors import BadRequest
@@ -41,13 +45,19 @@ class ClientRequest:
     include_usage: bool  # streaming: the client asked for a usage chunk
     max_tokens: int | None  # None: until the context ends
     prompt_ids: tuple[int, ...] | None  # when the client sent token ids
-    prompt_tokens_estimate: int
+    prompt_tokens_estimate: int  # from --chars-per-token (exact for token-id prompts)
     return_token_ids: bool
     top_logprobs: int | None  # None: no logprobs
+    exact_prompt_tokens: int | None = None  # counted with the model's tokenizer (None: not known)
 
     @property
     def is_chat(self) -> bool:
         return self.endpoint is Endpoint.CHAT
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's token count for admission and routing: exact when known, else the estimate."""
+        return self.exact_prompt_tokens if self.exact_prompt_tokens is not None else self.prompt_tokens_estimate
 
     @property
     def output_tokens_estimate(self) -> int:
@@ -76,6 +86,7 @@ def parse_client_request(endpoint: Endpoint, body: Any, chars_per_token: float) 
         max_tokens=max_tokens,
         prompt_ids=prompt_ids,
         prompt_tokens_estimate=estimate,
+        exact_prompt_tokens=len(prompt_ids) if prompt_ids is not None else None,
         return_token_ids=bool(body.get("return_token_ids")),
         top_logprobs=top_logprobs,
     )
@@ -139,16 +150,23 @@ def tokenize_body(req: ClientRequest) -> dict[str, Any]:
     }
 
 
-def decode_body(req: ClientRequest, prompt_ids: list[int], first_token_id: int | None) -> dict[str, Any]:
-    """Without ``first_token_id`` the decoder generates the whole output itself (see ``flow.py``)."""
+def decode_body(req: ClientRequest, prompt_ids: Sequence[int], output_ids: Sequence[int], *,
+                proxy_text: bool) -> dict[str, Any]:
+    """Continue the output after ``output_ids`` (none: the decoder generates the whole output itself).
+
+    ``proxy_text``: the proxy detokenizes and applies stop strings itself, so none go to the decoder.
+    """
+    done = len(output_ids)
+    remaining = req.max_tokens - done if req.max_tokens is not None else None
+    if remaining is not None and remaining < 1:
+        raise ValueError(f"no output left to decode: max_tokens {req.max_tokens}, {done} token(s) already out")
     body = _completion_sampling_params(req)
-    if first_token_id is None:
-        body.update(prompt=list(prompt_ids), max_tokens=req.max_tokens)
-    else:
-        body.update(prompt=[*prompt_ids, first_token_id],
-                    max_tokens=req.max_tokens - 1 if req.max_tokens is not None else None)
-        if body.get("min_tokens"):
-            body["min_tokens"] = max(0, int(body["min_tokens"]) - 1)
+    if proxy_text:
+        for key in _PROXY_TEXT_KEYS:
+            body.pop(key, None)
+    body.update(prompt=[*prompt_ids, *output_ids], max_tokens=remaining)
+    if body.get("min_tokens"):
+        body["min_tokens"] = max(0, int(body["min_tokens"]) - done)
     body.update(
         stream=True,
         stream_options={"include_usage": True},
@@ -159,6 +177,7 @@ def decode_body(req: ClientRequest, prompt_ids: list[int], first_token_id: int |
     return body
 
 
+_PROXY_TEXT_KEYS = ("stop", "include_stop_str_in_output")
 _COMPLETION_ONLY_KEYS = frozenset({
     "prompt", "stream", "stream_options", "max_tokens", "kv_transfer_params", "echo", "n", "best_of",
     "suffix", "request_id", "return_token_ids", "logprobs",

@@ -144,6 +144,11 @@ class FakeVllm:
         self.token_delay_s = 0.0
         self.prefill_delay_s = 0.0
         self.break_next = 0  # the next N generation calls break the connection after the request arrived
+        self.encode: Callable[[str], list[int]] = tokenize  # the fake's tokenizer
+        self.model: Callable[[list[int]], int] = next_token  # the next token after these ids (greedy)
+        self.max_model_len: int | None = None  # context length, enforced as vLLM does (None: unbounded)
+        self.models_card: dict[str, Any] = {}  # extra fields of GET /v1/models' model card (root, max_model_len)
+        self.die_after: int | None = None  # a stream breaks (connection dropped) after this many tokens
         self.cancelled_streams = 0
         self.finished_streams = 0
         self.server = HttpServer(Starlette(routes=[
@@ -170,10 +175,13 @@ class FakeVllm:
             status, error = self.errors.pop(0)
             return JSONResponse(error, status_code=status)
         prompt = body["prompt"]
-        ids = list(prompt) if isinstance(prompt, list) else tokenize(prompt)
+        ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt)
         await self._maybe_send_kv(body)
         if self.break_next:
             return self._broken()
+        refused = self._context_refusal(ids, body.get("max_tokens", 16))
+        if refused is not None:
+            return refused
         tokens, finish = self._generate(ids, body.get("max_tokens", 16))
         if body.get("stream"):
             return StreamingResponse(self._stream(body, ids, tokens, finish), media_type="text/event-stream")
@@ -191,7 +199,7 @@ class FakeVllm:
         if self.errors:
             status, error = self.errors.pop(0)
             return JSONResponse(error, status_code=status)
-        ids = tokenize(chat_prompt(body["messages"]))
+        ids = self.encode(chat_prompt(body["messages"]))
         await self._maybe_send_kv(body)
         if self.break_next:
             return self._broken()
@@ -213,7 +221,8 @@ class FakeVllm:
         return JSONResponse({"count": len(ids), "max_model_len": 4096, "tokens": ids})
 
     async def _models(self, request: Request) -> Any:
-        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": self.name}]})
+        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": self.name,
+                                                         **self.models_card}]})
 
     # ---- helpers ----
 
@@ -237,8 +246,22 @@ class FakeVllm:
         if self.prefill_delay_s:
             await asyncio.sleep(self.prefill_delay_s)
 
+    def _context_refusal(self, ids: list[int], max_tokens: int | None) -> JSONResponse | None:
+        """vLLM's ``get_max_tokens``: at most max_model_len - prompt; 0 is refused with 400."""
+        if self.max_model_len is None or len(ids) < self.max_model_len:
+            return None
+        message = "max_tokens must be at least 1, got 0."
+        return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": "max_tokens",
+                                       "code": 400}}, status_code=400)
+
     def _generate(self, ids: list[int], max_tokens: int | None) -> tuple[list[int], str]:
-        tokens = generate(ids, 20 if max_tokens is None else max_tokens)
+        n = 20 if max_tokens is None else max_tokens
+        if self.max_model_len is not None:
+            n = min(n, self.max_model_len - len(ids))
+        tokens = list(ids)
+        for _ in range(n):
+            tokens.append(self.model(tokens))
+        tokens = tokens[len(ids):]
         if self.eos_at is not None and self.eos_at < len(tokens):
             return tokens[: self.eos_at] + [EOS], "stop"
         return tokens, "length"
@@ -273,6 +296,8 @@ class FakeVllm:
             for i, token in enumerate(tokens):
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
+                if self.die_after is not None and i == self.die_after:
+                    raise ConnectionAbortedError("fake decoder died mid-stream")
                 choice: dict[str, Any] = {"index": 0, "text": token_text(token),
                                           "logprobs": self._logprobs(body, [token], offset),
                                           "finish_reason": finish if i == len(tokens) - 1 else None,

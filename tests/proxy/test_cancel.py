@@ -90,20 +90,35 @@ async def test_kv_timeout_then_retry_cancels_the_first_attempt_only():
         resp = await c.post("/v1/completions", BODY)
         assert resp.status_code == 200
         first, retry = (spec["req_id"] for spec in c.network.specs)
-        await eventually(lambda: len(control.cancels) == 2)
+        # The first attempt is abandoned; the retry's KV is taken by the decode, then freed after its first token.
+        await eventually(lambda: len(control.cancels) == 4)
         await asyncio.sleep(0.1)
-        assert control.req_ids(0) == control.req_ids(1) == [first]
+        assert control.req_ids(0) == control.req_ids(1) == [first, retry]
         assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 1 and retry != first
 
 
-async def test_nothing_is_cancelled_after_a_normal_decode():
+async def test_a_decode_frees_what_is_left_of_its_kv_after_its_first_token():
+    """The decode's engine has loaded what it will load once it produced a token: the proxy cancels the req_id,
+    so a slot the engine did not load (e.g. a partial last chunk) is not held until the lease expires."""
     async with cluster_with_receiver() as (c, control):
         for stream in (False, True):
             resp = await c.post("/v1/completions", {**BODY, "stream": stream})
             assert resp.status_code == 200
+        req_ids = [spec["req_id"] for spec in c.network.specs]
+        await eventually(lambda: len(control.cancels) == 4)
+        await asyncio.sleep(0.1)
+        assert control.req_ids(0) == control.req_ids(1) == req_ids
+        assert all("decode is running" in msg.reason for _, msg in control.cancels)
+        assert sent(c) == 4 and c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 2
+        assert len(c.decoders[0].vllm.calls("/v1/completions")) == 2  # each decode had reached the decoder
+
+
+async def test_a_request_ending_at_one_token_sends_no_decode_and_no_free():
+    async with cluster_with_receiver() as (c, control):
+        resp = await c.post("/v1/completions", {**BODY, "max_tokens": 1})
+        assert resp.status_code == 200
         await asyncio.sleep(0.2)
         assert control.cancels == [] and sent(c) == 0
-        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 2
 
 
 async def test_cancel_sockets_close_with_the_decoder_and_after_close_cancels_are_dropped():

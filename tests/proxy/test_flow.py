@@ -370,3 +370,196 @@ async def test_client_disconnect_during_prefill_drops_the_waiter():
                                           status="499") == 1)
         assert_idle(c)
         assert not c.decoders[0].vllm.requests
+
+
+# ---- every prompt's KV is used: prompt ids + first token, text made in the proxy ---------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from lmcache_p2p.cli.tiny_model import _train_tokenizer
+
+    hf = _train_tokenizer(0)  # the tiny model's byte-level BPE
+    path = tmp_path_factory.mktemp("tokenizer")
+    hf.save_pretrained(path)
+    return path, hf
+
+
+def cycling_model(cycle: list[int]):
+    """A greedy "model" that emits ``cycle`` over and over (the next token depends on the last one only)."""
+    def model(ids: list[int]) -> int:
+        return cycle[(cycle.index(ids[-1]) + 1) % len(cycle)] if ids[-1] in cycle else cycle[0]
+    return model
+
+
+def use_model(cluster, model, hf) -> None:
+    for node in cluster.prefillers + cluster.decoders:
+        node.vllm.model = model
+        node.vllm.encode = hf.encode
+
+
+async def test_a_first_token_without_text_still_sends_prompt_plus_first_and_the_text_is_the_single_instances(
+        tokenizer_dir):
+    path, hf = tokenizer_dir
+    cycle = hf.encode("中文☃", add_special_tokens=False)
+    assert len(cycle) == 9  # one token per byte: the first token is an incomplete UTF-8 character
+    async with make_cluster(tokenizer=str(path)) as c:
+        use_model(c, cycling_model(cycle), hf)
+        c.prefillers[0].vllm.hold_back_text = True  # the prefiller's first token has no text of its own
+        ids = hf.encode(PROMPT)
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 7,
+                                                "return_token_ids": True})
+        choice = resp.json()["choices"][0]
+        assert choice["text"] == "中文" and choice["token_ids"] == cycle[:7]  # the 7th byte is not a character yet
+        assert resp.json()["usage"]["completion_tokens"] == 7
+        decode, = c.decoders[0].vllm.calls("/v1/completions")
+        assert decode["prompt"] == ids + [cycle[0]] and decode["max_tokens"] == 6  # the whole prompt's KV is used
+
+        events = await c.stream("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 9,
+                                                         "stream": True, "stream_options": {"include_usage": True}})
+        chunks = [e for e in events[:-1] if e["choices"]]
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert chunks[1]["choices"][0]["delta"]["content"] == "" and chunks[1]["choices"][0]["finish_reason"] is None
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in chunks) == "中文☃"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length" and events[-2]["usage"]["completion_tokens"] == 9
+        decode = c.decoders[0].vllm.calls("/v1/completions")[-1]
+        assert decode["prompt"] == hf.encode(chat_prompt(MESSAGES)) + [cycle[0]]
+        assert_idle(c)
+
+
+async def test_stop_strings_are_applied_to_the_proxys_text_not_the_decoders(tokenizer_dir):
+    path, hf = tokenizer_dir
+    cycle = hf.encode("中文☃", add_special_tokens=False)
+    async with make_cluster(tokenizer=str(path)) as c:
+        use_model(c, cycling_model(cycle), hf)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 30, "stop": ["☃"], "return_token_ids": True}
+        choice = (await c.post("/v1/completions", body)).json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("中文", "stop", "☃")
+        assert choice["token_ids"] == cycle  # up to the token that completed the stop string
+        decode, = c.decoders[0].vllm.calls("/v1/completions")
+        assert "stop" not in decode  # the decoder's own text starts mid-context
+        events = await c.stream("/v1/completions", {**body, "stream": True})
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "中文"
+        assert events[-2]["choices"][0]["finish_reason"] == "stop"
+        assert_idle(c)
+
+
+async def test_the_router_gets_the_exact_prompt_token_count(tokenizer_dir):
+    path, hf = tokenizer_dir
+    async with make_cluster(tokenizer=str(path)) as c:
+        seen = []
+        router = c.proxy.orchestrator.router
+        pick = router.decoder_with_room
+
+        def recording(decoders, cost, *args, **kwargs):
+            seen.append(cost.prompt_tokens)
+            return pick(decoders, cost, *args, **kwargs)
+
+        router.decoder_with_room = recording  # admission asks it for a decoder with room
+        await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
+        await c.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 3})
+        rendered = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+        assert seen == [len(hf.encode(PROMPT)), len(hf.encode(rendered, add_special_tokens=False))]
+
+
+async def test_token_id_prompts_without_a_tokenizer_send_prompt_plus_first():
+    """--skip-tokenizer-init instances: no text anywhere, token ids still complete, the whole prompt's KV used."""
+    async with make_cluster(tokenizer="none") as c:
+        c.prefillers[0].vllm.hold_back_text = True
+        ids = [5, 6, 7, 8, 9]
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 5,
+                                                "return_token_ids": True})
+        assert resp.json()["choices"][0]["token_ids"] == generate(ids, 5)
+        decode, = c.decoders[0].vllm.calls("/v1/completions")
+        assert decode["prompt"] == ids + generate(ids, 1) and decode["max_tokens"] == 4
+        assert resp.json()["usage"]["completion_tokens"] == 5
+
+
+# ---- a prompt that fills the context ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("card", [{"max_model_len": 40}, {}], ids=["context-known", "context-unknown"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prompt_one_token_short_of_the_context_never_sends_a_decode_of_max_tokens_0(card, stream):
+    async with make_cluster() as c:
+        for node in c.prefillers + c.decoders:
+            node.vllm.max_model_len = 40
+            node.vllm.models_card = card
+        ids = list(range(10, 49))  # 39 tokens: the first output token fills the 40-token context
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 10, "return_token_ids": True, "stream": stream}
+        if stream:
+            events = await c.stream("/v1/completions", body)
+            assert all("error" not in e for e in events[:-1])
+            chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+            assert [t for ch in chunks for t in ch["token_ids"]] == generate(ids, 1)
+            assert chunks[-1]["finish_reason"] == "length"
+        else:
+            resp = await c.post("/v1/completions", body)
+            assert resp.status_code == 200, resp.text
+            choice = resp.json()["choices"][0]
+            assert choice["token_ids"] == generate(ids, 1) and choice["finish_reason"] == "length"
+        if card:
+            assert not c.decoders[0].vllm.requests  # known context: no decode at all
+        assert_idle(c)
+
+
+# ---- a decoder that dies mid-stream ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_decoder_dying_mid_stream_continues_elsewhere_with_nothing_twice(stream):
+    async with make_cluster(n_decode=2) as c:
+        for node in c.decoders:
+            node.vllm.die_after = 3  # each decoder breaks after 3 tokens: the prefiller finishes colocated
+        ids = tokenize(PROMPT)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "return_token_ids": True, "stream": stream}
+        if stream:
+            events = await c.stream("/v1/completions", body)
+            assert all("error" not in e for e in events[:-1])
+            chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+            text = "".join(ch["text"] for ch in chunks)
+            token_ids = [t for ch in chunks for t in ch["token_ids"]]
+        else:
+            resp = await c.post("/v1/completions", body)
+            assert resp.status_code == 200, resp.text
+            text, token_ids = resp.json()["choices"][0]["text"], resp.json()["choices"][0]["token_ids"]
+        assert token_ids == generate(ids, 12) and text == expected_text(ids, 12)
+        first_decoder, second_decoder = sorted(c.decoders, key=lambda n: n.vllm.requests[0][1]["max_tokens"],
+                                               reverse=True)
+        assert first_decoder.vllm.calls("/v1/completions")[0]["prompt"] == ids + generate(ids, 1)
+        assert second_decoder.vllm.calls("/v1/completions")[0]["prompt"] == ids + generate(ids, 4)
+        assert second_decoder.vllm.calls("/v1/completions")[0]["max_tokens"] == 8
+        colocated = c.prefillers[0].vllm.calls("/v1/completions")[-1]
+        assert colocated["prompt"] == ids + generate(ids, 7) and colocated["max_tokens"] == 5
+        assert "kv_transfer_params" not in colocated
+        assert c.metric("lmcache_p2p_proxy_failovers_total", phase="migrate") == 2
+        assert_idle(c)
+
+
+async def test_migration_is_bounded_by_the_migration_limit():
+    async with make_cluster(n_decode=2, migration_limit=0) as c:
+        for node in c.decoders:
+            node.vllm.die_after = 2
+        events = await c.stream("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 8,
+                                                    "stream": True})
+        assert "error" in events[-2] and events[-1] == "[DONE]"
+        assert sum(len(n.vllm.calls("/v1/completions")) for n in c.decoders) == 1
+        assert_idle(c)
+
+
+async def test_a_decoder_answering_5xx_moves_the_decode_and_a_4xx_does_not():
+    async with make_cluster(n_decode=2) as c:
+        for node in c.decoders:
+            node.vllm.errors.append((500, {"error": {"message": "engine dead"}}))
+        ids = tokenize(PROMPT)
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 6})
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == expected_text(ids, 6)
+        colocated = c.prefillers[0].vllm.calls("/v1/completions")[-1]
+        assert colocated["prompt"] == ids + generate(ids, 1) and colocated["max_tokens"] == 5
+        error = {"error": {"message": "bad logit_bias", "type": "BadRequestError", "param": None, "code": 400}}
+        for node in c.decoders:
+            node.vllm.errors.append((400, error))
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 6})
+        assert resp.status_code == 400 and resp.json() == error
+        assert sum(len(n.vllm.errors) for n in c.decoders) == 1  # one decoder was asked, once
+        assert_idle(c)

@@ -16,7 +16,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_comp
 def test_chat_request_maps_onto_completion_decode():
     req = parse_client_request(Endpoint.CHAT, CHAT, chars_per_token=4)
     assert req.max_tokens == 5 and req.stream and req.include_usage and req.top_logprobs == 2
-    body = decode_body(req, [1, 2, 3], 9)
+    body = decode_body(req, [1, 2, 3], [9], proxy_text=False)
     assert body["prompt"] == [1, 2, 3, 9] and body["max_tokens"] == 4 and body["min_tokens"] == 2
     assert body["temperature"] == 0.5 and body["logprobs"] == 2 and body["stream"] is True
     assert "messages" not in body and "tools" not in body and "max_completion_tokens" not in body
@@ -31,7 +31,7 @@ def test_completion_defaults_and_token_prompts():
     assert req.max_tokens == 16 and req.prompt_ids == (5, 6, 7) and req.prompt_tokens_estimate == 3
     assert prefill_body(req, None)["prompt"] == [5, 6, 7]
     chat = parse_client_request(Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}]}, 4)
-    assert chat.max_tokens is None and decode_body(chat, [1], 2)["max_tokens"] is None
+    assert chat.max_tokens is None and decode_body(chat, [1], [2], proxy_text=True)["max_tokens"] is None
 
 
 @pytest.mark.parametrize("endpoint, body, message", [
@@ -74,3 +74,24 @@ def test_chat_renderer_converts_completion_logprobs():
     assert [c["token"] for c in content] == ["A", "B"]
     assert content[1]["logprob"] == -0.2 and [t["token"] for t in content[1]["top_logprobs"]] == ["B", "C"]
     assert content[1]["bytes"] == [66]
+
+
+def test_decode_continues_after_the_output_so_far_with_what_is_left():
+    req = parse_client_request(Endpoint.COMPLETIONS, {"prompt": "x", "max_tokens": 6, "min_tokens": 4,
+                                                      "stop": ["ab"], "include_stop_str_in_output": True,
+                                                      "temperature": 0}, 4)
+    body = decode_body(req, [1, 2], [7, 8, 9], proxy_text=False)
+    assert body["prompt"] == [1, 2, 7, 8, 9] and body["max_tokens"] == 3 and body["min_tokens"] == 1
+    assert body["stop"] == ["ab"] and body["include_stop_str_in_output"] is True
+    # The proxy applies stop strings to its own text: the decoder's text starts mid-context.
+    body = decode_body(req, [1, 2], [7], proxy_text=True)
+    assert "stop" not in body and "include_stop_str_in_output" not in body and body["temperature"] == 0
+    with pytest.raises(ValueError, match="no output left"):
+        decode_body(req, [1, 2], [7] * 6, proxy_text=True)
+
+
+def test_exact_prompt_tokens_win_over_the_estimate():
+    req = parse_client_request(Endpoint.COMPLETIONS, {"prompt": "x" * 400}, chars_per_token=4)
+    assert req.exact_prompt_tokens is None and req.prompt_tokens == req.prompt_tokens_estimate == 100
+    ids = parse_client_request(Endpoint.COMPLETIONS, {"prompt": [4, 5, 6]}, chars_per_token=4)
+    assert ids.exact_prompt_tokens == ids.prompt_tokens == 3

@@ -1,0 +1,136 @@
+"""The proxy's output text equals vLLM's own incremental detokenizer, token for token and chunk for chunk."""
+
+from __future__ import annotations
+
+import random
+import types
+
+import pytest
+
+from lmcache_p2p.proxy.detokenize import OutputText, TextParams
+from lmcache_p2p.proxy.shaping import Endpoint, parse_client_request
+from lmcache_p2p.proxy.tokenizer import ProxyTokenizer, load_tokenizer
+
+PROMPT = "kaba shoulai tidu 中文 rest"
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from lmcache_p2p.cli.tiny_model import _train_tokenizer
+
+    return _train_tokenizer(0)  # the tiny model's byte-level BPE (its folder needs torch to build)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(hf_tokenizer) -> ProxyTokenizer:
+    return ProxyTokenizer(hf_tokenizer, "test")
+
+
+def vllm_text(hf, prompt_ids, outputs, params: TextParams, finish_last: bool = True,
+              stop_terminated: bool = False) -> tuple[list[str], str | None, list[int]]:
+    """vLLM 0.32's FastIncrementalDetokenizer fed one token per step, deltas as the streaming server reads them."""
+    detok_mod = pytest.importorskip("vllm.v1.engine.detokenizer")
+    from vllm.sampling_params import SamplingParams
+
+    sp = SamplingParams(stop=list(params.stop) or None, include_stop_str_in_output=params.include_stop_str_in_output,
+                        min_tokens=params.min_tokens, skip_special_tokens=params.skip_special_tokens,
+                        spaces_between_special_tokens=params.spaces_between_special_tokens, max_tokens=len(outputs))
+    request = types.SimpleNamespace(request_id="r", prompt_token_ids=list(prompt_ids), sampling_params=sp,
+                                    prompt_embeds=None)
+    detok = detok_mod.FastIncrementalDetokenizer(hf, request)
+    deltas, stop = [], None
+    for i, token in enumerate(outputs):
+        last = i == len(outputs) - 1
+        stop = detok.update([token], stop_terminated=stop_terminated and last)
+        finished = stop is not None or (last and finish_last)
+        deltas.append(detok.get_next_output_text(finished, delta=True))
+        if stop is not None:
+            break
+    return deltas, stop, list(detok.output_token_ids)
+
+
+def proxy_text(tokenizer, prompt_ids, outputs, params: TextParams, finish_last: bool = True,
+               stop_terminated: bool = False) -> tuple[list[str], str | None, list[int]]:
+    text = tokenizer.output_text(prompt_ids, params)
+    deltas, stop = [], None
+    for i, token in enumerate(outputs):
+        last = i == len(outputs) - 1
+        step = text.update([token], stop_terminated=stop_terminated and last)
+        stop = step.stop_string
+        deltas.append(text.next_delta(finished=stop is not None or (last and finish_last)))
+        if stop is not None:
+            break
+    return deltas, stop, text.token_ids
+
+
+def random_outputs(hf, seed: int, n: int) -> list[int]:
+    """Output ids: whole words and multi-byte characters (split across tokens), special tokens, stray bytes."""
+    rng = random.Random(seed)
+    pieces = [hf.encode(w, add_special_tokens=False) for w in ("é", "中", "☃", "🙂", " tidu", " ka", "ba", " a")]
+    pieces += [[hf.eos_token_id], [hf.bos_token_id]]
+    out: list[int] = []
+    while len(out) < n:
+        out += rng.choice(pieces) if rng.random() < 0.85 else [rng.randrange(4, len(hf))]
+    return out[:n]
+
+
+@pytest.mark.parametrize("params", [
+    TextParams(),
+    TextParams(skip_special_tokens=False),
+    TextParams(skip_special_tokens=False, spaces_between_special_tokens=False),
+    TextParams(stop=("中", "ka")),
+    TextParams(stop=("中", "ka"), include_stop_str_in_output=True),
+    TextParams(stop=("a",), min_tokens=5),
+])
+@pytest.mark.parametrize("seed", range(6))
+def test_streamed_text_equals_vllms_incremental_detokenizer(hf_tokenizer, tokenizer, params, seed):
+    prompt_ids = hf_tokenizer.encode(PROMPT)
+    outputs = random_outputs(hf_tokenizer, seed, 40)
+    assert proxy_text(tokenizer, prompt_ids, outputs, params) == vllm_text(hf_tokenizer, prompt_ids, outputs, params)
+
+
+def test_a_first_token_that_is_part_of_a_character_has_no_text_until_the_character_completes(hf_tokenizer,
+                                                                                               tokenizer):
+    prompt_ids = hf_tokenizer.encode(PROMPT)
+    char_ids = hf_tokenizer.encode("中", add_special_tokens=False)
+    assert len(char_ids) == 3  # three bytes, three tokens: the first alone is an incomplete UTF-8 character
+    deltas, _, _ = proxy_text(tokenizer, prompt_ids, char_ids + hf_tokenizer.encode(" ka", add_special_tokens=False),
+                              TextParams())
+    assert deltas[:3] == ["", "", "中"] and "".join(deltas) == "中 ka"
+
+
+def test_a_stop_token_is_not_detokenized_unless_asked(hf_tokenizer, tokenizer):
+    prompt_ids = hf_tokenizer.encode(PROMPT)
+    outputs = hf_tokenizer.encode(" kaba", add_special_tokens=False) + [hf_tokenizer.eos_token_id]
+    for params in (TextParams(skip_special_tokens=False), TextParams(skip_special_tokens=False,
+                                                                     include_stop_str_in_output=True)):
+        ours = proxy_text(tokenizer, prompt_ids, outputs, params, stop_terminated=True)
+        assert ours == vllm_text(hf_tokenizer, prompt_ids, outputs, params, stop_terminated=True)
+    assert "".join(ours[0]).endswith("</s>")
+
+
+def test_text_params_follow_vllms_defaults():
+    assert TextParams.from_body({}) == TextParams()
+    params = TextParams.from_body({"stop": "x", "min_tokens": 2, "skip_special_tokens": False})
+    assert params.stop == ("x",) and params.min_tokens == 2 and not params.skip_special_tokens
+
+
+def test_exact_prompt_counts_match_the_tokenizer_and_chat_template(hf_tokenizer, tokenizer, tmp_path):
+    text = parse_client_request(Endpoint.COMPLETIONS, {"prompt": PROMPT}, 4)
+    assert tokenizer.prompt_tokens(text) == len(hf_tokenizer.encode(PROMPT))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    chat = parse_client_request(Endpoint.CHAT, {"messages": messages}, 4)
+    rendered = "<|user|>\nhi\nthere\n<|assistant|>\n"
+    assert tokenizer.prompt_tokens(chat) == len(hf_tokenizer.encode(rendered, add_special_tokens=False))
+    image = parse_client_request(Endpoint.CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 4)
+    assert tokenizer.prompt_tokens(image) is None  # not renderable here: the estimate stands
+    hf_tokenizer.save_pretrained(tmp_path)
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded is not None and loaded.prompt_tokens(text) == tokenizer.prompt_tokens(text)
+
+
+def test_output_text_without_stop_strings_holds_nothing_back(tokenizer, hf_tokenizer):
+    text: OutputText = tokenizer.output_text(hf_tokenizer.encode(PROMPT), TextParams())
+    text.update(hf_tokenizer.encode(" kaba", add_special_tokens=False), stop_terminated=False)
+    assert text.next_delta(finished=False) == " kaba" and text.next_delta(finished=True) == ""
