@@ -38,6 +38,7 @@ from fault_cluster import FaultCluster
 logger = logging.getLogger(__name__)
 
 VICTIM = "decoder-1"
+FAULT_WAIT_S = 60.0  # how long a scenario waits for the moment to inject its fault
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,10 +207,10 @@ def sender_killed_mid_transfer(s: Suite) -> Result:
     notes = []
 
     def fault(progress: dict) -> None:
-        seen = s.wait_until(lambda: s.c.inflight(prefiller) >= 2, timeout_s=60)
+        seen = s.wait_until(lambda: s.c.inflight(prefiller) >= 1, timeout_s=FAULT_WAIT_S)
         time.sleep(s.rng.uniform(0.05, 0.3))  # into the prefill/transfer of the first requests
         notes.append(f"killed {prefiller} with {s.c.inflight(prefiller)} request(s) in flight there"
-                     + ("" if seen else " (load never reached 2 in flight)"))
+                     + ("" if seen else " (load never reached it)"))
         s.c.kill(prefiller)
         s.c.restart(prefiller)
 
@@ -225,9 +226,12 @@ def decoder_killed_mid_stream(s: Suite) -> Result:
 
     def fault(progress: dict) -> None:
         def streaming() -> bool:
-            return s.c.inflight(VICTIM) >= 1 and sum(1 for ids in list(progress.values()) if len(ids) >= 8) >= 2
+            on_victim = s.c.inflight(VICTIM)
+            started = sum(1 for ids in list(progress.values()) if len(ids) >= 8)
+            logger.debug("waiting to cut streams: %d in flight on %s, %d streams started", on_victim, VICTIM, started)
+            return on_victim >= 1 and started >= 2
 
-        seen = s.wait_until(streaming, timeout_s=120)
+        seen = s.wait_until(streaming, timeout_s=FAULT_WAIT_S)
         notes.append(f"killed {VICTIM} with {s.c.inflight(VICTIM)} request(s) on it, "
                      f"{sum(1 for ids in list(progress.values()) if ids)} stream(s) started"
                      + ("" if seen else " (streams never reached it)"))
