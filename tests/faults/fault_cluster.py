@@ -194,6 +194,18 @@ class FaultCluster:
                 return int(info.get("inflight_requests") or 0)
         return 0
 
+    def running(self, name: str) -> int:
+        """Requests the instance's vLLM engine is running now (its own ``vllm:num_requests_running``)."""
+        url = self.children[name].health_url.removesuffix("/health")
+        try:
+            text = httpx.get(f"{url}/metrics", timeout=HTTP_TIMEOUT_S, trust_env=False).text
+        except httpx.HTTPError:
+            return 0
+        for line in text.splitlines():
+            if line.startswith("vllm:num_requests_running"):
+                return int(float(line.rsplit(" ", 1)[1]))
+        return 0
+
     def lookups(self, name: str) -> list:
         path = self.children[name].log_path
         return lookups_in_log(path) if path.exists() else []

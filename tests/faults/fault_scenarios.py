@@ -207,9 +207,11 @@ def sender_killed_mid_transfer(s: Suite) -> Result:
     notes = []
 
     def fault(progress: dict) -> None:
-        seen = s.wait_until(lambda: s.c.inflight(prefiller) >= 1, timeout_s=FAULT_WAIT_S)
-        time.sleep(s.rng.uniform(0.05, 0.3))  # into the prefill/transfer of the first requests
-        notes.append(f"killed {prefiller} with {s.c.inflight(prefiller)} request(s) in flight there"
+        # Its engine is prefilling (chunked: 512 tokens a step, KV stored and sent after each step).
+        seen = s.wait_until(lambda: s.c.running(prefiller) >= 1, timeout_s=FAULT_WAIT_S)
+        time.sleep(s.rng.uniform(0.02, 0.1))
+        notes.append(f"killed {prefiller} with {s.c.running(prefiller)} request(s) running there, "
+                     f"{s.c.inflight(prefiller)} in flight through the proxy"
                      + ("" if seen else " (load never reached it)"))
         s.c.kill(prefiller)
         s.c.restart(prefiller)
@@ -226,13 +228,15 @@ def decoder_killed_mid_stream(s: Suite) -> Result:
 
     def fault(progress: dict) -> None:
         def streaming() -> bool:
-            on_victim = s.c.inflight(VICTIM)
+            # The victim's engine is decoding (its own metrics) while clients already receive tokens.
+            running = s.c.running(VICTIM)
             started = sum(1 for ids in list(progress.values()) if len(ids) >= 8)
-            logger.debug("waiting to cut streams: %d in flight on %s, %d streams started", on_victim, VICTIM, started)
-            return on_victim >= 1 and started >= 2
+            logger.debug("waiting to cut streams: %d running on %s, %d streams started", running, VICTIM, started)
+            return running >= 1 and started >= 2
 
         seen = s.wait_until(streaming, timeout_s=FAULT_WAIT_S)
-        notes.append(f"killed {VICTIM} with {s.c.inflight(VICTIM)} request(s) on it, "
+        time.sleep(0.5)  # its streams are under way (1200 tokens take seconds)
+        notes.append(f"killed {VICTIM} with {s.c.running(VICTIM)} request(s) running on it, "
                      f"{sum(1 for ids in list(progress.values()) if ids)} stream(s) started"
                      + ("" if seen else " (streams never reached it)"))
         s.c.kill(VICTIM)
