@@ -113,9 +113,9 @@ class Suite:
     def run(self, scenario: Scenario) -> Row:
         logger.info("scenario %s: start", scenario.name)
         started = time.monotonic()
-        self._prepare(scenario)
         row = Row(scenario.name)
         try:
+            self._prepare(scenario)
             result = scenario.run(self)
         except Exception as exc:  # noqa: BLE001 - the harness itself failed: record it, keep going
             logger.exception("scenario %s failed to run", scenario.name)
