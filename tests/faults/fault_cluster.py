@@ -206,6 +206,13 @@ class FaultCluster:
                 return int(float(line.rsplit(" ", 1)[1]))
         return 0
 
+    def kv_loads(self, name: str) -> int:
+        """How many times the instance's LMCache logged a retrieval (KV loaded for a request)."""
+        path = self.children[name].log_path
+        if not path.exists():
+            return 0
+        return path.read_text(errors="replace").count("] Retrieved ")
+
     def lookups(self, name: str) -> list:
         path = self.children[name].log_path
         return lookups_in_log(path) if path.exists() else []

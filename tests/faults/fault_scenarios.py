@@ -226,20 +226,25 @@ def decoder_killed_mid_stream(s: Suite) -> Result:
     """kill -9 of decoder-1 while streams it serves are mid-way; it stays down (the next scenarios run 1P1D)."""
     prompts = cycle(s.w.stream, s.cfg.n(4, 8))
     notes = []
+    loads_before = s.c.kv_loads(VICTIM)
+    seen = {"polls": 0, "max_streams": 0, "max_loads": 0}
 
     def fault(progress: dict) -> None:
         def streaming() -> bool:
-            # The victim's engine is decoding (its own metrics) while clients already receive tokens.
-            running = s.c.running(VICTIM)
+            # The victim loaded a request's KV (its own log: it is decoding that request now) and
+            # clients already receive tokens; each stream lasts seconds (1200 tokens).
+            loads = s.c.kv_loads(VICTIM) - loads_before
             started = sum(1 for ids in list(progress.values()) if len(ids) >= 8)
-            logger.debug("waiting to cut streams: %d running on %s, %d streams started", running, VICTIM, started)
-            return running >= 1 and started >= 2
+            seen["polls"] += 1
+            seen["max_streams"] = max(seen["max_streams"], started)
+            seen["max_loads"] = max(seen["max_loads"], loads)
+            return loads >= 1 and started >= 2
 
-        seen = s.wait_until(streaming, timeout_s=FAULT_WAIT_S)
-        time.sleep(0.5)  # its streams are under way (1200 tokens take seconds)
-        notes.append(f"killed {VICTIM} with {s.c.running(VICTIM)} request(s) running on it, "
-                     f"{sum(1 for ids in list(progress.values()) if ids)} stream(s) started"
-                     + ("" if seen else " (streams never reached it)"))
+        ok = s.wait_until(streaming, timeout_s=FAULT_WAIT_S, poll_s=0.02)
+        time.sleep(0.3)
+        tokens = sorted(len(ids) for ids in list(progress.values()))
+        notes.append(f"killed {VICTIM} after it loaded KV for {seen['max_loads']} request(s); tokens per open "
+                     f"stream then: {tokens}" + ("" if ok else f" (moment not reached: {seen})"))
         s.c.kill(VICTIM)
 
     return Result(s.load(prompts, len(prompts), fault), notes=notes)
