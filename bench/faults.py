@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "faults"), str(ROOT / "tests")]
 
-from fault_scenarios import ALL, BY_NAME, SHORT  # noqa: E402
+from fault_scenarios import ALL, BY_NAME, SHORT, Row  # noqa: E402
 from fault_suite import print_table, row_dict, run_suite  # noqa: E402
 
 
@@ -35,7 +35,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, default=None, help="default: the tiny model, built into models/ if missing")
     p.add_argument("--log-dir", type=Path, default=None, help="default: logs/faults-<time>")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "faults.json")
+    p.add_argument("--from-rows", type=Path, default=None,
+                   help="write the results of a run already made (the faults.json a pytest run leaves in its "
+                        "log folder) instead of running the suite")
     return p.parse_args(argv)
+
+
+def not_run_rows(done: set[str]) -> list[dict]:
+    """A placeholder row for every scenario this run did not cover: no figures, only the status."""
+    return [{"scenario": s.name, "status": "not yet run"} for s in ALL if s.name not in done]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,13 +58,20 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = build_tiny_model(ROOT / "models" / "tiny-llama")
     log_dir = args.log_dir or ROOT / "logs" / time.strftime("faults-%Y%m%d-%H%M%S")
-    rows = run_suite(args.model, log_dir, names, long=not args.short, cache_dir=ROOT / "models" / ".fault-reference")
+    if args.from_rows is not None:
+        rows = [Row(**r) for r in json.loads(args.from_rows.read_text())]
+        source = f"rows of an earlier run: {args.from_rows}"
+    else:
+        rows = run_suite(args.model, log_dir, names, long=not args.short,
+                         cache_dir=ROOT / "models" / ".fault-reference")
+        source = f"bench/faults.py, logs in {log_dir}"
+    measured = [{**row_dict(r), "status": "run"} for r in rows]
     result = {"form": "short" if args.short else "long", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "rows": [row_dict(r) for r in rows]}
+              "source": source, "rows": measured + not_run_rows({r.scenario for r in rows})}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(rows)
-    print(f"wrote {args.out}; logs in {log_dir}")
+    print(f"wrote {args.out}")
     return 0
 
 
