@@ -21,7 +21,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
 
 from fault_cluster import build_variant_model  # noqa: E402
-from test_pd_vllm import PROMPTS, assert_decoder_loaded_all, chat, complete, plain_reference, start_cluster  # noqa: E402
+from test_pd_vllm import (  # noqa: E402
+    PROMPTS,
+    assert_decoder_loaded_all,
+    chat,
+    complete,
+    plain_reference,
+    start_cluster,
+)
 
 pytestmark = pytest.mark.vllm
 

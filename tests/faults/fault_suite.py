@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from fault_client import Prompt, make_prompts
+from fault_client import make_prompts
 from fault_cluster import ClusterSpec, FaultCluster, build_variant_model, reference_outputs
 from fault_scenarios import BY_NAME, SHORT, Row, Suite, SuiteConfig, Workload
 

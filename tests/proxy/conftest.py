@@ -175,7 +175,8 @@ class ProxyProcess:
             try:
                 line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"proxy did not start within {timeout_s:.0f}s: {''.join(self._seen)[-2000:]}") from None
+                seen = "".join(self._seen)[-2000:]
+                raise AssertionError(f"proxy did not start within {timeout_s:.0f}s: {seen}") from None
             if line is None:
                 raise AssertionError(f"proxy exited with {self.proc.wait()}: {''.join(self._seen)[-2000:]}")
             self._seen.append(line)
