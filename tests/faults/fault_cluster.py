@@ -208,10 +208,15 @@ class FaultCluster:
 
     def kv_loads(self, name: str) -> int:
         """How many times the instance's LMCache logged a retrieval (KV loaded for a request)."""
+        return self._log_count(name, "] Retrieved ")
+
+    def kv_stores(self, name: str) -> int:
+        """How many store steps the instance's LMCache logged (a chunked prefill stores after each step)."""
+        return self._log_count(name, "] Stored ")
+
+    def _log_count(self, name: str, needle: str) -> int:
         path = self.children[name].log_path
-        if not path.exists():
-            return 0
-        return path.read_text(errors="replace").count("] Retrieved ")
+        return path.read_text(errors="replace").count(needle) if path.exists() else 0
 
     def lookups(self, name: str) -> list:
         path = self.children[name].log_path
