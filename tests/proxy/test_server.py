@@ -7,38 +7,19 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-pytestmark = pytest.mark.timeout(30)
+from .conftest import _PROXY_MAIN as _MAIN, ProxyProcess
 
-_MAIN = """
-import argparse, logging, sys
-logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
-from lmcache_p2p.proxy.server import add_arguments, run
-parser = argparse.ArgumentParser()
-add_arguments(parser)
-run(parser.parse_args(sys.argv[1:]))
-"""
-
-
-def start_proxy(*flags: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-c", _MAIN, "--port", "0", "--control-port", "0", *flags],
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 20
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if m := re.search(r"proxy on (http://127\.0\.0\.1:\d+), control tcp://127\.0\.0\.1:\d+", line):
-            return proc, m.group(1)
-        assert time.monotonic() < deadline, "proxy did not start"
-    raise AssertionError(f"proxy exited with {proc.wait()}")
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_process_serves_and_exits_cleanly_on_signal(sig):
-    proc, url = start_proxy("--prefill", "http://127.0.0.1:1", "--summary-interval-s", "0")
+    proxy = ProxyProcess("--prefill", "http://127.0.0.1:1", "--summary-interval-s", "0")
+    proc, url = proxy.proc, proxy.url
     try:
         health = httpx.get(url + "/health", timeout=5, trust_env=False).json()
         assert health["prefillers"] == 0 and health["decoders"] == 0  # nothing listens on :1: never healthy
@@ -47,13 +28,11 @@ def test_process_serves_and_exits_cleanly_on_signal(sig):
         assert static["http_url"] == "http://127.0.0.1:1" and static["health"] == "pending"
         assert static["routable"] is False
         proc.send_signal(sig)
-        assert proc.wait(timeout=10) == 0
-        rest = proc.stderr.read()
+        assert proc.wait(timeout=30) == 0
+        rest = proxy.rest_of_stderr()
         assert "shutting down" in rest and "Traceback" not in rest
     finally:
-        proc.kill()
-        proc.wait()
-        proc.stderr.close()
+        proxy.kill()
 
 
 @pytest.mark.anyio

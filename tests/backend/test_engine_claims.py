@@ -1,0 +1,187 @@
+"""What the README promises about the control plane and a full buffer, on real LMCache engines.
+
+Each test runs a real prefiller engine and a real decoder engine in their own processes (the
+plugin loaded from YAML, KV over NIXL/UCX tcp on loopback):
+
+- a pair with ``p2p.shared_secret`` set on both sides moves KV; one side without the secret, or
+  with another one, is refused: the request fails on the sender (counted in its stats), nothing
+  is reserved or served on the receiver, and the side that holds the secret logs the rejection;
+- a full buffer: the receiver refuses, the sender backs off and retries, and succeeds when slots
+  free up within ``alloc_timeout_s``, or fails after it with its slots freed on the receiver;
+- the proxy's ``Cancel`` (sent by the proxy's own ``KvCanceller`` to the decoder the proxy learnt
+  from the decoder's own Announce) frees the request's slots on the real receiver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from test_engine_p2p import FREE_TIMEOUT_S, STATS_TIMEOUT_S, all_free, assert_received, store, wait_for
+
+SECRET = "claims-secret"
+TINY_CHUNK = 256  # tokens per chunk in engine_proc.py
+FOUR_SLOTS = "512KB"  # engine_proc's tiny model: one 256-token bf16 chunk is 128 KiB
+LONG_LEASE_S = 600  # leases far beyond the test: a slot freed here was freed by the code under test
+
+
+def restart_sender(pair, **p2p) -> None:
+    """Replace the prefiller with one whose ``p2p.*`` keys are updated (None removes a key)."""
+    import yaml
+
+    pair.sender.close()
+    cfg = yaml.safe_load(pair.scfg.read_text())
+    section = cfg["extra_config"]["p2p"]
+    for key, value in p2p.items():
+        if value is None:
+            section.pop(key, None)
+        else:
+            section[key] = value
+    pair.scfg.write_text(yaml.safe_dump(cfg))
+    pair.sender = pair.start_sender()
+
+
+def failed_count(sender) -> int:
+    return sender.call(op="slots")["failed"]
+
+
+def wait_failed(sender, count: int) -> dict:
+    stats = wait_for(lambda: sender.call(op="slots"), lambda s: s["failed"] >= count, STATS_TIMEOUT_S)
+    assert stats["failed"] == count, stats
+    assert stats["pending"] == 0, stats
+    return stats
+
+
+# ---- shared secret ---------------------------------------------------------------------------
+
+def test_shared_secret_pair_works_and_a_mismatch_is_refused_with_nothing_reserved(make_pair):
+    pair = make_pair(shared_secret=SECRET, reserve_lease_s=LONG_LEASE_S, ready_lease_s=LONG_LEASE_S,
+                     sender_opts={"shared_secret": SECRET, "connect_timeout_s": 3})
+    store(pair.sender, pair.port, seed=31, n=600, req_id="signed")
+    assert_received(pair.receiver, seed=31, n=600)
+    assert all_free(pair.receiver)
+
+    for other in (None, "another-secret"):
+        restart_sender(pair, shared_secret=other)
+        store(pair.sender, pair.port, seed=32, n=600, req_id=f"unsigned-{other}")
+        wait_failed(pair.sender, 1)
+        assert pair.receiver.call(op="lookup", seed=32, num_tokens=600) == {"hit_tokens": 0}
+        slots = pair.receiver.call(op="slots")
+        assert slots["free"] == slots["capacity"], slots  # leases are 600 s: nothing was ever reserved
+        assert "shared-secret" in pair.receiver.log_path.read_text()  # the receiver saw and dropped the frames
+
+    restart_sender(pair, shared_secret=SECRET)  # the receiver still serves a signed sender afterwards
+    store(pair.sender, pair.port, seed=33, n=300, req_id="signed-again")
+    assert_received(pair.receiver, seed=33, n=300)
+    assert all_free(pair.receiver)
+
+
+def test_sender_with_a_secret_refuses_an_unsigned_receiver(make_pair):
+    pair = make_pair(reserve_lease_s=LONG_LEASE_S, sender_opts={"shared_secret": SECRET, "connect_timeout_s": 3})
+    store(pair.sender, pair.port, seed=34, n=600, req_id="to-unsigned")
+    wait_failed(pair.sender, 1)
+    assert pair.receiver.call(op="lookup", seed=34, num_tokens=600) == {"hit_tokens": 0}
+    slots = pair.receiver.call(op="slots")
+    assert slots["free"] == slots["capacity"], slots
+    assert "shared-secret" in pair.sender.log_path.read_text()
+
+
+# ---- full buffer: refusal, backoff, alloc_timeout_s ------------------------------------------
+
+def test_full_buffer_fails_after_alloc_timeout_with_its_slots_freed_then_backoff_succeeds(make_pair):
+    alloc_timeout_s = 4.0
+    pair = make_pair(buffer_size=FOUR_SLOTS, alloc_timeout_s=alloc_timeout_s, reserve_lease_s=LONG_LEASE_S,
+                     ready_lease_s=LONG_LEASE_S)
+    assert pair.receiver.call(op="slots") == {"free": 4, "capacity": 4}
+    # A: 2 chunks arrive and are never loaded (held until ready_lease_s).
+    store(pair.sender, pair.port, seed=41, n=2 * TINY_CHUNK, req_id="holder")
+    assert pair.receiver.call(op="wait_ready", seed=41, num_tokens=2 * TINY_CHUNK, timeout_s=60)["hit_tokens"] == 512
+    # B: its first store gets 1 slot; its second store needs 2 more while 1 is free.
+    store(pair.sender, pair.port, seed=42, n=3 * TINY_CHUNK, req_id="blocked", end=TINY_CHUNK, last=False)
+    wait_for(lambda: pair.receiver.call(op="slots"), lambda s: s["free"] == 1, FREE_TIMEOUT_S)
+    started = time.monotonic()
+    store(pair.sender, pair.port, seed=42, n=3 * TINY_CHUNK, req_id="blocked", skip=TINY_CHUNK, last=True)
+    wait_failed(pair.sender, 1)
+    assert time.monotonic() - started >= alloc_timeout_s  # it backed off and retried until the deadline
+    log = pair.sender.log_path.read_text()
+    assert "p2p.alloc_timeout_s" in log and "stayed full" in log
+    # B's granted slot is back in the pool; A is untouched.
+    assert wait_for(lambda: pair.receiver.call(op="slots"), lambda s: s["free"] == 2, FREE_TIMEOUT_S)["free"] == 2
+    assert pair.receiver.call(op="lookup", seed=42, num_tokens=3 * TINY_CHUNK) == {"hit_tokens": 0}
+
+    # Backoff that succeeds: C needs 3 slots while 2 are free; it waits (alloc_timeout_s 120) until A is loaded.
+    restart_sender(pair, alloc_timeout_s=120)
+    store(pair.sender, pair.port, seed=43, n=3 * TINY_CHUNK, req_id="waits")
+    stats = pair.sender.call(op="slots")
+    assert stats["pending"] == 1 and stats["failed"] == 0, stats
+    assert pair.receiver.call(op="lookup", seed=43, num_tokens=3 * TINY_CHUNK) == {"hit_tokens": 0}
+    assert pair.receiver.call(op="retrieve", seed=41, num_tokens=2 * TINY_CHUNK) == {"retrieved": 512, "equal": True}
+    assert_received(pair.receiver, seed=43, n=3 * TINY_CHUNK)
+    assert all_free(pair.receiver)
+    assert wait_for(lambda: pair.sender.call(op="slots"), lambda s: s["pending"] == 0, STATS_TIMEOUT_S)["failed"] == 0
+
+
+# ---- the proxy's Cancel on the real receiver ------------------------------------------------
+
+def test_proxy_cancel_frees_slots_on_the_real_receiver(make_pair):
+    asyncio.run(_proxy_cancel(make_pair))
+
+
+async def _proxy_cancel(make_pair) -> None:
+    from lmcache_p2p.config import Role
+    from lmcache_p2p.proxy.server import Proxy
+    from lmcache_p2p.proxy.settings import ProxySettings
+
+    proxy = Proxy(ProxySettings(port=0, control_port=0, shared_secret=SECRET, summary_interval_s=0,
+                                instance_ttl_s=60.0, health_probe_interval_s=60.0))
+    await proxy.start()
+    try:
+        pair = await asyncio.to_thread(
+            make_pair, buffer_size=FOUR_SLOTS, reserve_lease_s=LONG_LEASE_S, ready_lease_s=LONG_LEASE_S,
+            shared_secret=SECRET, proxy_url=proxy.control.address, instance_id="decoder-claims",
+            heartbeat_interval_s=0.5, sender_opts={"shared_secret": SECRET})
+        decoder = await _eventually(lambda: next((i for i in proxy.registry.instances()
+                                                  if i.role is Role.RECEIVER and i.complete), None))
+        call = lambda **cmd: asyncio.to_thread(pair.receiver.call, **cmd)  # noqa: E731
+        # One request whose KV arrived (never loaded) and one still mid-prefill (last store pending).
+        await asyncio.to_thread(store, pair.sender, pair.port, 51, 2 * TINY_CHUNK, "arrived")
+        await asyncio.to_thread(store, pair.sender, pair.port, 52, 3 * TINY_CHUNK, "midway", end=TINY_CHUNK,
+                                last=False)
+        assert (await call(op="wait_ready", seed=51, num_tokens=512, timeout_s=60))["hit_tokens"] == 512
+        assert (await _poll(call, lambda s: s["free"] == 1))["free"] == 1
+        proxy.canceller.cancel(decoder, "arrived", "test: no decode will follow")
+        proxy.canceller.cancel(decoder, "midway", "test: client left")
+        assert (await _poll(call, lambda s: s["free"] == s["capacity"])) == {"free": 4, "capacity": 4}
+        assert await call(op="lookup", seed=51, num_tokens=512) == {"hit_tokens": 0}
+        # The cancelled request's late store is refused: nothing is reserved for it.
+        await asyncio.to_thread(store, pair.sender, pair.port, 52, 3 * TINY_CHUNK, "midway", skip=TINY_CHUNK,
+                                last=True)
+        stats = await asyncio.to_thread(wait_for, lambda: pair.sender.call(op="slots"),
+                                        lambda s: s["pending"] == 0, STATS_TIMEOUT_S)
+        assert stats["failed"] == 1, stats
+        assert await call(op="slots") == {"free": 4, "capacity": 4}
+        # The proxy's own view of the decoder (its heartbeat) shows every slot free: what /instances reports.
+        await _eventually(lambda: decoder.free_slots() == decoder.capacity_slots == 4 or None)
+    finally:
+        await proxy.close()
+
+
+async def _poll(call, predicate, timeout_s: float = FREE_TIMEOUT_S) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await call(op="slots")
+        if predicate(value) or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.1)
+
+
+async def _eventually(get, timeout_s: float = 60.0):
+    """The first truthy ``get()`` within ``timeout_s`` (raises AssertionError after)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = get()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"condition not met within {timeout_s:.0f}s")
+        await asyncio.sleep(0.1)

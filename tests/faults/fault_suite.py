@@ -1,0 +1,105 @@
+"""Set up and run the fault suite: models, workload, reference outputs, the deployment, the scenarios.
+
+    rows = run_suite(model_dir, log_dir, names=SHORT, long=False)
+
+Used by ``tests/faults/test_faults.py`` (the short form, marker ``faults``; ``FAULTS_LONG=1`` runs
+the long form) and ``bench/faults.py`` (the long form; writes ``bench/results/faults.json``).
+The deployment: 1 prefiller + 2 decoders through the proxy, vLLM-CPU, chunked prefill at 512
+tokens per step, each decoder's receive buffer 8 slots (1 MiB: 8 chunks of 256 tokens of the tiny
+model), leases shortened so a leak is told from a lease in under a minute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from fault_client import make_prompts
+from fault_cluster import ClusterSpec, FaultCluster, build_variant_model, reference_outputs
+from fault_scenarios import BY_NAME, SHORT, Row, Suite, SuiteConfig, Workload
+
+logger = logging.getLogger(__name__)
+
+SPEC = ClusterSpec(
+    prefill=1,
+    decode=2,
+    buffer_size="1MB",
+    vllm_args=("--max-num-batched-tokens", "512"),  # chunked prefill: a long prompt is stored in several steps
+    proxy_args=("--prefill-timeout-s", "60", "--decode-idle-timeout-s", "60", "--instance-ttl-s", "6",
+                "--summary-interval-s", "0"),
+    receiver_p2p={"reserve_lease_s": 20, "ready_lease_s": 30},
+)
+
+
+def prompt_vocab(model: Path) -> list[int]:
+    """Token ids a prompt may use: the vocabulary without special tokens."""
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    special = {t["id"] for t in tokenizer.get("added_tokens", []) if t.get("special")}
+    return [i for i in range(vocab_size) if i not in special]
+
+
+def build_workload(model: Path, *, with_model_b: bool, models_dir: Path) -> Workload:
+    vocab = prompt_vocab(model)
+    w = Workload(
+        short=make_prompts(vocab, 8, 40, 200, 16, seed=1),
+        mid=make_prompts(vocab, 8, 700, 1000, 16, seed=2),
+        long=make_prompts(vocab, 8, 1500, 1750, 16, seed=3),
+        stream=make_prompts(vocab, 8, 100, 300, 1200, seed=4),
+    )
+    if with_model_b:
+        w.model_b = build_variant_model(model, models_dir / "tiny-llama-other-weights", weight_seed=1).resolve()
+    return w
+
+
+def attach_references(w: Workload, model: Path, log_dir: Path, cache_dir: Path | None) -> None:
+    everything = [*w.short, *w.mid, *w.long, *w.stream]
+    refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in everything], log_dir, SPEC,
+                             cache_dir)
+    for p, ids in zip(everything, refs["a"]):
+        p.reference["a"] = tuple(ids)
+    if w.model_b is not None:
+        targets = [*w.short, *w.mid]
+        refs_b = reference_outputs({"b": w.model_b}, [(list(p.ids), p.max_tokens) for p in targets], log_dir, SPEC,
+                                   cache_dir)
+        for p, ids in zip(targets, refs_b["b"]):
+            p.reference["b"] = tuple(ids)
+
+
+def run_suite(model: Path, log_dir: Path, names: Sequence[str] = SHORT, *, long: bool = False,
+              cache_dir: Path | None = None) -> list[Row]:
+    model = Path(model).resolve()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    w = build_workload(model, with_model_b="different_models" in names, models_dir=model.parent)
+    attach_references(w, model, log_dir / "reference", cache_dir)
+    cluster = FaultCluster(model, log_dir / "cluster", SPEC)
+    rows: list[Row] = []
+    try:
+        cluster.start()
+        suite = Suite(cluster, w, SuiteConfig(long=long))
+        for name in names:
+            rows.append(suite.run(BY_NAME[name]))
+    finally:
+        cluster.stop()
+    return rows
+
+
+def row_dict(row: Row) -> dict:
+    return dataclasses.asdict(row)
+
+
+def print_table(rows: Sequence[Row]) -> None:
+    cols = ["scenario", "requests", "succeeded", "clean_errors", "unclean_errors", "hung", "leaked_slots",
+            "held_slots_after_settle", "wrong_outputs", "recovered", "seconds"]
+    short = {"held_slots_after_settle": "held@settle", "unclean_errors": "unclean", "clean_errors": "clean_err"}
+    heads = [short.get(c, c) for c in cols]
+    table = [[str(getattr(r, c)) for c in cols] for r in rows]
+    widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h) for i, h in enumerate(heads)]
+    print("  ".join(h.ljust(wd) for h, wd in zip(heads, widths)))
+    for t in table:
+        print("  ".join(v.ljust(wd) for v, wd in zip(t, widths)))
+    for r in rows:
+        print(f"- {r.scenario}: {r.notes}" + (f"; errors: {r.errors}" if r.errors else ""))
