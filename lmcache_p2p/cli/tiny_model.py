@@ -62,8 +62,13 @@ def is_complete(model_dir: Path) -> bool:
     return (model_dir / COMPLETE_MARKER).is_file() and all((model_dir / f).is_file() for f in REQUIRED_FILES)
 
 
-def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
+def build_tiny_model(out_dir: Path, *, seed: int = 0, weight_seed: int | None = None,
+                     weight_std: float = WEIGHT_STD) -> Path:
     """Build the tiny Llama into ``out_dir`` and return it; reuse a complete build already there.
+
+    ``seed`` drives the tokenizer corpus and, unless ``weight_seed`` is given, the weights: the same
+    ``seed`` with another ``weight_seed`` is a different model with the same tokenizer (so the same
+    chunk hashes). ``weight_std`` 0.02 gives near-tied logits (the std 0.2 default is sharp).
 
     The build happens in a temporary sibling folder that is renamed into place, so a reader never
     sees a half-written model and two concurrent builders do not corrupt each other.
@@ -78,7 +83,8 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         tmp_dir.chmod(0o755)
-        _write_model(tmp_dir, seed=seed)
+        _write_model(tmp_dir, seed=seed, weight_seed=seed if weight_seed is None else weight_seed,
+                     weight_std=weight_std)
         _publish(tmp_dir, out_dir)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -97,12 +103,12 @@ def _publish(tmp_dir: Path, out_dir: Path) -> None:
             raise
 
 
-def _write_model(model_dir: Path, *, seed: int) -> None:
+def _write_model(model_dir: Path, *, seed: int, weight_seed: int, weight_std: float) -> None:
     tokenizer = _train_tokenizer(seed)
     tokenizer.save_pretrained(model_dir)
-    model = _random_model(len(tokenizer), tokenizer, seed=seed)
+    model = _random_model(len(tokenizer), tokenizer, seed=weight_seed, std=weight_std)
     model.save_pretrained(model_dir, safe_serialization=True)
-    (model_dir / COMPLETE_MARKER).write_text(f"seed={seed}\n")
+    (model_dir / COMPLETE_MARKER).write_text(f"seed={seed} weight_seed={weight_seed} weight_std={weight_std:g}\n")
 
 
 def _word_corpus(seed: int) -> list[str]:
@@ -138,7 +144,7 @@ def _train_tokenizer(seed: int):  # -> transformers.PreTrainedTokenizerFast
     return wrapped
 
 
-def _random_model(vocab_size: int, tokenizer, *, seed: int):  # -> transformers.LlamaForCausalLM
+def _random_model(vocab_size: int, tokenizer, *, seed: int, std: float = WEIGHT_STD):  # -> LlamaForCausalLM
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -151,7 +157,7 @@ def _random_model(vocab_size: int, tokenizer, *, seed: int):  # -> transformers.
         num_key_value_heads=NUM_KV_HEADS,
         head_dim=HEAD_DIM,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
-        initializer_range=WEIGHT_STD,
+        initializer_range=std,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -165,7 +171,7 @@ def _random_model(vocab_size: int, tokenizer, *, seed: int):  # -> transformers.
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32) * WEIGHT_STD)
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32) * std)
     return model.to(torch.bfloat16)
 
 
@@ -180,11 +186,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="folder to build the model into (reused if complete)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and tokenizer corpus (default 0)")
+    parser.add_argument("--weight-seed", type=int, default=None,
+                        help="another seed for the weights only: a different model, same tokenizer (default: --seed)")
+    parser.add_argument("--weight-std", type=float, default=WEIGHT_STD,
+                        help=f"std of the random weights; 0.02 gives near-tied logits (default {WEIGHT_STD})")
 
 
 def run(args: argparse.Namespace) -> int:
     """Handle parsed ``tiny-model`` arguments; print the model folder; return the exit code."""
-    model_dir = build_tiny_model(args.dir, seed=args.seed)
+    if args.weight_std <= 0:
+        raise SystemExit(f"--weight-std must be positive, got {args.weight_std}")
+    model_dir = build_tiny_model(args.dir, seed=args.seed, weight_seed=args.weight_seed, weight_std=args.weight_std)
     print(model_dir)
     return 0
 

@@ -6,9 +6,8 @@ computed, flips a greedy token (shared/FACTS.md: eager and compiled vLLM-CPU div
 prompts). The reference is a plain vLLM instance (no LMCache) with the deployment's vLLM flags;
 the deployment is 1P1D with ``--on-kv-failure fail`` and the decoder must load the prompt's KV.
 
-The tiny-model builder has no std option (lmcache_p2p/cli/tiny_model.py: ``WEIGHT_STD`` is a
-module constant); ``fault_cluster.build_variant_model`` builds this model with the base model's
-tokenizer and std 0.02 weights through the builder's own weight generator.
+``fault_cluster.build_variant_model`` builds it with the tiny-model builder's ``weight_std`` option
+(the base model's tokenizer, std 0.02 weights).
 """
 
 from __future__ import annotations

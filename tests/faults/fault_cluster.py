@@ -232,29 +232,13 @@ def _port_free(port: int) -> bool:
 # ---- models -----------------------------------------------------------------------------------
 
 def build_variant_model(base: Path, out_dir: Path, *, weight_seed: int, weight_std: float | None = None) -> Path:
-    """The base tiny model's tokenizer and config with other random weights (same tokenizer => same chunk hashes).
-
-    Uses ``lmcache_p2p.cli.tiny_model``'s own weight generator; ``weight_std`` patches its module
-    constant ``WEIGHT_STD`` for this build (the builder has no std option: see RELIABILITY.md).
-    """
-    out_dir = Path(out_dir)
-    if (out_dir / "model.safetensors").is_file():
-        return out_dir
-    from unittest import mock
-
-    from transformers import PreTrainedTokenizerFast
-
+    """The base tiny model's tokenizer (same seed => same tokenizer => same chunk hashes) with other
+    random weights, built by the project's own builder."""
     from lmcache_p2p.cli import tiny_model
 
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    with mock.patch.object(tiny_model, "WEIGHT_STD", weight_std if weight_std is not None else tiny_model.WEIGHT_STD):
-        model = tiny_model._random_model(len(tokenizer), tokenizer, seed=weight_seed)
-    tokenizer.save_pretrained(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
-    os.replace(tmp, out_dir)
-    return out_dir
+    del base  # the tokenizer comes from the same seed as the base build's
+    std = tiny_model.WEIGHT_STD if weight_std is None else weight_std
+    return tiny_model.build_tiny_model(Path(out_dir), seed=0, weight_seed=weight_seed, weight_std=std)
 
 
 # ---- the reference: one plain vLLM, no LMCache ---------------------------------------------------
