@@ -76,6 +76,10 @@ class SlotPool:
         self._quarantined = 0
 
     # ---- queries ----
+    def now(self) -> float:
+        """The pool's clock (leases and write windows are measured on it)."""
+        return self._clock()
+
     @property
     def free_slots(self) -> int:
         return len(self._free)
