@@ -9,6 +9,8 @@ from __future__ import annotations
 import signal
 import time
 
+from conftest import EngineProc
+
 
 def store(sender, port, seed, n, req_id, *, end=None, skip=0, last=True, spec=True):
     reply = sender.call(op="store", seed=seed, num_tokens=n, end=end or n, skip=skip, req_id=req_id,
@@ -87,7 +89,8 @@ def test_buffer_smaller_than_request_is_refused_fast_and_frees_everything(make_p
 
 
 def test_dead_sender_slots_return_and_restarted_receiver_is_found_again(make_pair):
-    pair = make_pair(reserve_lease_s=2, ready_lease_s=2)
+    # Short leases; the receiver's write window (transfer_timeout_s + quarantine_margin_s) must be shorter still.
+    pair = make_pair(reserve_lease_s=2, ready_lease_s=2, transfer_timeout_s=1, quarantine_margin_s=0.5)
     # A request whose last store never comes: its sender dies mid-request.
     store(pair.sender, pair.port, seed=11, n=900, req_id="orphan", end=512, last=False)
     wait_for(lambda: pair.receiver.call(op="lookup", seed=11, num_tokens=900), lambda r: r["hit_tokens"] == 512, 10)
@@ -105,3 +108,18 @@ def test_dead_sender_slots_return_and_restarted_receiver_is_found_again(make_pai
     store(pair.sender, pair.port, seed=13, n=600, req_id="after-restart")
     assert_received(pair.receiver, seed=13, n=600)
     assert all_free(pair.receiver)
+
+
+def test_prefiller_of_another_model_is_refused_and_nothing_is_loaded(make_pair):
+    pair = make_pair()
+    pair.sender.close()
+    pair.sender = EngineProc("prefiller", pair.scfg, pair.tmp / "prefiller-other-model.log",
+                             env_extra={"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo",
+                                        "ENGINE_PROC_MODEL_NAME": "other-model"})
+    store(pair.sender, pair.port, seed=21, n=300, req_id="other-model")
+    stats = wait_for(lambda: pair.sender.call(op="slots"), lambda s: s["failed"] == 1, 10)
+    assert stats["failed"] == 1
+    assert pair.receiver.call(op="lookup", seed=21, num_tokens=300) == {"hit_tokens": 0}
+    assert pair.receiver.call(op="slots")["free"] == pair.receiver.call(op="slots")["capacity"]
+    log = pair.sender.log_path.read_text()
+    assert "KV fingerprint mismatch in model" in log and "'tiny'" in log and "'other-model'" in log
