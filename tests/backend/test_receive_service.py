@@ -385,48 +385,80 @@ def test_silent_sender_is_forgotten_and_its_pair_torn_down(make_rig) -> None:
 # ---- end to end on the NCCL transport (Gloo on CPU): a doorbell outside the grant lands nothing ----
 
 
-def test_nccl_write_into_a_slot_not_granted_to_that_sender_lands_nothing() -> None:
+class NcclRig:
+    """A ReceiveService on a real NCCL transport (Gloo on CPU) and one sender: transport + control socket."""
+
+    def __init__(self, **cfg) -> None:
+        import torch
+
+        from lmcache_p2p.transport.nccl.transport import NcclTransport
+
+        self.cfg = P2PConfig.from_mapping({"role": "receiver", "transport": "nccl", "control_ports": [free_port()],
+                                           "transport_ports": [free_port()], "transfer_timeout_s": 10, **cfg})
+        self.rx = NcclTransport("rx", port=self.cfg.transport_port(0), timeout_s=10)
+        self.tx = NcclTransport("tx", timeout_s=10)
+        self.buf = torch.zeros(3 * SLOT_BYTES, dtype=torch.uint8)
+        region = self.rx.register(self.buf)
+        self.pool = SlotPool(3, write_window_s=self.cfg.write_window_s)
+        self.service = ReceiveService(self.cfg, tp_rank=0, tp_size=1, transport=self.rx, pool=self.pool,
+                                      slot_bytes=SLOT_BYTES, region_addr=region.addr, chunk_tokens=16,
+                                      dtype="bfloat16")
+        self.ctx = zmq.Context()
+        self.sender = Sender(self.ctx, self.service.control_endpoint, "sender-a", "tx")
+
+    def hello_and_connect(self) -> tuple[protocol.Welcome, str]:
+        welcome = self.sender.call(protocol.Hello(protocol.PROTOCOL_VERSION, "sender-a", 0, self.tx.info()))
+        assert isinstance(welcome, protocol.Welcome)
+        return welcome, self.tx.connect(welcome.transport, 10)
+
+    @staticmethod
+    def recv_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("nccl-recv:rx<-")]
+
+    def close(self) -> None:
+        self.sender.sock.close()
+        self.service.close()
+        self.tx.close()
+        self.rx.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def nccl_rig() -> Iterator[NcclRig]:
+    rig = NcclRig()
+    yield rig
+    rig.close()
+
+
+def test_nccl_write_into_a_slot_not_granted_to_that_sender_lands_nothing(nccl_rig) -> None:
     import torch
 
-    from lmcache_p2p.transport.nccl.transport import NcclTransport
+    tx, buf, pool, service, sender = nccl_rig.tx, nccl_rig.buf, nccl_rig.pool, nccl_rig.service, nccl_rig.sender
+    welcome, peer = nccl_rig.hello_and_connect()
+    (slot,) = sender.alloc("req-a", ["k1"]).slots
+    data = torch.randint(0, 256, (SLOT_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
 
-    cfg = P2PConfig.from_mapping({"role": "receiver", "transport": "nccl", "control_ports": [free_port()],
-                                  "transport_ports": [free_port()], "transfer_timeout_s": 10})
-    rx = NcclTransport("rx", port=cfg.transport_port(0), timeout_s=10)
-    tx = NcclTransport("tx", timeout_s=10)
-    buf = torch.zeros(3 * SLOT_BYTES, dtype=torch.uint8)
-    region = rx.register(buf)
-    pool = SlotPool(3, write_window_s=cfg.write_window_s)
-    service = ReceiveService(cfg, tp_rank=0, tp_size=1, transport=rx, pool=pool, slot_bytes=SLOT_BYTES,
-                             region_addr=region.addr, chunk_tokens=16, dtype="bfloat16")
-    ctx = zmq.Context()
-    sender = Sender(ctx, service.control_endpoint, "sender-a", "tx")
-    try:
-        welcome = sender.call(protocol.Hello(protocol.PROTOCOL_VERSION, "sender-a", 0, tx.info()))
-        assert isinstance(welcome, protocol.Welcome)
-        peer = tx.connect(welcome.transport, 10)
-        (slot,) = sender.alloc("req-a", ["k1"]).slots
-        data = torch.randint(0, 256, (SLOT_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    def write(to_slot: int, req_id: str) -> None:
+        notif = protocol.encode(protocol.Written("sender-a", req_id, [to_slot]))
+        handle = tx.write(peer, [data], [welcome.buffer_addr + to_slot * SLOT_BYTES], notif)
+        try:
+            tx.wait(handle, 10)
+        except Exception:  # noqa: BLE001 - a refused write may fail on the sender; the receiver side is checked
+            pass
 
-        def write(to_slot: int, req_id: str) -> None:
-            notif = protocol.encode(protocol.Written("sender-a", req_id, [to_slot]))
-            handle = tx.write(peer, [data], [welcome.buffer_addr + to_slot * SLOT_BYTES], notif)
-            try:
-                tx.wait(handle, 10)
-            except Exception:  # noqa: BLE001 - a refused write may fail on the sender; the receiver side is checked
-                pass
+    write(slot, "req-a")
+    assert eventually(lambda: service.count_ready(["k1"]) == 1)
+    assert torch.equal(buf[slot * SLOT_BYTES:(slot + 1) * SLOT_BYTES], data)
+    stray = (slot + 1) % 3  # FREE: granted to nobody
+    write(stray, "req-a")
+    assert eventually(lambda: service.counters.writes_refused == 1)
+    assert not buf[stray * SLOT_BYTES:(stray + 1) * SLOT_BYTES].any(), "a refused write landed"
+    assert pool.state(stray) is SlotState.FREE
 
-        write(slot, "req-a")
-        assert eventually(lambda: service.count_ready(["k1"]) == 1)
-        assert torch.equal(buf[slot * SLOT_BYTES:(slot + 1) * SLOT_BYTES], data)
-        stray = (slot + 1) % 3  # FREE: granted to nobody
-        write(stray, "req-a")
-        assert eventually(lambda: service.counters.writes_refused == 1)
-        assert not buf[stray * SLOT_BYTES:(stray + 1) * SLOT_BYTES].any(), "a refused write landed"
-        assert pool.state(stray) is SlotState.FREE
-    finally:
-        sender.sock.close()
-        service.close()
-        tx.close()
-        rx.close()
-        ctx.term()
+
+def test_nccl_pair_of_a_sender_that_says_goodbye_is_torn_down(nccl_rig) -> None:
+    nccl_rig.hello_and_connect()
+    assert eventually(lambda: nccl_rig.recv_threads() == ["nccl-recv:rx<-tx"])
+    nccl_rig.sender.send(protocol.Goodbye("sender-a"))
+    assert eventually(lambda: nccl_rig.recv_threads() == []), "the receiver kept serving a departed sender"
+    assert nccl_rig.service.counters.senders_torn_down == 1
