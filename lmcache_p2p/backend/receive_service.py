@@ -190,12 +190,13 @@ class ReceiveService:
             return
         self._closed = True
         self._stop.set()
+        deadline = time.monotonic() + timeout_s
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.error("receiver thread did not stop within %.1fs", timeout_s)
-        for thread in list(self._teardowns):
-            thread.join(timeout_s)
+        for thread in list(self._teardowns):  # pair teardowns in flight (each bounded by the transport)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         poller = zmq.Poller()
