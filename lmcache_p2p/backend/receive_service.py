@@ -431,7 +431,8 @@ class ReceiveService:
         """May ``peer`` write ``dests`` ((address, bytes) each) with notification ``notif``? "" if so.
 
         Admitted only when the notification is a Written of a request granted to ``peer``, and
-        ``dests`` are exactly its slots, each RESERVED (or QUARANTINED) for that request and writer.
+        ``dests`` are exactly its slots, each RESERVED (or QUARANTINED) for that request and writer
+        and not written before under this grant.
         The slots then stay quarantined, if given up, until this write's receive deadline passed.
         """
         reason = self._write_refusal(peer, dests, notif)
@@ -459,7 +460,8 @@ class ReceiveService:
         until = self._pool.now() + self._cfg.write_window_s
         refused = self._pool.admit_write((peer, written.req_id), slots, until)
         if refused:
-            return f"slots {refused} are not granted to request {written.req_id} of {peer}"
+            return (f"slots {refused} are not granted to request {written.req_id} of {peer}, "
+                    "or this grant was already written")
         return ""
 
     # ---- arrivals, expiry, completion ---------------------------------------------------------

@@ -70,6 +70,7 @@ class SlotPool:
         self._writer: list[Writer | None] = [None] * num_slots
         self._deadline = [0.0] * num_slots  # lease end (RESERVED, READY)
         self._write_until = [0.0] * num_slots  # until when a write may land (RESERVED, QUARANTINED)
+        self._admitted = [False] * num_slots  # a transport started receiving the (one) write of this grant
         self._free: deque[int] = deque(range(num_slots))  # FIFO: popleft() gives the least recently freed
         self._by_owner: dict[Owner, set[int]] = {}
         self._reserved = 0  # slots granted whose bytes have not landed yet
@@ -136,6 +137,7 @@ class SlotPool:
                 self._writer[s] = writer
                 self._deadline[s] = now + lease_s
                 self._write_until[s] = now + self.write_window_s
+                self._admitted[s] = False
                 owned.add(s)
             return slots
 
@@ -173,18 +175,22 @@ class SlotPool:
     def admit_write(self, writer: Writer, slots: Iterable[int], until: float) -> list[int]:
         """A transport is about to receive ``writer``'s bytes into ``slots``, landing by ``until``.
 
-        All or nothing: if every slot is RESERVED or QUARANTINED for ``writer``, extend their write
-        windows to at least ``until`` (a quarantined slot stays so until then) and return [];
-        otherwise change nothing and return the slots that may not be written.
+        All or nothing: if every slot is RESERVED or QUARANTINED for ``writer`` and not admitted
+        before (a grant is written once), extend their write windows to at least ``until`` (a
+        quarantined slot stays so until then) and return []; otherwise change nothing and return
+        the slots that may not be written.
         """
         slots = list(slots)
         with self._lock:
             refused = [s for s in slots if not (
-                self._in_range(s) and self._writer[s] == writer
+                self._in_range(s) and self._writer[s] == writer and not self._admitted[s]
                 and self._state[s] in (SlotState.RESERVED, SlotState.QUARANTINED))]
-            if not refused:
+            if not refused and len(set(slots)) == len(slots):
                 for s in slots:
+                    self._admitted[s] = True
                     self._write_until[s] = max(self._write_until[s], until)
+            elif not refused:
+                refused = slots
         return refused
 
     def acquire(self, slot: int, owner: Owner) -> bool:

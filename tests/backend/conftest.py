@@ -88,12 +88,14 @@ class EngineProc:
 class Pair:
     """A decoder engine and a prefiller engine wired to it; either side can be restarted."""
 
-    def __init__(self, tmp: Path, buffer_size: str, alloc_timeout_s: float, **receiver_opts) -> None:
+    def __init__(self, tmp: Path, buffer_size: str, alloc_timeout_s: float, sender_opts: dict | None = None,
+                 **receiver_opts) -> None:
         self.tmp = tmp
         self.port = free_port()
         self.rcfg = write_config(tmp / "decoder.yaml", "decoder.yaml", buffer_size=buffer_size,
                                  control_ports=[self.port], transport_ports=[free_port()], **receiver_opts)
-        self.scfg = write_config(tmp / "prefiller.yaml", "prefiller.yaml", alloc_timeout_s=alloc_timeout_s)
+        self.scfg = write_config(tmp / "prefiller.yaml", "prefiller.yaml", alloc_timeout_s=alloc_timeout_s,
+                                 **(sender_opts or {}))
         self.receiver = self.start_receiver()
         self.sender = self.start_sender()
 
@@ -121,8 +123,9 @@ def make_pair(tmp_path):
     """A pair of the test's own, for tests that change settings or kill processes."""
     made: list[Pair] = []
 
-    def make(buffer_size: str = "64MB", alloc_timeout_s: float = 5.0, **receiver_opts) -> Pair:
-        made.append(Pair(tmp_path, buffer_size, alloc_timeout_s, **receiver_opts))
+    def make(buffer_size: str = "64MB", alloc_timeout_s: float = 5.0, sender_opts: dict | None = None,
+             **receiver_opts) -> Pair:
+        made.append(Pair(tmp_path, buffer_size, alloc_timeout_s, sender_opts, **receiver_opts))
         return made[-1]
 
     yield make

@@ -123,3 +123,15 @@ def test_prefiller_of_another_model_is_refused_and_nothing_is_loaded(make_pair):
     assert pair.receiver.call(op="slots")["free"] == pair.receiver.call(op="slots")["capacity"]
     log = pair.sender.log_path.read_text()
     assert "KV fingerprint mismatch in model" in log and "'tiny'" in log and "'other-model'" in log
+
+
+def test_nccl_on_gloo_real_sender_writes_pass_the_receivers_write_guard(make_pair):
+    # Every doorbell of the real sender is checked against its grants (ReceiveService.admit_write).
+    pair = make_pair(transport="nccl", sender_opts={"transport": "nccl"})
+    store(pair.sender, pair.port, seed=31, n=650, req_id="nccl-1")
+    store(pair.sender, pair.port, seed=32, n=1024, req_id="nccl-2")
+    assert_received(pair.receiver, seed=31, n=650)
+    assert_received(pair.receiver, seed=32, n=1024)
+    assert all_free(pair.receiver)
+    stats = wait_for(lambda: pair.sender.call(op="slots"), lambda s: s["pending"] == 0, 5)
+    assert stats["failed"] == 0

@@ -294,6 +294,7 @@ def test_write_guard_admits_only_the_granted_slots_of_that_writer(make_rig) -> N
         guard("tx-a", [(REGION_ADDR + 3 * SLOT_BYTES, SLOT_BYTES)], _notif("sender-a", "req-a", [3])),  # past end
         guard("tx-a", [(REGION_ADDR, 2 * SLOT_BYTES)], _notif("sender-a", "req-a", [0])),  # longer than a slot
         guard("tx-a", _dests(*slots_a), b"not msgpack"),
+        guard("tx-a", _dests(*slots_a), _notif("sender-a", "req-a", slots_a)),  # the same grant written twice
     ]
     assert all(refusals), refusals
     assert rig.service.counters.writes_refused == len(refusals)

@@ -119,9 +119,11 @@ def test_admit_write_checks_the_writer_and_extends_the_quarantine():
     (b,) = pool.reserve("b", 1, lease_s=40, writer="peer-b")
     assert pool.admit_write("peer-a", [a[0], b], until=50) == [b]  # all or nothing
     assert pool.admit_write("peer-a", [a[0], 99], until=50) == [99]
-    assert pool.admit_write("peer-a", a, until=50) == []
+    assert pool.admit_write("peer-a", [a[0], a[0]], until=50) == [a[0], a[0]]  # one slot twice in a write
+    assert pool.admit_write("peer-a", [a[0]], until=50) == []
     pool.release_owner("a")
-    assert pool.admit_write("peer-a", a, until=50) == []  # quarantined: its own late write may land
+    assert pool.admit_write("peer-a", [a[1]], until=50) == []  # quarantined: its own late write may land
+    assert pool.admit_write("peer-a", a, until=50) == a  # a grant is written once: a second write is refused
     clock.now = 20  # past the grant's window, not past the admitted receive's deadline
     pool.expire()
     assert [pool.state(s) for s in a] == [SlotState.QUARANTINED] * 2
@@ -141,12 +143,14 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = SlotPool(8, clock=self.clock, write_window_s=2)
         self.owners = ["a", "b", "c"]
         self.quarantined_at: dict[int, object] = {}  # slot -> writer, while quarantined
+        self.admitted: set[int] = set()  # slots whose grant a transport started receiving
 
     @rule(owner=st.sampled_from(["a", "b", "c"]), count=st.integers(0, 5), lease=st.floats(0.5, 5))
     def reserve(self, owner, count, lease):
         before = self.pool.free_slots
         try:
             slots = self.pool.reserve(owner, count, lease, writer=f"peer-{owner}")
+            self.admitted -= set(slots)  # a new grant may be written once again
             assert len(slots) == count and self.pool.free_slots == before - count
             assert not set(slots) & set(self.quarantined_at), "a quarantined slot was granted"
         except BufferFull:
@@ -189,8 +193,11 @@ class PoolMachine(RuleBasedStateMachine):
         s = data.draw(st.integers(0, self.pool.num_slots - 1))
         before = self.pool.state(s)
         refused = self.pool.admit_write(writer, [s], self.clock.now + until)
-        allowed = before in (SlotState.RESERVED, SlotState.QUARANTINED) and self.pool.writer(s) == writer
+        allowed = (before in (SlotState.RESERVED, SlotState.QUARANTINED) and self.pool.writer(s) == writer
+                   and s not in self.admitted)
         assert refused == ([] if allowed else [s]) and self.pool.state(s) is before
+        if allowed:
+            self.admitted.add(s)
 
     @rule(dt=st.floats(0, 4))
     def tick_and_expire(self, dt):
