@@ -389,7 +389,7 @@ def test_silent_sender_is_forgotten_and_its_pair_torn_down(make_rig) -> None:
 class NcclRig:
     """A ReceiveService on a real NCCL transport (Gloo on CPU) and one sender: transport + control socket."""
 
-    def __init__(self, **cfg) -> None:
+    def __init__(self, fingerprint: protocol.Fingerprint | None = None, **cfg) -> None:
         import torch
 
         from lmcache_p2p.transport.nccl.transport import NcclTransport
@@ -403,7 +403,7 @@ class NcclRig:
         self.pool = SlotPool(3, write_window_s=self.cfg.write_window_s)
         self.service = ReceiveService(self.cfg, tp_rank=0, tp_size=1, transport=self.rx, pool=self.pool,
                                       slot_bytes=SLOT_BYTES, region_addr=region.addr, chunk_tokens=16,
-                                      dtype="bfloat16")
+                                      dtype="bfloat16", fingerprint=fingerprint)
         self.ctx = zmq.Context()
         self.sender = Sender(self.ctx, self.service.control_endpoint, "sender-a", "tx")
 
@@ -463,3 +463,55 @@ def test_nccl_pair_of_a_sender_that_says_goodbye_is_torn_down(nccl_rig) -> None:
     nccl_rig.sender.send(protocol.Goodbye("sender-a"))
     assert eventually(lambda: nccl_rig.recv_threads() == []), "the receiver kept serving a departed sender"
     assert nccl_rig.service.counters.senders_torn_down == 1
+
+
+def _send_service(fingerprint: protocol.Fingerprint | None, tx) -> object:
+    from lmcache_p2p.backend.send_service import SendService
+
+    cfg = P2PConfig.from_mapping({"role": "sender", "transport": "nccl", "transfer_timeout_s": 10,
+                                  "connect_timeout_s": 10})
+    return SendService(cfg, tp_rank=0, tp_size=1, transport=tx, fingerprint=fingerprint)
+
+
+@pytest.mark.parametrize("fingerprint", [FINGERPRINT, None])
+def test_real_send_service_over_nccl_passes_the_write_guard(fingerprint) -> None:
+    import torch
+
+    from lmcache_p2p.backend.send_service import Chunk as SendChunk
+    from lmcache_p2p.backend.send_service import Target
+
+    rig = NcclRig(fingerprint)
+    sender = _send_service(fingerprint, rig.tx)
+    try:
+        data = [torch.randint(0, 256, (SLOT_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+                for i in range(2)]
+        chunks = [SendChunk(f"k{i}", SHAPE, d, lambda: None) for i, d in enumerate(data)]
+        sender.submit("req-1", Target("127.0.0.1", rig.cfg.control_port(0)), chunks, last=True)
+        assert eventually(lambda: rig.service.count_ready(["k0", "k1"]) == 2)
+        for i in range(2):
+            chunk = rig.service.take(f"k{i}")
+            assert torch.equal(rig.buf[chunk.slot * SLOT_BYTES:(chunk.slot + 1) * SLOT_BYTES], data[i])
+        assert rig.service.counters.writes_refused == 0 and rig.service.counters.written_ignored == 0
+    finally:
+        sender.close()
+        rig.close()
+
+
+def test_real_send_service_with_another_fingerprint_is_refused_and_fails_its_request() -> None:
+    import msgspec
+    import torch
+
+    from lmcache_p2p.backend.send_service import Chunk as SendChunk
+    from lmcache_p2p.backend.send_service import Target
+
+    rig = NcclRig(FINGERPRINT)
+    sender = _send_service(msgspec.structs.replace(FINGERPRINT, num_layers=3), rig.tx)
+    try:
+        chunk = SendChunk("k0", SHAPE, torch.zeros(SLOT_BYTES, dtype=torch.uint8), lambda: None)
+        sender.submit("req-1", Target("127.0.0.1", rig.cfg.control_port(0)), [chunk], last=True)
+        assert eventually(lambda: sender.stats().requests_failed == 1)
+        assert rig.service.counters.hello_refused_fingerprint == 1
+        assert rig.pool.free_slots == rig.pool.num_slots and rig.service.count_ready(["k0"]) == 0
+    finally:
+        sender.close()
+        rig.close()
