@@ -11,6 +11,7 @@ import collections
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
@@ -396,8 +397,9 @@ class NcclRig:
 
         self.cfg = P2PConfig.from_mapping({"role": "receiver", "transport": "nccl", "control_ports": [free_port()],
                                            "transport_ports": [free_port()], "transfer_timeout_s": 10, **cfg})
-        self.rx = NcclTransport("rx", port=self.cfg.transport_port(0), timeout_s=10)
-        self.tx = NcclTransport("tx", timeout_s=10)
+        self.tag = uuid.uuid4().hex[:6]  # unique thread names: an earlier test's pair may still be ending
+        self.rx = NcclTransport(f"rx-{self.tag}", port=self.cfg.transport_port(0), timeout_s=10)
+        self.tx = NcclTransport(f"tx-{self.tag}", timeout_s=10)
         self.buf = torch.zeros(3 * SLOT_BYTES, dtype=torch.uint8)
         region = self.rx.register(self.buf)
         self.pool = SlotPool(3, write_window_s=self.cfg.write_window_s)
@@ -405,16 +407,15 @@ class NcclRig:
                                       slot_bytes=SLOT_BYTES, region_addr=region.addr, chunk_tokens=16,
                                       dtype="bfloat16", fingerprint=fingerprint)
         self.ctx = zmq.Context()
-        self.sender = Sender(self.ctx, self.service.control_endpoint, "sender-a", "tx")
+        self.sender = Sender(self.ctx, self.service.control_endpoint, "sender-a", f"tx-{self.tag}")
 
     def hello_and_connect(self) -> tuple[protocol.Welcome, str]:
         welcome = self.sender.call(protocol.Hello(protocol.PROTOCOL_VERSION, "sender-a", 0, self.tx.info()))
         assert isinstance(welcome, protocol.Welcome)
         return welcome, self.tx.connect(welcome.transport, 10)
 
-    @staticmethod
-    def recv_threads() -> list[str]:
-        return [t.name for t in threading.enumerate() if t.name.startswith("nccl-recv:rx<-")]
+    def recv_threads(self) -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith(f"nccl-recv:rx-{self.tag}<-")]
 
     def close(self) -> None:
         self.sender.sock.close()
@@ -459,7 +460,7 @@ def test_nccl_write_into_a_slot_not_granted_to_that_sender_lands_nothing(nccl_ri
 
 def test_nccl_pair_of_a_sender_that_says_goodbye_is_torn_down(nccl_rig) -> None:
     nccl_rig.hello_and_connect()
-    assert eventually(lambda: nccl_rig.recv_threads() == ["nccl-recv:rx<-tx"])
+    assert eventually(lambda: nccl_rig.recv_threads() == [f"nccl-recv:rx-{nccl_rig.tag}<-tx-{nccl_rig.tag}"])
     nccl_rig.sender.send(protocol.Goodbye("sender-a"))
     assert eventually(lambda: nccl_rig.recv_threads() == []), "the receiver kept serving a departed sender"
     assert nccl_rig.service.counters.senders_torn_down == 1

@@ -178,6 +178,17 @@ def test_write_guard_refuses_a_write_before_any_byte_of_it_is_received(make) -> 
     assert torch.equal(buf[512 * KIB : 513 * KIB], again)
 
 
+def test_receiver_disconnect_stops_a_pair_still_pairing(make) -> None:
+    rx, tx = make("rx"), make("tx", timeout_s=2.0)
+    _recv_buffer(rx, MIB)
+    rx.accept(tx.info())
+    assert _recv_threads("rx") == ["nccl-recv:rx<-tx"]
+    rx.disconnect("tx")  # before the sender joined: the offer is retracted, the thread ends
+    assert _eventually(lambda: _recv_threads("rx") == []), "a pairing thread outlived its sender's disconnect"
+    with pytest.raises(PeerUnreachable):
+        tx.connect(rx.info(), 2.0)
+
+
 def test_killed_sender_restarted_under_the_same_name_gets_a_new_pair(fresh_pair) -> None:
     pair = fresh_pair
     first, _ = pair.tx.call("write", pair.peer, [(0, 4096)], [pair.slot_addr(0)], b"before-kill")

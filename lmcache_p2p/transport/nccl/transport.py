@@ -387,16 +387,21 @@ class NcclTransport(Transport):
             logger.warning("%s: sender thread to %s still finishing posted writes", self._name, pair.peer)
 
     def disconnect(self, peer: str) -> None:
-        """Tear down our pair(s) with ``peer`` (as sender and/or receiver); unknown peers are ignored."""
+        """Tear down our pair(s) with ``peer`` (as sender and/or receiver); unknown peers are ignored.
+
+        As receiver, every pair of ``peer`` stops, the serving one and any still pairing (a sender
+        that said Goodbye right after its Hello must not leave a pair behind).
+        """
         with self._lock:
             self._check_open()
             sender = self._senders.pop(peer, None)
-            receiver = self._receivers.pop(peer, None)
+            self._receivers.pop(peer, None)
+            receivers = [p for p in self._recv_threads if p.sender == peer]
         if sender is not None:
             sender.stop()
-        if receiver is not None:
+        for receiver in receivers:
             self._stop_receiver(receiver)
-        self._join_all([p for p in (sender, receiver) if p is not None])
+        self._join_all([p for p in (sender, *receivers) if p is not None])
 
     # ---- writes -------------------------------------------------------------------------------
 
