@@ -148,14 +148,33 @@ class P2PConfig:
     # Sender: how long a failed write's chunks stay referenced until the transport confirms that
     # nothing reads them any more; past it they are never handed back to LMCache (logged leak).
     settle_timeout_s: float = 60.0
-    reserve_lease_s: float = 30.0
+    # A granted slot given up before its bytes landed stays quarantined for transfer_timeout_s plus
+    # this margin after its grant (a late write may still land in it); the reserve lease must be longer.
+    quarantine_margin_s: float = 5.0
+    reserve_lease_s: float = 60.0  # when not set: max(60, 2 * (transfer_timeout_s + quarantine_margin_s))
     ready_lease_s: float = 120.0
     heartbeat_interval_s: float = 2.0
+    # Receiver: a sender silent this long (no control message, no landed write) is forgotten and
+    # its transport pair torn down; it says Hello again on its next request.
+    sender_idle_timeout_s: float = 600.0
     # NIXL: UCX backend parameters, e.g. {"ucx_error_handling_mode": "none"}.
     nixl_backend_params: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.check_exposure()
+        if self.reserve_lease_s <= self.write_window_s:
+            raise ConfigError(
+                f"{SECTION}.reserve_lease_s",
+                f"is {self.reserve_lease_s:g}s but must exceed {SECTION}.transfer_timeout_s + "
+                f"{SECTION}.quarantine_margin_s ({self.transfer_timeout_s:g}s + {self.quarantine_margin_s:g}s): "
+                "a granted slot's lease must outlive every write that may still land in it; raise "
+                f"{SECTION}.reserve_lease_s or lower {SECTION}.transfer_timeout_s",
+            )
+
+    @property
+    def write_window_s(self) -> float:
+        """How long after a grant a write into that slot may still land (quarantine of a given-up slot)."""
+        return self.transfer_timeout_s + self.quarantine_margin_s
 
     def check_exposure(self) -> None:
         """A receiver's control port (and NCCL store) beyond loopback needs a shared secret."""
@@ -225,6 +244,10 @@ class P2PConfig:
             key = f"{SECTION}.{name}"
             name = aliases.get(name, name)
             values[name] = _convert(key, name, value)
+        if "reserve_lease_s" not in values:
+            transfer = values.get("transfer_timeout_s", cls.transfer_timeout_s)
+            margin = values.get("quarantine_margin_s", cls.quarantine_margin_s)
+            values["reserve_lease_s"] = max(cls.reserve_lease_s, 2 * (transfer + margin))
         cfg = cls(**values)
         if cfg.role is Role.RECEIVER:
             cfg.advertised_host()  # fail at load, not when the first peer is told where to dial

@@ -158,3 +158,16 @@ def test_sender_request_and_settle_timeouts():
         with pytest.raises(ConfigError) as info:
             P2PConfig.from_mapping({"role": "sender", key: -1})
         assert info.value.key == f"p2p.{key}"
+
+
+def test_reserve_lease_must_outlive_the_write_window():
+    with pytest.raises(ConfigError, match=r"p2p\.reserve_lease_s.*p2p\.transfer_timeout_s \+ p2p\.quarantine_margin_s"):
+        P2PConfig.from_mapping({"role": "receiver", "reserve_lease_s": 30, "transfer_timeout_s": 30})
+    cfg = P2PConfig.from_mapping({"role": "receiver", "reserve_lease_s": 36, "transfer_timeout_s": 30})
+    assert cfg.write_window_s == 35 and cfg.reserve_lease_s == 36
+
+
+def test_reserve_lease_not_set_is_derived_from_the_transfer_deadline():
+    assert P2PConfig.from_mapping({"role": "receiver"}).reserve_lease_s == 70  # 2 * (30 + 5)
+    cfg = P2PConfig.from_mapping({"role": "receiver", "transfer_timeout_s": 100, "quarantine_margin_s": 10})
+    assert cfg.reserve_lease_s == 220 and cfg.reserve_lease_s > cfg.write_window_s

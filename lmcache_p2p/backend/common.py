@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from lmcache_p2p.config import P2PConfig, Role, check_lmcache_settings
+from lmcache_p2p.protocol import Fingerprint
 from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.transport import Transport, create_transport
 
@@ -62,3 +63,20 @@ def build_transport(cfg: P2PConfig, name: str, tp_rank: int, gpu: str | None = N
 
 def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def fingerprint_of(metadata: Any) -> Fingerprint | None:
+    """What this worker's KV bytes mean, from LMCache's metadata (``LMCacheMetadata`` in 0.5.x).
+
+    ``kv_shape`` is (layers, 2 or 1, chunk_tokens, kv_heads, head_size) for this TP rank; MLA
+    models hold one latent instead of K and V (LMCache's KV_MLA_FMT). None without metadata.
+    """
+    if metadata is None:
+        return None
+    layers, _, chunk_tokens, kv_heads, head_size = (int(x) for x in metadata.kv_shape)
+    rank, size = tp_rank_of(metadata)
+    return Fingerprint(
+        model=str(getattr(metadata, "model_name", "") or ""), num_layers=layers, kv_heads=kv_heads,
+        head_size=head_size, dtype=dtype_name(metadata.kv_dtype), chunk_tokens=chunk_tokens, tp_size=size,
+        tp_rank=rank, kv_format="KV_MLA_FMT" if getattr(metadata, "use_mla", False) else "KV_2LTD",
+    )

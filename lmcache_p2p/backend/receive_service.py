@@ -8,6 +8,21 @@ Per request: ``Alloc`` batches arrive in order; each new chunk gets a RESERVED s
 chunks get -1), a ``Written`` notification turns slots READY, and once the last batch was
 announced and every granted slot is READY the request's KV is ready (KvReady to the proxy).
 A refused, cancelled, expired or abandoned request frees its slots and reports KvFailed.
+
+Integrity (a wrong answer is worse than a slow one):
+  * a sender whose KV :class:`~lmcache_p2p.protocol.Fingerprint` differs from ours is refused at
+    Hello (nothing is reserved for it); so a chunk key (the chunk hash) names the same KV on both
+    sides, and the wire keeps the bare hash;
+  * a slot is granted to one request of one sender (its *writer*: the sender's transport name and
+    the request id). A slot given up before its bytes landed is QUARANTINED by the pool until that
+    writer's Written arrives or the write window (``p2p.transfer_timeout_s`` +
+    ``p2p.quarantine_margin_s`` after the grant) passes; it is never granted meanwhile;
+  * a Written counts only from the transport peer and sender that own the request, and only for
+    slots granted to that request; anything else is ignored and counted;
+  * two-sided transports (NCCL) ask :meth:`ReceiveService.admit_write` before receiving: a write
+    must target exactly the slots its Written names, all granted to that writer;
+  * a sender that says Goodbye, is replaced, or stays silent for ``p2p.sender_idle_timeout_s``
+    is forgotten and its transport pair torn down (off the control thread).
 """
 
 from __future__ import annotations
@@ -25,7 +40,7 @@ from lmcache_p2p import protocol
 from lmcache_p2p.backend.announcer import Announcer
 from lmcache_p2p.buffer import SlotPool
 from lmcache_p2p.config import P2PConfig
-from lmcache_p2p.errors import BufferFull, ClosedError, ProtocolError, VersionError
+from lmcache_p2p.errors import BufferFull, ClosedError, P2PError, ProtocolError, VersionError
 from lmcache_p2p.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -33,6 +48,29 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 5
 _EXPIRE_EVERY_S = 0.05
 _SPIN_AFTER_ACTIVITY_S = 1.0  # spin-poll this long after a grant or a landed write, not for a dead sender
+_IDLE_CHECK_EVERY_S = 1.0
+
+
+@dataclasses.dataclass
+class Counters:
+    """What the receiver refused or ignored, for tests, logs and (later) metrics."""
+
+    hello_refused_fingerprint: int = 0
+    written_ignored: int = 0  # Writtens ignored whole: their peer or sender does not own the request
+    written_slots_ignored: int = 0  # slots of any Written left unchanged: not granted to that request or peer
+    writes_refused: int = 0  # transport writes (NCCL doorbells) refused before receiving
+    slots_quarantined: int = 0  # RESERVED slots given up while a write could still land
+    slots_confirmed: int = 0  # quarantined slots freed by their writer's Written
+    senders_torn_down: int = 0
+
+
+@dataclasses.dataclass
+class _Sender:
+    """A sender after its Hello: who it is, the transport peer its writes come from, when last heard."""
+
+    sender_id: str
+    writer: str  # its TransportInfo.name: the peer of its transport notifications and pair
+    last_seen: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +86,7 @@ class Chunk:
 class _Request:
     req_id: str
     sender_id: str
+    writer: str  # the sender's transport peer name
     keys: dict[str, int] = dataclasses.field(default_factory=dict)  # key -> slot
     shapes: dict[int, tuple[str, protocol.ChunkShape]] = dataclasses.field(default_factory=dict)  # slot -> key
     ready: set[int] = dataclasses.field(default_factory=set)
@@ -60,7 +99,8 @@ class ReceiveService:
     """Slot grants, arrival tracking and reporting for one TP rank of a decoder."""
 
     def __init__(self, cfg: P2PConfig, *, tp_rank: int, tp_size: int, transport: Transport, pool: SlotPool,
-                 slot_bytes: int, region_addr: int, chunk_tokens: int, dtype: str) -> None:
+                 slot_bytes: int, region_addr: int, chunk_tokens: int, dtype: str,
+                 fingerprint: protocol.Fingerprint | None = None) -> None:
         self._cfg = cfg
         self._tp_rank = tp_rank
         self._tp_size = tp_size
@@ -70,6 +110,12 @@ class ReceiveService:
         self._region_addr = region_addr
         self._chunk_tokens = chunk_tokens
         self._dtype = dtype
+        self._fingerprint = fingerprint  # None: accept any sender (tests that move raw bytes)
+        # Quarantine policy is ours: a pool built without it (tests) gets our write window before any grant.
+        pool.write_window_s = max(pool.write_window_s, cfg.write_window_s)
+        self.counters = Counters()
+        self._warned: set[tuple[str, str]] = set()  # (what, peer) already logged
+        self._teardowns: list[threading.Thread] = []
         self.instance_id = cfg.default_instance_id()
         self.receiver_id = f"{self.instance_id}/r{tp_rank}/{uuid.uuid4().hex[:8]}"
         self._codec = protocol.Codec(cfg.shared_secret, identity=self.receiver_id, window_s=cfg.auth_window_s)
@@ -77,8 +123,7 @@ class ReceiveService:
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._index: dict[str, deque[Chunk]] = {}  # READY chunks by key, oldest first
-        self._senders: dict[bytes, str] = {}  # ZMQ identity -> sender_id (after Hello)
-        self._by_transport: dict[str, str] = {}  # transport peer name -> sender_id (after Hello)
+        self._senders: dict[bytes, _Sender] = {}  # ZMQ identity -> sender (after Hello)
         self._cancelled: dict[str, float] = {}  # req_id -> until when a late Alloc is refused
         self._stop = threading.Event()
         self._closed = False
@@ -96,6 +141,7 @@ class ReceiveService:
             self._ctx.term()
             raise ProtocolError(f"cannot listen on {self.control_endpoint} (p2p.host / p2p.control_ports): {exc}") from exc
         self._announcer = Announcer(cfg.proxy_url, self._codec, cfg.heartbeat_interval_s)
+        transport.set_write_guard(self.admit_write)
         self._thread = threading.Thread(target=self._run, name=f"p2p-receiver-{tp_rank}", daemon=True)
         self._thread.start()
 
@@ -149,15 +195,18 @@ class ReceiveService:
             return
         self._closed = True
         self._stop.set()
+        deadline = time.monotonic() + timeout_s
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.error("receiver thread did not stop within %.1fs", timeout_s)
+        for thread in list(self._teardowns):  # pair teardowns in flight (each bounded by the transport)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        next_expire = 0.0
+        next_expire = next_idle_check = 0.0
         try:
             while not self._stop.is_set():
                 # While granted slots await their bytes, poll without sleeping: with NIXL's progress
@@ -174,6 +223,9 @@ class ReceiveService:
                 if now >= next_expire:
                     self._expire()
                     next_expire = now + _EXPIRE_EVERY_S
+                if now >= next_idle_check:
+                    self._forget_idle_senders(now)
+                    next_idle_check = now + _IDLE_CHECK_EVERY_S
                 if self._announcer.heartbeat_due():
                     self._announcer.heartbeat(self._announce())
         except Exception:
@@ -201,6 +253,9 @@ class ReceiveService:
                 self._rejections.log(protocol.rejection_of(exc), f"from {identity!r}: {exc}")
                 self._reply(identity, protocol.ErrorReply(seq=-1, message=str(exc)))
                 continue
+            sender = self._senders.get(identity)
+            if sender is not None:
+                sender.last_seen = time.monotonic()
             reply = self._handle(identity, msg)
             if reply is not None:
                 self._reply(identity, reply)
@@ -232,11 +287,13 @@ class ReceiveService:
         if msg.transport.kind != self._transport.kind:
             return protocol.ErrorReply(seq=-1, message=(
                 f"sender uses transport {msg.transport.kind}, this receiver {self._transport.kind} (p2p.transport)"))
-        previous = self._senders.get(identity)
-        if previous is not None and previous != msg.sender_id:
-            self._on_sender_gone(identity, "replaced by a new sender incarnation")
-        self._senders[identity] = msg.sender_id
-        self._by_transport[msg.transport.name] = msg.sender_id
+        mismatch = self._fingerprint_mismatch(msg.fingerprint)
+        if mismatch:
+            self.counters.hello_refused_fingerprint += 1
+            self._warn_once("fingerprint", msg.sender_id, "refused sender %s (rank %d): %s",
+                            msg.sender_id, msg.tp_rank, mismatch)
+            return protocol.ErrorReply(seq=-1, message=mismatch)
+        self._register_sender(identity, _Sender(msg.sender_id, msg.transport.name, time.monotonic()))
         self._transport.accept(msg.transport)
         logger.info("sender %s connected (rank %d)", msg.sender_id, msg.tp_rank)
         return protocol.Welcome(
@@ -245,9 +302,36 @@ class ReceiveService:
             num_slots=self._pool.num_slots, transport=self._transport.info(),
         )
 
+    def _fingerprint_mismatch(self, theirs: protocol.Fingerprint | None) -> str:
+        """Why a sender's KV cannot be loaded here ("" when it can)."""
+        ours = self._fingerprint
+        if ours is None:
+            return ""
+        if theirs is None:
+            return (f"KV fingerprint mismatch: the sender sent none, this decoder serves {ours}; "
+                    "a decoder loads KV only from a prefiller of the same model and layout")
+        fields = [name for name in ours.__struct_fields__ if getattr(ours, name) != getattr(theirs, name)]
+        if not fields:
+            return ""
+        sides = "; ".join(f"{name}: decoder {getattr(ours, name)!r}, prefiller {getattr(theirs, name)!r}"
+                          for name in fields)
+        return (f"KV fingerprint mismatch in {', '.join(fields)} ({sides}): this decoder cannot load that "
+                "prefiller's KV; serve the same model, dtype, chunk_size and tensor-parallel layout on both")
+
+    def _register_sender(self, identity: bytes, sender: _Sender) -> None:
+        """Record a Hello. An older incarnation on this identity is gone (its requests fail); another
+        identity of the same sender (it reconnected its socket) is simply forgotten."""
+        previous = self._senders.get(identity)
+        if previous is not None and previous.sender_id != sender.sender_id:
+            self._on_sender_gone(identity, "replaced by a new sender incarnation", keep_writer=sender.writer)
+        for other, known in list(self._senders.items()):
+            if other != identity and known.sender_id == sender.sender_id:
+                del self._senders[other]
+        self._senders[identity] = sender
+
     def _on_alloc(self, identity: bytes, msg: protocol.Alloc) -> protocol.Message:
-        sender_id = self._senders.get(identity)
-        if sender_id is None:
+        sender = self._senders.get(identity)
+        if sender is None:
             return self._refuse(msg, protocol.RefusalCode.UNKNOWN_PEER, "say Hello first (receiver restarted?)")
         if self._stop.is_set():
             return self._refuse(msg, protocol.RefusalCode.CLOSED, "receiver is shutting down")
@@ -266,7 +350,9 @@ class ReceiveService:
                 return self._refuse(msg, protocol.RefusalCode.FINISHED, "request was cancelled")
             req = self._requests.get(msg.req_id)
             if req is None:
-                req = self._requests[msg.req_id] = _Request(msg.req_id, sender_id)
+                req = self._requests[msg.req_id] = _Request(msg.req_id, sender.sender_id, sender.writer)
+            elif req.sender_id != sender.sender_id:
+                return protocol.ErrorReply(msg.seq, f"request {msg.req_id} belongs to another sender")
             elif req.reported:
                 return self._refuse(msg, protocol.RefusalCode.FINISHED, "request already completed or failed")
             new = [i for i, key in enumerate(msg.keys) if key not in req.keys]
@@ -278,7 +364,8 @@ class ReceiveService:
                 self._fail_locked(req, reason)
                 return refusal
             try:
-                slots = self._pool.reserve(msg.req_id, len(new), self._cfg.reserve_lease_s)
+                slots = self._pool.reserve(msg.req_id, len(new), self._cfg.reserve_lease_s,
+                                           writer=(req.writer, msg.req_id))
             except BufferFull as exc:
                 if not req.keys:
                     del self._requests[msg.req_id]
@@ -298,15 +385,89 @@ class ReceiveService:
         return protocol.Refused(seq=msg.seq, req_id=msg.req_id, code=code, reason=reason, needed_slots=needed,
                                 free_slots=self._pool.free_slots, capacity_slots=self._pool.num_slots)
 
-    def _on_sender_gone(self, identity: bytes, why: str) -> None:
-        sender_id = self._senders.pop(identity, None)
-        if sender_id is None:
+    def _on_sender_gone(self, identity: bytes, why: str, *, keep_writer: str = "") -> None:
+        """Forget a sender: fail its unfinished requests and tear its transport pair down
+        (unless ``keep_writer``, the transport peer of its replacement, is the same)."""
+        sender = self._senders.pop(identity, None)
+        if sender is None:
             return
-        self._by_transport = {name: sid for name, sid in self._by_transport.items() if sid != sender_id}
         with self._lock:
-            pending = [r for r in self._requests.values() if r.sender_id == sender_id and not r.reported]
+            pending = [r for r in self._requests.values() if r.sender_id == sender.sender_id and not r.reported]
             for req in pending:
-                self._fail_locked(req, f"sender {sender_id} left before finishing ({why})")
+                self._fail_locked(req, f"sender {sender.sender_id} left before finishing ({why})")
+        still_used = sender.writer == keep_writer or any(s.writer == sender.writer for s in self._senders.values())
+        if not still_used:
+            self._tear_down(sender.writer, why)
+
+    def _tear_down(self, writer: str, why: str) -> None:
+        """Disconnect ``writer``'s transport pair in a thread: NCCL joins pair threads (blocking)."""
+        self.counters.senders_torn_down += 1
+        logger.info("tearing down the transport pair of %s (%s)", writer, why)
+        self._teardowns = [t for t in self._teardowns if t.is_alive()]
+        thread = threading.Thread(target=self._disconnect, args=(writer,), name=f"p2p-teardown-{self._tp_rank}",
+                                  daemon=True)
+        self._teardowns.append(thread)
+        thread.start()
+
+    def _disconnect(self, writer: str) -> None:
+        try:
+            self._transport.disconnect(writer)
+        except ClosedError:
+            pass
+        except P2PError as exc:
+            logger.warning("could not tear down the transport pair of %s: %s", writer, exc)
+
+    def _forget_idle_senders(self, now: float) -> None:
+        limit = self._cfg.sender_idle_timeout_s
+        for identity, sender in list(self._senders.items()):
+            if now - sender.last_seen > limit:
+                self._on_sender_gone(identity, f"silent for more than {limit:.0f}s (p2p.sender_idle_timeout_s)")
+
+    def _warn_once(self, what: str, peer: str, fmt: str, *args: object) -> None:
+        if (what, peer) in self._warned:
+            logger.debug(fmt, *args)
+            return
+        self._warned.add((what, peer))
+        logger.warning(fmt + " (logged once per peer)", *args)
+
+    # ---- the transport's write guard (called from transport threads) ---------------------------
+
+    def admit_write(self, peer: str, dests: list[tuple[int, int]], notif: bytes) -> str:
+        """May ``peer`` write ``dests`` ((address, bytes) each) with notification ``notif``? "" if so.
+
+        Admitted only when the notification is a Written of a request granted to ``peer``, and
+        ``dests`` are exactly its slots, each RESERVED (or QUARANTINED) for that request and writer
+        and not written before under this grant.
+        The slots then stay quarantined, if given up, until this write's receive deadline passed.
+        """
+        reason = self._write_refusal(peer, dests, notif)
+        if reason:
+            with self._lock:
+                self.counters.writes_refused += 1
+        return reason
+
+    def _write_refusal(self, peer: str, dests: list[tuple[int, int]], notif: bytes) -> str:
+        try:
+            written = protocol.decode(notif)
+        except ProtocolError as exc:
+            return f"its notification is not a Written: {exc}"
+        if not isinstance(written, protocol.Written):
+            return f"its notification is a {type(written).__name__}, not a Written"
+        slots = []
+        for addr, nbytes in dests:
+            offset = addr - self._region_addr
+            slot, rest = divmod(offset, self._slot_bytes)
+            if offset < 0 or rest or not 0 < nbytes <= self._slot_bytes or slot >= self._pool.num_slots:
+                return f"destination 0x{addr:x} (+{nbytes} bytes) is not a slot of the receive buffer"
+            slots.append(slot)
+        if sorted(slots) != sorted(written.slots) or len(set(slots)) != len(slots):
+            return f"it writes slots {slots} but its Written names {written.slots}"
+        until = self._pool.now() + self._cfg.write_window_s
+        refused = self._pool.admit_write((peer, written.req_id), slots, until)
+        if refused:
+            return (f"slots {refused} are not granted to request {written.req_id} of {peer}, "
+                    "or this grant was already written")
+        return ""
 
     # ---- arrivals, expiry, completion ---------------------------------------------------------
 
@@ -320,37 +481,50 @@ class ReceiveService:
             if not isinstance(msg, protocol.Written):
                 logger.warning("unexpected notification %s from %s", type(msg).__name__, notif.peer)
                 continue
-            if self._by_transport.get(notif.peer) != msg.sender_id:
-                self._codec.count_rejected(protocol.Rejection.FOREIGN)
-                self._rejections.log(protocol.Rejection.FOREIGN, (
-                    f"write notification from transport peer {notif.peer} claims sender {msg.sender_id}, which that "
-                    f"peer did not greet as (request {msg.req_id}, slots {msg.slots})"))
-                continue
-            self._on_written(msg)
+            self._on_written(notif.peer, msg)
 
-    def _on_written(self, msg: protocol.Written) -> None:
-        self._last_activity = time.monotonic()
-        with self._lock:
-            owner = self._requests.get(msg.req_id)
-            if owner is not None and owner.sender_id != msg.sender_id:
-                self._codec.count_rejected(protocol.Rejection.FOREIGN)
-                self._rejections.log(protocol.Rejection.FOREIGN, (
-                    f"sender {msg.sender_id} reported writing slots {msg.slots} of request {msg.req_id}, which "
-                    f"belongs to sender {owner.sender_id}: ignored"))
-                return
-        stale = self._pool.mark_ready(msg.req_id, msg.slots, self._cfg.ready_lease_s)
+    def _on_written(self, peer: str, msg: protocol.Written) -> None:
+        """Bytes landed. Counted only from the peer and sender owning the request, for its slots."""
+        self._last_activity = now = time.monotonic()
+        for sender in self._senders.values():
+            if sender.writer == peer:
+                sender.last_seen = now
+        writer = (peer, msg.req_id)
         with self._lock:
             req = self._requests.get(msg.req_id)
-            if req is None:
-                logger.warning("write for unknown or finished request %s ignored (slots %s)", msg.req_id, msg.slots)
+            if req is not None and (req.sender_id, req.writer) != (msg.sender_id, peer):
+                self._ignore_written_locked(peer, msg, f"request {msg.req_id} belongs to {req.sender_id} "
+                                                       f"via {req.writer}")
                 return
-            for slot in msg.slots:
-                if slot in stale or slot not in req.shapes:
+            granted = [s for s in msg.slots if req is not None and s in req.shapes]
+            foreign = [s for s in msg.slots if s not in granted]
+            stale = self._pool.mark_ready(msg.req_id, granted, self._cfg.ready_lease_s, writer=writer)
+            # A given-up slot's write completed: nothing more lands in it, it may be granted again.
+            confirmed = self._pool.confirm(writer, stale + foreign)
+            self.counters.slots_confirmed += len(confirmed)
+            unexplained = [s for s in foreign if s not in confirmed]
+            if unexplained:
+                self._ignore_written_locked(peer, msg, f"slots {unexplained} are not granted to it", unexplained)
+            if req is None:
+                if not confirmed and not unexplained:
+                    logger.debug("write for finished request %s ignored (slots %s)", msg.req_id, msg.slots)
+                return
+            for slot in granted:
+                if slot in stale:
                     continue
                 key, shape = req.shapes[slot]
                 req.ready.add(slot)
                 self._index.setdefault(key, deque()).append(Chunk(req.req_id, slot, shape))
             self._maybe_ready_locked(req)
+
+    def _ignore_written_locked(self, peer: str, msg: protocol.Written, why: str,
+                               slots: list[int] | None = None) -> None:
+        if slots is None:
+            self.counters.written_ignored += 1
+            self._codec.count_rejected(protocol.Rejection.FOREIGN)
+        self.counters.written_slots_ignored += len(msg.slots if slots is None else slots)
+        self._warn_once("written", peer, "ignored a Written from %s (sender %s, request %s, slots %s): %s",
+                        peer, msg.sender_id, msg.req_id, msg.slots, why)
 
     def _maybe_ready_locked(self, req: _Request) -> None:
         if req.reported or not req.last or len(req.ready) != len(req.keys):
@@ -375,8 +549,13 @@ class ReceiveService:
                 self._fail_locked(req, f"cancelled: {reason}", expected=True)
 
     def _fail_locked(self, req: _Request, reason: str, *, expected: bool = False) -> None:
-        """Free every slot of ``req`` that the engine does not hold, and report the failure once."""
+        """Free every slot of ``req`` that the engine does not hold, and report the failure once.
+
+        Slots whose bytes had not landed are quarantined by the pool, not freed (a write may still land).
+        """
+        quarantined = self._pool.quarantined_slots
         self._pool.release_owner(req.req_id)
+        self.counters.slots_quarantined += max(0, self._pool.quarantined_slots - quarantined)
         self._unindex_locked(req, set(req.shapes))
         if not req.reported:
             req.reported = True
@@ -398,7 +577,9 @@ class ReceiveService:
                     del self._index[key]
 
     def _expire(self) -> None:
+        quarantined = self._pool.quarantined_slots
         expired = self._pool.expire()
+        self.counters.slots_quarantined += max(0, self._pool.quarantined_slots - quarantined)
         if not expired:
             return
         with self._lock:
@@ -416,6 +597,7 @@ class ReceiveService:
             control_host=self._cfg.advertised_host(), control_port=self._cfg.control_port(self._tp_rank),
             transport_port=self._cfg.transport_port(self._tp_rank), capacity_slots=self._pool.num_slots,
             free_slots=self._pool.free_slots, slot_bytes=self._slot_bytes, chunk_tokens=self._chunk_tokens,
+            fingerprint=self._fingerprint,
         )
 
     def check_open(self) -> None:

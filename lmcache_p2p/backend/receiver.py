@@ -18,7 +18,14 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj, MemoryObjMetadata, TensorMemoryObj
 
-from lmcache_p2p.backend.common import build_transport, dtype_name, load_config, tp_rank_of, worker_gpu
+from lmcache_p2p.backend.common import (
+    build_transport,
+    dtype_name,
+    fingerprint_of,
+    load_config,
+    tp_rank_of,
+    worker_gpu,
+)
 from lmcache_p2p.backend.plugin_base import P2PPlugin
 from lmcache_p2p.backend.receive_service import Chunk, ReceiveService
 from lmcache_p2p.buffer import SlotPool
@@ -30,7 +37,12 @@ logger = logging.getLogger(__name__)
 
 
 def chunk_key(key: CacheEngineKey) -> str:
-    """The wire identity of a chunk: its content hash (rank and model are per plugin instance)."""
+    """The wire identity of a chunk: its content hash.
+
+    The hash names tokens, not the model: it is enough only because every sender this receiver
+    accepts passed the KV fingerprint check at Hello (same model, layers, heads, dtype, chunk size,
+    TP layout and format as ours), so one key means the same KV from any of them.
+    """
     return f"{key.chunk_hash:x}"
 
 
@@ -84,8 +96,10 @@ class ReceiverBackend(P2PPlugin):
                                               worker_gpu(dst_device))
             region = self._transport.register(self._buffer)
             self._service = ReceiveService(
-                self.cfg, tp_rank=tp_rank, tp_size=tp_size, transport=self._transport, pool=SlotPool(num_slots),
+                self.cfg, tp_rank=tp_rank, tp_size=tp_size, transport=self._transport,
+                pool=SlotPool(num_slots, write_window_s=self.cfg.write_window_s),
                 slot_bytes=slot_bytes, region_addr=region.addr, chunk_tokens=chunk_tokens, dtype=dtype_name(dtype),
+                fingerprint=fingerprint_of(metadata),
             )
         except Exception:
             logger.exception("lmcache_p2p receiver failed to start (p2p.* in LMCACHE_CONFIG_FILE)")

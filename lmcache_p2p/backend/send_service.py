@@ -159,8 +159,10 @@ class SendStats:
 class SendService:
     """Drives every in-flight request of one TP rank of a prefiller."""
 
-    def __init__(self, cfg: P2PConfig, *, tp_rank: int, tp_size: int, transport: Transport) -> None:
+    def __init__(self, cfg: P2PConfig, *, tp_rank: int, tp_size: int, transport: Transport,
+                 fingerprint: protocol.Fingerprint | None = None) -> None:
         self._cfg = cfg
+        self._fingerprint = fingerprint  # what our KV means; receivers refuse a mismatch at Hello
         self._tp_rank = tp_rank
         self._tp_size = tp_size
         self._transport = transport
@@ -353,7 +355,7 @@ class SendService:
             peer = _Peer(target, sock, _PeerState.GREETING, time.monotonic() + self._cfg.connect_timeout_s)
             self._peers[target] = peer
             self._send(peer, protocol.Hello(protocol.PROTOCOL_VERSION, self.sender_id, self._tp_rank,
-                                            self._transport.info()))
+                                            self._transport.info(), self._fingerprint))
         return peer
 
     def _drop_peer(self, peer: _Peer) -> None:
@@ -740,6 +742,7 @@ class SendService:
         return protocol.Announce(
             version=protocol.PROTOCOL_VERSION, instance_id=self.instance_id, role="sender",
             http_url=self._cfg.http_url or "", tp_rank=self._tp_rank, tp_size=self._tp_size,
+            fingerprint=self._fingerprint,
         )
 
 

@@ -16,7 +16,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 
 from lmcache_p2p import protocol
-from lmcache_p2p.backend.common import build_transport, dtype_name, load_config, tp_rank_of, worker_gpu
+from lmcache_p2p.backend.common import build_transport, dtype_name, fingerprint_of, load_config, tp_rank_of, worker_gpu
 from lmcache_p2p.backend.plugin_base import P2PPlugin
 from lmcache_p2p.backend.receiver import chunk_key
 from lmcache_p2p.backend.send_service import Chunk, SendService, Target
@@ -54,7 +54,8 @@ class SenderBackend(P2PPlugin):
             self._transport = build_transport(self.cfg, f"p2p-send-{self._tp_rank}-{id(self):x}", self._tp_rank,
                                               worker_gpu(dst_device))
             self._register_allocator_memory()
-            self._service = SendService(self.cfg, tp_rank=self._tp_rank, tp_size=tp_size, transport=self._transport)
+            self._service = SendService(self.cfg, tp_rank=self._tp_rank, tp_size=tp_size, transport=self._transport,
+                                        fingerprint=fingerprint_of(metadata))
         except Exception:
             logger.exception("lmcache_p2p sender failed to start (p2p.* in LMCACHE_CONFIG_FILE)")
             self.close()

@@ -1,8 +1,8 @@
 """The receiver's preallocated receive buffer.
 
 Owns the slot state machine (``pool.py``: FREE -> RESERVED -> READY -> LOADING -> FREE, leases,
-all-or-nothing reservations) and the memory behind it (``memory.py``: one tensor, allocated and
-registered once). It knows nothing of LMCache, requests' keys, or the network.
+all-or-nothing reservations, QUARANTINED slots that a late write may still land in, FIFO reuse)
+and the memory behind it (``memory.py``: one tensor, allocated and registered once). It knows nothing of LMCache, requests' keys, or the network.
 """
 
 from lmcache_p2p.buffer.pool import SlotPool, SlotState

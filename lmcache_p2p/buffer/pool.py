@@ -2,13 +2,25 @@
 
     FREE --reserve--> RESERVED --mark_ready--> READY --acquire--> LOADING --release--> FREE
                           |                      |
-                          +--cancel / expire-----+--> FREE
+                          |                      +--release / cancel / expire--> FREE
+                          +--release / cancel / expire--> QUARANTINED --confirm / write window passed--> FREE
+
+A RESERVED slot was granted to a sender whose bytes have not landed: a write into it may still be
+on the wire. Given up (cancel, sender gone, lease expiry), it is QUARANTINED, not FREE: it returns
+to FREE only when its writer confirms that no more bytes can land (``confirm``: the Written of
+that write arrived) or when its write window passed (``write_window_s`` after the grant, pushed
+later by ``admit_write`` when a transport starts receiving into it). A READY slot holds landed
+bytes and nothing writes it any more, so it is freed at once. Freed slots queue FIFO: the least
+recently freed slot is granted first, so a freed slot is the last one to be handed out again.
 
 Invariants (checked by ``check_invariants`` and the property tests):
-  * every slot is in exactly one state; ``free_slots`` counts the FREE ones;
-  * a non-FREE slot has exactly one owner, and the owner's slot set holds exactly its slots;
-  * RESERVED and READY slots carry a lease deadline; ``expire`` frees the ones past it, so after
-    any request ends, in any way, each of its slots is FREE within its lease;
+  * every slot is in exactly one state; ``free_slots`` counts the FREE ones, each once, in the queue;
+  * a RESERVED, READY or LOADING slot has exactly one owner, and the owner's slot set holds exactly
+    its slots; FREE and QUARANTINED slots have no owner;
+  * a RESERVED or QUARANTINED slot has a writer (the only peer whose write or confirmation counts);
+    FREE, READY and LOADING slots have none;
+  * RESERVED and READY slots carry a lease deadline; ``expire`` gives up the ones past it, so after
+    any request ends, in any way, each of its slots is FREE within its lease plus the write window;
   * LOADING slots (the engine holds a reference) never expire: they are freed by ``release``;
   * ``reserve`` is all or nothing and never waits: a full pool raises :class:`BufferFull` at once.
 """
@@ -18,6 +30,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 
 from lmcache_p2p.errors import BufferFull
@@ -28,28 +41,46 @@ class SlotState(enum.IntEnum):
     RESERVED = 1
     READY = 2
     LOADING = 3
+    QUARANTINED = 4  # given up while a write into it may still land; not grantable yet
 
 
 Owner = Hashable
+Writer = Hashable
 
 
 class SlotPool:
-    """Thread-safe bookkeeping of ``num_slots`` equal slots."""
+    """Thread-safe bookkeeping of ``num_slots`` equal slots.
 
-    def __init__(self, num_slots: int, clock: Callable[[], float] = time.monotonic) -> None:
+    ``write_window_s``: how long after its grant a write into a slot may still land (the sender's
+    transfer deadline plus a margin); a given-up RESERVED slot stays QUARANTINED that long.
+    """
+
+    def __init__(self, num_slots: int, clock: Callable[[], float] = time.monotonic, *,
+                 write_window_s: float = 0.0) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
+        if write_window_s < 0:
+            raise ValueError(f"write_window_s must be >= 0, got {write_window_s}")
         self.num_slots = num_slots
+        self.write_window_s = write_window_s
         self._clock = clock
         self._lock = threading.Lock()
         self._state = [SlotState.FREE] * num_slots
         self._owner: list[Owner | None] = [None] * num_slots
-        self._deadline = [0.0] * num_slots
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # a stack: pop() gives slot 0 first
+        self._writer: list[Writer | None] = [None] * num_slots
+        self._deadline = [0.0] * num_slots  # lease end (RESERVED, READY)
+        self._write_until = [0.0] * num_slots  # until when a write may land (RESERVED, QUARANTINED)
+        self._admitted = [False] * num_slots  # a transport started receiving the (one) write of this grant
+        self._free: deque[int] = deque(range(num_slots))  # FIFO: popleft() gives the least recently freed
         self._by_owner: dict[Owner, set[int]] = {}
         self._reserved = 0  # slots granted whose bytes have not landed yet
+        self._quarantined = 0
 
     # ---- queries ----
+    def now(self) -> float:
+        """The pool's clock (leases and write windows are measured on it)."""
+        return self._clock()
+
     @property
     def free_slots(self) -> int:
         return len(self._free)
@@ -59,101 +90,179 @@ class SlotPool:
         """Slots granted to senders whose bytes have not landed yet (RESERVED)."""
         return self._reserved
 
+    @property
+    def quarantined_slots(self) -> int:
+        """Slots given up while a write may still land (QUARANTINED); neither free nor owned."""
+        return self._quarantined
+
     def state(self, slot: int) -> SlotState:
         return self._state[slot]
 
     def owner(self, slot: int) -> Owner | None:
         return self._owner[slot]
 
+    def writer(self, slot: int) -> Writer | None:
+        return self._writer[slot]
+
     def slots_of(self, owner: Owner) -> frozenset[int]:
         with self._lock:
             return frozenset(self._by_owner.get(owner, ()))
 
     # ---- transitions ----
-    def reserve(self, owner: Owner, count: int, lease_s: float) -> list[int]:
-        """Reserve ``count`` slots for ``owner``, all or nothing; raise BufferFull without waiting."""
+    def reserve(self, owner: Owner, count: int, lease_s: float, writer: Writer | None = None) -> list[int]:
+        """Reserve ``count`` slots for ``owner``, all or nothing; raise BufferFull without waiting.
+
+        ``writer`` (default: ``owner``) is the peer whose write and confirmation count for them.
+        """
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
+        writer = owner if writer is None else writer
         with self._lock:
             if count > len(self._free):
                 raise BufferFull(
-                    f"receive buffer has {len(self._free)} free of {self.num_slots} slots, {count} needed",
+                    f"receive buffer has {len(self._free)} free of {self.num_slots} slots, {count} needed"
+                    + (f" ({self._quarantined} quarantined until their writes are confirmed)"
+                       if self._quarantined else ""),
                     needed_slots=count, free_slots=len(self._free), capacity_slots=self.num_slots,
                 )
             if count == 0:
                 return []
-            deadline = self._clock() + lease_s
-            slots = [self._free.pop() for _ in range(count)]
+            now = self._clock()
+            slots = [self._free.popleft() for _ in range(count)]
             self._reserved += count
             owned = self._by_owner.setdefault(owner, set())
             for s in slots:
                 self._state[s] = SlotState.RESERVED
                 self._owner[s] = owner
-                self._deadline[s] = deadline
+                self._writer[s] = writer
+                self._deadline[s] = now + lease_s
+                self._write_until[s] = now + self.write_window_s
+                self._admitted[s] = False
                 owned.add(s)
             return slots
 
-    def mark_ready(self, owner: Owner, slots: Iterable[int], lease_s: float) -> list[int]:
-        """RESERVED -> READY for the slots still reserved by ``owner``; return those that were not."""
+    def mark_ready(self, owner: Owner, slots: Iterable[int], lease_s: float,
+                   writer: Writer | None = None) -> list[int]:
+        """RESERVED -> READY for the slots still reserved by ``owner`` (and ``writer``, if given).
+
+        Return the slots that were not (stale, quarantined, another's, out of range): unchanged.
+        """
         stale = []
         with self._lock:
             deadline = self._clock() + lease_s
             for s in slots:
-                if 0 <= s < self.num_slots and self._owner[s] == owner and self._state[s] == SlotState.RESERVED:
+                if (self._in_range(s) and self._owner[s] == owner and self._state[s] == SlotState.RESERVED
+                        and (writer is None or self._writer[s] == writer)):
                     self._state[s] = SlotState.READY
                     self._reserved -= 1
+                    self._writer[s] = None
                     self._deadline[s] = deadline
                 else:
                     stale.append(s)
         return stale
 
+    def confirm(self, writer: Writer, slots: Iterable[int]) -> list[int]:
+        """``writer``'s write into these slots completed: its QUARANTINED ones are FREE; return them."""
+        freed = []
+        with self._lock:
+            for s in slots:
+                if self._in_range(s) and self._state[s] == SlotState.QUARANTINED and self._writer[s] == writer:
+                    self._quarantined -= 1
+                    self._to_free_locked(s)
+                    freed.append(s)
+        return freed
+
+    def admit_write(self, writer: Writer, slots: Iterable[int], until: float) -> list[int]:
+        """A transport is about to receive ``writer``'s bytes into ``slots``, landing by ``until``.
+
+        All or nothing: if every slot is RESERVED or QUARANTINED for ``writer`` and not admitted
+        before (a grant is written once), extend their write windows to at least ``until`` (a
+        quarantined slot stays so until then) and return []; otherwise change nothing and return
+        the slots that may not be written.
+        """
+        slots = list(slots)
+        with self._lock:
+            refused = [s for s in slots if not (
+                self._in_range(s) and self._writer[s] == writer and not self._admitted[s]
+                and self._state[s] in (SlotState.RESERVED, SlotState.QUARANTINED))]
+            if not refused and len(set(slots)) == len(slots):
+                for s in slots:
+                    self._admitted[s] = True
+                    self._write_until[s] = max(self._write_until[s], until)
+            elif not refused:
+                refused = slots
+        return refused
+
     def acquire(self, slot: int, owner: Owner) -> bool:
         """READY -> LOADING (the engine takes a reference); False if the slot is not READY for owner."""
         with self._lock:
-            if self._owner[slot] != owner or self._state[slot] != SlotState.READY:
+            if not self._in_range(slot) or self._owner[slot] != owner or self._state[slot] != SlotState.READY:
                 return False
             self._state[slot] = SlotState.LOADING
             return True
 
     def release(self, slots: Iterable[int]) -> None:
-        """Any state -> FREE (the engine dropped its reference, or the owner gave the slot up)."""
+        """Give slots up: READY / LOADING -> FREE, RESERVED -> QUARANTINED (a write may still land)."""
         with self._lock:
             for s in slots:
-                self._free_locked(s)
+                self._give_up_locked(s)
 
     def release_owner(self, owner: Owner, *, keep_loading: bool = True) -> list[int]:
-        """Free every slot of ``owner`` (cancel, peer gone); LOADING ones stay with the engine."""
+        """Give up every slot of ``owner`` (cancel, peer gone); LOADING ones stay with the engine."""
         with self._lock:
-            freed = [s for s in self._by_owner.get(owner, ())
-                     if not (keep_loading and self._state[s] == SlotState.LOADING)]
-            for s in freed:
-                self._free_locked(s)
-            return freed
+            gone = [s for s in self._by_owner.get(owner, ())
+                    if not (keep_loading and self._state[s] == SlotState.LOADING)]
+            for s in gone:
+                self._give_up_locked(s)
+            return gone
 
     def expire(self) -> dict[Owner, list[int]]:
-        """Free RESERVED and READY slots whose lease passed; return them by owner."""
+        """Give up RESERVED and READY slots whose lease passed (returned by owner); free
+        QUARANTINED slots whose write window passed."""
         now = self._clock()
         expired: dict[Owner, list[int]] = {}
         with self._lock:
             for s in range(self.num_slots):
-                if self._state[s] in (SlotState.RESERVED, SlotState.READY) and self._deadline[s] <= now:
+                state = self._state[s]
+                if state in (SlotState.RESERVED, SlotState.READY) and self._deadline[s] <= now:
                     expired.setdefault(self._owner[s], []).append(s)
-                    self._free_locked(s)
+                    self._give_up_locked(s)
+                    state = self._state[s]
+                if state == SlotState.QUARANTINED and self._write_until[s] <= now:
+                    self._quarantined -= 1
+                    self._to_free_locked(s)
         return expired
 
-    def _free_locked(self, s: int) -> None:
-        if self._state[s] == SlotState.FREE:
+    # ---- internals ----
+    def _in_range(self, s: int) -> bool:
+        return isinstance(s, int) and 0 <= s < self.num_slots
+
+    def _give_up_locked(self, s: int) -> None:
+        state = self._state[s]
+        if state in (SlotState.FREE, SlotState.QUARANTINED):
             return
-        if self._state[s] == SlotState.RESERVED:
+        self._drop_owner_locked(s)
+        if state == SlotState.RESERVED:
             self._reserved -= 1
+            if self._write_until[s] > self._clock():
+                self._state[s] = SlotState.QUARANTINED
+                self._quarantined += 1
+                return
+        self._to_free_locked(s)
+
+    def _drop_owner_locked(self, s: int) -> None:
         owner = self._owner[s]
         owned = self._by_owner.get(owner)
         if owned is not None:
             owned.discard(s)
             if not owned:
                 del self._by_owner[owner]
+        self._owner[s] = None
+
+    def _to_free_locked(self, s: int) -> None:
         self._state[s] = SlotState.FREE
         self._owner[s] = None
+        self._writer[s] = None
         self._free.append(s)
 
     def check_invariants(self) -> None:
@@ -164,11 +273,16 @@ class SlotPool:
             assert len(set(self._free)) == len(self._free), "slot twice in the free list"
             owned: dict[Owner, set[int]] = {}
             for s in range(self.num_slots):
-                if self._state[s] != SlotState.FREE:
+                state = self._state[s]
+                if state in (SlotState.FREE, SlotState.QUARANTINED):
+                    assert self._owner[s] is None, f"{state.name} slot {s} has an owner"
+                else:
                     assert self._owner[s] is not None, f"slot {s} in use without owner"
                     owned.setdefault(self._owner[s], set()).add(s)
-                else:
-                    assert self._owner[s] is None, f"free slot {s} has an owner"
+                has_writer = state in (SlotState.RESERVED, SlotState.QUARANTINED)
+                assert (self._writer[s] is not None) == has_writer, f"{state.name} slot {s}: writer {self._writer[s]!r}"
             assert owned == self._by_owner, "owner index out of sync"
             reserved = sum(1 for st in self._state if st == SlotState.RESERVED)
             assert reserved == self._reserved, "reserved count out of sync"
+            quarantined = sum(1 for st in self._state if st == SlotState.QUARANTINED)
+            assert quarantined == self._quarantined, "quarantined count out of sync"

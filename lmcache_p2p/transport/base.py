@@ -38,7 +38,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from lmcache_p2p.errors import P2PError, TransportTimeout
@@ -61,6 +61,10 @@ class WriteHandle:
 class Notification:
     peer: str
     payload: bytes
+
+
+# (sender peer name, [(destination address, nbytes)], notification) -> "" to admit, else why not.
+WriteGuard = Callable[[str, list[tuple[int, int]], bytes], str]
 
 
 def region_of(tensor: torch.Tensor) -> Region:
@@ -92,6 +96,14 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def connect(self, peer: TransportInfo, timeout_s: float) -> str:
         """Sender side: prepare writes to ``peer``; return its name. Idempotent per peer."""
+
+    def set_write_guard(self, guard: WriteGuard | None) -> None:  # noqa: B027 - optional hook
+        """Receiver side: ask ``guard`` before receiving a write; a non-empty answer refuses it.
+
+        Two-sided transports (NCCL) learn every write's destinations before receiving it and call
+        the guard from their own threads; a refused write is not received (the pair ends). One-sided
+        transports (NIXL) cannot see writes before they land and ignore the guard.
+        """
 
     def accept(self, peer: TransportInfo) -> None:  # noqa: B027 - optional hook
         """Receiver side: a sender said Hello. Two-sided transports (NCCL) start pairing here.

@@ -112,7 +112,8 @@ def build_engine(name: str):
 
     config = LMCacheEngineConfig.from_file(os.environ["LMCACHE_CONFIG_FILE"])
     kv_shape = (LAYERS, 2, CHUNK, KV_HEADS, HEAD_SIZE)
-    metadata = LMCacheMetadata(model_name="tiny", world_size=1, local_world_size=1, worker_id=0,
+    model = os.environ.get("ENGINE_PROC_MODEL_NAME", "tiny")  # another name: another KV fingerprint
+    metadata = LMCacheMetadata(model_name=model, world_size=1, local_world_size=1, worker_id=0,
                                local_worker_id=0, kv_dtype=DTYPE, kv_shape=kv_shape, role="worker")
     connector = make_connector(kv_shape)
     engine = LMCacheEngineBuilder.get_or_create(name, config, metadata, connector,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import signal
 import time
 
+from conftest import EngineProc
+
 # Deadlines, generous for a busy 2-core machine: they bound a wait, they are not what is tested.
 READY_TIMEOUT_S = 60.0
 FREE_TIMEOUT_S = 30.0
@@ -92,7 +94,8 @@ def test_buffer_smaller_than_request_is_refused_fast_and_frees_everything(make_p
 
 
 def test_dead_sender_slots_return_and_restarted_receiver_is_found_again(make_pair):
-    pair = make_pair(reserve_lease_s=2, ready_lease_s=2)
+    # Short leases; the receiver's write window (transfer_timeout_s + quarantine_margin_s) must be shorter still.
+    pair = make_pair(reserve_lease_s=2, ready_lease_s=2, transfer_timeout_s=1, quarantine_margin_s=0.5)
     # A request whose last store never comes: its sender dies mid-request.
     store(pair.sender, pair.port, seed=11, n=900, req_id="orphan", end=512, last=False)
     wait_for(lambda: pair.receiver.call(op="lookup", seed=11, num_tokens=900), lambda r: r["hit_tokens"] == 512, READY_TIMEOUT_S)
@@ -110,3 +113,30 @@ def test_dead_sender_slots_return_and_restarted_receiver_is_found_again(make_pai
     store(pair.sender, pair.port, seed=13, n=600, req_id="after-restart")
     assert_received(pair.receiver, seed=13, n=600)
     assert all_free(pair.receiver)
+
+
+def test_prefiller_of_another_model_is_refused_and_nothing_is_loaded(make_pair):
+    pair = make_pair()
+    pair.sender.close()
+    pair.sender = EngineProc("prefiller", pair.scfg, pair.tmp / "prefiller-other-model.log",
+                             env_extra={"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo",
+                                        "ENGINE_PROC_MODEL_NAME": "other-model"})
+    store(pair.sender, pair.port, seed=21, n=300, req_id="other-model")
+    stats = wait_for(lambda: pair.sender.call(op="slots"), lambda s: s["failed"] == 1, 10)
+    assert stats["failed"] == 1
+    assert pair.receiver.call(op="lookup", seed=21, num_tokens=300) == {"hit_tokens": 0}
+    assert pair.receiver.call(op="slots")["free"] == pair.receiver.call(op="slots")["capacity"]
+    log = pair.sender.log_path.read_text()
+    assert "KV fingerprint mismatch in model" in log and "'tiny'" in log and "'other-model'" in log
+
+
+def test_nccl_on_gloo_real_sender_writes_pass_the_receivers_write_guard(make_pair):
+    # Every doorbell of the real sender is checked against its grants (ReceiveService.admit_write).
+    pair = make_pair(transport="nccl", sender_opts={"transport": "nccl"})
+    store(pair.sender, pair.port, seed=31, n=650, req_id="nccl-1")
+    store(pair.sender, pair.port, seed=32, n=1024, req_id="nccl-2")
+    assert_received(pair.receiver, seed=31, n=650)
+    assert_received(pair.receiver, seed=32, n=1024)
+    assert all_free(pair.receiver)
+    stats = wait_for(lambda: pair.sender.call(op="slots"), lambda s: s["pending"] == 0, 5)
+    assert stats["failed"] == 0

@@ -45,12 +45,93 @@ def test_lifecycle_and_expiry():
 
 
 def test_stale_ready_marks_are_reported():
-    pool = SlotPool(2)
+    pool = SlotPool(1)  # no write window: a given-up slot is FREE at once
     (s,) = pool.reserve("a", 1, lease_s=5)
     pool.release_owner("a")
-    pool.reserve("b", 1, lease_s=5)
+    assert pool.reserve("b", 1, lease_s=5) == [s]
     assert pool.mark_ready("a", [s, 99], lease_s=5) == [s, 99]  # slot now belongs to b; 99 out of range
-    assert pool.state(s) is SlotState.RESERVED
+    assert pool.state(s) is SlotState.RESERVED and pool.owner(s) == "b"
+
+
+def test_free_list_is_fifo_least_recently_freed_first():
+    pool = SlotPool(4)
+    a = pool.reserve("a", 2, lease_s=5)
+    assert a == [0, 1]
+    pool.mark_ready("a", a, lease_s=5)
+    pool.release([0])
+    # 2 and 3 were freed before 0: they go first, the slot just freed goes last.
+    assert pool.reserve("b", 3, lease_s=5) == [2, 3, 0]
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("give_up", ["release", "release_owner", "expire"])
+def test_given_up_reserved_slot_is_quarantined_until_its_write_window_passes(give_up):
+    clock = Clock()
+    pool = SlotPool(2, clock=clock, write_window_s=35)
+    (s,) = pool.reserve("a", 1, lease_s=20, writer="peer-a")
+    if give_up == "release":
+        pool.release([s])
+    elif give_up == "release_owner":
+        assert pool.release_owner("a") == [s]
+    else:
+        clock.now = 20  # the lease passed, the write window (35 s) not yet
+        assert pool.expire() == {"a": [s]}
+    assert pool.state(s) is SlotState.QUARANTINED and pool.owner(s) is None and not pool.slots_of("a")
+    assert pool.free_slots == 1 and pool.quarantined_slots == 1
+    pool.check_invariants()
+    # Every free slot is granted, and the quarantined one never is.
+    (other,) = pool.reserve("b", 1, lease_s=40)
+    assert other != s
+    with pytest.raises(BufferFull, match="1 quarantined"):
+        pool.reserve("c", 1, lease_s=40)
+    clock.now = 34.9
+    pool.expire()
+    assert pool.state(s) is SlotState.QUARANTINED
+    clock.now = 35
+    pool.expire()
+    assert pool.state(s) is SlotState.FREE and pool.reserve("c", 1, lease_s=40) == [s]
+    pool.check_invariants()
+
+
+def test_written_confirmation_frees_a_quarantined_slot_only_from_its_writer():
+    pool = SlotPool(2, write_window_s=1000)
+    (s,) = pool.reserve("a", 1, lease_s=40, writer="peer-a")
+    pool.release_owner("a")
+    assert pool.mark_ready("a", [s], lease_s=5) == [s]  # a stale Written never makes it READY
+    assert pool.confirm("peer-b", [s]) == [] and pool.state(s) is SlotState.QUARANTINED
+    assert pool.confirm("peer-a", [s, 7, -1]) == [s]
+    assert pool.state(s) is SlotState.FREE and pool.writer(s) is None
+    pool.check_invariants()
+
+
+def test_ready_slot_is_freed_at_once():
+    pool = SlotPool(1, write_window_s=1000)
+    (s,) = pool.reserve("a", 1, lease_s=40)
+    pool.mark_ready("a", [s], lease_s=40)
+    pool.release_owner("a")
+    assert pool.state(s) is SlotState.FREE and pool.quarantined_slots == 0
+
+
+def test_admit_write_checks_the_writer_and_extends_the_quarantine():
+    clock = Clock()
+    pool = SlotPool(3, clock=clock, write_window_s=10)
+    a = pool.reserve("a", 2, lease_s=40, writer="peer-a")
+    (b,) = pool.reserve("b", 1, lease_s=40, writer="peer-b")
+    assert pool.admit_write("peer-a", [a[0], b], until=50) == [b]  # all or nothing
+    assert pool.admit_write("peer-a", [a[0], 99], until=50) == [99]
+    assert pool.admit_write("peer-a", [a[0], a[0]], until=50) == [a[0], a[0]]  # one slot twice in a write
+    assert pool.admit_write("peer-a", [a[0]], until=50) == []
+    pool.release_owner("a")
+    assert pool.admit_write("peer-a", [a[1]], until=50) == []  # quarantined: its own late write may land
+    assert pool.admit_write("peer-a", a, until=50) == a  # a grant is written once: a second write is refused
+    clock.now = 20  # past the grant's window, not past the admitted receive's deadline
+    pool.expire()
+    assert [pool.state(s) for s in a] == [SlotState.QUARANTINED] * 2
+    clock.now = 50
+    pool.expire()
+    assert [pool.state(s) for s in a] == [SlotState.FREE] * 2
+    assert pool.admit_write("peer-a", a, until=60) == a  # FREE: nobody may write
+    pool.check_invariants()
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -59,15 +140,19 @@ class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = Clock()
-        self.pool = SlotPool(8, clock=self.clock)
+        self.pool = SlotPool(8, clock=self.clock, write_window_s=2)
         self.owners = ["a", "b", "c"]
+        self.quarantined_at: dict[int, object] = {}  # slot -> writer, while quarantined
+        self.admitted: set[int] = set()  # slots whose grant a transport started receiving
 
     @rule(owner=st.sampled_from(["a", "b", "c"]), count=st.integers(0, 5), lease=st.floats(0.5, 5))
     def reserve(self, owner, count, lease):
         before = self.pool.free_slots
         try:
-            slots = self.pool.reserve(owner, count, lease)
+            slots = self.pool.reserve(owner, count, lease, writer=f"peer-{owner}")
+            self.admitted -= set(slots)  # a new grant may be written once again
             assert len(slots) == count and self.pool.free_slots == before - count
+            assert not set(slots) & set(self.quarantined_at), "a quarantined slot was granted"
         except BufferFull:
             assert count > before and self.pool.free_slots == before
 
@@ -92,6 +177,28 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.release_owner(owner)
         assert all(self.pool.state(s) is SlotState.LOADING for s in self.pool.slots_of(owner))
 
+    @rule(writer=st.sampled_from(["peer-a", "peer-b", "peer-c"]), data=st.data())
+    def stale_written(self, writer, data):
+        """A late Written: never makes a quarantined slot READY; frees it only from its writer."""
+        if not self.quarantined_at:
+            return
+        s = data.draw(st.sampled_from(sorted(self.quarantined_at)))
+        owner = writer.removeprefix("peer-")
+        assert self.pool.mark_ready(owner, [s], lease_s=3, writer=writer) == [s]
+        freed = self.pool.confirm(writer, [s])
+        assert freed == ([s] if self.quarantined_at[s] == writer else [])
+
+    @rule(writer=st.sampled_from(["peer-a", "peer-b", "peer-c"]), data=st.data(), until=st.floats(0, 6))
+    def admit_write(self, writer, data, until):
+        s = data.draw(st.integers(0, self.pool.num_slots - 1))
+        before = self.pool.state(s)
+        refused = self.pool.admit_write(writer, [s], self.clock.now + until)
+        allowed = (before in (SlotState.RESERVED, SlotState.QUARANTINED) and self.pool.writer(s) == writer
+                   and s not in self.admitted)
+        assert refused == ([] if allowed else [s]) and self.pool.state(s) is before
+        if allowed:
+            self.admitted.add(s)
+
     @rule(dt=st.floats(0, 4))
     def tick_and_expire(self, dt):
         self.clock.now += dt
@@ -111,6 +218,9 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.pool.check_invariants()
+        # Track which slots are quarantined now (for the rules above) and by whose write.
+        self.quarantined_at = {s: self.pool.writer(s) for s in range(self.pool.num_slots)
+                               if self.pool.state(s) is SlotState.QUARANTINED}
 
 
 TestPoolMachine = PoolMachine.TestCase

@@ -7,6 +7,7 @@ two CUDA devices (the device machine) and exercise ProcessGroupNCCL and the stag
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import threading
@@ -174,6 +175,49 @@ def test_disconnect_returns_at_once_while_a_posted_write_is_still_on_the_wire(ma
     # Whether the held write still lands or is aborted with its pair depends on which side's teardown
     # wins (both are correct); what matters is that a notification never precedes its bytes.
     assert _collect(rx, 1) in ([("tx", b"held")], [])
+
+
+def test_write_guard_refuses_a_write_before_any_byte_of_it_is_received(make) -> None:
+    rx, tx = make("rx"), make("tx")
+    buf = _recv_buffer(rx, MIB)
+    base = rx.info().regions[0].addr
+    asked: list[tuple[str, list[tuple[int, int]], bytes]] = []
+
+    def guard(sender: str, dests: list[tuple[int, int]], notif: bytes) -> str:
+        asked.append((sender, dests, notif))
+        return "" if notif.startswith(b"granted") else "not granted to this sender"
+
+    rx.set_write_guard(guard)
+    peer = _connect(rx, tx)
+    good = _random(64 * KIB, 1)
+    tx.wait(tx.write(peer, [good], [base], b"granted"), WAIT_S)
+    assert _collect(rx, 1) == [("tx", b"granted")]
+    assert torch.equal(buf[: 64 * KIB], good)
+    handle = tx.write(peer, [_random(64 * KIB, 2), _random(KIB, 3)], [base + 128 * KIB, base + 256 * KIB], b"stray")
+    with contextlib.suppress(TransportError):  # Gloo may report the send done once its bytes are buffered
+        tx.wait(handle, WAIT_S)
+    assert _eventually(lambda: _recv_threads("rx") == []), "a refused write must end the pair"
+    assert asked[1] == ("tx", [(base + 128 * KIB, 64 * KIB), (base + 256 * KIB, KIB)], b"stray")
+    assert not buf[64 * KIB :].any(), "bytes of a refused write landed"
+    assert _collect(rx, 1, timeout_s=0.5) == []
+    # The sender drops the broken pair and reconnects (a new Hello); its granted writes flow again.
+    tx.disconnect(peer)
+    assert _connect(rx, tx) == peer
+    again = _random(KIB, 4)
+    tx.wait(tx.write(peer, [again], [base + 512 * KIB], b"granted-again"), WAIT_S)
+    assert _collect(rx, 1) == [("tx", b"granted-again")]
+    assert torch.equal(buf[512 * KIB : 513 * KIB], again)
+
+
+def test_receiver_disconnect_stops_a_pair_still_pairing(make) -> None:
+    rx, tx = make("rx"), make("tx", timeout_s=2.0)
+    _recv_buffer(rx, MIB)
+    rx.accept(tx.info())
+    assert _recv_threads("rx") == ["nccl-recv:rx<-tx"]
+    rx.disconnect("tx")  # before the sender joined: the offer is retracted, the thread ends
+    assert _eventually(lambda: _recv_threads("rx") == []), "a pairing thread outlived its sender's disconnect"
+    with pytest.raises(PeerUnreachable):
+        tx.connect(rx.info(), 2.0)
 
 
 def test_killed_sender_restarted_under_the_same_name_gets_a_new_pair(fresh_pair) -> None:

@@ -350,6 +350,7 @@ class RecvHooks:
     notify: Callable[[str, bytes], None]  # (sender, payload) once a write's bytes all landed
     slot_view: Callable[[wire.ChunkDest], Any]  # the registered memory a chunk lands in
     region_bytes: Callable[[], list[int]]  # the length of each registered region
+    admit: Callable[[str, wire.Header], None]  # ProtocolError: the receiver refuses this write
 
 
 # ---- the receiving side of one pair --------------------------------------------------------------
@@ -485,6 +486,7 @@ class RecvPair:
                 logger.info("%s: pair %s with %s %s", self._s.name, self.pair_id, self.sender, why)
                 return
             header.check_fits(regions())
+            self._hooks.admit(self.sender, header)  # before any byte of it is received
             posted.append(self._post_receives(header))
             if len(posted) >= RECV_AHEAD and not self._s.cuda:
                 self._complete(posted.popleft())

@@ -17,7 +17,9 @@ Emulating a one-sided write on a two-sided library:
     replaces its old one (a reconnect is a new Hello, so the receiver accepts again).
   * writes - the sender puts the write's header (destinations as region/offset/length, and the
     notification) into a doorbell key of the store, then sends the chunks. The receiver's pair
-    thread waits on the doorbell, checks the header against its regions, posts one recv per
+    thread waits on the doorbell, checks the header against its regions and asks the write guard
+    (``set_write_guard``: the receive service admits only slots granted to that sender; a refused
+    write ends the pair, nothing of it is received), posts one recv per
     chunk straight into the destination slot view, waits for them (deadline ``timeout_s``) and
     queues the notification. The header travels in the store rather than as a tensor so that a
     receiver never has a recv posted while idle: a Gloo recv that times out closes the pair, and
@@ -64,11 +66,11 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmcache_p2p.errors import ClosedError, PeerUnreachable, TransportError, TransportTimeout
+from lmcache_p2p.errors import ClosedError, PeerUnreachable, ProtocolError, TransportError, TransportTimeout
 from lmcache_p2p.protocol import Region, TransportInfo
 from lmcache_p2p.transport.nccl import group as group_ops
 from lmcache_p2p.transport.nccl import wire
-from lmcache_p2p.transport.base import Notification, Transport, WriteHandle, region_of
+from lmcache_p2p.transport.base import Notification, Transport, WriteGuard, WriteHandle, region_of
 from lmcache_p2p.transport.nccl.pairs import PairSettings, PendingWrite, RecvHooks, RecvPair, SendPair, flat_bytes
 
 if TYPE_CHECKING:
@@ -151,6 +153,7 @@ class NcclTransport(Transport):
         self._recv_threads: set[RecvPair] = set()  # every live receiver pair, pairing ones included
         self._stopped: list[SendPair | RecvPair] = []  # disconnected pairs whose threads close() joins
         self._notifs: collections.deque[Notification] = collections.deque()
+        self._guard: WriteGuard | None = None
         if timeout_s <= 0 or close_timeout_s <= 0 or stage_slot_bytes <= 0 or stage_slots <= 0:
             raise ValueError("timeout_s, close_timeout_s, stage_slot_bytes and stage_slots must be positive")
         if max_inflight_writes <= 0:
@@ -162,7 +165,7 @@ class NcclTransport(Transport):
                 name, host, self._store.port, dev, timeout_s, stage_slot_bytes, stage_slots, max_inflight_writes
             )
             self._hooks = RecvHooks(
-                self._on_paired, self._on_pair_ended, self._notify, self._slot_view, self._region_bytes
+                self._on_paired, self._on_pair_ended, self._notify, self._slot_view, self._region_bytes, self._admit
             )
         except BaseException:
             self.close()
@@ -248,6 +251,20 @@ class NcclTransport(Transport):
         return self._views[chunk.region][chunk.offset : chunk.offset + chunk.nbytes]
 
     # ---- receiver side --------------------------------------------------------------------------
+
+    def set_write_guard(self, guard: WriteGuard | None) -> None:
+        self._guard = guard
+
+    def _admit(self, sender: str, header: wire.Header) -> None:
+        """ProtocolError if the write guard refuses ``sender``'s write (the pair thread then ends)."""
+        guard = self._guard
+        if guard is None:
+            return
+        with self._lock:
+            dests = [(self._regions[c.region].addr + c.offset, c.nbytes) for c in header.chunks]
+        reason = guard(sender, dests, header.notif)
+        if reason:
+            raise ProtocolError(f"refused a write of {header.nbytes} bytes from {sender}: {reason}")
 
     def accept(self, peer: TransportInfo) -> None:
         """Start pairing with sender ``peer`` in a background thread; returns at once."""
@@ -376,16 +393,19 @@ class NcclTransport(Transport):
     def disconnect(self, peer: str) -> None:
         """Stop our pair(s) with ``peer`` (as sender and/or receiver) and return at once; their
         threads finish posted writes (or fail them at their deadline), abort the group and end
-        alone (``close`` joins them). Unknown peers are ignored."""
+        alone (``close`` joins them). Unknown peers are ignored. As receiver, every pair of
+        ``peer`` stops, the serving one and any still pairing (a sender that said Goodbye right
+        after its Hello must not leave a pair behind)."""
         with self._lock:
             self._check_open()
             sender = self._senders.pop(peer, None)
-            receiver = self._receivers.pop(peer, None)
+            self._receivers.pop(peer, None)
+            receivers = [p for p in self._recv_threads if p.sender == peer]
             self._stopped = [p for p in self._stopped if not p.join(0)]
-            self._stopped += [p for p in (sender, receiver) if p is not None]
+            self._stopped += [p for p in (sender, *receivers) if p is not None]
         if sender is not None:
             sender.stop()
-        if receiver is not None:
+        for receiver in receivers:
             self._stop_receiver(receiver)
 
     # ---- writes -------------------------------------------------------------------------------

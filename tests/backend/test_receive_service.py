@@ -1,0 +1,518 @@
+"""ReceiveService integrity: quarantined slots, Written ownership, the KV fingerprint, pair teardown.
+
+The service runs for real (its thread, its ZMQ control socket); senders are DEALER sockets speaking
+the protocol, the transport is a fake whose notifications the test injects, and the pool's clock
+is the test's, so lease and quarantine expiry happen exactly when the test moves time.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+import zmq
+
+from lmcache_p2p import protocol
+from lmcache_p2p.backend.receive_service import ReceiveService
+from lmcache_p2p.buffer import SlotPool, SlotState
+from lmcache_p2p.config import P2PConfig
+from lmcache_p2p.transport.base import Notification, Transport, WriteHandle
+
+SLOT_BYTES = 4096
+REGION_ADDR = 1 << 20
+REPLY_TIMEOUT_MS = 5000
+SHAPE = protocol.ChunkShape([2, 2, 16, 64], "bfloat16", SLOT_BYTES)
+FINGERPRINT = protocol.Fingerprint(model="tiny", num_layers=2, kv_heads=2, head_size=32, dtype="bfloat16",
+                                   chunk_tokens=16, tp_size=1, tp_rank=0, kv_format="KV_2LTD")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeTransport(Transport):
+    """Receiver side only: notifications are injected by the test; disconnects are recorded."""
+
+    kind = "loopback"
+
+    def __init__(self) -> None:
+        self.notifs: collections.deque[Notification] = collections.deque()
+        self.disconnected: list[str] = []
+        self.disconnect_gate = threading.Event()
+        self.disconnect_gate.set()
+        self.guard = None
+
+    def register(self, tensor):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def info(self) -> protocol.TransportInfo:
+        return protocol.TransportInfo(kind=self.kind, name="rx")
+
+    def connect(self, peer, timeout_s):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def set_write_guard(self, guard) -> None:
+        self.guard = guard
+
+    def write(self, peer, srcs, dst_addrs, notif) -> WriteHandle:  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def poll(self, handle) -> bool:  # pragma: no cover - unused
+        return True
+
+    def get_notifications(self) -> list[Notification]:
+        out = []
+        while self.notifs:
+            out.append(self.notifs.popleft())
+        return out
+
+    def disconnect(self, peer: str) -> None:
+        self.disconnect_gate.wait(30)  # a test may hold this to show the control thread is not blocked
+        self.disconnected.append(peer)
+
+    def close(self) -> None:
+        pass
+
+    def land(self, peer: str, sender_id: str, req_id: str, slots: Sequence[int]) -> None:
+        self.notifs.append(Notification(peer, protocol.encode(protocol.Written(sender_id, req_id, list(slots)))))
+
+
+class Sender:
+    """A DEALER socket speaking the control protocol as sender ``sender_id`` with transport ``writer``."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, sender_id: str, writer: str) -> None:
+        self.sender_id, self.writer = sender_id, writer
+        self.codec = protocol.Codec()
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, REPLY_TIMEOUT_MS)
+        self.sock.connect(endpoint)
+        self.seq = 0
+
+    def send(self, msg: protocol.Message) -> None:
+        self.sock.send_multipart(self.codec.pack(msg))
+
+    def call(self, msg: protocol.Message) -> protocol.Message:
+        self.send(msg)
+        return self.codec.unpack(self.sock.recv_multipart())
+
+    def hello(self, fingerprint: protocol.Fingerprint | None = FINGERPRINT) -> protocol.Message:
+        info = protocol.TransportInfo(kind="loopback", name=self.writer)
+        return self.call(protocol.Hello(protocol.PROTOCOL_VERSION, self.sender_id, 0, info, fingerprint))
+
+    def alloc(self, req_id: str, keys: list[str], last: bool = True) -> protocol.Message:
+        self.seq += 1
+        return self.call(protocol.Alloc(self.seq, req_id, keys, [SHAPE] * len(keys), last))
+
+    def cancel(self, req_id: str) -> protocol.Message:
+        self.seq += 1
+        return self.call(protocol.Cancel(self.seq, req_id, "test"))
+
+
+class Rig:
+    def __init__(self, num_slots: int = 2, fingerprint: protocol.Fingerprint | None = FINGERPRINT, **cfg) -> None:
+        self.cfg = P2PConfig.from_mapping({"role": "receiver", "control_ports": [free_port()],
+                                           "transfer_timeout_s": 30, "quarantine_margin_s": 5, **cfg})
+        self.clock = Clock()
+        self.pool = SlotPool(num_slots, clock=self.clock, write_window_s=self.cfg.write_window_s)
+        self.transport = FakeTransport()
+        self.service = ReceiveService(self.cfg, tp_rank=0, tp_size=1, transport=self.transport, pool=self.pool,
+                                      slot_bytes=SLOT_BYTES, region_addr=REGION_ADDR, chunk_tokens=16,
+                                      dtype="bfloat16", fingerprint=fingerprint)
+        self.ctx = zmq.Context()
+        self.senders: list[Sender] = []
+
+    def sender(self, sender_id: str, writer: str, hello: bool = True) -> Sender:
+        sender = Sender(self.ctx, self.service.control_endpoint, sender_id, writer)
+        self.senders.append(sender)
+        if hello:
+            assert isinstance(sender.hello(), protocol.Welcome)
+        return sender
+
+    def granted(self, sender: Sender, req_id: str, keys: list[str]) -> list[int]:
+        grant = sender.alloc(req_id, keys)
+        assert isinstance(grant, protocol.Grant), grant
+        return grant.slots
+
+    def close(self) -> None:
+        self.transport.disconnect_gate.set()
+        for sender in self.senders:
+            sender.sock.close()
+        self.service.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def make_rig() -> Iterator[Callable[..., Rig]]:
+    rigs: list[Rig] = []
+
+    def make(**kwargs) -> Rig:
+        rigs.append(Rig(**kwargs))
+        return rigs[-1]
+
+    yield make
+    for rig in rigs:
+        rig.close()
+
+
+# ---- quarantine: a cancelled request's slot is not granted while its write may still land --------
+
+
+def test_cancelled_slot_is_not_granted_again_until_its_writer_confirms(make_rig) -> None:
+    rig = make_rig(num_slots=2)
+    a = rig.sender("sender-a", "tx-a")
+    (slot_a,) = rig.granted(a, "req-a", ["k1"])
+    assert isinstance(a.cancel("req-a"), protocol.Ack)
+    assert rig.pool.state(slot_a) is SlotState.QUARANTINED
+    # The other slot is granted; the quarantined one is not, even with the buffer otherwise full.
+    (slot_b,) = rig.granted(a, "req-b", ["k2"])
+    assert slot_b != slot_a
+    refused = a.alloc("req-c", ["k3"])
+    assert isinstance(refused, protocol.Refused) and refused.code is protocol.RefusalCode.FULL
+    # The cancelled write lands late: it is confirmed, never READY, never indexed.
+    rig.transport.land("tx-a", "sender-a", "req-a", [slot_a])
+    assert eventually(lambda: rig.pool.state(slot_a) is SlotState.FREE)
+    assert rig.service.count_ready(["k1"]) == 0 and rig.service.counters.slots_confirmed == 1
+    assert rig.granted(a, "req-d", ["k4"]) == [slot_a]
+
+
+def test_cancelled_slot_returns_after_the_write_window_without_confirmation(make_rig) -> None:
+    rig = make_rig(num_slots=1)
+    a = rig.sender("sender-a", "tx-a")
+    (slot,) = rig.granted(a, "req-a", ["k1"])
+    a.cancel("req-a")
+    rig.clock.now += rig.cfg.write_window_s - 1
+    time.sleep(0.2)  # several expiry rounds of the service thread: still quarantined
+    assert rig.pool.state(slot) is SlotState.QUARANTINED
+    assert isinstance(a.alloc("req-b", ["k2"]), protocol.Refused)
+    rig.clock.now += 1
+    assert eventually(lambda: rig.pool.state(slot) is SlotState.FREE)
+    assert rig.granted(a, "req-c", ["k3"]) == [slot]
+
+
+def test_expired_reserve_lease_quarantines_and_a_stale_written_never_makes_it_ready(make_rig) -> None:
+    rig = make_rig(num_slots=1, reserve_lease_s=40)
+    a = rig.sender("sender-a", "tx-a")
+    (slot,) = rig.granted(a, "req-a", ["k1"])
+    rig.clock.now += 40  # lease passed; the write window (35 s) too: nothing can land any more
+    assert eventually(lambda: rig.pool.state(slot) is SlotState.FREE)
+    (again,) = rig.granted(a, "req-b", ["k2"])
+    assert again == slot
+    rig.transport.land("tx-a", "sender-a", "req-a", [slot])  # the old request's Written, very late
+    time.sleep(0.2)
+    assert rig.pool.state(slot) is SlotState.RESERVED and rig.pool.owner(slot) == "req-b"
+    assert rig.service.count_ready(["k1"]) == 0 and rig.service.count_ready(["k2"]) == 0
+
+
+def test_sender_goodbye_quarantines_its_unwritten_slots(make_rig) -> None:
+    rig = make_rig(num_slots=1)
+    a = rig.sender("sender-a", "tx-a")
+    (slot,) = rig.granted(a, "req-a", ["k1"])
+    a.send(protocol.Goodbye("sender-a"))
+    assert eventually(lambda: rig.pool.state(slot) is SlotState.QUARANTINED)
+    b = rig.sender("sender-b", "tx-b")
+    assert isinstance(b.alloc("req-b", ["k2"]), protocol.Refused)
+
+
+# ---- Written must come from the sender that owns the slots ---------------------------------------
+
+
+def test_written_from_the_wrong_sender_changes_nothing(make_rig) -> None:
+    rig = make_rig(num_slots=2)
+    a, b = rig.sender("sender-a", "tx-a"), rig.sender("sender-b", "tx-b")
+    (slot_a,) = rig.granted(a, "req-a", ["ka"])
+    (slot_b,) = rig.granted(b, "req-b", ["kb"])
+    rig.transport.land("tx-b", "sender-b", "req-a", [slot_a])  # B claims A's request
+    rig.transport.land("tx-b", "sender-a", "req-a", [slot_a])  # B's transport, A's name
+    rig.transport.land("tx-a", "sender-a", "req-a", [slot_b])  # A names B's slot
+    assert eventually(lambda: rig.service.counters.written_slots_ignored == 3)
+    assert rig.service.counters.written_ignored == 2
+    assert rig.pool.state(slot_a) is SlotState.RESERVED and rig.pool.state(slot_b) is SlotState.RESERVED
+    assert rig.service.count_ready(["ka"]) == 0 and rig.service.count_ready(["kb"]) == 0
+    # The owner's Written counts.
+    rig.transport.land("tx-a", "sender-a", "req-a", [slot_a])
+    assert eventually(lambda: rig.service.count_ready(["ka"]) == 1)
+    assert rig.pool.state(slot_b) is SlotState.RESERVED
+
+
+def test_alloc_for_a_request_of_another_sender_is_refused(make_rig) -> None:
+    rig = make_rig(num_slots=4)
+    a, b = rig.sender("sender-a", "tx-a"), rig.sender("sender-b", "tx-b")
+    rig.granted(a, "req-a", ["k1"])
+    reply = b.alloc("req-a", ["k2"])
+    assert isinstance(reply, protocol.ErrorReply) and "another sender" in reply.message
+    assert rig.pool.free_slots == 3
+
+
+# ---- the transport's write guard (NCCL asks it for every doorbell) -----------------------------
+
+
+def _dests(*slots: int) -> list[tuple[int, int]]:
+    return [(REGION_ADDR + s * SLOT_BYTES, SLOT_BYTES) for s in slots]
+
+
+def _notif(sender_id: str, req_id: str, slots: list[int]) -> bytes:
+    return protocol.encode(protocol.Written(sender_id, req_id, slots))
+
+
+def test_write_guard_admits_only_the_granted_slots_of_that_writer(make_rig) -> None:
+    rig = make_rig(num_slots=3)
+    a, b = rig.sender("sender-a", "tx-a"), rig.sender("sender-b", "tx-b")
+    slots_a = rig.granted(a, "req-a", ["k1", "k2"])
+    (slot_b,) = rig.granted(b, "req-b", ["k3"])
+    guard = rig.transport.guard
+    assert guard is not None
+    assert guard("tx-a", _dests(*slots_a), _notif("sender-a", "req-a", slots_a)) == ""
+    refusals = [
+        guard("tx-b", _dests(*slots_a), _notif("sender-b", "req-a", slots_a)),  # another peer
+        guard("tx-a", _dests(slot_b), _notif("sender-a", "req-a", [slot_b])),  # another request's slot
+        guard("tx-a", _dests(slots_a[0]), _notif("sender-a", "req-a", [slots_a[1]])),  # Written names another
+        guard("tx-a", [(REGION_ADDR + 1, 16)], _notif("sender-a", "req-a", [0])),  # not a slot start
+        guard("tx-a", [(REGION_ADDR + 3 * SLOT_BYTES, SLOT_BYTES)], _notif("sender-a", "req-a", [3])),  # past end
+        guard("tx-a", [(REGION_ADDR, 2 * SLOT_BYTES)], _notif("sender-a", "req-a", [0])),  # longer than a slot
+        guard("tx-a", _dests(*slots_a), b"not msgpack"),
+        guard("tx-a", _dests(*slots_a), _notif("sender-a", "req-a", slots_a)),  # the same grant written twice
+    ]
+    assert all(refusals), refusals
+    assert rig.service.counters.writes_refused == len(refusals)
+    assert "not granted" in refusals[0] and "names" in refusals[2] and "not a slot" in refusals[3]
+
+
+def test_write_admitted_into_a_slot_keeps_it_quarantined_until_its_receive_deadline(make_rig) -> None:
+    rig = make_rig(num_slots=1)
+    a = rig.sender("sender-a", "tx-a")
+    (slot,) = rig.granted(a, "req-a", ["k1"])
+    rig.clock.now += 20  # the doorbell comes late, but within the sender's deadline
+    assert rig.transport.guard("tx-a", _dests(slot), _notif("sender-a", "req-a", [slot])) == ""
+    a.cancel("req-a")
+    rig.clock.now += rig.cfg.write_window_s - 1  # past the grant's window, not the receive's
+    time.sleep(0.2)
+    assert rig.pool.state(slot) is SlotState.QUARANTINED
+    rig.clock.now += 1
+    assert eventually(lambda: rig.pool.state(slot) is SlotState.FREE)
+
+
+# ---- the KV fingerprint -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("field", "value"), [("dtype", "float16"), ("model", "other-model"), ("chunk_tokens", 256),
+                                              ("tp_size", 2), ("kv_format", "KV_MLA_FMT")])
+def test_hello_with_another_fingerprint_is_refused_naming_the_field(make_rig, field, value) -> None:
+    import msgspec
+
+    rig = make_rig(num_slots=2)
+    s = rig.sender("sender-x", "tx-x", hello=False)
+    theirs = msgspec.structs.replace(FINGERPRINT, **{field: value})
+    reply = s.hello(theirs)
+    assert isinstance(reply, protocol.ErrorReply)
+    assert f"mismatch in {field} " in reply.message
+    assert repr(getattr(FINGERPRINT, field)) in reply.message and repr(value) in reply.message
+    assert rig.service.counters.hello_refused_fingerprint == 1
+    refused = s.alloc("req-x", ["k1"])  # nothing registered, nothing reserved
+    assert isinstance(refused, protocol.Refused) and refused.code is protocol.RefusalCode.UNKNOWN_PEER
+    assert rig.pool.free_slots == 2
+
+
+def test_hello_without_a_fingerprint_is_refused_when_we_have_one(make_rig) -> None:
+    rig = make_rig()
+    s = rig.sender("sender-x", "tx-x", hello=False)
+    reply = s.hello(None)
+    assert isinstance(reply, protocol.ErrorReply) and "sent none" in reply.message
+
+
+def test_announce_carries_the_fingerprint(make_rig) -> None:
+    rig = make_rig()
+    assert rig.service._announce().fingerprint == FINGERPRINT
+
+
+# ---- teardown of dead senders' pairs -----------------------------------------------------------
+
+
+def test_goodbye_tears_the_pair_down_without_blocking_the_control_thread(make_rig) -> None:
+    rig = make_rig(num_slots=2)
+    rig.transport.disconnect_gate.clear()  # disconnect blocks until the test lets it go
+    a = rig.sender("sender-a", "tx-a")
+    a.send(protocol.Goodbye("sender-a"))
+    b = rig.sender("sender-b", "tx-b")  # answered while the teardown is stuck
+    assert rig.granted(b, "req-b", ["k1"])
+    rig.transport.disconnect_gate.set()
+    assert eventually(lambda: rig.transport.disconnected == ["tx-a"])
+    assert rig.service.counters.senders_torn_down == 1
+
+
+def test_replaced_sender_pair_is_torn_down_but_a_reconnect_keeps_it(make_rig) -> None:
+    rig = make_rig()
+    rig.sender("sender-a", "tx-a")
+    again = rig.sender("sender-a", "tx-a")  # the same sender on a new socket: its pair stays
+    time.sleep(0.2)
+    assert rig.transport.disconnected == [] and rig.service.counters.senders_torn_down == 0
+    # A new incarnation (a restarted prefiller) on that identity replaces it: the old pair goes.
+    again.sender_id, again.writer = "sender-a-v2", "tx-a-v2"
+    assert isinstance(again.hello(), protocol.Welcome)
+    assert eventually(lambda: rig.transport.disconnected == ["tx-a"])
+
+
+def test_silent_sender_is_forgotten_and_its_pair_torn_down(make_rig) -> None:
+    rig = make_rig(sender_idle_timeout_s=0.3)
+    a = rig.sender("sender-a", "tx-a")
+    assert eventually(lambda: rig.transport.disconnected == ["tx-a"])
+    refused = a.alloc("req-a", ["k1"])  # forgotten: it must say Hello again
+    assert isinstance(refused, protocol.Refused) and refused.code is protocol.RefusalCode.UNKNOWN_PEER
+
+
+# ---- end to end on the NCCL transport (Gloo on CPU): a doorbell outside the grant lands nothing ----
+
+
+class NcclRig:
+    """A ReceiveService on a real NCCL transport (Gloo on CPU) and one sender: transport + control socket."""
+
+    def __init__(self, fingerprint: protocol.Fingerprint | None = None, **cfg) -> None:
+        import torch
+
+        from lmcache_p2p.transport.nccl.transport import NcclTransport
+
+        self.cfg = P2PConfig.from_mapping({"role": "receiver", "transport": "nccl", "control_ports": [free_port()],
+                                           "transport_ports": [free_port()], "transfer_timeout_s": 10, **cfg})
+        self.tag = uuid.uuid4().hex[:6]  # unique thread names: an earlier test's pair may still be ending
+        self.rx = NcclTransport(f"rx-{self.tag}", port=self.cfg.transport_port(0), timeout_s=10)
+        self.tx = NcclTransport(f"tx-{self.tag}", timeout_s=10)
+        self.buf = torch.zeros(3 * SLOT_BYTES, dtype=torch.uint8)
+        region = self.rx.register(self.buf)
+        self.pool = SlotPool(3, write_window_s=self.cfg.write_window_s)
+        self.service = ReceiveService(self.cfg, tp_rank=0, tp_size=1, transport=self.rx, pool=self.pool,
+                                      slot_bytes=SLOT_BYTES, region_addr=region.addr, chunk_tokens=16,
+                                      dtype="bfloat16", fingerprint=fingerprint)
+        self.ctx = zmq.Context()
+        self.sender = Sender(self.ctx, self.service.control_endpoint, "sender-a", f"tx-{self.tag}")
+
+    def hello_and_connect(self) -> tuple[protocol.Welcome, str]:
+        welcome = self.sender.call(protocol.Hello(protocol.PROTOCOL_VERSION, "sender-a", 0, self.tx.info()))
+        assert isinstance(welcome, protocol.Welcome)
+        return welcome, self.tx.connect(welcome.transport, 10)
+
+    def recv_threads(self) -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith(f"nccl-recv:rx-{self.tag}<-")]
+
+    def close(self) -> None:
+        self.sender.sock.close()
+        self.service.close()
+        self.tx.close()
+        self.rx.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def nccl_rig() -> Iterator[NcclRig]:
+    rig = NcclRig()
+    yield rig
+    rig.close()
+
+
+def test_nccl_write_into_a_slot_not_granted_to_that_sender_lands_nothing(nccl_rig) -> None:
+    import torch
+
+    tx, buf, pool, service, sender = nccl_rig.tx, nccl_rig.buf, nccl_rig.pool, nccl_rig.service, nccl_rig.sender
+    welcome, peer = nccl_rig.hello_and_connect()
+    (slot,) = sender.alloc("req-a", ["k1"]).slots
+    data = torch.randint(0, 256, (SLOT_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+
+    def write(to_slot: int, req_id: str) -> None:
+        notif = protocol.encode(protocol.Written("sender-a", req_id, [to_slot]))
+        handle = tx.write(peer, [data], [welcome.buffer_addr + to_slot * SLOT_BYTES], notif)
+        try:
+            tx.wait(handle, 10)
+        except Exception:  # noqa: BLE001 - a refused write may fail on the sender; the receiver side is checked
+            pass
+
+    write(slot, "req-a")
+    assert eventually(lambda: service.count_ready(["k1"]) == 1)
+    assert torch.equal(buf[slot * SLOT_BYTES:(slot + 1) * SLOT_BYTES], data)
+    stray = (slot + 1) % 3  # FREE: granted to nobody
+    write(stray, "req-a")
+    assert eventually(lambda: service.counters.writes_refused == 1)
+    assert not buf[stray * SLOT_BYTES:(stray + 1) * SLOT_BYTES].any(), "a refused write landed"
+    assert pool.state(stray) is SlotState.FREE
+
+
+def test_nccl_pair_of_a_sender_that_says_goodbye_is_torn_down(nccl_rig) -> None:
+    nccl_rig.hello_and_connect()
+    assert eventually(lambda: nccl_rig.recv_threads() == [f"nccl-recv:rx-{nccl_rig.tag}<-tx-{nccl_rig.tag}"])
+    nccl_rig.sender.send(protocol.Goodbye("sender-a"))
+    assert eventually(lambda: nccl_rig.recv_threads() == []), "the receiver kept serving a departed sender"
+    assert nccl_rig.service.counters.senders_torn_down == 1
+
+
+def _send_service(fingerprint: protocol.Fingerprint | None, tx) -> object:
+    from lmcache_p2p.backend.send_service import SendService
+
+    cfg = P2PConfig.from_mapping({"role": "sender", "transport": "nccl", "transfer_timeout_s": 10,
+                                  "connect_timeout_s": 10})
+    return SendService(cfg, tp_rank=0, tp_size=1, transport=tx, fingerprint=fingerprint)
+
+
+@pytest.mark.parametrize("fingerprint", [FINGERPRINT, None])
+def test_real_send_service_over_nccl_passes_the_write_guard(fingerprint) -> None:
+    import torch
+
+    from lmcache_p2p.backend.send_service import Chunk as SendChunk
+    from lmcache_p2p.backend.send_service import Target
+
+    rig = NcclRig(fingerprint)
+    sender = _send_service(fingerprint, rig.tx)
+    try:
+        data = [torch.randint(0, 256, (SLOT_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+                for i in range(2)]
+        chunks = [SendChunk(f"k{i}", SHAPE, d, lambda: None) for i, d in enumerate(data)]
+        sender.submit("req-1", Target("127.0.0.1", rig.cfg.control_port(0)), chunks, last=True)
+        assert eventually(lambda: rig.service.count_ready(["k0", "k1"]) == 2)
+        for i in range(2):
+            chunk = rig.service.take(f"k{i}")
+            assert torch.equal(rig.buf[chunk.slot * SLOT_BYTES:(chunk.slot + 1) * SLOT_BYTES], data[i])
+        assert rig.service.counters.writes_refused == 0 and rig.service.counters.written_ignored == 0
+    finally:
+        sender.close()
+        rig.close()
+
+
+def test_real_send_service_with_another_fingerprint_is_refused_and_fails_its_request() -> None:
+    import msgspec
+    import torch
+
+    from lmcache_p2p.backend.send_service import Chunk as SendChunk
+    from lmcache_p2p.backend.send_service import Target
+
+    rig = NcclRig(FINGERPRINT)
+    sender = _send_service(msgspec.structs.replace(FINGERPRINT, num_layers=3), rig.tx)
+    try:
+        chunk = SendChunk("k0", SHAPE, torch.zeros(SLOT_BYTES, dtype=torch.uint8), lambda: None)
+        sender.submit("req-1", Target("127.0.0.1", rig.cfg.control_port(0)), [chunk], last=True)
+        assert eventually(lambda: sender.stats().requests_failed == 1)
+        assert rig.service.counters.hello_refused_fingerprint == 1
+        assert rig.pool.free_slots == rig.pool.num_slots and rig.service.count_ready(["k0"]) == 0
+    finally:
+        sender.close()
+        rig.close()
