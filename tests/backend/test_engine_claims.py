@@ -104,7 +104,7 @@ def test_full_buffer_fails_after_alloc_timeout_with_its_slots_freed_then_backoff
     wait_failed(pair.sender, 1)
     assert time.monotonic() - started >= alloc_timeout_s  # it backed off and retried until the deadline
     log = pair.sender.log_path.read_text()
-    assert "p2p.alloc_timeout_s" in log and "stayed full" in log
+    assert "p2p.alloc_timeout_s" in log and "last refusal: 1 of 4 slots free, 2 needed" in log
     # B's granted slot is back in the pool; A is untouched.
     assert wait_for(lambda: pair.receiver.call(op="slots"), lambda s: s["free"] == 2, FREE_TIMEOUT_S)["free"] == 2
     assert pair.receiver.call(op="lookup", seed=42, num_tokens=3 * TINY_CHUNK) == {"hit_tokens": 0}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import EngineProc, free_port, write_config
+from engines import EngineProc, free_port, write_config
 from test_engine_p2p import all_free, assert_received, store, wait_for
 
 torch = pytest.importorskip("torch")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 import time
 
-from conftest import EngineProc
+from engines import EngineProc
 
 # Deadlines, generous for a busy 2-core machine: they bound a wait, they are not what is tested.
 READY_TIMEOUT_S = 60.0
