@@ -124,6 +124,7 @@ class FlowSettings:
     admission_timeout_s: float = 5.0
     admission_queue_max: int = 1024
     migration_limit: int = 2  # mid-stream moves of one request's decode to another instance
+    tokenizer_wait_s: float = 10.0  # longest a request waits for the tokenizer's first load
 
 
 class Orchestrator:
@@ -607,7 +608,7 @@ class RequestFlow:
         o = self._o
         registry = o.registry
         instances = [] if o.tokenizers.settled else registry.routable(Role.SENDER) + registry.routable(Role.RECEIVER)
-        self._tokenizer = await o.tokenizers.get(instances)
+        self._tokenizer = await o.tokenizers.get(instances, o.settings.tokenizer_wait_s)
         if self._tokenizer is None or req.exact_prompt_tokens is not None:
             return req
         count = await asyncio.to_thread(self._tokenizer.prompt_tokens, req)

@@ -21,6 +21,7 @@ from typing import Any
 
 import uvicorn
 
+from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.protocol import Codec
 from lmcache_p2p.proxy.app import ProxyApp
@@ -65,7 +66,7 @@ class Proxy:
             self.registry, Router(settings.policy), self.waiters, self.upstream, self.canceller, self.metrics,
             FlowSettings(settings.kv_timeout_s, settings.prefill_timeout_s, settings.decode_idle_timeout_s,
                          settings.on_kv_failure, settings.admission_timeout_s, settings.admission_queue_max,
-                         migration_limit=settings.migration_limit),
+                         migration_limit=settings.migration_limit, tokenizer_wait_s=settings.tokenizer_wait_s),
             tokenizers=TokenizerProvider(settings.tokenizer, self.upstream, settings.connect_timeout_s),
         )
         self.control = ControlListener(settings.control_host, settings.control_port, codec,
@@ -87,7 +88,9 @@ class Proxy:
                            "headers) or drain instances", " and ".join(exposed))
         self.control.start()
         self.prober.start()
-        self.orchestrator.tokenizers.prefetch()
+        registry = self.registry
+        self._spawn(self.orchestrator.tokenizers.load_in_background(
+            lambda: registry.routable(Role.SENDER) + registry.routable(Role.RECEIVER)), "proxy-tokenizer-load")
         self._spawn(self._evict_loop(), "proxy-evict")
         if self.settings.summary_interval_s > 0:
             self._spawn(self._summary_loop(), "proxy-summary")

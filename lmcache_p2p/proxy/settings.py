@@ -87,6 +87,7 @@ class ProxySettings:
     admission_timeout_s: float = 5.0
     admission_queue_max: int = 1024
     tokenizer: str = "auto"  # a folder, "auto" (the served model's folder) or "none"
+    tokenizer_wait_s: float = 10.0  # longest a request waits for the tokenizer's first load
     migration_limit: int = 2
     static_instances: tuple[StaticInstance, ...] = ()
 
@@ -131,6 +132,8 @@ class ProxySettings:
             raise ConfigError("--admission-timeout-s / --admission-queue-max",
                               f"must be >= 0 (0: never wait), got {args.admission_timeout_s} / "
                               f"{args.admission_queue_max}")
+        if args.tokenizer_wait_s < 0:
+            raise ConfigError("--tokenizer-wait-s", f"must be >= 0, got {args.tokenizer_wait_s}")
         if args.migration_limit < 0:
             raise ConfigError("--migration-limit", f"must be >= 0 (0 turns migration off), got {args.migration_limit}")
         if args.summary_interval_s < 0:
@@ -160,6 +163,7 @@ class ProxySettings:
             admission_timeout_s=args.admission_timeout_s,
             admission_queue_max=args.admission_queue_max,
             tokenizer=args.tokenizer,
+            tokenizer_wait_s=args.tokenizer_wait_s,
             migration_limit=args.migration_limit,
             static_instances=tuple(args.prefill or ()) + tuple(args.decode or ()),
         )
@@ -227,6 +231,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the model's tokenizer folder, for exact prompt token counts and output text made from "
                         "token ids (every prompt's KV used); 'auto': the folder the instances serve when it exists "
                         "here; 'none': counts are estimates and text comes from the instances (default %(default)s)")
+    g.add_argument("--tokenizer-wait-s", type=float, default=d.tokenizer_wait_s,
+                   help="longest a request waits for the tokenizer while it first loads (the proxy loads it as soon "
+                        "as an instance registers); a request that gives up goes with estimated counts and the "
+                        "instances' text (default %(default)s)")
     g.add_argument("--migration-limit", type=int, default=d.migration_limit,
                    help="times one request's decode stream may move to another instance when its decoder fails "
                         "mid-stream; 0 = never (default %(default)s)")

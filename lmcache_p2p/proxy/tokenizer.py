@@ -23,7 +23,7 @@ import asyncio
 import importlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmcache_p2p.proxy.detokenize import OutputText, TextParams
@@ -144,19 +144,38 @@ class TokenizerProvider:
                 asyncio.to_thread(importlib.import_module, "transformers"), name="proxy-tokenizer-import")
             self._prefetch.add_done_callback(_log_prefetch_failure)
 
-    async def get(self, instances: Sequence[Instance]) -> ProxyTokenizer | None:
+    async def get(self, instances: Sequence[Instance], wait_s: float | None = None) -> ProxyTokenizer | None:
+        """The tokenizer, loading it if needed; waits at most ``wait_s`` (None: until loaded) and answers
+        None meanwhile: a request never stalls behind a slow first load (seen: 36 s of TTFT on the
+        first GPU requests), it just goes without exact counts and proxy-made text."""
         if self._done:
             return self._tokenizer
         if self._loading is None:
             self._loading = asyncio.get_running_loop().create_task(self._load(instances), name="proxy-tokenizer")
+        loading = self._loading
         try:
-            tokenizer = await asyncio.shield(self._loading)
+            tokenizer = await asyncio.wait_for(asyncio.shield(loading), wait_s)
+        except TimeoutError:
+            return None  # still loading: this request goes without; the load carries on
         except Exception as exc:  # no instance answered /v1/models yet: try again with the next request
             logger.debug("tokenizer not loaded yet: %s", exc)
-            self._loading = None
+            if self._loading is loading:
+                self._loading = None
             return None
         self._tokenizer, self._done = tokenizer, True
         return tokenizer
+
+    async def load_in_background(self, instances: Callable[[], Sequence[Instance]],
+                                 retry_s: float = 0.5) -> None:
+        """Load as soon as an instance can tell what it serves, before any request needs it (a task
+        of the proxy; ends once settled)."""
+        self.prefetch()
+        while not self._done:
+            found = instances()
+            if found or self._source not in (AUTO,):
+                await self.get(found)
+            if not self._done:
+                await asyncio.sleep(retry_s)
 
     async def _load(self, instances: Sequence[Instance]) -> ProxyTokenizer | None:
         root = await self._served_model(instances) if self._upstream is not None else None

@@ -207,3 +207,13 @@ class ProxyProcess:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             pass
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    from lmcache_p2p.cli.tiny_model import _train_tokenizer
+
+    hf = _train_tokenizer(0)  # the tiny model's byte-level BPE
+    path = tmp_path_factory.mktemp("tokenizer")
+    hf.save_pretrained(path)
+    return path, hf

@@ -375,16 +375,6 @@ async def test_client_disconnect_during_prefill_drops_the_waiter():
 # ---- every prompt's KV is used: prompt ids + first token, text made in the proxy ---------------------
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from lmcache_p2p.cli.tiny_model import _train_tokenizer
-
-    hf = _train_tokenizer(0)  # the tiny model's byte-level BPE
-    path = tmp_path_factory.mktemp("tokenizer")
-    hf.save_pretrained(path)
-    return path, hf
-
-
 def cycling_model(cycle: list[int]):
     """A greedy "model" that emits ``cycle`` over and over (the next token depends on the last one only)."""
     def model(ids: list[int]) -> int:
