@@ -30,7 +30,10 @@ SPEC = ClusterSpec(
     vllm_args=("--max-num-batched-tokens", "512"),  # chunked prefill: a long prompt is stored in several steps
     proxy_args=("--prefill-timeout-s", "60", "--decode-idle-timeout-s", "60", "--instance-ttl-s", "6",
                 "--summary-interval-s", "0"),
-    receiver_p2p={"reserve_lease_s": 20, "ready_lease_s": 30},
+    # Short leases so a leak shows within a scenario; the receiver's quarantine window (a given-up
+    # slot a late write may still reach) is transfer_timeout_s + quarantine_margin_s, below the lease.
+    receiver_p2p={"transfer_timeout_s": 10, "quarantine_margin_s": 5, "reserve_lease_s": 20, "ready_lease_s": 30},
+    sender_p2p={"transfer_timeout_s": 10},
 )
 
 
