@@ -230,14 +230,36 @@ def wait_registered(proxy_url: str, prefill: int, decode: int, timeout_s: float)
     raise StartupError(f"instances did not register with the proxy within {timeout_s:.0f}s; see proxy.log")
 
 
-def demo_request(proxy_url: str, model: Path) -> str:
+def demo_request(proxy_url: str, model: Path, log_dir: Path) -> list[str]:
+    """One completion through the proxy, and what proves it was disaggregated: the prompt's tokens,
+    what the decoder's LMCache loaded from the prefiller (its log), the KV bytes and the handover
+    (the proxy's /metrics and /stats)."""
     import httpx
+
+    from lmcache_p2p.cli.cluster import lookups_in_log
 
     body = {"model": str(model), "prompt": "The quick brown fox jumps over the lazy dog. " * 20,
             "max_tokens": 16, "temperature": 0}
     resp = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=120)
     resp.raise_for_status()
-    return resp.json()["choices"][0]["text"]
+    answer = resp.json()
+    lines = [f"demo completion through the proxy: {answer['choices'][0]['text']!r}",
+             f"  prompt tokens: {answer.get('usage', {}).get('prompt_tokens', '?')}"]
+    lookups = lookups_in_log(log_dir / "decoder-0.log")
+    if lookups:
+        last = lookups[-1]
+        lines.append(f"  decoder-0 loaded from the prefiller's KV: {last.hit_tokens} of the {last.total_tokens} "
+                     "tokens it looked up (prompt + first token; the last one is never looked up)")
+    stats = httpx.get(f"{proxy_url}/stats", timeout=10).json()
+    handover = stats.get("handover_ms", {}).get("p50")
+    metrics = httpx.get(f"{proxy_url}/metrics", timeout=10).text
+    kv_bytes = next((float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("lmcache_p2p_proxy_kv_bytes_total ")), None)
+    lines.append(f"  KV moved prefiller -> decoder: {kv_bytes:.0f} bytes" if kv_bytes is not None else
+                 "  KV moved: not reported")
+    lines.append(f"  handover (prefill answer -> first decoded token): {handover:.1f} ms" if handover is not None
+                 else "  handover: not measured")
+    return lines
 
 
 def restart_policy(args: argparse.Namespace) -> RestartPolicy:
@@ -302,8 +324,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nlmcache_p2p is serving {args.prefill}P{args.decode}D: {proxy_url}/v1  (model {model})", flush=True)
         print(f"logs: {log_dir}\nCtrl-C stops everything.", flush=True)
         if args.demo:
-            text = demo_request(proxy_url, model)
-            print(f"demo completion through the proxy: {text!r}", flush=True)
+            print("\n".join(demo_request(proxy_url, model, log_dir)), flush=True)
             return 0
         return supervise(children, policy)
     except StartupError as exc:
