@@ -77,6 +77,14 @@ def generate(prompt_ids: list[int], n: int) -> list[int]:
     return ids[len(prompt_ids):]
 
 
+PROMPT = "The quick brown fox jumps over the lazy dog"
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+
+
+def expected_text(prompt_ids: list[int], n: int) -> str:
+    return "".join(token_text(t) for t in generate(prompt_ids, n))
+
+
 # ---- serving helpers -----------------------------------------------------------------------------
 
 

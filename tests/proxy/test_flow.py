@@ -12,17 +12,9 @@ import pytest
 from lmcache_p2p.config import Role
 
 from .conftest import eventually, make_cluster
-from .fakes import MODEL, chat_prompt, generate, token_text, tokenize
+from .fakes import MESSAGES, MODEL, PROMPT, chat_prompt, expected_text, generate, token_text, tokenize
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
-
-PROMPT = "The quick brown fox jumps over the lazy dog"
-MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
-
-
-def expected_text(prompt_ids: list[int], n: int) -> str:
-    return "".join(token_text(t) for t in generate(prompt_ids, n))
-
 
 def assert_idle(cluster) -> None:
     """Every lease released, every waiter dropped."""

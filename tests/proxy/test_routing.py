@@ -13,15 +13,8 @@ from lmcache_p2p.proxy.registry import Registry
 from lmcache_p2p.proxy.routing import Policy, RequestCost, Router, chunks_needed, exceeds_every_buffer
 
 from .conftest import eventually, make_cluster
-from .fakes import MODEL, FakeReceiverControl, chat_prompt, fingerprint, generate, token_text, tokenize
-
-PROMPT = "The quick brown fox jumps over the lazy dog"
-MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
-
-
-def expected_text(prompt_ids: list[int], n: int) -> str:
-    return "".join(token_text(t) for t in generate(prompt_ids, n))
-
+from .fakes import (MESSAGES, MODEL, PROMPT, FakeReceiverControl, chat_prompt, expected_text, fingerprint, generate,
+                    token_text, tokenize)
 
 def assert_idle(cluster) -> None:
     """Every lease released, every waiter dropped, no credit held."""
