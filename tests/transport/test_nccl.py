@@ -19,6 +19,7 @@ import torch
 
 from lmcache_p2p.errors import PeerUnreachable, TransportError
 from lmcache_p2p.protocol import TransportInfo
+from lmcache_p2p.transport.nccl import wire
 from lmcache_p2p.transport.nccl.transport import NcclTransport
 
 WAIT_S = 20.0
@@ -127,6 +128,61 @@ def test_two_senders_write_to_one_receiver_at_once(make) -> None:
         assert [p for peer, p in notifs if peer == name] == [f"{name}-{i}".encode() for i in range(writes)]
     for offset, data in sent.items():
         assert torch.equal(buf[offset : offset + chunk], data)
+
+
+# ---- eager pairing: connect() returns with the pair complete on both sides ------------------------
+
+
+def _serving(rx: NcclTransport, sender: str) -> bool:
+    pair = rx._receivers.get(sender)
+    return pair is not None and pair.serving
+
+
+def test_connect_returns_only_once_the_receiver_serves_the_pair(make) -> None:
+    """A receiver slow to register the pair (a busy engine) delays connect(), not the first write."""
+    rx, tx = make("rx"), make("tx")
+    buf = _recv_buffer(rx, MIB)
+    on_paired = rx._hooks.on_paired
+
+    def slow_on_paired(pair) -> bool:
+        time.sleep(0.5)
+        return on_paired(pair)
+
+    rx._hooks = dataclasses.replace(rx._hooks, on_paired=slow_on_paired)
+    peer = _connect(rx, tx)
+    assert _serving(rx, "tx"), "connect() returned before the receiver's side of the pair was up"
+    data = _random(64 * KIB, 7)
+    handle = tx.write(peer, [data], [rx.info().regions[0].addr], b"first")
+    tx.wait(handle, 2.0)  # the first write needs no pairing time: well inside the transfer timeout
+    assert _collect(rx, 1, 2.0) == [("tx", b"first")]
+    assert torch.equal(buf[: 64 * KIB], data)
+
+
+def test_pairing_moves_a_warm_up_piece_and_both_sides_report_its_steps(make) -> None:
+    rx, tx = make("rx"), make("tx")
+    _recv_buffer(rx, MIB)
+    _connect(rx, tx)
+    assert _eventually(lambda: len(rx.pairings()) == 1)
+    (sent,), (received,) = tx.pairings(), rx.pairings()
+    assert (sent.role, sent.peer, received.role, received.peer) == ("sender", "rx", "receiver", "tx")
+    assert sent.pair_id == received.pair_id
+    assert sent.warmup_bytes == received.warmup_bytes == wire.WARMUP_BYTES
+    assert min(sent.group_ms, sent.handshake_ms, sent.warmup_ms, sent.ready_ms) >= 0
+
+
+def test_a_failed_pairing_raises_and_a_retry_pairs(make) -> None:
+    """Reported, never fatal: a connect the receiver did not accept fails; the next one pairs."""
+    rx, tx = make("rx"), make("tx")
+    buf = _recv_buffer(rx, MIB)
+    with pytest.raises(PeerUnreachable):
+        tx.connect(rx.info(), 1.0)
+    assert tx.pairings() == []
+    peer = _connect(rx, tx)
+    data = _random(4096, 9)
+    tx.wait(tx.write(peer, [data], [rx.info().regions[0].addr], b"after-retry"), WAIT_S)
+    assert _collect(rx, 1) == [("tx", b"after-retry")]
+    assert torch.equal(buf[:4096], data)
+    assert [r.role for r in tx.pairings()] == ["sender"]
 
 
 def test_disconnect_then_reconnect_makes_a_new_pair(make) -> None:

@@ -183,6 +183,43 @@ def handshake(group: Any, rank: int, device: torch.device, deadline: float) -> N
         )
 
 
+def warm_up(group: Any, rank: int, device: torch.device, deadline: float) -> int:
+    """Rank 1 sends ``wire.WARMUP_BYTES`` from its device; rank 0 receives them on its own.
+
+    Pairing pays here, not at the first write, for what NCCL sets up at a pair's first message
+    of real size (its p2p connection buffers, the kernels' first launch); Gloo: the same path,
+    for the tests. Returns the bytes moved."""
+    import torch
+
+    cuda = device.type == "cuda"
+    piece = (torch.zeros if rank == 1 else torch.empty)(wire.WARMUP_BYTES, dtype=torch.uint8, device=device)
+    if rank == 1:
+        wait_work(group.send([piece], 0, 0), deadline, "pair warm-up (send)", cuda)
+    else:
+        wait_work(group.recv([piece], 1, 0), deadline, "pair warm-up (recv)", cuda)
+    return piece.numel()
+
+
+def ready(group: Any, rank: int, device: torch.device, deadline: float) -> None:
+    """Rank 0 says it serves the pair (it registered it); rank 1 waits for that before it writes.
+
+    So a sender's ``connect`` returns only once the receiver's side of the pair is up, and its
+    first write never waits on the receiver's pairing."""
+    import torch
+
+    cuda = device.type == "cuda"
+    if rank == 0:
+        msg = torch.tensor([wire.HANDSHAKE_MAGIC, wire.WIRE_VERSION], dtype=torch.int64, device=device)
+        wait_work(group.send([msg], 1, 0), deadline, "pair ready (send)", cuda)
+        return
+    got = torch.zeros(2, dtype=torch.int64, device=device)
+    wait_work(group.recv([got], 0, 0), deadline, "pair ready (recv)", cuda)
+    magic, version = (int(v) for v in got.cpu())
+    if magic != wire.HANDSHAKE_MAGIC or version != wire.WIRE_VERSION:
+        raise TransportError(f"pair ready message got magic 0x{magic:x} version {version}, expected "
+                             f"version {wire.WIRE_VERSION}")
+
+
 def is_done(work: Any, cuda: bool) -> bool:
     """True once an NCCL op completed (no wait). Gloo's is_completed() stays False until someone
     waits, so for Gloo this always says "wait for it now"."""

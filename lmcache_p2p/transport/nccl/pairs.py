@@ -94,11 +94,57 @@ class PairSettings:
         return self.timeout_s * 2 + 10
 
 
+@dataclasses.dataclass(frozen=True)
+class PairingReport:
+    """How long one pairing took, by step (logged, and kept by the transport: ``pairings()``).
+
+    ``group_ms``: claiming the offer and building the process group; ``handshake_ms``: the first
+    message (NCCL creates the pair's communicator here); ``warmup_ms``: a ``wire.WARMUP_BYTES``
+    piece; ``ready_ms``: the receiver's "serving" message (the sender waits for it)."""
+
+    role: str  # "sender" | "receiver"
+    peer: str
+    pair_id: str
+    group_ms: float
+    handshake_ms: float
+    warmup_ms: float
+    ready_ms: float
+    warmup_bytes: int
+
+    @property
+    def total_ms(self) -> float:
+        return self.group_ms + self.handshake_ms + self.warmup_ms + self.ready_ms
+
+    def log(self, name: str) -> None:
+        logger.info("%s: paired as %s with %s (pair %s) in %.1f ms: group %.1f ms, handshake %.1f ms, "
+                    "warm-up %.1f ms (%d bytes), ready %.1f ms", name, self.role, self.peer, self.pair_id,
+                    self.total_ms, self.group_ms, self.handshake_ms, self.warmup_ms, self.warmup_bytes, self.ready_ms)
+
+
+class Stopwatch:
+    """Milliseconds between successive ``lap()`` calls."""
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+
+    def lap(self) -> float:
+        now = time.monotonic()
+        elapsed, self._last = (now - self._last) * 1e3, now
+        return elapsed
+
+
 def enter_device(settings: PairSettings) -> None:
     if settings.cuda:
         import torch
 
         torch.cuda.set_device(settings.device)
+
+
+def new_send_ring(settings: PairSettings) -> Any:
+    """A sender's staging ring (GPU): device slots for host-resident chunks; see staging.py."""
+    from lmcache_p2p.transport.nccl.staging import SendRing
+
+    return SendRing(settings.device, settings.stage_slot_bytes, settings.stage_slots)
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -113,7 +159,8 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class SendPair:
     """Rank 1 of a pair: a queue of writes and the thread that posts and completes them."""
 
-    def __init__(self, settings: PairSettings, peer: TransportInfo, pair_id: str, store: Any, group: Any) -> None:
+    def __init__(self, settings: PairSettings, peer: TransportInfo, pair_id: str, store: Any, group: Any,
+                 ring: Any = None) -> None:
         self.peer = peer.name
         self.regions = list(peer.regions)
         self.pair_id = pair_id
@@ -126,7 +173,7 @@ class SendPair:
         self._inflight: collections.deque[PendingWrite] = collections.deque()
         self._broken: list[PendingWrite] = []  # posted writes that failed: settled once the group is gone
         self._seq = 0
-        self._ring: Any = None
+        self._ring: Any = ring  # made at pairing on a GPU (eager), else at the first host-sourced write
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"nccl-send:{settings.name}->{peer.name}", daemon=True)
 
@@ -273,10 +320,9 @@ class SendPair:
 
     def _send_ring(self) -> Any:
         if self._ring is None:
-            from lmcache_p2p.transport.nccl.staging import SendRing
-
-            self._ring = SendRing(self._s.device, self._s.stage_slot_bytes, self._s.stage_slots)
+            self._ring = new_send_ring(self._s)
         return self._ring
+
 
     def _oldest_pending(self) -> bool:
         """NCCL: the oldest posted write is still moving and within its deadline."""
@@ -351,6 +397,7 @@ class RecvHooks:
     slot_view: Callable[[wire.ChunkDest], Any]  # the registered memory a chunk lands in
     region_bytes: Callable[[], list[int]]  # the length of each registered region
     admit: Callable[[str, wire.Header], None]  # ProtocolError: the receiver refuses this write
+    on_report: Callable[[PairingReport], None] = lambda _report: None  # a pairing's timings
 
 
 # ---- the receiving side of one pair --------------------------------------------------------------
@@ -369,6 +416,9 @@ class RecvPair:
         self._store: Any = None
         self._group: Any = None
         self._ring: Any = None
+        self._deadline = 0.0  # of the pairing: offer, group, handshake, warm-up and ready
+        self._laps: list[float] = []  # group, handshake and warm-up milliseconds
+        self._warmup_bytes = 0
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"nccl-recv:{settings.name}<-{sender}", daemon=True)
 
@@ -406,6 +456,7 @@ class RecvPair:
         try:
             enter_device(self._s)
             if self._pair() and self._hooks.on_paired(self):
+                self._ready()
                 self._serve()
         except (TransportError, ProtocolError) as exc:
             logger.warning(
@@ -424,7 +475,7 @@ class RecvPair:
         False when stopped before pairing; PeerUnreachable when the sender did not come within
         ``timeout_s`` (the offer is then retracted: a late sender cannot join a group nobody serves).
         """
-        deadline = time.monotonic() + self._s.timeout_s
+        deadline = self._deadline = time.monotonic() + self._s.timeout_s
         self._store = group_ops.store_client(self._s.host, self._s.port, self._s.timeout_s)
         try:
             gen = self._store.add(wire.generation_key(self.sender), 1)
@@ -432,18 +483,33 @@ class RecvPair:
             self._store.set(wire.offer_key(self.sender), self.pair_id)
             if self._stopping.is_set() or not self._await_claim(deadline):
                 return False
+            watch = Stopwatch()  # from the claim on: the time the sender waits for us
             join_s = max(group_ops.remaining_s(deadline), 0.001)
             self._group = group_ops.new_group(
                 self._store, self.pair_id, 0, self._s.device, self._s.host, join_s, self._s.watchdog_s
             )
             self.serving = True  # from here stop() wakes the doorbell
+            self._laps.append(watch.lap())
             group_ops.handshake(self._group, 0, self._s.device, deadline)
+            self._laps.append(watch.lap())
+            self._warmup_bytes = group_ops.warm_up(self._group, 0, self._s.device, deadline)
+            self._laps.append(watch.lap())
         except (*group_ops.dist_errors(), TransportError) as exc:
             if isinstance(exc, PeerUnreachable):
                 raise
             raise PeerUnreachable(f"pairing with {self.sender} failed: {exc}") from exc
-        logger.info("%s: paired with sender %s (pair %s)", self._s.name, self.sender, self.pair_id)
         return True
+
+    def _ready(self) -> None:
+        """Registered with the transport: tell the sender, whose connect() returns then."""
+        watch = Stopwatch()
+        try:
+            group_ops.ready(self._group, 0, self._s.device, self._deadline)
+        except (*group_ops.dist_errors(), TransportError) as exc:
+            raise PeerUnreachable(f"pairing with {self.sender} failed at its last step: {exc}") from exc
+        report = PairingReport("receiver", self.sender, self.pair_id, *self._laps, watch.lap(), self._warmup_bytes)
+        report.log(self._s.name)
+        self._hooks.on_report(report)
 
     def _await_claim(self, deadline: float) -> bool:
         """Wait until the claim key exists: True if the sender claimed, False if we were stopped."""

@@ -13,7 +13,11 @@ Emulating a one-sided write on a two-sided library:
     never joined twice, and one the receiver retracted - at ``timeout_s``, or when stopped - is
     never joined at all), then both build the group (receiver rank 0, sender rank 1) within the
     connect timeout. A handshake message checks the wire version (and creates NCCL's
-    communicator). Every accept/connect makes a NEW pair; a new pair from a known sender
+    communicator); a warm-up piece (``wire.WARMUP_BYTES``) then pays NCCL's first real-size
+    message, the sender makes its staging ring (GPU), and the receiver, once it registered the
+    pair, sends "ready": ``connect`` returns only then, so a pairing is complete on both sides
+    before the first write and that write never waits on pair set-up (timings: ``pairings()``,
+    logged per pair). Every accept/connect makes a NEW pair; a new pair from a known sender
     replaces its old one (a reconnect is a new Hello, so the receiver accepts again).
   * writes - the sender puts the write's header (destinations as region/offset/length, and the
     notification) into a doorbell key of the store, then sends the chunks. The receiver's pair
@@ -71,7 +75,17 @@ from lmcache_p2p.protocol import Region, TransportInfo
 from lmcache_p2p.transport.nccl import group as group_ops
 from lmcache_p2p.transport.nccl import wire
 from lmcache_p2p.transport.base import Notification, Transport, WriteGuard, WriteHandle, region_of
-from lmcache_p2p.transport.nccl.pairs import PairSettings, PendingWrite, RecvHooks, RecvPair, SendPair, flat_bytes
+from lmcache_p2p.transport.nccl.pairs import (
+    PairingReport,
+    PairSettings,
+    PendingWrite,
+    RecvHooks,
+    RecvPair,
+    SendPair,
+    Stopwatch,
+    flat_bytes,
+    new_send_ring,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +93,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 OFFER_POLL_S = 0.01  # a sender that found an already-claimed offer looks again this often
+PAIRING_REPORTS_KEPT = 64  # the latest pairings' timings that ``pairings()`` returns
 
 
 def _parse_device(device: str) -> Any:
@@ -153,6 +168,7 @@ class NcclTransport(Transport):
         self._recv_threads: set[RecvPair] = set()  # every live receiver pair, pairing ones included
         self._stopped: list[SendPair | RecvPair] = []  # disconnected pairs whose threads close() joins
         self._notifs: collections.deque[Notification] = collections.deque()
+        self._pairings: collections.deque[PairingReport] = collections.deque(maxlen=PAIRING_REPORTS_KEPT)
         self._guard: WriteGuard | None = None
         if timeout_s <= 0 or close_timeout_s <= 0 or stage_slot_bytes <= 0 or stage_slots <= 0:
             raise ValueError("timeout_s, close_timeout_s, stage_slot_bytes and stage_slots must be positive")
@@ -165,7 +181,8 @@ class NcclTransport(Transport):
                 name, host, self._store.port, dev, timeout_s, stage_slot_bytes, stage_slots, max_inflight_writes
             )
             self._hooks = RecvHooks(
-                self._on_paired, self._on_pair_ended, self._notify, self._slot_view, self._region_bytes, self._admit
+                self._on_paired, self._on_pair_ended, self._notify, self._slot_view, self._region_bytes, self._admit,
+                self._pairings.append,
             )
         except BaseException:
             self.close()
@@ -207,6 +224,10 @@ class NcclTransport(Transport):
                     self._name,
                     self._close_timeout_s,
                 )
+
+    def pairings(self) -> list[PairingReport]:
+        """The latest pairings' timings, oldest first, both roles (at most PAIRING_REPORTS_KEPT)."""
+        return list(self._pairings)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -355,34 +376,47 @@ class NcclTransport(Transport):
         return peer.name
 
     def _join(self, peer: TransportInfo, timeout_s: float) -> SendPair:
+        """Pair with ``peer`` completely before returning (eager: nothing is left for the first write):
+        group and communicator, a warm-up piece, the staging ring (GPU), and the receiver's "serving"."""
         deadline = time.monotonic() + timeout_s
         store = group_ops.store_client(peer.host, peer.port, timeout_s)
-        group = None
+        group = ring = None
         try:
             pair_id = _claim_offer(store, self._name, peer.name, deadline)
-            group = self._join_group(store, pair_id, deadline)
+            group, ring, report = self._join_group(store, pair_id, peer.name, deadline)
             store.set_timeout(group_ops.timedelta_s(self._s.timeout_s))
         except (*group_ops.dist_errors(), TransportError) as exc:
             group_ops.drop_group(group)
             if isinstance(exc, PeerUnreachable):
                 raise
             raise PeerUnreachable(f"cannot pair with {peer.name} within {timeout_s:.1f}s: {exc}") from exc
-        return SendPair(self._s, peer, pair_id, store, group)
+        report.log(self._name)
+        self._pairings.append(report)
+        return SendPair(self._s, peer, pair_id, store, group, ring)
 
-    def _join_group(self, store: Any, pair_id: str, deadline: float) -> Any:
-        """Build our side (rank 1) of the pair's group and send the handshake, on our device."""
+    def _join_group(self, store: Any, pair_id: str, peer: str, deadline: float) -> tuple[Any, Any, PairingReport]:
+        """Build our side (rank 1) of the pair's group on our device: handshake, warm-up, the staging
+        ring (GPU only), then wait until the receiver serves the pair."""
         import torch
 
         on_device = torch.cuda.device(self._s.device) if self._s.cuda else contextlib.nullcontext()
+        watch = Stopwatch()
         with on_device:
             join_s = max(group_ops.remaining_s(deadline), 0.001)
             group = group_ops.new_group(store, pair_id, 1, self._s.device, self._s.host, join_s, self._s.watchdog_s)
+            laps = [watch.lap()]
             try:
                 group_ops.handshake(group, 1, self._s.device, deadline)
+                laps.append(watch.lap())
+                warmed = group_ops.warm_up(group, 1, self._s.device, deadline)
+                ring = new_send_ring(self._s) if self._s.cuda else None
+                laps.append(watch.lap())
+                group_ops.ready(group, 1, self._s.device, deadline)
+                laps.append(watch.lap())
             except BaseException:
                 group_ops.drop_group(group)
                 raise
-        return group
+        return group, ring, PairingReport("sender", peer, pair_id, *laps, warmed)
 
     def _drop_sender(self, pair: SendPair) -> None:
         """Stop a pair that went down; its thread ends alone (close joins it)."""

@@ -21,8 +21,9 @@ from collections.abc import Sequence
 
 from lmcache_p2p.errors import ProtocolError
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: pairing moves a warm-up piece and the receiver acknowledges it serves the pair
 HANDSHAKE_MAGIC = 0x4E43434C  # "NCCL": the first message of every pair, then WIRE_VERSION
+WARMUP_BYTES = 1 << 20  # the piece a pairing moves sender -> receiver after the handshake
 MAX_CHUNKS_PER_WRITE = 1 << 16
 MAX_NOTIF_BYTES = 1 << 20
 
