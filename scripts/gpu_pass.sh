@@ -3,8 +3,13 @@
 #
 #   bash scripts/gpu_pass.sh stage         copy the carried bundle part(s) to /tmp/stage (one call per part)
 #   bash scripts/gpu_pass.sh run [ARGS]    stage the last part, install the bundle (idempotent, seconds), make
-#                                          the models (/tmp/models/tiny, /tmp/models/llama8b-shape), then
-#                                          bench/e2e_gpu.py ARGS (default: the full pass, see below)
+#                                          the models (/tmp/models/tiny, /tmp/models/llama8b-shape and
+#                                          /tmp/models/llama8b-128k: the 8B body with Llama-3.1's 128256-token
+#                                          vocabulary and no tokenizer), then bench/e2e_gpu.py ARGS (default:
+#                                          the full pass, see below)
+#   bash scripts/gpu_pass.sh equal ARGS    the same set-up, then bench/e2e_gpu_equal.py --mode equal ARGS (greedy
+#                                          equality through 1P1D against a single instance)
+#   bash scripts/gpu_pass.sh kill ARGS     ... --mode kill ARGS (NCCL: the prefiller killed under load)
 #
 # Results: $OUT/e2e_gpu.json, $OUT/e2e_gpu_parts/<system>.json (copy them to build/e2e_gpu_parts here and carry
 # that folder next time: rates already measured are skipped), $OUT/logs.tar.gz (every server and bench log),
@@ -23,8 +28,10 @@ stage() {
 
 case "${1:-}" in
   stage) stage; exit 0 ;;
-  run) shift ;;
-  *) echo "usage: gpu_pass.sh stage | run [bench/e2e_gpu.py arguments]" >&2; exit 2 ;;
+  run) shift; BENCH=bench/e2e_gpu.py ;;
+  equal|kill) MODE=$1; shift; BENCH=bench/e2e_gpu_equal.py; set -- --mode "$MODE" "$@" ;;
+  *) echo "usage: gpu_pass.sh stage | run [bench/e2e_gpu.py arguments] | equal|kill bench/e2e_gpu_equal.py arguments" >&2
+     exit 2 ;;
 esac
 stage
 set -o pipefail
@@ -35,15 +42,26 @@ set -o pipefail
   echo "[gpu_pass] installed in $(($(date +%s) - start))s"
   nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv
   [ -f /tmp/models/llama8b-shape/config.json ] || python3 "$GPU_BUILD/gpu-kit/make_models.py" /tmp/models || exit 1
+  [ -f /tmp/models/llama8b-128k/config.json ] || python3 - <<'PY' || exit 1
+import json, os
+src, dst = "/tmp/models/llama8b-shape", "/tmp/models/llama8b-128k"
+os.makedirs(dst, exist_ok=True)
+config = json.load(open(os.path.join(src, "config.json")))
+config.update(vocab_size=128256, bos_token_id=128000, eos_token_id=128001, pad_token_id=None)
+json.dump(config, open(os.path.join(dst, "config.json"), "w"), indent=1)
+print("[gpu_pass] made", dst, "(vocab 128256, no tokenizer: serve with --skip-tokenizer-init)")
+PY
   mkdir -p "$OUT/e2e_gpu_parts"
   compgen -G "$GPU_BUILD/e2e_gpu_parts/*.json" >/dev/null && cp -n "$GPU_BUILD"/e2e_gpu_parts/*.json "$OUT/e2e_gpu_parts/"
-  if [ $# -eq 0 ]; then  # the full pass; a call of the device tool runs 10 minutes at most: --budget-s
-    set -- --model /tmp/models/llama8b-shape --rates 1,2,4,8,16 --num-prompts 64 --budget-s 540 -- --load-format dummy
+  if [ "$BENCH" = bench/e2e_gpu.py ]; then
+    if [ $# -eq 0 ]; then  # the full pass; a call of the device tool runs 10 minutes at most: --budget-s
+      set -- --model /tmp/models/llama8b-shape --rates 1,2,4,8,16 --num-prompts 64 --budget-s 540 -- --load-format dummy
+    fi
+    set -- --out "$OUT/e2e_gpu.json" --lmcache-pd-proxy "$GPU_BUILD/gpu-kit/pd_proxy.py" "$@"
   fi
-  python3 bench/e2e_gpu.py --results-dir "$OUT/e2e_gpu_parts" --out "$OUT/e2e_gpu.json" \
-    --log-dir /tmp/e2e_gpu_logs --logs-archive "$OUT/logs.tar.gz" --lmcache-pd-proxy "$GPU_BUILD/gpu-kit/pd_proxy.py" "$@"
+  python3 "$BENCH" --results-dir "$OUT/e2e_gpu_parts" --log-dir /tmp/e2e_gpu_logs --logs-archive "$OUT/logs.tar.gz" "$@"
   rc=$?
-  echo "[gpu_pass] e2e_gpu.py rc=$rc after $(($(date +%s) - start))s"
+  echo "[gpu_pass] $BENCH rc=$rc after $(($(date +%s) - start))s"
   ps -eo pid,args | grep -E "vllm|lmcache_p2p|pd_proxy" | grep -v grep | head -5
   exit $rc
 } 2>&1 | tee "$OUT/pass.log"

@@ -114,3 +114,32 @@ def test_budget_stops_before_a_step_that_would_not_fit(e2e_gpu, tmp_path) -> Non
     cfg.results_dir.mkdir()
     note = e2e_gpu.run_system(cfg, "single")
     assert note is not None and "not started" in note and "rerun to resume" in note
+
+
+METRICS_BEFORE = """# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.01",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.02",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.04",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.005
+vllm:num_requests_running{engine="0",model_name="m"} 0.0
+"""
+METRICS_AFTER = METRICS_BEFORE.replace('le="0.02",model_name="m"} 1.0', 'le="0.02",model_name="m"} 3.0').replace(
+    'le="0.04",model_name="m"} 1.0', 'le="0.04",model_name="m"} 5.0').replace(
+    'le="+Inf",model_name="m"} 1.0', 'le="+Inf",model_name="m"} 5.0').replace(
+    "_count{engine=\"0\",model_name=\"m\"} 1.0", "_count{engine=\"0\",model_name=\"m\"} 5.0").replace(
+    "_sum{engine=\"0\",model_name=\"m\"} 0.005", "_sum{engine=\"0\",model_name=\"m\"} 0.105")
+
+
+def test_vllm_histograms_give_the_rate_s_own_requests_only(e2e_gpu) -> None:
+    """Deltas between two /metrics scrapes: the 4 requests of this rate, not the one before it."""
+    names = ("vllm:time_to_first_token_seconds",)
+    before = e2e_gpu.parse_histograms(METRICS_BEFORE, names)
+    after = e2e_gpu.parse_histograms(METRICS_AFTER, names)
+    got = e2e_gpu.histogram_deltas(before, after)["time_to_first_token_seconds"]
+    assert got["count"] == 4 and got["mean_ms"] == 25.0  # (0.105 - 0.005) / 4
+    assert got["p50_ms"] == 20.0  # 2 of 4 in (10, 20] ms: the 2nd observation ends that bucket
+    assert got["p99_ms"] == 39.6  # rank 3.96 of 4: 2 before the (20, 40] ms bucket, 0.98 of its way
+    assert e2e_gpu.histogram_deltas(after, after) == {}  # no request between the scrapes
