@@ -146,7 +146,10 @@ def start_p2p(cfg: Config, transport: str, on_exit: str = "stop", log_name: str 
             "--buffer-size", cfg.buffer_size, "--max-model-len", str(cfg.max_model_len),
             "--gpu-memory-utilization", f"{cfg.gpu_memory_utilization:.2f}", "--proxy-port", str(P2P_PROXY_PORT),
             "--proxy-control-port", str(P2P_PROXY_PORT + 1), "--on-exit", on_exit,
-            "--startup-timeout-s", str(int(STARTUP_TIMEOUT_S)), "--", *cfg.vllm_args]
+            "--startup-timeout-s", str(int(STARTUP_TIMEOUT_S)),
+            # explicit, whatever the launcher's default: every system runs with the single instance's flags (random
+            # prompts share no prefix); vLLM takes the last of --enable/--no-enable-prefix-caching
+            "--", "--no-enable-prefix-caching", *cfg.vllm_args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     launcher = Child(f"launch-{transport}", argv, env, log_dir / "launch.log",
                      f"http://127.0.0.1:{P2P_PROXY_PORT}/health")

@@ -13,7 +13,10 @@
 #
 # Results: $OUT/e2e_gpu.json, $OUT/e2e_gpu_parts/<system>.json (copy them to build/e2e_gpu_parts here and carry
 # that folder next time: rates already measured are skipped), $OUT/logs.tar.gz (every server and bench log),
-# $OUT/pass.log. GPU_BUILD (default build) is where the carried bundle, kit and parts are.
+# $OUT/pass.log. GPU_BUILD (default build) is where the carried bundle, kit and parts are; GPU_PARTS (default
+# $GPU_BUILD/e2e_gpu_parts) the carried results of earlier calls. The device tool sends the checkout its session
+# started in: to run another worktree's code, carry a copy of it (scripts/gpu_prepare.sh --src) and run its
+# gpu_pass.sh with GPU_BUILD pointing at the carried build folder.
 set -uo pipefail
 GPU_BUILD=$(cd "${GPU_BUILD:-build}" && pwd)
 cd "$(dirname "$0")/.."
@@ -52,7 +55,8 @@ json.dump(config, open(os.path.join(dst, "config.json"), "w"), indent=1)
 print("[gpu_pass] made", dst, "(vocab 128256, no tokenizer: serve with --skip-tokenizer-init)")
 PY
   mkdir -p "$OUT/e2e_gpu_parts"
-  compgen -G "$GPU_BUILD/e2e_gpu_parts/*.json" >/dev/null && cp -n "$GPU_BUILD"/e2e_gpu_parts/*.json "$OUT/e2e_gpu_parts/"
+  GPU_PARTS=${GPU_PARTS:-$GPU_BUILD/e2e_gpu_parts}  # results of earlier calls, carried: what they measured is skipped
+  compgen -G "$GPU_PARTS/*.json" >/dev/null && cp -n "$GPU_PARTS"/*.json "$OUT/e2e_gpu_parts/"
   if [ "$BENCH" = bench/e2e_gpu.py ]; then
     if [ $# -eq 0 ]; then  # the full pass; a call of the device tool runs 10 minutes at most: --budget-s
       set -- --model /tmp/models/llama8b-shape --rates 1,2,4,8,16 --num-prompts 64 --budget-s 540 -- --load-format dummy

@@ -8,7 +8,9 @@
 #                                              not travel to the device by themselves)
 #
 # Then make the device calls it prints (BENCHMARKS.md, "GPU end to end"). Idempotent.
-#   GPU_KIT=../shared/gpu ANCHOR=../shared/anchor bash scripts/gpu_prepare.sh
+#   GPU_KIT=../shared/gpu ANCHOR=../shared/anchor bash scripts/gpu_prepare.sh [--src [BUILD_DIR]]
+# --src also copies this checkout's code to BUILD_DIR/gpu-src (default build/), for when the device tool sends
+# another checkout than this one (a helper's worktree): carry that folder and run its scripts/gpu_pass.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GPU_KIT=${GPU_KIT:-../shared/gpu}
@@ -20,6 +22,13 @@ if [ ! -f "$BUILD/gpu-bundle/bundle.sha" ]; then
 fi
 cp "$GPU_KIT/install_bundle.sh" "$GPU_KIT/make_models.py" "$BUILD/gpu-kit/"
 cp "$ANCHOR/pd_proxy.py" "$BUILD/gpu-kit/"
+if [ "${1:-}" = "--src" ]; then  # this checkout's code as a carried folder (for a device tool that sends another checkout)
+  dest=${2:-$BUILD}/gpu-src
+  rm -rf "$dest" && mkdir -p "$dest"
+  cp -r lmcache_p2p bench scripts configs pyproject.toml "$dest/"
+  find "$dest" -name __pycache__ -prune -exec rm -rf {} +
+  echo "[gpu_prepare] source copied to $dest ($(du -sh "$dest" | cut -f1)); carry it and run its scripts/gpu_pass.sh"
+fi
 parts=$(cd "$BUILD/gpu-bundle/parts" && ls p[0-9] | sort)
 last=$(echo "$parts" | tail -n 1)
 echo "[gpu_prepare] ready: $(echo $parts) in $BUILD/gpu-bundle/parts, kit in $BUILD/gpu-kit"
