@@ -276,7 +276,8 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
     stats = httpx.get(f"{dep.url}/stats", timeout=HTTP_TIMEOUT_S).json() if dep.has_stats else None
     lookups = lookups_in_log(dep.decoder_log)[seen:] if dep.decoder_log and dep.decoder_log.exists() else []
     row = make_row(dep.system, rate, result, stats, lookups, cfg.output_len)
-    row["vllm_metrics"] = {role: histogram_deltas(before[role], scrape_histograms(port)) for role, port in dep.instances}
+    row["vllm_metrics"] = {role: histogram_deltas(before[role], scrape_histograms(port))
+                           for role, port in dep.instances}
     if stats is not None:
         row["proxy_stats"] = {k: v for k, v in stats.items() if k.endswith("_ms") or k == "timeline_ms"}
     return row
@@ -328,7 +329,8 @@ def histogram_deltas(before: dict[str, dict[str, Any]], after: dict[str, dict[st
             continue
         cum = sorted(((float(le), c - b["buckets"].get(le, 0.0)) for le, c in h["buckets"].items()),
                      key=lambda x: x[0])
-        out[name.removeprefix("vllm:")] = {"count": int(count), "mean_ms": round((h["sum"] - b["sum"]) / count * 1e3, 3),
+        mean_ms = round((h["sum"] - b["sum"]) / count * 1e3, 3)
+        out[name.removeprefix("vllm:")] = {"count": int(count), "mean_ms": mean_ms,
                                            "p50_ms": bucket_quantile(cum, 0.5), "p99_ms": bucket_quantile(cum, 0.99)}
     return out
 

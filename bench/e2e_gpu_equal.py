@@ -11,7 +11,8 @@ instance's, and, from the decoder's log, how many decode requests loaded the who
 the prefiller (LMCache hit = prompt + first token - 1, the one ``skip_last_n_tokens`` skips).
 
 ``kill``: 1P1D over NCCL with the launcher's supervision on: load through the proxy, ``kill -9``
-of the prefiller (its API server and engine) while requests are in flight, then: the decoder's
+of the prefiller (its API server and engine) the moment it logs a store after ``--kill-after-s``
+(that request's writes are then on the wire), then: the decoder's
 processes are the same and healthy, its log has no NCCL watchdog teardown, its receive slots all
 return, and requests succeed (whole-prompt KV) once the launcher restarted the prefiller.
 
@@ -19,7 +20,8 @@ Results: ``--results-dir``/equality.json and killed_peer.json (bench/e2e_gpu.py 
 ``e2e_gpu.json``; a rerun skips the (model, system) pairs already there), ``--out`` for both.
 
     python3 bench/e2e_gpu_equal.py --mode equal --model tiny=/tmp/models/tiny -- --enforce-eager
-    python3 bench/e2e_gpu_equal.py --mode kill --model 8b=/tmp/models/llama8b-shape -- --enforce-eager --load-format dummy
+    python3 bench/e2e_gpu_equal.py --mode kill --model 8b=/tmp/models/llama8b-shape \\
+        -- --enforce-eager --load-format dummy
 """
 
 from __future__ import annotations
@@ -149,7 +151,8 @@ def send(client: httpx.Client, url: str, case: Case, model_name: str) -> Output:
             if resp.status_code != 200:
                 return Output(None, "", f"HTTP {resp.status_code}: {resp.text[:300]}")
             choice = resp.json()["choices"][0]
-            text = choice.get("text") if case.endpoint == "completions" else (choice.get("message") or {}).get("content")
+            message = choice.get("message") or {}
+            text = choice.get("text") if case.endpoint == "completions" else message.get("content")
             ids = choice.get("token_ids")
             return Output(list(ids) if ids is not None else None, text or "")
         ids_seen: list[int] = []
@@ -251,8 +254,8 @@ def compare(cases: Sequence[Case], ref: Sequence[Output], got: Sequence[Output])
         ids_equal += same_ids
         text_equal += a.text == b.text
         if not same_ids or a.text != b.text:
-            mismatches.append({"case": case.name, "single_ids": (a.token_ids or [])[:12], "ids": (b.token_ids or [])[:12],
-                               "single_text": a.text[:80], "text": b.text[:80]})
+            mismatches.append({"case": case.name, "single_ids": (a.token_ids or [])[:12],
+                               "ids": (b.token_ids or [])[:12], "single_text": a.text[:80], "text": b.text[:80]})
     return {"cases": len(cases), "token_ids_compared": compared_ids, "token_ids_equal": ids_equal,
             "texts_equal": text_equal, "outputs_equal": ids_equal == len(cases) and compared_ids == len(cases),
             "mismatches": mismatches[:8]}
@@ -368,7 +371,8 @@ def decoder_slots(url: str) -> dict[str, Any]:
     return {"free": [d.get("free_slots") for d in decoders], "capacity": [d.get("capacity_slots") for d in decoders]}
 
 
-def load_requests(url: str, cases: Sequence[Case], name: str, until: float, concurrency: int) -> list[tuple[float, str]]:
+def load_requests(url: str, cases: Sequence[Case], name: str, until: float,
+                  concurrency: int) -> list[tuple[float, str]]:
     """Closed-loop load until ``until``: (start time, error or "") per request."""
     def worker(seed: int) -> list[tuple[float, str]]:
         done = []
@@ -385,6 +389,102 @@ def load_requests(url: str, cases: Sequence[Case], name: str, until: float, conc
         return [r for f in [pool.submit(worker, s) for s in range(concurrency)] for r in f.result()]
 
 
+STORE_MARKER = "Stored "  # LMCache's log line once a request's chunks went to the sender (their writes start)
+LOG_POLL_S = 0.001
+
+
+def wait_for_new_line(path: Path, marker: str, timeout_s: float) -> bool:
+    """Poll ``path`` (from its current end) until a new line holds ``marker``; False after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        pending = b""
+        while time.monotonic() < deadline:
+            chunk = f.read()
+            if chunk:
+                pending = (pending + chunk)[-65536:]
+                if marker.encode() in pending:
+                    return True
+            else:
+                time.sleep(LOG_POLL_S)
+    return False
+
+
+def kill_all(pids: Sequence[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def kill_under_load(dep: e2e_gpu.Deployment, cases: Sequence[Case], name: str, kill_after_s: float,
+                    prefiller_log: Path) -> dict[str, Any]:
+    """Closed-loop load; after ``kill_after_s``, ``kill -9`` the prefiller the moment it logs a store
+    (that request's writes are then on the wire, for ~5 ms per 128 MiB)."""
+    pids = pids_listening(e2e_gpu.P2P_PREFILL_PORT)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        load = pool.submit(load_requests, dep.url, cases, name, time.monotonic() + kill_after_s + 10.0, 16)
+        time.sleep(kill_after_s)
+        on_store = wait_for_new_line(prefiller_log, STORE_MARKER, 5.0)
+        killed_at = time.monotonic()
+        kill_all(pids)
+        logger.info("killed the prefiller %s under load (%s)", pids,
+                    "right after it logged a store" if on_store else "no store logged within 5 s")
+        during = load.result()
+    return {"prefiller_pids_killed": pids, "killed_right_after_a_store": on_store, "killed_at": killed_at,
+            "load": {"requests": len(during), "failed": sum(bool(e) for _, e in during),
+                     "failed_after_kill": sum(bool(e) for t, e in during if t >= killed_at - 1.0),
+                     "errors": sorted({e[:160] for _, e in during if e})[:5]}}
+
+
+def wait_slots_returned(url: str, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    slots = decoder_slots(url)
+    while time.monotonic() < deadline and slots.get("free") != slots.get("capacity"):
+        time.sleep(1)
+        slots = decoder_slots(url)
+    return {"decoder_slots_after_load": slots,
+            "decoder_slots_returned": bool(slots.get("free")) and slots.get("free") == slots.get("capacity")}
+
+
+def wait_prefiller_back(url: str, killed: Sequence[int], timeout_s: float) -> list[int]:
+    """The restarted prefiller's processes once the proxy routes to it again ([] after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = pids_listening(e2e_gpu.P2P_PREFILL_PORT)
+        try:
+            health = httpx.get(f"{url}/health", timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            health = {}
+        if pids and not set(pids) & set(killed) and health.get("prefillers", 0) >= 1:
+            return pids
+        time.sleep(1)
+    return []
+
+
+def decoder_state(dep: e2e_gpu.Deployment, pids: Sequence[int], log_from: int) -> dict[str, Any]:
+    """Same processes, /health, and what its log says since ``log_from`` (a character offset)."""
+    try:
+        health: Any = httpx.get(f"http://127.0.0.1:{e2e_gpu.P2P_DECODE_PORT}/health", timeout=5).status_code
+    except httpx.HTTPError as exc:
+        health = str(exc)
+    text = dep.decoder_log.read_text(errors="replace")[log_from:] if dep.decoder_log else ""
+    lines = text.splitlines()
+    return {"decoder_alive_at_end": alive(pids), "decoder_pids_at_end": pids_listening(e2e_gpu.P2P_DECODE_PORT),
+            "decoder_health": health,
+            "decoder_log_markers": {m: sum(m in line.lower() for line in lines) for m in WATCHDOG_MARKERS},
+            "decoder_log_pair_lines": [line[-220:] for line in lines if "pair" in line
+                                       and any(w in line for w in ("ended", "broke", "paired"))][:8]}
+
+
+def passed(result: dict[str, Any]) -> bool:
+    after = result["after_restart"]
+    return (result["decoder_alive_at_end"] and result["decoder_slots_returned"] and result["decoder_health"] == 200
+            and after["failed"] == 0 and after["decoder_lookups"] > 0
+            and after["decoder_full_prompt_hits"] == after["decoder_lookups"])
+
+
 def run_kill(cfg: e2e_gpu.Config, model: Model, kill_after_s: float, restart_wait_s: float) -> dict[str, Any]:
     mcfg = model_args(model, cfg)
     cases = [c for c in make_cases(model, vocab_size(model)) if c.endpoint == "completions" and not c.stream
@@ -394,67 +494,26 @@ def run_kill(cfg: e2e_gpu.Config, model: Model, kill_after_s: float, restart_wai
     try:
         name = served_model(dep.url)
         with httpx.Client() as client:
-            warm = [send(client, dep.url, c, name) for c in cases[:2]]
-        result["warm_failed"] = sum(bool(o.error) for o in warm)
+            result["warm_failed"] = sum(bool(send(client, dep.url, c, name).error) for c in cases[:2])
         decoder_pids = pids_listening(e2e_gpu.P2P_DECODE_PORT)
-        prefiller_pids = pids_listening(e2e_gpu.P2P_PREFILL_PORT)
-        result.update(decoder_pids=decoder_pids, prefiller_pids_killed=prefiller_pids)
-        log_text_before = dep.decoder_log.read_text(errors="replace") if dep.decoder_log else ""
-        load_until = time.monotonic() + kill_after_s + 8.0
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            load = pool.submit(load_requests, dep.url, cases, name, load_until, 16)
-            time.sleep(kill_after_s)
-            killed_at = time.monotonic()
-            for pid in prefiller_pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            logger.info("killed the prefiller (%s) under load", prefiller_pids)
-            during = load.result()
-        result["load"] = {"requests": len(during), "failed": sum(bool(e) for _, e in during),
-                          "failed_after_kill": sum(bool(e) for t, e in during if t >= killed_at - 1.0),
-                          "errors": sorted({e[:160] for _, e in during if e})[:5]}
+        log_from = len(dep.decoder_log.read_text(errors="replace")) if dep.decoder_log else 0
+        prefiller_log = mcfg.log_dir / "lmcache_p2p-nccl" / "prefiller-0.log"
+        result["decoder_pids"] = decoder_pids
+        result.update(kill_under_load(dep, cases, name, kill_after_s, prefiller_log))
+        killed_at = result.pop("killed_at")
         result["decoder_alive_after_kill"] = alive(decoder_pids)
-        slots_deadline = time.monotonic() + 60
-        slots = decoder_slots(dep.url)
-        while time.monotonic() < slots_deadline and slots.get("free") != slots.get("capacity"):
-            time.sleep(1)
-            slots = decoder_slots(dep.url)
-        result["decoder_slots_after_load"] = slots
-        result["decoder_slots_returned"] = bool(slots.get("free")) and slots.get("free") == slots.get("capacity")
-        restart_deadline = time.monotonic() + restart_wait_s
-        new_pids: list[int] = []
-        while time.monotonic() < restart_deadline:
-            new_pids = pids_listening(e2e_gpu.P2P_PREFILL_PORT)
-            try:
-                health = httpx.get(f"{dep.url}/health", timeout=5).json()
-            except (httpx.HTTPError, ValueError):
-                health = {}
-            if new_pids and not set(new_pids) & set(prefiller_pids) and health.get("prefillers", 0) >= 1:
-                break
-            time.sleep(1)
-        result["prefiller_restarted_s"] = round(time.monotonic() - killed_at, 1) if new_pids else None
+        result.update(wait_slots_returned(dep.url, 60.0))
+        back = wait_prefiller_back(dep.url, result["prefiller_pids_killed"], restart_wait_s)
+        result["prefiller_restarted_s"] = round(time.monotonic() - killed_at, 1) if back else None
         seen = len(lookups_in_log(dep.decoder_log))
         with httpx.Client() as client:
             after = [send(client, dep.url, c, name) for c in cases * 2]
-        time.sleep(1.0)
+        time.sleep(1.0)  # the decoder's last log lines
+        hits = {k: v for k, v in decoder_hits(dep, seen).items() if k != "decoder_lookups_detail"}
         result["after_restart"] = {"requests": len(after), "failed": sum(bool(o.error) for o in after),
-                                   "first_error": next((o.error[:300] for o in after if o.error), None),
-                                   **{k: v for k, v in decoder_hits(dep, seen).items() if k != "decoder_lookups_detail"}}
-        result["decoder_alive_at_end"] = alive(decoder_pids)
-        result["decoder_pids_at_end"] = pids_listening(e2e_gpu.P2P_DECODE_PORT)
-        try:
-            result["decoder_health"] = httpx.get(f"http://127.0.0.1:{e2e_gpu.P2P_DECODE_PORT}/health", timeout=5).status_code
-        except httpx.HTTPError as exc:
-            result["decoder_health"] = str(exc)
-        text = dep.decoder_log.read_text(errors="replace")[len(log_text_before):] if dep.decoder_log else ""
-        result["decoder_log_markers"] = {m: sum(m in line.lower() for line in text.splitlines()) for m in WATCHDOG_MARKERS}
-        result["decoder_log_pair_lines"] = [line[-220:] for line in text.splitlines()
-                                            if "pair" in line and ("ended" in line or "broke" in line or "paired" in line)][:8]
-        result["passed"] = (result["decoder_alive_at_end"] and result["decoder_slots_returned"]
-                            and result["after_restart"]["failed"] == 0 and result["after_restart"]["decoder_full_prompt_hits"]
-                            == result["after_restart"]["decoder_lookups"] > 0 and result["decoder_health"] == 200)
+                                   "first_error": next((o.error[:300] for o in after if o.error), None), **hits}
+        result.update(decoder_state(dep, decoder_pids, log_from))
+        result["passed"] = passed(result)
     finally:
         dep.stop()
     (cfg.results_dir / "killed_peer.json").write_text(json.dumps(result, indent=1))
