@@ -32,7 +32,10 @@ token arrival times go to ``<log-dir>/<path>-c<N>-requests.json``.
     .venv/bin/python bench/e2e.py                              # 64 requests, concurrency 1 and 4
     .venv/bin/python bench/e2e.py --paths direct,proxy-1p1d --concurrency 4 --requests 16
 
-Writes ``bench/results/e2e_cpu.json`` (a list of rows) and prints a table.
+Writes ``bench/results/e2e_cpu.json`` (``{"meta": bench/meta.py's block, "summary": {...}, "rows":
+[...]}``) and prints a table. The summary counts requests compared with direct only on the paths
+that are not the reference itself (a direct row compared with direct proves batch invariance, not
+disaggregation). Exit status 1 when a request failed or an output differed.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ import yaml
 
 from lmcache_p2p.cli.cluster import Cluster, Lookup, free_base_port, plain_vllm_child
 from lmcache_p2p.cli.processes import Child, wait_healthy
+
+try:
+    from bench.meta import collect
+except ImportError:  # run as bench/e2e.py: its folder is sys.path[0]
+    from meta import collect
 
 logger = logging.getLogger("bench.e2e")
 
@@ -475,6 +483,15 @@ def write_requests(run: Run, prompts: Sequence[Sequence[int]], path: Path) -> No
     path.write_text(json.dumps(items, indent=1) + "\n")
 
 
+def equality_summary(rows: Sequence[Row]) -> dict[str, int]:
+    """Requests of the non-reference paths (not ``direct``) whose outputs were compared with direct's,
+    and how many differed; direct's own rows (compared with itself at another concurrency) are left out."""
+    compared = [r for r in rows if r.path != "direct" and r.outputs_mismatched is not None]
+    return {"requests_compared_with_direct": sum(r.requests - r.failed for r in compared),
+            "requests_differing": sum(r.outputs_mismatched or 0 for r in compared),
+            "requests_failed": sum(r.failed for r in rows)}
+
+
 def print_table(rows: Sequence[Row]) -> None:
     cols = [("path", "path", 11), ("conc", "concurrency", 4), ("reqs", "requests", 4), ("fail", "failed", 4),
             ("TTFT p50", "ttft_ms_p50", 8), ("TTFT p99", "ttft_ms_p99", 8), ("hand p50", "handover_ms_p50", 8),
@@ -547,6 +564,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     cfg = parse_args(argv)
+    meta = collect(["bench/e2e.py", *(sys.argv[1:] if argv is None else argv)])
     vocab = prompt_vocab(cfg.model)
     prompts = make_prompts(cfg.requests, cfg.min_input, cfg.max_input, vocab, cfg.seed)
     bodies = [request_body(cfg.model, p, cfg.output_len) for p in prompts]
@@ -559,10 +577,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_requests(run, prompts, cfg.log_dir / f"{run.path}-c{run.concurrency}-requests.json")
     rows = build_rows(runs, cfg, [len(p) for p in prompts])
     print_table(rows)
+    summary = equality_summary(rows)
+    print(f"outputs: {summary['requests_compared_with_direct']} requests of the proxy paths compared with direct, "
+          f"{summary['requests_differing']} differ; {summary['requests_failed']} failed")
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=2) + "\n")
+    result = {"meta": meta, "summary": summary, "rows": [dataclasses.asdict(r) for r in rows]}
+    cfg.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {cfg.out}")
-    return 0 if all(r.failed == 0 for r in rows) else 1
+    return 0 if summary["requests_failed"] == 0 and summary["requests_differing"] == 0 else 1
 
 
 if __name__ == "__main__":
