@@ -63,9 +63,11 @@ from typing import Any
 try:
     from bench.e2e import other_vllm_servers, percentile, wait_before_run, wait_until_quiet
     from bench.meta import collect
+    from bench.report import anchor_table
 except ImportError:  # run as bench/anchor.py: its folder is sys.path[0]
     from e2e import other_vllm_servers, percentile, wait_before_run, wait_until_quiet
     from meta import collect
+    from report import anchor_table
 
 logger = logging.getLogger("bench.anchor")
 
@@ -296,28 +298,6 @@ def assemble(runs: Sequence[LoadRun], meta: dict[str, Any]) -> dict[str, Any]:
         elif run.stats is not None and run.stats.get("timeline_ms") is not None:
             timeline.setdefault(run.system, {})[run.load] = run.stats["timeline_ms"]
     return {"meta": meta, "rows": rows, "samples": samples, "timeline": timeline}
-
-
-def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    def cell(value: Any) -> str:
-        if value is None:
-            return "-"
-        if isinstance(value, bool):
-            return "yes" if value else "NO"
-        if isinstance(value, float):
-            return f"{value:.1f}" if abs(value) >= 10 or value == 0 else f"{value:.3g}"
-        return str(value)
-
-    head = ("| system | load | TTFT p50 / p99 ms | handover p50 / p99 ms | out tok/s | failed | = single | "
-            "KV hit |\n|---|---|---|---|---|---|---|---|")
-    lines = [head]
-    for r in rows:
-        lines.append(f"| {r['system']} | {r['load']} | {cell(r['ttft_ms_p50'])} / {cell(r['ttft_ms_p99'])} | "
-                     f"{cell(r['handover_ms_p50'])} / {cell(r['handover_ms_p99'])} | {cell(r['output_tokens_per_s'])} | "
-                     f"{r['failed']}/{r['requests']} | "
-                     f"{'(ref)' if r['system'] == 'single' else cell(r['outputs_equal_single'])} | "
-                     f"{cell(r['kv_hit_ratio'])} |")
-    return "\n".join(lines)
 
 
 def rescale_workload(workload: Sequence[Mapping[str, Any]], rate: float) -> list[dict[str, Any]]:
@@ -684,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in cfg.systems:
         runs += run_system(cfg, name)
     result = assemble(runs, meta)
-    print(markdown_table(result["rows"]))
+    print(anchor_table(result["rows"]))
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {cfg.out}")
