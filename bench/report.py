@@ -87,6 +87,8 @@ def cell(value: Any, digits: int = 1) -> str:
 
 
 def pair(row: Mapping[str, Any], a: str, b: str, digits: int = 1) -> str:
+    if row.get(a) is None and row.get(b) is None:
+        return "-"
     return f"{cell(row.get(a), digits)} / {cell(row.get(b), digits)}"
 
 
