@@ -142,6 +142,8 @@ class LoadRun:
     pd_timings: list[dict[str, float]] = dataclasses.field(default_factory=list)  # lmcache-pd's non-stream pass
     load_1m_before: float | None = None
     cpu_busy_before_run: float | None = None
+    expected: int = 0  # requests the load should have sent: any not in ``records`` count as failed
+    error: str | None = None  # why the load stopped short (the system did not start, the client died)
 
 
 # ---- pure summary math (tested in tests/bench/test_anchor.py) ------------------------------------
@@ -254,7 +256,7 @@ def make_row(run: LoadRun, reference: LoadRun | None) -> dict[str, Any]:
         "ttft_ms_p50": _round(percentile(ttft, 50)), "ttft_ms_p99": _round(percentile(ttft, 99)),
         "handover_ms_p50": handover.get("p50"), "handover_ms_p99": handover.get("p99"),
         "output_tokens_per_s": output_tokens_per_s(run.records, run.wall_s),
-        "failed": failed(run.records), "outputs_equal_single": equal, "outputs_differing": differ,
+        "failed": failed(run.records) + max(0, run.expected - len(run.records)), "outputs_equal_single": equal, "outputs_differing": differ,
         "kv_hit_ratio": kv_hit_ratio(run.lookups) if run.system != "single" else None,
         "kv_lookups": len(run.lookups) if run.system != "single" else None,
         "kv_full_hits": (sum(1 for lk in run.lookups if lk.hit_tokens == lk.total_tokens - 1)
@@ -262,7 +264,7 @@ def make_row(run: LoadRun, reference: LoadRun | None) -> dict[str, Any]:
         "ttft_ms_mean": _round(sum(ttft) / len(ttft)) if ttft else None,
         "e2e_ms_p50": _round(percentile(e2e, 50)), "e2e_ms_p99": _round(percentile(e2e, 99)),
         "wall_s": round(run.wall_s, 2), "load_1m_before": run.load_1m_before,
-        "cpu_busy_before_run": run.cpu_busy_before_run,
+        "cpu_busy_before_run": run.cpu_busy_before_run, "error": run.error,
     }
 
 
@@ -558,6 +560,11 @@ def client(cfg: Settings, system: System, load: str, mode: str, out: Path) -> di
     return json.loads(out.read_text())
 
 
+def prompt_count(cfg: Settings) -> int:
+    total = len(json.loads(cfg.workload.read_text()))
+    return min(cfg.n, total) if cfg.n else total
+
+
 def measure(cfg: Settings, system: System, load: str) -> LoadRun:
     busy = wait_before_run(system.pids(), cfg.quiet_wait_s)
     load_1m = round(os.getloadavg()[0], 2)
@@ -569,7 +576,7 @@ def measure(cfg: Settings, system: System, load: str) -> LoadRun:
     stats = system.stats()
     lookups = system.lookups()[seen:]
     run = LoadRun(system.name, load, result["res"], result["t1"] - result["t0"], lookups, stats,
-                  load_1m_before=load_1m, cpu_busy_before_run=round(busy, 3))
+                  load_1m_before=load_1m, cpu_busy_before_run=round(busy, 3), expected=prompt_count(cfg))
     if system.name == "lmcache-pd":  # its proxy times requests only in non-streamed answers
         pd = client(cfg, system, load, "pd", out.with_name(out.stem + "_nonstream.json"))
         run.pd_timings = [r["t"] for r in pd["res"] if r.get("ok") and r.get("t")]
@@ -586,6 +593,10 @@ def run_system(cfg: Settings, name: str) -> list[LoadRun]:
         system.start()
         for load in cfg.loads:
             runs.append(measure(cfg, system, load))
+    except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as exc:  # keep the other systems' rows
+        logger.error("%s stopped after %d of %d loads: %s", name, len(runs), len(cfg.loads), exc)
+        runs += [LoadRun(name, load, [], 0.0, [], expected=prompt_count(cfg), error=f"{type(exc).__name__}: {exc}")
+                 for load in cfg.loads[len(runs):]]
     finally:
         system.stop()
         left = other_vllm_servers()
@@ -653,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     setup_anchor(cfg)
     meta["settings"] = {
-        "systems": list(cfg.systems), "loads": list(cfg.loads), "prompts": cfg.n or len(json.loads(cfg.workload.read_text())),
+        "systems": list(cfg.systems), "loads": list(cfg.loads), "prompts": prompt_count(cfg),
         "max_tokens": MAX_TOKENS, "max_model_len": cfg.max_model_len, "vllm_args": cfg.vllm_args,
         "compiled": True, "cores": {"single": "0", "prefiller": "0", "decoder": "1"},
         "client": "../shared/anchor/bench.py --mode single (streamed; TTFT = first SSE data line)",
