@@ -217,7 +217,7 @@ def _pyplot() -> Any:
 
 def cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
     xs = sorted(v for v in values if v is not None)
-    return xs, [(i + 1) / len(xs) for i in range(len(xs))]
+    return [xs[0], *xs] if xs else [], [0.0, *((i + 1) / len(xs) for i in range(len(xs)))] if xs else []
 
 
 def plot_cdfs(data: Mapping[str, Any], key: str, title: str, out: Path) -> bool:
@@ -234,8 +234,11 @@ def plot_cdfs(data: Mapping[str, Any], key: str, title: str, out: Path) -> bool:
             values = (samples[system].get(load) or {}).get(key) or []
             if values:
                 xs, ys = cdf(values)
-                ax.step(xs, ys, where="post", label=f"{system} (n={len(xs)})")
+                ax.step(xs, ys, where="post", label=f"{system} (n={len(values)})")
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(plt.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
         ax.set_xlabel(f"{key.replace('_ms', '')} (ms, log)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(load)
@@ -262,9 +265,11 @@ def plot_rates(data: Mapping[str, Any], out: Path) -> bool:
     tput.set_ylabel("output tokens/s")
     tail.set_ylabel("TTFT p99 (ms, log)")
     tail.set_yscale("log")
+    all_rates = sorted({load_key(r["load"])[1] for r in rows})
     for ax in (tput, tail):
         ax.set_xlabel("request rate (req/s, open loop)")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(all_rates, [f"{r:g}" for r in all_rates])
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("Throughput and TTFT tail against request rate", fontsize=10)
@@ -303,7 +308,7 @@ def plot_timeline(data: Mapping[str, Any], out: Path) -> bool:
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=7)
     ax.set_ylabel("mean ms per request")
-    ax.set_title("Per-request timeline (phase means; phases overlap where they run in parallel)", fontsize=9)
+    ax.set_title("Per-request timeline: mean ms per phase", fontsize=9)
     ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
@@ -317,8 +322,7 @@ def plot_anchor(data: Mapping[str, Any], docs: Path) -> list[Path]:
     made = []
     jobs = [
         ("anchor_ttft_cdf.png", lambda p: plot_cdfs(data, "ttft_ms", "Client TTFT per request (CDF)", p)),
-        ("anchor_handover_cdf.png", lambda p: plot_cdfs(data, "handover_ms", "Handover per request (CDF): prefill "
-                                                                              "answer -> first decoded byte", p)),
+        ("anchor_handover_cdf.png", lambda p: plot_cdfs(data, "handover_ms", "Handover per request (CDF)", p)),
         ("anchor_rate.png", lambda p: plot_rates(data, p)),
         ("anchor_timeline.png", lambda p: plot_timeline(data, p)),
     ]
