@@ -228,9 +228,20 @@ def pd_timeline(timings: Sequence[Mapping[str, float]]) -> dict[str, Any]:
     return out
 
 
+def p2p_timeline(stats: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """lmcache_p2p's ``/stats`` timeline: ``timeline_ms`` (phase -> count, mean, p50, p99) with the
+    per-request ``recent`` list (a top-level key of /stats) folded in; ``None`` when the proxy has none."""
+    if not stats or not stats.get("timeline_ms"):
+        return None
+    timeline = dict(stats["timeline_ms"])
+    timeline["recent"] = list(stats.get("recent") or timeline.get("recent") or [])
+    return timeline
+
+
 def p2p_handovers_ms(timeline: Mapping[str, Any] | None) -> list[float]:
-    """Per-request handovers from the proxy's ``timeline_ms["recent"]``: a ``handover`` entry, or
-    kv_wait + decode_start + decode_first when all three are there; empty without a timeline."""
+    """Per-request handovers from a timeline's ``recent`` entries: kv_wait + decode_start +
+    decode_first (prefill answer -> KV ready -> decode sent -> first decoded byte, one after the
+    other), or a ``handover`` entry; requests missing a phase are left out."""
     out = []
     for entry in (timeline or {}).get("recent") or ():
         if entry.get("handover") is not None:
@@ -284,7 +295,7 @@ def samples_of(run: LoadRun) -> dict[str, Any]:
     if run.system == "lmcache-pd":
         out["handover_ms"] = [ms(x) for x in pd_handovers_s(run.pd_timings)]
     elif run.system == "lmcache_p2p":
-        out["handover_ms"] = p2p_handovers_ms((run.stats or {}).get("timeline_ms"))
+        out["handover_ms"] = p2p_handovers_ms(p2p_timeline(run.stats))
     return out
 
 
@@ -297,8 +308,8 @@ def assemble(runs: Sequence[LoadRun], meta: dict[str, Any]) -> dict[str, Any]:
         samples.setdefault(run.system, {})[run.load] = samples_of(run)
         if run.system == "lmcache-pd" and run.pd_timings:
             timeline.setdefault(run.system, {})[run.load] = pd_timeline(run.pd_timings)
-        elif run.stats is not None and run.stats.get("timeline_ms") is not None:
-            timeline.setdefault(run.system, {})[run.load] = run.stats["timeline_ms"]
+        elif p2p_timeline(run.stats) is not None:
+            timeline.setdefault(run.system, {})[run.load] = p2p_timeline(run.stats)
     return {"meta": meta, "rows": rows, "samples": samples, "timeline": timeline}
 
 

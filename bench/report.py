@@ -12,7 +12,10 @@ name without ``.json``). Plots, from ``anchor_cpu.json`` (bench/anchor.py):
   docs/anchor_ttft_cdf.png       client TTFT CDF per system, one panel per closed-loop load
   docs/anchor_handover_cdf.png   handover CDF per system (where per-request handovers exist)
   docs/anchor_rate.png           output tokens/s and TTFT p99 against the open-loop request rate
-  docs/anchor_timeline.png       per-request phases (mean ms) as stacked bars, per system and load
+  docs/anchor_timeline.png       per-request phases (mean ms) as stacked bars, per system and load:
+                                 the phases that follow one another from arrival to the first decoded
+                                 byte stacked, the ones that run beside them (first_byte, the
+                                 prefiller's store / submit / transfer) as thin bars of their own
 
 matplotlib is imported only to draw (``--no-plots`` needs only the standard library).
 """
@@ -29,8 +32,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEM_ORDER = ("single", "lmcache_p2p", "lmcache-pd")
-PHASE_ORDER = ("queue", "tokenize", "prefill", "first_byte", "store", "submit", "transfer", "kv_wait", "decode_start",
-               "decode_first")
+# One after the other from the request's arrival to its first decoded byte (stacked); the proxy's
+# first_byte runs beside kv_wait and the prefiller's store / submit / transfer inside prefill
+# (drawn as thin bars of their own, not stacked). See lmcache_p2p/proxy/timeline.py.
+SEQUENTIAL_PHASES = ("queue", "tokenize", "prefill", "kv_wait", "decode_start", "decode_first")
+SIDE_PHASES = ("first_byte", "store", "submit", "transfer")
 MARKER = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
 
@@ -297,18 +303,23 @@ def plot_timeline(data: Mapping[str, Any], out: Path) -> bool:
                 bars.append((f"{system}\n{load}", means))
     if not bars:
         return False
-    phases = [p for p in PHASE_ORDER if any(p in m for _, m in bars)]
-    phases += sorted({p for _, m in bars for p in m} - set(phases))
+    stacked = [p for p in SEQUENTIAL_PHASES if any(p in m for _, m in bars)]
+    side = [p for p in SIDE_PHASES if any(p in m for _, m in bars)]
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(bars) + 2), 4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(bars) + 2.5), 4))
+    xs = list(range(len(bars)))
     bottoms = [0.0] * len(bars)
-    for phase in phases:
+    for n, phase in enumerate(stacked):
         heights = [m.get(phase, 0.0) for _, m in bars]
-        ax.bar(range(len(bars)), heights, bottom=bottoms, label=phase)
+        ax.bar([x - 0.15 for x in xs], heights, width=0.45, bottom=bottoms, label=phase, color=colors[n % len(colors)])
         bottoms = [b + h for b, h in zip(bottoms, heights)]
-    ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=7)
+    for n, phase in enumerate(side):
+        ax.bar([x + 0.14 + 0.1 * n for x in xs], [m.get(phase, 0.0) for _, m in bars], width=0.09,
+               label=f"{phase} (beside)", color=colors[(len(stacked) + n) % len(colors)], hatch="//")
+    ax.set_xticks(xs, [label for label, _ in bars], fontsize=7)
     ax.set_ylabel("mean ms per request")
-    ax.set_title("Per-request timeline: mean ms per phase", fontsize=9)
+    ax.set_title("Per-request timeline: arrival -> first decoded byte (stacked)", fontsize=9)
     ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()

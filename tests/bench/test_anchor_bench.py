@@ -71,13 +71,16 @@ def test_pd_handover_and_timeline(anchor):
     assert timeline["recent"][0]["decode_first"] == pytest.approx(45.0)
 
 
-def test_p2p_handover_from_timeline_recent(anchor):
-    timeline = {"kv_wait": {"count": 2}, "recent": [
-        {"req_id": "a", "kv_wait": 1.0, "decode_start": 2.0, "decode_first": 10.0},
-        {"req_id": "b", "handover": 7.5},
-        {"req_id": "c", "kv_wait": 1.0},  # incomplete: left out
-    ]}
+def test_p2p_handover_from_the_stats_timeline(anchor):
+    stats = {"handover_ms": {"p50": 1.0}, "timeline_ms": {"kv_wait": {"count": 2, "mean": 1.0, "p50": 1.0, "p99": 1.0}},
+             "recent": [{"req_id": "a", "queue": 0.5, "kv_wait": 1.0, "decode_start": 2.0, "decode_first": 10.0},
+                        {"req_id": "b", "handover": 7.5},
+                        {"req_id": "c", "kv_wait": 1.0, "decode_start": None, "decode_first": None}]}  # no decode
+    timeline = anchor.p2p_timeline(stats)
+    assert timeline["kv_wait"]["count"] == 2 and len(timeline["recent"]) == 3
     assert anchor.p2p_handovers_ms(timeline) == [13.0, 7.5]
+    # a proxy without the timeline
+    assert anchor.p2p_timeline({"handover_ms": {"p50": 1.0}}) is None
     assert anchor.p2p_handovers_ms(None) == []
 
 
@@ -86,8 +89,8 @@ def test_rows_and_result(anchor):
     p2p = anchor.LoadRun("lmcache_p2p", "c1", [rec(0, ids=[1] * 32), rec(1, ids=[3] * 32)], 2.0,
                          [anchor.Lookup(101, 100)],
                          stats={"handover_ms": {"count": 2, "mean": 5.0, "p50": 4.0, "p99": 6.0},
-                                "timeline_ms": {"prefill": {"count": 2, "mean": 3.0, "p50": 3.0, "p99": 3.0},
-                                                "recent": []}})
+                                "timeline_ms": {"prefill": {"count": 2, "mean": 3.0, "p50": 3.0, "p99": 3.0}},
+                                "recent": [{"req_id": "x", "kv_wait": 0.0, "decode_start": 1.0, "decode_first": 2.0}]})
     pd = anchor.LoadRun("lmcache-pd", "c1", [rec(0, ids=[1] * 32), rec(1, ids=[2] * 32, ok=False)], 2.0, [],
                         pd_timings=[{"t_prefill_done": 0.0, "t_decode_first_byte": 0.040, "t_kv_ready": 0.0}])
     result = anchor.assemble([single, p2p, pd], {"commit": "x"})
@@ -100,6 +103,8 @@ def test_rows_and_result(anchor):
     assert rows["single"]["ttft_ms_p50"] == pytest.approx(50.0) and rows["single"]["output_tokens_per_s"] == 64.0
     assert result["samples"]["single"]["c1"]["ttft_ms"] == [50.0, 50.0]
     assert set(result["timeline"]) == {"lmcache_p2p", "lmcache-pd"}
+    assert result["timeline"]["lmcache_p2p"]["c1"]["recent"][0]["req_id"] == "x"
+    assert result["samples"]["lmcache_p2p"]["c1"]["handover_ms"] == [3.0]
     assert "| lmcache-pd | c1 |" in anchor.anchor_table(result["rows"])
 
 
