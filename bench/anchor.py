@@ -38,8 +38,8 @@ reuse does not provide), the model and the workload. The anchor's instances run 
 ``VLLM_PLUGINS=lmc_cpu_shim``, so that this project's own vLLM plugin (visible through the reuse)
 never loads next to the anchor's shim. Hold ``/tmp/lmcache_p2p_vllm.lock`` while it runs.
 
-Writes ``--out`` (default ``bench/results/anchor_cpu.json``, ``anchor_cpu_quick.json`` with
-``--quick``): ``{"meta", "rows", "samples", "timeline"}``; prints a markdown table. Exit status 1
+Writes ``--out`` (default ``bench/results/anchor_cpu.json``; with ``--quick``
+``<log-dir>/anchor_cpu_quick.json``, out of git): ``{"meta", "rows", "samples", "timeline"}``; prints a markdown table. Exit status 1
 when a request failed or an output differed from the single instance's.
 """
 
@@ -628,7 +628,7 @@ def default_anchor() -> Path:
 
 def parse_args(argv: Sequence[str] | None) -> Settings:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="c1 only, 8 prompts, to --out anchor_cpu_quick.json")
+    p.add_argument("--quick", action="store_true", help="c1 only, 8 prompts, to <log-dir>/anchor_cpu_quick.json")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
     p.add_argument("--concurrency", default="1,4,8", help="closed-loop loads (default 1,4,8)")
     p.add_argument("--rates", default="2,4,8,16", help="open-loop rates, req/s ('' = none; default 2,4,8,16)")
@@ -658,8 +658,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
             parse_load(load)
         except ValueError as exc:
             p.error(str(exc))
-    out = args.out or REPO / "bench" / "results" / ("anchor_cpu_quick.json" if args.quick else "anchor_cpu.json")
     log_dir = (args.log_dir or REPO / "logs" / time.strftime("anchor-%Y%m%d-%H%M%S")).resolve()
+    # a quick run is for development: its file stays beside its logs, out of bench/results (and git)
+    out = args.out or (log_dir / "anchor_cpu_quick.json" if args.quick else REPO / "bench" / "results" / "anchor_cpu.json")
     # single first: the reference every other system's outputs are compared with
     ordered = tuple(sorted(systems, key=SYSTEMS.index))
     return Settings(args.anchor.resolve(), args.work.resolve(), out, log_dir, ordered, loads, n,

@@ -127,11 +127,11 @@ def test_loads_and_rescaled_workload(anchor):
 
 def test_quick_and_full_settings(anchor, tmp_path):
     quick = anchor.parse_args(["--quick", "--log-dir", str(tmp_path)])
-    assert quick.loads == ("c1",) and quick.n == 8 and quick.out.name == "anchor_cpu_quick.json"
+    assert quick.loads == ("c1",) and quick.n == 8 and quick.out == tmp_path / "anchor_cpu_quick.json"
     full = anchor.parse_args(["--systems", "lmcache-pd,single", "--log-dir", str(tmp_path)])
     assert full.systems == ("single", "lmcache-pd")  # the reference first
     assert full.loads == ("c1", "c4", "c8", "rate=2", "rate=4", "rate=8", "rate=16")
-    assert full.out.name == "anchor_cpu.json"
+    assert full.out.name == "anchor_cpu.json" and full.out.parent.name == "results"
 
 
 def test_anchor_env_keeps_the_two_plugins_apart(anchor, tmp_path):
