@@ -558,15 +558,16 @@ def workload_for(cfg: Settings, load: str) -> Path:
     return path
 
 
-def client(cfg: Settings, system: System, load: str, mode: str, out: Path) -> dict[str, Any]:
-    """The anchor's bench.py against ``system`` (mode single = streamed; pd = non-streamed, pd_timing)."""
+def client(cfg: Settings, system: System, load: str, mode: str, out: Path, n: int | None = None) -> dict[str, Any]:
+    """The anchor's bench.py against ``system`` (mode single = streamed; pd = non-streamed, pd_timing),
+    without its own warm-up (``measure`` warms up before it resets the counters)."""
     kind, value = parse_load(load)
     argv = [sys.executable, str(cfg.anchor / "bench.py"), "--mode", mode, "--url", system.url,
             "--load", f"c{value}" if kind == "closed" else "open", "--workload", str(workload_for(cfg, load)),
             "--model", system.model_name, "--max-tokens", str(MAX_TOKENS), "--timeout", str(REQUEST_TIMEOUT_S),
-            "--out", str(out)]
-    if cfg.n:
-        argv += ["--n", str(cfg.n)]
+            "--warmup", "0", "--out", str(out)]
+    if n or cfg.n:
+        argv += ["--n", str(n or cfg.n)]
     subprocess.run(argv, check=True, timeout=LOAD_TIMEOUT_S, env={**os.environ, "NO_PROXY": "127.0.0.1"})
     return json.loads(out.read_text())
 
@@ -580,6 +581,8 @@ def measure(cfg: Settings, system: System, load: str) -> LoadRun:
     busy = wait_before_run(system.pids(), cfg.quiet_wait_s)
     load_1m = round(os.getloadavg()[0], 2)
     logger.info("%s %s", system.name, load)
+    # one unrecorded request first (the first after start-up pays one-off costs), before the counters
+    client(cfg, system, "c1", "single", cfg.log_dir / f"{system.name}_warmup.json", n=1)
     seen = len(system.lookups())
     system.reset_stats()
     out = cfg.log_dir / f"{system.name}_{load.replace('=', '')}.json"
