@@ -17,8 +17,10 @@ anchor's README "Known traps"), ``--dtype bfloat16`` and 1 GiB of KV cache. The 
 every system: the anchor's ``bench.py --mode single`` (streaming ``/v1/completions``; TTFT = first
 SSE data line at the client). Loads: closed loop at concurrency 1, 4, 8 (``c1``..), then an open
 loop at each ``--rates`` value (the workload's Poisson arrival times rescaled to that rate).
-Before each system the machine must be quiet and before each load our servers idle
-(``bench/e2e.py``'s checks; the wait and what was seen are recorded).
+Before each system the machine must be quiet (1-minute load < 1.0, no other vLLM server) and before
+each load the cores < 20 % busy with everything but the system's own processes (LMCache PD's idle
+vLLM workers keep their cores busy); ``bench/e2e.py``'s checks, each waiting up to
+``--quiet-wait-s``; the load and busy share seen are recorded per row.
 
 Per (system, load) row: TTFT p50/p99, handover p50/p99, output tokens/s (output tokens of the
 successful requests / wall time), failed requests, ``outputs_equal_single`` (every prompt's output
@@ -578,7 +580,8 @@ def prompt_count(cfg: Settings) -> int:
 
 
 def measure(cfg: Settings, system: System, load: str) -> LoadRun:
-    busy = wait_before_run(system.pids(), cfg.quiet_wait_s)
+    # LMCache PD's idle vLLM workers keep their cores busy: count only what the other processes use
+    busy = wait_before_run(system.pids(), cfg.quiet_wait_s, exclude_own_cpu=True)
     load_1m = round(os.getloadavg()[0], 2)
     logger.info("%s %s", system.name, load)
     # one unrecorded request first (the first after start-up pays one-off costs), before the counters
@@ -642,8 +645,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
                    help="the anchor's ANCHOR_WORK: venv, model, workload, logs (default runs/anchor)")
     p.add_argument("--log-dir", type=Path, default=None, help="client JSON, lmcache_p2p logs (default logs/anchor-<time>)")
     p.add_argument("--out", type=Path, default=None, help="default bench/results/anchor_cpu.json (_quick with --quick)")
-    p.add_argument("--quiet-wait-s", type=float, default=600.0,
-                   help="wait up to this long for a quiet machine before each system and load (default 600)")
+    p.add_argument("--quiet-wait-s", type=float, default=300.0,
+                   help="wait up to this long for a quiet machine before each system and load (default 300)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     args = p.parse_args(argv)

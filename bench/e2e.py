@@ -279,27 +279,42 @@ def wait_until_quiet(max_wait_s: float) -> MachineState:
     return state
 
 
-def cpu_busy_fraction(interval_s: float = CPU_SAMPLE_S) -> float:
-    """Share of all cores busy over ``interval_s`` (from /proc/stat)."""
-    def sample() -> tuple[int, int]:
+def _jiffies(pids: Collection[int]) -> int:
+    """CPU time (user + system, all threads) of the processes ``pids`` that still exist."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total
+
+
+def cpu_busy_fraction(interval_s: float = CPU_SAMPLE_S, exclude_pids: Collection[int] = ()) -> float:
+    """Share of all cores busy over ``interval_s`` (from /proc/stat), without the CPU time of
+    ``exclude_pids`` (a system's own idle servers, some of which spin)."""
+    def sample() -> tuple[int, int, int]:
         fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
         idle = fields[3] + fields[4]  # idle + iowait
-        return idle, sum(fields)
+        return idle, sum(fields[:8]), _jiffies(exclude_pids)  # user..steal (guest is inside user)
 
-    idle0, total0 = sample()
+    idle0, total0, own0 = sample()
     time.sleep(interval_s)
-    idle1, total1 = sample()
-    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+    idle1, total1, own1 = sample()
+    busy = (total1 - total0) - (idle1 - idle0) - (own1 - own0)
+    return max(0.0, busy / max(1, total1 - total0))
 
 
-def wait_before_run(own_pids: Collection[int], max_wait_s: float) -> float:
+def wait_before_run(own_pids: Collection[int], max_wait_s: float, *, exclude_own_cpu: bool = False) -> float:
     """Before a measured run (our servers up, so the load average says little): wait up to
     ``max_wait_s`` until no vLLM server this bench did not start runs and the cores are nearly idle
-    (< 20 % busy over 5 s: our idle servers only). Returns the busy share last seen."""
+    (< 20 % busy over 5 s: our idle servers only; with ``exclude_own_cpu``, < 20 % busy with
+    everything but ``own_pids``, for a system whose idle servers spin). Returns the busy share last seen."""
     deadline = time.monotonic() + max_wait_s
     while True:
         others = other_vllm_servers(own_pids)
-        busy = cpu_busy_fraction()
+        busy = cpu_busy_fraction(exclude_pids=own_pids if exclude_own_cpu else ())
         if (not others and busy < QUIET_CPU_BUSY) or time.monotonic() >= deadline:
             break
         logger.info("%d other vLLM servers, cores %.0f %% busy; checking again in %.0f s", len(others), busy * 100,
