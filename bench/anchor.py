@@ -144,6 +144,7 @@ class LoadRun:
     pd_timings: list[dict[str, float]] = dataclasses.field(default_factory=list)  # lmcache-pd's non-stream pass
     load_1m_before: float | None = None
     cpu_busy_before_run: float | None = None
+    first_ids_completed: int = 0  # lmcache-pd: first ids taken from the non-streamed pass
     expected: int = 0  # requests the load should have sent: any not in ``records`` count as failed
     error: str | None = None  # why the load stopped short (the system did not start, the client died)
 
@@ -216,6 +217,34 @@ def summary_ms(values_ms: Sequence[float]) -> dict[str, Any]:
             "p50": round(percentile(values_ms, 50), 2), "p99": round(percentile(values_ms, 99), 2)}
 
 
+def complete_pd_stream_ids(streamed: Sequence[dict[str, Any]], nonstream: Sequence[Mapping[str, Any]],
+                           max_tokens: int = MAX_TOKENS) -> tuple[list[dict[str, Any]], int]:
+    """The anchor's proxy streams the prefiller's first token as text without its id, so a streamed
+    answer carries ``max_tokens - 1`` ids. Where the non-streamed pass of the same prompt returned
+    ``max_tokens`` ids whose tail equals the streamed ids, take its first id (the same greedy token);
+    any other answer is left as it is (it then counts as failed). Returns the records and how many
+    were completed."""
+    full = {r["i"]: r.get("token_ids") or [] for r in nonstream if r.get("ok")}
+    out, completed = [], 0
+    for r in streamed:
+        ids = r.get("token_ids") or []
+        ref = full.get(r["i"])
+        if r.get("ok") and len(ids) == max_tokens - 1 and ref and len(ref) == max_tokens and ref[1:] == ids:
+            r = {**r, "token_ids": ref, "first_id_from_nonstream": True}
+            completed += 1
+        out.append(r)
+    return out, completed
+
+
+def compare_texts(records: Iterable[Mapping[str, Any]], reference: Iterable[Mapping[str, Any]] | None) -> bool | None:
+    """Every prompt answered by both has the same output text (what the client reads)."""
+    if reference is None:
+        return None
+    ref = {r["i"]: r.get("text") for r in reference if r.get("ok")}
+    common = [(r.get("text"), ref[r["i"]]) for r in records if r.get("ok") and r["i"] in ref]
+    return all(a == b for a, b in common) if common else None
+
+
 def pd_timeline(timings: Sequence[Mapping[str, float]]) -> dict[str, Any]:
     """LMCache PD's per-request phases in the proxy timeline's schema."""
     recent = []
@@ -270,6 +299,9 @@ def make_row(run: LoadRun, reference: LoadRun | None) -> dict[str, Any]:
         "handover_ms_p50": handover.get("p50"), "handover_ms_p99": handover.get("p99"),
         "output_tokens_per_s": output_tokens_per_s(run.records, run.wall_s),
         "failed": failed(run.records) + max(0, run.expected - len(run.records)), "outputs_equal_single": equal, "outputs_differing": differ,
+        "texts_equal_single": (compare_texts(run.records, reference.records if reference is not None else None)
+                               if run.system != "single" else None),
+        "first_ids_from_nonstream": run.first_ids_completed if run.system == "lmcache-pd" else None,
         "kv_hit_ratio": kv_hit_ratio(run.lookups) if run.system != "single" else None,
         "kv_lookups": len(run.lookups) if run.system != "single" else None,
         "kv_full_hits": (sum(1 for lk in run.lookups if lk.hit_tokens == lk.total_tokens - 1)
@@ -597,6 +629,7 @@ def measure(cfg: Settings, system: System, load: str) -> LoadRun:
     if system.name == "lmcache-pd":  # its proxy times requests only in non-streamed answers
         pd = client(cfg, system, load, "pd", out.with_name(out.stem + "_nonstream.json"))
         run.pd_timings = [r["t"] for r in pd["res"] if r.get("ok") and r.get("t")]
+        run.records, run.first_ids_completed = complete_pd_stream_ids(run.records, pd["res"])
     return run
 
 

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-# Real lines of the decoders' logs (LMCache 0.5.6's vLLM adapter, colours included): lmcache_p2p's
-# decoder-0.log, and LMCache PD's pd_dec.log, captured from bench/anchor.py --quick runs.
-P2P_LOG = (
-    "\x1b[32;20m[2026-11-30 17:38:51,970] LMCache INFO:\x1b[0m Reqid: cmpl-ada5b7854046267d-0-85112ca4, Total tokens "
-    "741, Inference Engine computed tokens: 0, LMCache hit tokens: 740, need to load: 740 \x1b[3m(vllm_v1_adapter.py:"
+# Real log lines (LMCache 0.5.6's vLLM adapter, colours included), from a bench/anchor.py --quick run:
+# lmcache_p2p's decoder-0.log, LMCache PD's pd_dec.log (with its "Retrieved" line, not a lookup), and
+# a prefiller's lookup that hit nothing (an earlier run's log).
+DECODER_LOGS = (
+    "\x1b[32;20m[2026-11-30 18:39:33,678] LMCache INFO:\x1b[0m Reqid: cmpl-9d30975c3f8165d5-0-a7fc9ef2, Total tokens "
+    "236, Inference Engine computed tokens: 0, LMCache hit tokens: 235, need to load: 235 \x1b[3m(vllm_v1_adapter.py:"
     "1476:lmcache.integration.vllm.vllm_v1_adapter)\x1b[0m\n"
-    "(APIServer pid=1) INFO 11-30 17:38:52 [loggers.py:123] Engine 000: Avg prompt throughput: 74.0 tokens/s\n"
-    "\x1b[32;20m[2026-11-30 17:39:41,971] LMCache INFO:\x1b[0m Reqid: cmpl-9328af52d62e9052-0-8202e92a, Total tokens "
-    "740, Inference Engine computed tokens: 0, LMCache hit tokens: 512, need to load: 512 \x1b[3m(vllm_v1_adapter.py:"
+    "\x1b[32;20m[2026-11-30 18:43:03,201] LMCache INFO:\x1b[0m Reqid: cmpl-86b25d3518ccd5be-0-94820aba, Total tokens "
+    "897, Inference Engine computed tokens: 0, LMCache hit tokens: 896, need to load: 896 \x1b[3m(vllm_v1_adapter.py:"
+    "1476:lmcache.integration.vllm.vllm_v1_adapter)\x1b[0m\n"
+    "\x1b[32;20m[2026-11-30 18:43:03,223] LMCache INFO:\x1b[0m [req_id=cmpl-86b25d3518ccd5be-0-94820aba] Retrieved 896 "
+    "out of 896 required tokens (from 896 total tokens). size: 0.0004 gb, cost 16.2191 ms\n"
+    "\x1b[32;20m[2026-11-30 17:38:51,876] LMCache INFO:\x1b[0m Reqid: cmpl-a6abb945de85f761-0-a80ec44b, Total tokens "
+    "740, Inference Engine computed tokens: 0, LMCache hit tokens: 0, need to load: 0 \x1b[3m(vllm_v1_adapter.py:"
     "1476:lmcache.integration.vllm.vllm_v1_adapter)\x1b[0m\n"
 )
 
@@ -51,12 +56,29 @@ def test_compare_outputs_per_prompt(anchor):
     assert anchor.compare_outputs([rec(0)], None) == (None, None)
 
 
+def test_pd_stream_first_id_from_the_nonstream_pass(anchor):
+    full = list(range(100, 132))
+    streamed = [rec(0, ids=full[1:]), rec(1, ids=[7] * 31), rec(2, ids=full), rec(3, ids=full[1:], ok=False)]
+    nonstream = [rec(0, ids=full), rec(1, ids=full), rec(2, ids=full), rec(3, ids=full)]
+    records, completed = anchor.complete_pd_stream_ids(streamed, nonstream)
+    assert completed == 1 and records[0]["token_ids"] == full
+    assert records[1]["token_ids"] == [7] * 31  # the tail differs: left as it is, counts as failed
+    assert anchor.failed(records) == 2  # request 1 (31 ids) and request 3 (not ok)
+
+
+def test_compare_texts(anchor):
+    ref = [{**rec(0), "text": "ab"}, {**rec(1), "text": "c"}]
+    assert anchor.compare_texts([{**rec(0), "text": "ab"}], ref) is True
+    assert anchor.compare_texts([{**rec(1), "text": "x"}], ref) is False
+    assert anchor.compare_texts([{**rec(5), "text": "x"}], ref) is None
+
+
 def test_lookups_from_real_log_lines(anchor):
-    lookups = anchor.parse_lookups(P2P_LOG)
-    assert lookups == [anchor.Lookup(741, 740), anchor.Lookup(740, 512)]
+    lookups = anchor.parse_lookups(DECODER_LOGS)
+    assert lookups == [anchor.Lookup(236, 235), anchor.Lookup(897, 896), anchor.Lookup(740, 0)]
     # hit / (total - 1): the last token is always computed (skip_last_n_tokens=1)
-    assert anchor.kv_hit_ratio(lookups) == round((740 + 512) / (740 + 739), 4)
-    assert anchor.kv_hit_ratio(lookups[:1]) == 1.0
+    assert anchor.kv_hit_ratio(lookups[:2]) == 1.0
+    assert anchor.kv_hit_ratio(lookups) == round((235 + 896) / (235 + 896 + 739), 4)
     assert anchor.kv_hit_ratio([]) is None
 
 
