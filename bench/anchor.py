@@ -62,6 +62,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 try:
     from bench.e2e import other_vllm_servers, percentile, wait_before_run, wait_until_quiet
     from bench.meta import collect
@@ -526,8 +528,6 @@ class P2PSystem(System):
                 *[f"--vllm-arg={a}" for a in self.cfg.vllm_args]]
 
     def start(self) -> None:
-        import httpx
-
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / "launch.log", "ab") as log:
             self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -565,13 +565,9 @@ class P2PSystem(System):
         return self.log_dir / "decoder-0.log"
 
     def stats(self) -> dict[str, Any] | None:
-        import httpx
-
         return httpx.get(f"{self.url}/stats", timeout=HTTP_TIMEOUT_S, trust_env=False).json()
 
     def reset_stats(self) -> None:
-        import httpx
-
         httpx.post(f"{self.url}/stats/reset", timeout=HTTP_TIMEOUT_S, trust_env=False).raise_for_status()
 
 
@@ -643,7 +639,7 @@ def run_system(cfg: Settings, name: str) -> list[LoadRun]:
         system.start()
         for load in cfg.loads:
             runs.append(measure(cfg, system, load))
-    except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as exc:  # keep the other systems' rows
+    except (RuntimeError, OSError, ValueError, subprocess.SubprocessError, httpx.HTTPError) as exc:  # keep the other systems' rows
         logger.error("%s stopped after %d of %d loads: %s", name, len(runs), len(cfg.loads), exc)
         runs += [LoadRun(name, load, [], 0.0, [], expected=prompt_count(cfg), error=f"{type(exc).__name__}: {exc}")
                  for load in cfg.loads[len(runs):]]
