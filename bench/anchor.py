@@ -41,7 +41,8 @@ reuse does not provide), the model and the workload. The anchor's instances run 
 never loads next to the anchor's shim. Hold ``/tmp/lmcache_p2p_vllm.lock`` while it runs.
 
 Writes ``--out`` (default ``bench/results/anchor_cpu.json``; with ``--quick``
-``<log-dir>/anchor_cpu_quick.json``, out of git): ``{"meta", "rows", "samples", "timeline"}``; prints a markdown table. Exit status 1
+``<log-dir>/anchor_cpu_quick.json``, out of git): ``{"meta", "rows", "samples", "timeline"}``;
+prints a markdown table. Exit status 1
 when a request failed or an output differed from the single instance's.
 """
 
@@ -300,7 +301,8 @@ def make_row(run: LoadRun, reference: LoadRun | None) -> dict[str, Any]:
         "ttft_ms_p50": _round(percentile(ttft, 50)), "ttft_ms_p99": _round(percentile(ttft, 99)),
         "handover_ms_p50": handover.get("p50"), "handover_ms_p99": handover.get("p99"),
         "output_tokens_per_s": output_tokens_per_s(run.records, run.wall_s),
-        "failed": failed(run.records) + max(0, run.expected - len(run.records)), "outputs_equal_single": equal, "outputs_differing": differ,
+        "failed": failed(run.records) + max(0, run.expected - len(run.records)),
+        "outputs_equal_single": equal, "outputs_differing": differ,
         "texts_equal_single": (compare_texts(run.records, reference.records if reference is not None else None)
                                if run.system != "single" else None),
         "first_ids_from_nonstream": run.first_ids_completed if run.system == "lmcache-pd" else None,
@@ -639,7 +641,8 @@ def run_system(cfg: Settings, name: str) -> list[LoadRun]:
         system.start()
         for load in cfg.loads:
             runs.append(measure(cfg, system, load))
-    except (RuntimeError, OSError, ValueError, subprocess.SubprocessError, httpx.HTTPError) as exc:  # keep the other systems' rows
+    except (RuntimeError, OSError, ValueError, subprocess.SubprocessError, httpx.HTTPError) as exc:
+        # the other systems' rows are kept; this one's missing loads count as failed
         logger.error("%s stopped after %d of %d loads: %s", name, len(runs), len(cfg.loads), exc)
         runs += [LoadRun(name, load, [], 0.0, [], expected=prompt_count(cfg), error=f"{type(exc).__name__}: {exc}")
                  for load in cfg.loads[len(runs):]]
@@ -672,7 +675,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
                    help="the anchor harness (default $ANCHOR_HOME, else ../shared/anchor or ../../shared/anchor)")
     p.add_argument("--work", type=Path, default=REPO / "runs" / "anchor",
                    help="the anchor's ANCHOR_WORK: venv, model, workload, logs (default runs/anchor)")
-    p.add_argument("--log-dir", type=Path, default=None, help="client JSON, lmcache_p2p logs (default logs/anchor-<time>)")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="client JSON, lmcache_p2p logs (default logs/anchor-<time>)")
     p.add_argument("--out", type=Path, default=None, help="default bench/results/anchor_cpu.json (_quick with --quick)")
     p.add_argument("--quiet-wait-s", type=float, default=300.0,
                    help="wait up to this long for a quiet machine before each system and load (default 300)")
@@ -695,7 +699,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
             p.error(str(exc))
     log_dir = (args.log_dir or REPO / "logs" / time.strftime("anchor-%Y%m%d-%H%M%S")).resolve()
     # a quick run is for development: its file stays beside its logs, out of bench/results (and git)
-    out = args.out or (log_dir / "anchor_cpu_quick.json" if args.quick else REPO / "bench" / "results" / "anchor_cpu.json")
+    full_out = REPO / "bench" / "results" / "anchor_cpu.json"
+    out = args.out or (log_dir / "anchor_cpu_quick.json" if args.quick else full_out)
     # single first: the reference every other system's outputs are compared with
     ordered = tuple(sorted(systems, key=SYSTEMS.index))
     return Settings(args.anchor.resolve(), args.work.resolve(), out, log_dir, ordered, loads, n,

@@ -132,11 +132,13 @@ def e2e_cpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
     for r in rows:
         eq = ("(reference)" if r is first_direct else "yes (vs c=1)" if r["outputs_equal_single"] else "NO (vs c=1)"
               ) if r["path"] == "direct" else cell(r["outputs_equal_single"])
-        lookups = "-" if r.get("kv_lookups") is None else f"{r['kv_full_hits']} / {r['kv_full_chunk_hits']} / {r['kv_lookups']}"
+        lookups = ("-" if r.get("kv_lookups") is None
+                   else f"{r['kv_full_hits']} / {r['kv_full_chunk_hits']} / {r['kv_lookups']}")
         lines.append([r["path"], str(r["concurrency"]), f"{r['failed']}/{r['requests']}",
                       pair(r, "ttft_ms_p50", "ttft_ms_p99"), pair(r, "proxy_ttft_ms_p50", "proxy_ttft_ms_p99"),
                       pair(r, "handover_ms_p50", "handover_ms_p99"), pair(r, "kv_wait_ms_p50", "kv_wait_ms_p99"),
-                      cell(r["output_tokens_per_s"], 0), cell(r.get("proxy_overhead_ms_p50")), cell(r.get("tpot_ms_p50")),
+                      cell(r["output_tokens_per_s"], 0), cell(r.get("proxy_overhead_ms_p50")),
+                      cell(r.get("tpot_ms_p50")),
                       eq, lookups])
     return markdown(["path", "conc", "failed", "TTFT p50 / p99 ms", "proxy-side TTFT p50 / p99", "handover p50 / p99",
                      "KV wait p50 / p99", "output tok/s", "proxy overhead p50", "TPOT p50", "outputs equal",
