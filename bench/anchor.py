@@ -406,6 +406,10 @@ def install_shim(anchor: Path, venv: Path) -> None:
 def setup_anchor(cfg: Settings) -> None:
     """A venv for the anchor in ``cfg.work`` that sees this project's venv's packages, the anchor's
     shim in it, then ``setup.sh`` for whatever is still missing, the model and the workload."""
+    missing = [f for f in ("bench.py", "setup.sh", "start_pd.sh", "lmc_cpu_shim_src") if not (cfg.anchor / f).exists()]
+    if missing:
+        raise SystemExit(f"no anchor harness at {cfg.anchor} (missing {', '.join(missing)}): pass --anchor DIR "
+                         f"or set ANCHOR_HOME")
     venv = cfg.work / "venv"
     if not (venv / "bin" / "python").exists():
         logger.info("creating the anchor's venv at %s", venv)

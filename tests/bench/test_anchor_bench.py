@@ -163,3 +163,10 @@ def test_anchor_env_keeps_the_two_plugins_apart(anchor, tmp_path):
     assert env["ANCHOR_EAGER_FLAG"] == "" and env["ANCHOR_MAX_MODEL_LEN"] == "2048"
     assert env["ANCHOR_PREFILL_CORES"] == "0" and env["ANCHOR_DECODE_CORES"] == "1"
     assert "--max-num-batched-tokens 16384" in env["ANCHOR_PREFILL_ARGS"]
+
+
+def test_setup_names_a_missing_harness(anchor, tmp_path):
+    cfg = anchor.parse_args(["--anchor", str(tmp_path / "nowhere"), "--work", str(tmp_path / "w"),
+                             "--log-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no anchor harness at .*nowhere .*missing bench.py.*--anchor DIR"):
+        anchor.setup_anchor(cfg)
