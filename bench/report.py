@@ -251,7 +251,7 @@ def plot_cdfs(data: Mapping[str, Any], key: str, title: str, out: Path) -> bool:
         ax.set_ylabel("fraction of requests")
         ax.set_title(load)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -311,10 +311,11 @@ def plot_timeline(data: Mapping[str, Any], out: Path) -> bool:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(bars) + 2.5), 4))
     xs = list(range(len(bars)))
+    shift = 0.15 if side else 0.0  # the main bar leaves room for the thin ones on its right
     bottoms = [0.0] * len(bars)
     for n, phase in enumerate(stacked):
         heights = [m.get(phase, 0.0) for _, m in bars]
-        ax.bar([x - 0.15 for x in xs], heights, width=0.45, bottom=bottoms, label=phase, color=colors[n % len(colors)])
+        ax.bar([x - shift for x in xs], heights, width=0.45, bottom=bottoms, label=phase, color=colors[n % len(colors)])
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     for n, phase in enumerate(side):
         ax.bar([x + 0.14 + 0.1 * n for x in xs], [m.get(phase, 0.0) for _, m in bars], width=0.09,
