@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                          cache_dir=ROOT / "models" / ".fault-reference")
         source = f"bench/faults.py, logs in {log_dir}"
     measured = [{**row_dict(r), "status": "run"} for r in rows]
-    failed = [r.scenario for r in rows if not r.passed(BY_NAME[r.scenario].all_succeed)]
+    failed = [r.scenario for r in rows
+              if not r.passed(BY_NAME[r.scenario].all_succeed if r.scenario in BY_NAME else False)]
     result = {"meta": meta, "failed_scenarios": failed, "form": "short" if args.short else "long", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "source": source, "rows": measured + not_run_rows({r.scenario for r in rows})}
     args.out.parent.mkdir(parents=True, exist_ok=True)
