@@ -273,6 +273,9 @@ def plot_rates(data: Mapping[str, Any], out: Path) -> bool:
     tput.set_ylabel("output tokens/s")
     tail.set_ylabel("TTFT p99 (ms, log)")
     tail.set_yscale("log")
+    tail.yaxis.set_major_locator(plt.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    tail.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+    tail.yaxis.set_minor_formatter(plt.NullFormatter())
     all_rates = sorted({load_key(r["load"])[1] for r in rows})
     for ax in (tput, tail):
         ax.set_xlabel("request rate (req/s, open loop)")
