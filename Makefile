@@ -22,7 +22,7 @@ test-fast: setup
 bench: setup
 	$(PY) bench/transfer.py
 
-# lmcache_p2p beside LMCache's own PD and a single vLLM-CPU instance (bench/results/anchor_cpu.json); ~15 min.
+# lmcache_p2p beside LMCache's own PD and a single vLLM-CPU instance (bench/results/anchor_cpu.json); ~12-25 min.
 # Holds the machine's vLLM lock. QUICK=1: c1 only, 8 prompts, to logs/anchor-<time>/anchor_cpu_quick.json.
 bench-anchor: setup
 	flock /tmp/lmcache_p2p_vllm.lock $(PY) bench/anchor.py $(if $(QUICK),--quick,)

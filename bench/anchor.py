@@ -31,7 +31,7 @@ prefill answer at the proxy -> first decoded byte: for lmcache_p2p from the prox
 same load (its proxy reports timings on non-streamed answers only). Per-request samples (TTFT,
 end-to-end, handover) and the proxy's ``timeline_ms`` (when it has one) go to the JSON too.
 
-    .venv/bin/python bench/anchor.py                 # the full run (~15 min on 2 cores)
+    .venv/bin/python bench/anchor.py                 # the full run (~12-25 min on 2 cores)
     .venv/bin/python bench/anchor.py --quick         # c1 only, 8 prompts (development)
 
 Set-up is done here: a venv for the anchor in ``--work`` reusing this project's venv's packages
