@@ -88,8 +88,6 @@ REQUEST_TIMEOUT_S = 120
 SETUP_TIMEOUT_S = 3600
 HTTP_TIMEOUT_S = 10
 P2P_PORT = 9100
-P2P_PHASES = ("queue", "prefill", "first_byte", "kv_wait", "decode_start", "decode_first", "store", "submit",
-              "transfer")
 PD_PHASES = {  # phase -> (start, end) keys of the anchor proxy's pd_timing
     "tokenize": ("t_arrive", "t_tokenized"),
     "prefill": ("t_tokenized", "t_prefill_done"),
