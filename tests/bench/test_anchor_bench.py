@@ -170,3 +170,18 @@ def test_setup_names_a_missing_harness(anchor, tmp_path):
                              "--log-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="no anchor harness at .*nowhere .*missing bench.py.*--anchor DIR"):
         anchor.setup_anchor(cfg)
+
+
+def test_descendants_and_their_cpu_time(anchor, e2e):
+    import os
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert {os.getpid(), child.pid} <= anchor.descendants(os.getpid())
+        assert child.pid not in anchor.descendants(child.pid + 10**7)  # an unknown pid has no tree
+    finally:
+        child.kill()
+        child.wait()
+    assert e2e._jiffies([child.pid]) == 0  # gone: contributes nothing
+    assert e2e._jiffies([os.getpid()]) >= 0
