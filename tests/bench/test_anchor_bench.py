@@ -133,7 +133,7 @@ def test_rows_and_result(anchor):
 def test_a_load_that_stopped_short_counts_its_missing_requests_as_failed(anchor):
     cut = anchor.LoadRun("lmcache-pd", "c4", [rec(0)], 1.0, [], expected=48, error="RuntimeError: start_pd.sh exited 1")
     row = anchor.make_row(cut, None)
-    assert row["failed"] == 47 and row["error"].startswith("RuntimeError")
+    assert row["failed"] == 47 and row["requests"] == 48 and row["error"].startswith("RuntimeError")
     assert anchor.make_row(anchor.LoadRun("single", "c1", [], 0.0, [], expected=8), None)["failed"] == 8
 
 
