@@ -1,7 +1,7 @@
 # The two commands of the README. Both set up .venv on a fresh machine first (scripts/setup_env.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-fast bench
+.PHONY: setup demo test test-fast bench bench-anchor figures
 
 setup:
 	scripts/setup_env.sh
@@ -21,3 +21,12 @@ test-fast: setup
 
 bench: setup
 	$(PY) bench/transfer.py
+
+# lmcache_p2p beside LMCache's own PD and a single vLLM-CPU instance (bench/results/anchor_cpu.json); ~12-25 min.
+# Holds the machine's vLLM lock. QUICK=1: c1 only, 8 prompts, to logs/anchor-<time>/anchor_cpu_quick.json.
+bench-anchor: setup
+	flock /tmp/lmcache_p2p_vllm.lock $(PY) bench/anchor.py $(if $(QUICK),--quick,)
+
+# Every table (printed, and BENCHMARKS.md's <!-- table:NAME --> blocks) and plot (docs/*.png) from bench/results/.
+figures: setup
+	$(PY) bench/report.py

@@ -32,7 +32,10 @@ token arrival times go to ``<log-dir>/<path>-c<N>-requests.json``.
     .venv/bin/python bench/e2e.py                              # 64 requests, concurrency 1 and 4
     .venv/bin/python bench/e2e.py --paths direct,proxy-1p1d --concurrency 4 --requests 16
 
-Writes ``bench/results/e2e_cpu.json`` (a list of rows) and prints a table.
+Writes ``bench/results/e2e_cpu.json`` (``{"meta": bench/meta.py's block, "summary": {...}, "rows":
+[...]}``) and prints a table. The summary counts requests compared with direct only on the paths
+that are not the reference itself (a direct row compared with direct proves batch invariance, not
+disaggregation). Exit status 1 when a request failed or an output differed.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ import yaml
 
 from lmcache_p2p.cli.cluster import Cluster, Lookup, free_base_port, plain_vllm_child
 from lmcache_p2p.cli.processes import Child, wait_healthy
+
+try:
+    from bench.meta import collect
+except ImportError:  # run as bench/e2e.py: its folder is sys.path[0]
+    from meta import collect
 
 logger = logging.getLogger("bench.e2e")
 
@@ -271,27 +279,42 @@ def wait_until_quiet(max_wait_s: float) -> MachineState:
     return state
 
 
-def cpu_busy_fraction(interval_s: float = CPU_SAMPLE_S) -> float:
-    """Share of all cores busy over ``interval_s`` (from /proc/stat)."""
-    def sample() -> tuple[int, int]:
+def _jiffies(pids: Collection[int]) -> int:
+    """CPU time (user + system, all threads) of the processes ``pids`` that still exist."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total
+
+
+def cpu_busy_fraction(interval_s: float = CPU_SAMPLE_S, exclude_pids: Collection[int] = ()) -> float:
+    """Share of all cores busy over ``interval_s`` (from /proc/stat), without the CPU time of
+    ``exclude_pids`` (a system's own idle servers, some of which spin)."""
+    def sample() -> tuple[int, int, int]:
         fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
         idle = fields[3] + fields[4]  # idle + iowait
-        return idle, sum(fields)
+        return idle, sum(fields[:8]), _jiffies(exclude_pids)  # user..steal (guest is inside user)
 
-    idle0, total0 = sample()
+    idle0, total0, own0 = sample()
     time.sleep(interval_s)
-    idle1, total1 = sample()
-    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+    idle1, total1, own1 = sample()
+    busy = (total1 - total0) - (idle1 - idle0) - (own1 - own0)
+    return max(0.0, busy / max(1, total1 - total0))
 
 
-def wait_before_run(own_pids: Collection[int], max_wait_s: float) -> float:
+def wait_before_run(own_pids: Collection[int], max_wait_s: float, *, exclude_own_cpu: bool = False) -> float:
     """Before a measured run (our servers up, so the load average says little): wait up to
     ``max_wait_s`` until no vLLM server this bench did not start runs and the cores are nearly idle
-    (< 20 % busy over 5 s: our idle servers only). Returns the busy share last seen."""
+    (< 20 % busy over 5 s: our idle servers only; with ``exclude_own_cpu``, < 20 % busy with
+    everything but ``own_pids``, for a system whose idle servers spin). Returns the busy share last seen."""
     deadline = time.monotonic() + max_wait_s
     while True:
         others = other_vllm_servers(own_pids)
-        busy = cpu_busy_fraction()
+        busy = cpu_busy_fraction(exclude_pids=own_pids if exclude_own_cpu else ())
         if (not others and busy < QUIET_CPU_BUSY) or time.monotonic() >= deadline:
             break
         logger.info("%d other vLLM servers, cores %.0f %% busy; checking again in %.0f s", len(others), busy * 100,
@@ -475,6 +498,15 @@ def write_requests(run: Run, prompts: Sequence[Sequence[int]], path: Path) -> No
     path.write_text(json.dumps(items, indent=1) + "\n")
 
 
+def equality_summary(rows: Sequence[Row]) -> dict[str, int]:
+    """Requests of the non-reference paths (not ``direct``) whose outputs were compared with direct's,
+    and how many differed; direct's own rows (compared with itself at another concurrency) are left out."""
+    compared = [r for r in rows if r.path != "direct" and r.outputs_mismatched is not None]
+    return {"requests_compared_with_direct": sum(r.requests - r.failed for r in compared),
+            "requests_differing": sum(r.outputs_mismatched or 0 for r in compared),
+            "requests_failed": sum(r.failed for r in rows)}
+
+
 def print_table(rows: Sequence[Row]) -> None:
     cols = [("path", "path", 11), ("conc", "concurrency", 4), ("reqs", "requests", 4), ("fail", "failed", 4),
             ("TTFT p50", "ttft_ms_p50", 8), ("TTFT p99", "ttft_ms_p99", 8), ("hand p50", "handover_ms_p50", 8),
@@ -547,6 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     cfg = parse_args(argv)
+    meta = collect(["bench/e2e.py", *(sys.argv[1:] if argv is None else argv)])
     vocab = prompt_vocab(cfg.model)
     prompts = make_prompts(cfg.requests, cfg.min_input, cfg.max_input, vocab, cfg.seed)
     bodies = [request_body(cfg.model, p, cfg.output_len) for p in prompts]
@@ -559,10 +592,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_requests(run, prompts, cfg.log_dir / f"{run.path}-c{run.concurrency}-requests.json")
     rows = build_rows(runs, cfg, [len(p) for p in prompts])
     print_table(rows)
+    summary = equality_summary(rows)
+    print(f"outputs: {summary['requests_compared_with_direct']} requests of the proxy paths compared with direct, "
+          f"{summary['requests_differing']} differ; {summary['requests_failed']} failed")
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=2) + "\n")
+    result = {"meta": meta, "summary": summary, "rows": [dataclasses.asdict(r) for r in rows]}
+    cfg.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {cfg.out}")
-    return 0 if all(r.failed == 0 for r in rows) else 1
+    return 0 if summary["requests_failed"] == 0 and summary["requests_differing"] == 0 else 1
 
 
 if __name__ == "__main__":

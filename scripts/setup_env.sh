@@ -22,7 +22,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$deps_hash" ]; then
   pip install "lmcache==0.5.6" "nixl==1.5.1"
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-  pip install -e ".[test]"
+  pip install -e ".[test,bench]"
   echo "$deps_hash" > "$stamp"
 fi
 "$VENV/bin/python" - <<'PY'

@@ -1,0 +1,381 @@
+"""Every table and plot of BENCHMARKS.md from the results files, in one command.
+
+    .venv/bin/python bench/report.py             # or: make figures
+    .venv/bin/python bench/report.py --results DIR --docs DIR --markdown FILE --no-plots
+
+Reads ``bench/results/*.json`` (each written by a script in bench/, with its ``meta`` block from
+bench/meta.py where the script had one), prints a markdown table per file, writes the plots as
+PNGs under ``docs/`` and, in ``--markdown`` (default BENCHMARKS.md), replaces the text between
+``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` with table NAME (``NAME`` = the results file's
+name without ``.json``). Plots, from ``anchor_cpu.json`` (bench/anchor.py):
+
+  docs/anchor_ttft_cdf.png       client TTFT CDF per system, one panel per closed-loop load
+  docs/anchor_handover_cdf.png   handover CDF per system (where per-request handovers exist)
+  docs/anchor_rate.png           output tokens/s and TTFT p99 against the open-loop request rate
+  docs/anchor_timeline.png       per-request phases (mean ms) as stacked bars, per system and load:
+                                 the phases that follow one another from arrival to the first decoded
+                                 byte stacked, the ones that run beside them (first_byte, the
+                                 prefiller's store / submit / transfer) as thin bars of their own
+
+matplotlib is imported only to draw (``--no-plots`` needs only the standard library).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEM_ORDER = ("single", "lmcache_p2p", "lmcache-pd")
+# One after the other from the request's arrival to its first decoded byte (stacked); the proxy's
+# first_byte runs beside kv_wait and the prefiller's store / submit / transfer inside prefill
+# (drawn as thin bars of their own, not stacked). See lmcache_p2p/proxy/timeline.py.
+SEQUENTIAL_PHASES = ("queue", "tokenize", "prefill", "kv_wait", "decode_start", "decode_first")
+SIDE_PHASES = ("first_byte", "store", "submit", "transfer")
+MARKER = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+def rows_of(data: Any) -> list[dict[str, Any]]:
+    """A results file's rows: ``{"rows": [...]}`` or an older bare list."""
+    if isinstance(data, list):
+        return data
+    if isinstance(data, dict) and isinstance(data.get("rows"), list):
+        return data["rows"]
+    return []
+
+
+def meta_of(data: Any) -> dict[str, Any] | None:
+    return data.get("meta") if isinstance(data, dict) else None
+
+
+def load_results(results: Path) -> dict[str, Any]:
+    out = {}
+    for path in sorted(results.glob("*.json")):
+        try:
+            out[path.stem] = json.loads(path.read_text())
+        except ValueError as exc:
+            print(f"skip {path}: not JSON ({exc})", file=sys.stderr)
+    return out
+
+
+def load_key(load: str) -> tuple[int, float]:
+    """c1 < c4 < c8 < rate=1 < rate=2 ..."""
+    if load.startswith("c") and load[1:].isdigit():
+        return 0, float(load[1:])
+    if load.startswith("rate="):
+        return 1, float(load[5:])
+    return 2, 0.0
+
+
+def system_key(system: str) -> int:
+    return SYSTEM_ORDER.index(system) if system in SYSTEM_ORDER else len(SYSTEM_ORDER)
+
+
+# ---- tables -------------------------------------------------------------------------------------
+
+
+def cell(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def pair(row: Mapping[str, Any], a: str, b: str, digits: int = 1) -> str:
+    if row.get(a) is None and row.get(b) is None:
+        return "-"
+    return f"{cell(row.get(a), digits)} / {cell(row.get(b), digits)}"
+
+
+def markdown(head: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(line) + " |" for line in lines]
+    return "\n".join(out)
+
+
+def anchor_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    ordered = sorted(rows, key=lambda r: (load_key(r["load"]), system_key(r["system"])))
+    return markdown(
+        ["system", "load", "TTFT p50 / p99 ms", "handover p50 / p99 ms", "out tok/s", "failed", "= single", "KV hit"],
+        [[r["system"], r["load"], pair(r, "ttft_ms_p50", "ttft_ms_p99"), pair(r, "handover_ms_p50", "handover_ms_p99"),
+          cell(r.get("output_tokens_per_s"), 0), f"{r.get('failed')}/{r.get('requests', '?')}",
+          "(ref)" if r["system"] == "single" else cell(r.get("outputs_equal_single")), cell(r.get("kv_hit_ratio"), 3)]
+         for r in ordered])
+
+
+def _chunk(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def transfer_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    return markdown(
+        ["path", "chunk", "GB/s", "ceiling", "ceiling GB/s", "ratio", "equal"],
+        [[r["path"], _chunk(r["chunk_bytes"]), cell(r["gbps"], 2), r.get("ceiling_name", "memcpy"),
+          cell(r["ceiling_gbps"], 2), cell(r["ratio"], 2),
+          cell(r.get("bytes_equal")) if "bytes_equal" in r else "not checked (older bench)"] for r in rows])
+
+
+def e2e_cpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    first_direct = next((r for r in rows if r["path"] == "direct"), None)
+    lines = []
+    for r in rows:
+        eq = ("(reference)" if r is first_direct else "yes (vs c=1)" if r["outputs_equal_single"] else "NO (vs c=1)"
+              ) if r["path"] == "direct" else cell(r["outputs_equal_single"])
+        lookups = ("-" if r.get("kv_lookups") is None
+                   else f"{r['kv_full_hits']} / {r['kv_full_chunk_hits']} / {r['kv_lookups']}")
+        lines.append([r["path"], str(r["concurrency"]), f"{r['failed']}/{r['requests']}",
+                      pair(r, "ttft_ms_p50", "ttft_ms_p99"), pair(r, "proxy_ttft_ms_p50", "proxy_ttft_ms_p99"),
+                      pair(r, "handover_ms_p50", "handover_ms_p99"), pair(r, "kv_wait_ms_p50", "kv_wait_ms_p99"),
+                      cell(r["output_tokens_per_s"], 0), cell(r.get("proxy_overhead_ms_p50")),
+                      cell(r.get("tpot_ms_p50")),
+                      eq, lookups])
+    return markdown(["path", "conc", "failed", "TTFT p50 / p99 ms", "proxy-side TTFT p50 / p99", "handover p50 / p99",
+                     "KV wait p50 / p99", "output tok/s", "proxy overhead p50", "TPOT p50", "outputs equal",
+                     "decoder lookups full / chunks / all"], lines)
+
+
+def e2e_gpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    lines = []
+    for r in rows:
+        lines.append([r["system"], str(r["gpus"]), cell(r["rate"], 0), cell(r["output_tok_s_per_gpu"], 0),
+                      pair(r, "ttft_ms_p50", "ttft_ms_p99"), pair(r, "tpot_ms_p50", "tpot_ms_p99", 2),
+                      cell(r["itl_ms_p99"]), pair(r, "handover_ms_p50", "handover_ms_p99"),
+                      pair(r, "kv_wait_ms_p50", "kv_wait_ms_p99", 2), cell(r.get("kv_hit_ratio"), 2), str(r["failed"]),
+                      "ref" if r["system"] == "single" else cell(r.get("outputs_equal_single"))])
+    return markdown(["system", "GPUs", "rate", "out tok/s /GPU", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "ITL p99 ms",
+                     "handover p50 / p99 ms", "KV wait p50 / p99 ms", "KV hit", "failed", "= single"], lines)
+
+
+def faults_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    cols = ["scenario", "requests", "succeeded", "clean_errors", "unclean_errors", "hung", "leaked_slots",
+            "held_slots_after_settle", "wrong_outputs", "recovered"]
+    return markdown(cols, [[cell(r.get(c)) for c in cols] for r in rows])
+
+
+TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
+    "anchor_cpu": anchor_table,
+    "anchor_cpu_quick": anchor_table,
+    "e2e_cpu": e2e_cpu_table,
+    "e2e_gpu": e2e_gpu_table,
+    "faults": faults_table,
+}
+
+
+def table_for(name: str, data: Any) -> str | None:
+    rows = rows_of(data)
+    if not rows:
+        return None
+    if name.startswith("transfer_"):
+        return transfer_table(rows)
+    make = TABLES.get(name)
+    return make(rows) if make else None
+
+
+def meta_line(data: Any) -> str:
+    meta = meta_of(data)
+    if not meta:
+        return "no metadata (written before bench/meta.py)"
+    commit = (meta.get("commit") or "?")[:10] + ("+dirty" if meta.get("dirty") else "")
+    machine = meta.get("machine") or {}
+    return (f"{meta.get('date')}, commit {commit}, {machine.get('cpu')} x{machine.get('cores')}"
+            f"{', ' + ', '.join(machine['gpus']) if machine.get('gpus') else ''}, load {meta.get('load_1m_before')}: "
+            f"`{meta.get('command')}`")
+
+
+def update_markdown(path: Path, tables: Mapping[str, str]) -> list[str]:
+    """Replace every marked block whose name has a table; returns the names replaced."""
+    text = path.read_text()
+    done: list[str] = []
+
+    def replace(m: re.Match[str]) -> str:
+        name = m.group("name")
+        if name not in tables:
+            return m.group(0)
+        done.append(name)
+        return f"{m.group(1)}{tables[name]}\n{m.group(4)}"
+
+    new = MARKER.sub(replace, text)
+    if new != text:
+        path.write_text(new)
+    return done
+
+
+# ---- plots --------------------------------------------------------------------------------------
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
+    xs = sorted(v for v in values if v is not None)
+    return [xs[0], *xs] if xs else [], [0.0, *((i + 1) / len(xs) for i in range(len(xs)))] if xs else []
+
+
+def plot_cdfs(data: Mapping[str, Any], key: str, title: str, out: Path) -> bool:
+    """One panel per closed-loop load, one line per system; False when no system has samples."""
+    samples = data.get("samples") or {}
+    loads = sorted({load for per in samples.values() for load, s in per.items() if s.get(key)
+                    and load_key(load)[0] == 0}, key=load_key)
+    if not loads:
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(loads), figsize=(4.2 * len(loads), 3.4), squeeze=False)
+    for ax, load in zip(axes[0], loads):
+        for system in sorted(samples, key=system_key):
+            values = (samples[system].get(load) or {}).get(key) or []
+            if values:
+                xs, ys = cdf(values)
+                ax.step(xs, ys, where="post", label=f"{system} (n={len(values)})")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(plt.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        ax.set_xlabel(f"{key.replace('_ms', '')} (ms, log)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(load)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_rates(data: Mapping[str, Any], out: Path) -> bool:
+    rows = [r for r in rows_of(data) if r["load"].startswith("rate=")]
+    if not rows:
+        return False
+    plt = _pyplot()
+    fig, (tput, tail) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for system in sorted({r["system"] for r in rows}, key=system_key):
+        mine = sorted((r for r in rows if r["system"] == system), key=lambda r: load_key(r["load"]))
+        rates = [load_key(r["load"])[1] for r in mine]
+        tput.plot(rates, [r["output_tokens_per_s"] for r in mine], marker="o", label=system)
+        tail.plot(rates, [r["ttft_ms_p99"] for r in mine], marker="o", label=system)
+    tput.set_ylabel("output tokens/s")
+    tail.set_ylabel("TTFT p99 (ms, log)")
+    tail.set_yscale("log")
+    tail.yaxis.set_major_locator(plt.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    tail.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+    tail.yaxis.set_minor_formatter(plt.NullFormatter())
+    all_rates = sorted({load_key(r["load"])[1] for r in rows})
+    for ax in (tput, tail):
+        ax.set_xlabel("request rate (req/s, open loop)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(all_rates, [f"{r:g}" for r in all_rates])
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Throughput and TTFT tail against request rate", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def timeline_means(timeline: Mapping[str, Any]) -> dict[str, float]:
+    """Mean ms per phase of a ``timeline_ms`` block (``recent`` and empty phases left out)."""
+    out = {}
+    for phase, summary in timeline.items():
+        if phase != "recent" and isinstance(summary, Mapping) and summary.get("mean") is not None:
+            out[phase] = float(summary["mean"])
+    return out
+
+
+def plot_timeline(data: Mapping[str, Any], out: Path) -> bool:
+    bars = []  # (label, {phase: mean ms})
+    for system in sorted(data.get("timeline") or {}, key=system_key):
+        for load in sorted(data["timeline"][system], key=load_key):
+            means = timeline_means(data["timeline"][system][load])
+            if means:
+                bars.append((f"{system}\n{load}", means))
+    if not bars:
+        return False
+    stacked = [p for p in SEQUENTIAL_PHASES if any(p in m for _, m in bars)]
+    side = [p for p in SIDE_PHASES if any(p in m for _, m in bars)]
+    plt = _pyplot()
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(bars) + 2.5), 4))
+    xs = list(range(len(bars)))
+    shift = 0.15 if side else 0.0  # the main bar leaves room for the thin ones on its right
+    bottoms = [0.0] * len(bars)
+    for n, phase in enumerate(stacked):
+        heights = [m.get(phase, 0.0) for _, m in bars]
+        ax.bar([x - shift for x in xs], heights, width=0.45, bottom=bottoms, label=phase, color=colors[n % len(colors)])
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    for n, phase in enumerate(side):
+        ax.bar([x + 0.14 + 0.1 * n for x in xs], [m.get(phase, 0.0) for _, m in bars], width=0.09,
+               label=f"{phase} (beside)", color=colors[(len(stacked) + n) % len(colors)], hatch="//")
+    ax.set_xticks(xs, [label for label, _ in bars], fontsize=7)
+    ax.set_ylabel("mean ms per request")
+    ax.set_title("Per-request timeline: arrival -> first decoded byte (stacked)", fontsize=9)
+    ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_anchor(data: Mapping[str, Any], docs: Path) -> list[Path]:
+    docs.mkdir(parents=True, exist_ok=True)
+    made = []
+    jobs = [
+        ("anchor_ttft_cdf.png", lambda p: plot_cdfs(data, "ttft_ms", "Client TTFT per request (CDF)", p)),
+        ("anchor_handover_cdf.png", lambda p: plot_cdfs(data, "handover_ms", "Handover per request (CDF)", p)),
+        ("anchor_rate.png", lambda p: plot_rates(data, p)),
+        ("anchor_timeline.png", lambda p: plot_timeline(data, p)),
+    ]
+    for name, job in jobs:
+        if job(docs / name):
+            made.append(docs / name)
+    return made
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--docs", type=Path, default=REPO / "docs")
+    p.add_argument("--markdown", type=Path, default=REPO / "BENCHMARKS.md",
+                   help="file whose <!-- table:NAME --> blocks are replaced ('' = none)")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    results = load_results(args.results)
+    tables: dict[str, str] = {}
+    for name, data in results.items():
+        table = table_for(name, data)
+        if table is None:
+            continue
+        tables[name] = table
+        print(f"## {name}.json\n{meta_line(data)}\n\n{table}\n")
+    if str(args.markdown) and args.markdown.is_file():
+        done = update_markdown(args.markdown, tables)
+        print(f"updated {args.markdown}: {', '.join(done) or 'no marked table'}")
+    if not args.no_plots and "anchor_cpu" in results:
+        for path in plot_anchor(results["anchor_cpu"], args.docs):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""bench/meta.py's metadata block and bench/report.py's tables, marked-block updates and plots; the
+results-file conventions of bench/transfer.py and bench/e2e.py (own file for --paths, equality count)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def small_anchor_result() -> dict:
+    """A minimal anchor_cpu.json: two systems, c1 and one rate, samples and a timeline."""
+    rows = []
+    for system, ttft, tput in (("single", 20.0, 300.0), ("lmcache_p2p", 40.0, 200.0), ("lmcache-pd", 60.0, 150.0)):
+        for load, k in (("c1", 1.0), ("rate=2", 1.5), ("rate=8", 3.0)):
+            rows.append({"system": system, "load": load, "requests": 4, "ttft_ms_p50": ttft * k,
+                         "ttft_ms_p99": ttft * k * 2, "handover_ms_p50": None if system == "single" else 10.0,
+                         "handover_ms_p99": None if system == "single" else 20.0,
+                         "output_tokens_per_s": tput * k, "failed": 0,
+                         "outputs_equal_single": None if system == "single" else True,
+                         "kv_hit_ratio": None if system == "single" else 1.0})
+    samples = {s: {"c1": {"ttft_ms": [10.0, 20.0, 30.0, 80.0], "handover_ms": [] if s == "single" else [5.0, 9.0]}}
+               for s in ("single", "lmcache_p2p", "lmcache-pd")}
+    phase = {"count": 4, "mean": 3.0, "p50": 3.0, "p99": 5.0}
+    timeline = {"lmcache_p2p": {"c1": {"queue": phase, "prefill": phase, "kv_wait": phase, "recent": []}},
+                "lmcache-pd": {"c1": {"tokenize": phase, "prefill": phase, "recent": []}}}
+    return {"meta": {"commit": "abc", "dirty": False}, "rows": rows, "samples": samples, "timeline": timeline}
+
+
+def test_meta_fields(meta):
+    block = meta.collect(["bench/x.py", "--flag", "a b"])
+    assert set(block) == {"commit", "dirty", "date", "machine", "packages", "command", "load_1m_before"}
+    assert len(block["commit"]) == 40 and isinstance(block["dirty"], bool)
+    assert block["command"].endswith("bench/x.py --flag 'a b'")
+    assert block["machine"]["cores"] >= 1 and isinstance(block["machine"]["gpus"], list)
+    assert set(block["packages"]) == {"torch", "vllm", "lmcache", "nixl", "lmcache_p2p"}
+    assert block["packages"]["lmcache"] == "0.5.6"
+    json.dumps(block)  # it goes into a results file as it is
+
+
+def test_report_reads_rows_old_and_new(report):
+    assert report.rows_of([{"a": 1}]) == [{"a": 1}]
+    assert report.rows_of({"meta": {}, "rows": [{"a": 2}]}) == [{"a": 2}]
+    assert report.rows_of({"meta": {}}) == []
+    assert report.meta_line([]) == "no metadata (written before bench/meta.py)"
+
+
+def test_report_tables_and_marked_blocks(report, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "anchor_cpu.json").write_text(json.dumps(small_anchor_result()))
+    (results / "transfer_cpu.json").write_text(json.dumps([{"path": "nixl-sm host->host", "chunk_bytes": 2 << 20,
+                                                            "gbps": 11.9, "ceiling_gbps": 20.2, "ratio": 0.59}]))
+    md = tmp_path / "B.md"
+    md.write_text("intro\n<!-- table:anchor_cpu -->\nold table\n<!-- /table:anchor_cpu -->\n"
+                  "<!-- table:unknown -->\nkept\n<!-- /table:unknown -->\nend\n")
+    assert report.main(["--results", str(results), "--docs", str(tmp_path / "docs"), "--markdown", str(md),
+                        "--no-plots"]) == 0
+    text = md.read_text()
+    assert "old table" not in text
+    assert "| lmcache_p2p | c1 | 40.0 / 80.0 | 10.0 / 20.0 | 200 | 0/4 | yes | 1.000 |" in text
+    assert "kept" in text and text.startswith("intro\n") and text.endswith("end\n")
+    # rows ordered by load, then single, lmcache_p2p, lmcache-pd
+    body = text.split("<!-- table:anchor_cpu -->\n")[1]
+    assert body.index("| single | c1 |") < body.index("| lmcache-pd | c1 |") < body.index("| single | rate=2 |")
+    assert "not checked (older bench)" in report.table_for("transfer_cpu", json.loads(
+        (results / "transfer_cpu.json").read_text()))
+
+
+def test_report_writes_pngs(report, tmp_path):
+    pytest.importorskip("matplotlib")
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "anchor_cpu.json").write_text(json.dumps(small_anchor_result()))
+    docs = tmp_path / "docs"
+    assert report.main(["--results", str(results), "--docs", str(docs), "--markdown", ""]) == 0
+    names = sorted(p.name for p in docs.glob("*.png"))
+    assert names == ["anchor_handover_cdf.png", "anchor_rate.png", "anchor_timeline.png", "anchor_ttft_cdf.png"]
+    for png in docs.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_transfer_partial_runs_get_their_own_file(transfer):
+    defaults = [n for n, s in transfer.PATHS["cuda"].items() if s.default]
+    others = [n for n, s in transfer.PATHS["cuda"].items() if not s.default]
+    assert transfer.default_out("cuda", defaults).name == "transfer_gpu.json"
+    assert transfer.default_out("cuda", defaults[:1]).name == "transfer_gpu_subset.json"
+    assert transfer.default_out("cuda", others[:1]).name == "transfer_gpu_alternatives.json"
+
+
+def test_e2e_equality_count_leaves_out_the_reference(e2e):
+    def row(path, concurrency, mismatched, equal=True):
+        fields = {f: None for f in e2e.Row.__dataclass_fields__}
+        fields.update(path=path, concurrency=concurrency, requests=64, failed=0, outputs_mismatched=mismatched,
+                      outputs_equal_single=equal)
+        return e2e.Row(**fields)
+
+    rows = [row("direct", 1, 0), row("direct", 4, 0), row("proxy-1p1d", 1, 0), row("proxy-1p1d", 4, 2, False)]
+    assert e2e.equality_summary(rows) == {"requests_compared_with_direct": 128, "requests_differing": 2,
+                                          "requests_failed": 0}
