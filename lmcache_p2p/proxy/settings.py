@@ -72,7 +72,7 @@ class ProxySettings:
     shared_secret: str | None = None
     insecure: bool = False  # allow --host / --control-host beyond loopback without a shared secret
     auth_window_s: float = 30.0
-    policy: Policy = Policy.LEAST_LOADED
+    policy: Policy = Policy.PREFIX
     on_kv_failure: KvFailurePolicy = KvFailurePolicy.RETRY
     kv_timeout_s: float = 10.0
     instance_ttl_s: float = 10.0
