@@ -206,8 +206,12 @@ def prompt_token_ids(tokenizer: Any, req: Any) -> list[int] | None:
 class PrefixSettings:
     """The knobs of ``--policy prefix`` (see ``routing.py``)."""
 
-    cache_threshold: float = 0.5  # matched prefix / prompt at or above this: the match wins (balanced load)
-    balance_abs_requests: int = 2  # imbalanced when max - min in-flight requests > this ...
-    balance_rel: float = 1.5  # ... and max > this * min: then the least loaded wins
+    # matched prefix / prompt at or above this: the match wins (balanced load). SGLang's default too; the
+    # index sees whole LMCache chunks only (256 tokens), so it under-counts a cache's reach by up to a chunk.
+    cache_threshold: float = 0.3
+    # imbalanced when max - min in-flight requests > this ... (SGLang: 64, for GPU servers batching many
+    # requests; our instances run a few at a time, so a difference of 3 already queues work on one)
+    balance_abs_requests: int = 2
+    balance_rel: float = 1.5  # ... and max > this * min: then the least loaded wins (SGLang's default)
     index_chunks: int = 8192  # chunk hashes remembered per instance (LRU)
     hash_seed: int = 0  # the instances' PYTHONHASHSEED (the launcher sets 0)
