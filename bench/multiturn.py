@@ -344,7 +344,8 @@ def _round(value: float | None) -> float | None:
 
 def print_table(rows: Sequence[Row]) -> None:
     cols = [("system", "system", 18), ("policy", "policy", 11), ("turn", "turn", 4), ("fail", "failed", 4),
-            ("TTFT p50", "ttft_ms_p50", 8), ("TTFT p99", "ttft_ms_p99", 8), ("KV bytes/req", "kv_bytes_per_request", 12),
+            ("TTFT p50", "ttft_ms_p50", 8), ("TTFT p99", "ttft_ms_p99", 8),
+            ("KV bytes/req", "kv_bytes_per_request", 12),
             ("prefill tok", "prefill_tokens_per_request", 11), ("prompt", "prompt_tokens_per_request", 7),
             ("same D", "same_decoder_as_previous_turn", 6), ("equal", "outputs_equal_single", 5)]
     print("  ".join(f"{h:>{w}}" for h, _, w in cols))

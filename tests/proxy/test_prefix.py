@@ -245,7 +245,8 @@ async def test_a_follow_up_turn_goes_where_its_prefix_is_unless_load_is_imbalanc
 
         # imbalanced (3 requests in flight on the holder, none on the other): the idle one wins
         registry = cluster.proxy.registry
-        holder_inst = next(i for i in registry.instances() if i.instance_id == cluster.decoders[holder].agent.instance_id)
+        holder_id = cluster.decoders[holder].agent.instance_id
+        holder_inst = next(i for i in registry.instances() if i.instance_id == holder_id)
         leases = [registry.lease(holder_inst, tokens=10) for _ in range(3)]
         try:
             resp = await cluster.post("/v1/completions", _completion(history))
