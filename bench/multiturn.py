@@ -108,6 +108,7 @@ class Row:
     kv_bytes_per_request: float | None
     prefill_tokens_per_request: float | None
     prompt_tokens_per_request: float
+    decoder_reused_tokens_per_request: float | None  # chunks the decoder already held (KvReady) x chunk tokens
     same_decoder_as_previous_turn: float | None  # share of conversations (turn >= 2)
     outputs_equal_single: bool | None
 
@@ -314,11 +315,13 @@ def build_rows(runs: Sequence[Run], cfg: BenchConfig) -> list[Row]:
             if run.system == "single":
                 kv = [0.0 for _ in ok]
                 computed = [t.prompt_tokens - t.cached_tokens for t in ok if t.cached_tokens is not None]
+                reused: list[float] = []
                 same = None
             else:
                 recs = [r for t in ok if (r := _record(run, t)) is not None]
                 kv = [r["kv_bytes"] for r in recs if r.get("kv_bytes") is not None]
                 computed = [r["prefill_tokens_computed"] for r in recs if r.get("prefill_tokens_computed") is not None]
+                reused = [r["decoder_hit_tokens"] for r in recs if r.get("decoder_hit_tokens") is not None]
                 pairs = [(decoders[(t.conversation, t.turn)], decoders.get((t.conversation, t.turn - 1)))
                          for t in ok if turn_no > 1]
                 known = [(a, b) for a, b in pairs if a is not None and b is not None]
@@ -334,6 +337,7 @@ def build_rows(runs: Sequence[Run], cfg: BenchConfig) -> list[Row]:
                 ttft_ms_p50=_round(percentile(ttfts, 50)), ttft_ms_p99=_round(percentile(ttfts, 99)),
                 kv_bytes_per_request=_mean(kv), prefill_tokens_per_request=_mean(computed),
                 prompt_tokens_per_request=_mean([t.prompt_tokens for t in turns]) or 0.0,
+                decoder_reused_tokens_per_request=_mean(reused),
                 same_decoder_as_previous_turn=same, outputs_equal_single=equal))
     return rows
 
