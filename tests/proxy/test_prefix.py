@@ -260,13 +260,18 @@ async def test_a_follow_up_turn_goes_where_its_prefix_is_unless_load_is_imbalanc
 
 
 @pytest.mark.anyio
-async def test_the_index_forgets_a_decoder_that_leaves():
+async def test_the_index_holds_what_each_instance_computed_and_forgets_a_decoder_that_leaves():
     async with make_cluster(1, 1, policy="prefix") as cluster:
         resp = await cluster.post("/v1/completions", _completion(list(range(3, 103))))
         assert resp.status_code == 200, resp.text
         router = cluster.proxy.orchestrator.router
         decoder_id = cluster.decoders[0].agent.instance_id
-        assert router.index.chunks_held(decoder_id) > 0
+        prefiller_id = cluster.prefillers[0].agent.instance_id
+        # the decoder holds prompt + output (its prefix cache), the prefiller the prompt: 7 chunks of 16 vs 6 + 1
+        conversation = router.prompt_prefix(list(range(3, 103)) + resp.json()["choices"][0]["token_ids"])
+        assert len(conversation.hashes(16)) == 7
+        assert router.index.matched_chunks(decoder_id, conversation.hashes(16)) == 7
+        assert router.index.matched_chunks(prefiller_id, conversation.hashes(16)) == 6
         await cluster.decoders[0].agent.goodbye()  # nothing in flight: forgotten at once
         await eventually(lambda: router.index.chunks_held(decoder_id) == 0)
 
