@@ -430,7 +430,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     p.add_argument("--model", type=Path, default=None, help="default: the tiny local model")
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "multiturn_cpu.json")
-    p.add_argument("--plot", type=Path, default=REPO / "docs" / "multiturn_cpu.png", help="'' for none")
+    p.add_argument("--plot", default=str(REPO / "docs" / "multiturn_cpu.png"), help="'': no plot")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.quick:
@@ -445,7 +445,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         output_len=a.output_len, concurrency=a.concurrency, systems=systems,
         policies=tuple(x for x in a.policies.split(",") if x), model=resolve_model(a.model),
         log_dir=(a.log_dir or REPO / "logs" / f"multiturn-{stamp}").resolve(), out=a.out,
-        plot=Path(a.plot) if str(a.plot) else None, seed=a.seed)
+        plot=Path(a.plot) if a.plot else None, seed=a.seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
