@@ -399,9 +399,11 @@ def plot(rows: Sequence[Row], path: Path) -> None:
     for ax, field, label in ((axes[0], "ttft_ms_p50", "TTFT p50 (ms)"),
                              (axes[1], "kv_bytes_per_request", "KV bytes moved per request"),
                              (axes[2], "prefill_tokens_per_request", "prefill tokens computed per request")):
-        for name, points in series.items():
+        for k, (name, points) in enumerate(series.items()):
             xs = [r.turn for r in points if getattr(r, field) is not None]
-            ax.plot(xs, [getattr(r, field) for r in points if getattr(r, field) is not None], marker="o", label=name)
+            ax.plot(xs, [getattr(r, field) for r in points if getattr(r, field) is not None], label=name,
+                    marker="os^vD"[k % 5], linestyle=("-", "--", ":", "-.")[k % 4])
+        ax.set_xticks(sorted({r.turn for r in rows}))
         ax.set_xlabel("turn")
         ax.set_title(label)
         ax.grid(alpha=0.3)
