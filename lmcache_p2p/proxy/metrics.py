@@ -218,7 +218,6 @@ def _percentile(ordered: list[float], pct: float) -> float:
     return ordered[rank - 1]
 
 
-
 # ---- prefix reuse (issue 10): what each request reused, computed and moved ------------------------
 
 _TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
