@@ -219,6 +219,8 @@ class KvReady(msgspec.Struct, tag="kv_ready", frozen=True):
     tp_rank: int
     chunks: int
     nbytes: int
+    chunks_held: int = 0  # chunks of this request the decoder already held (not sent again); 0 from old peers
+    bytes_received: int = 0  # KV bytes that actually moved for it; 0 from old peers (then: unknown)
 
 
 class KvFailed(msgspec.Struct, tag="kv_failed", frozen=True):

@@ -83,7 +83,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--prefill-port", type=int, default=7100, help="first prefiller HTTP port")
     p.add_argument("--decode-port", type=int, default=7200, help="first decoder HTTP port")
     p.add_argument("--kv-port", type=int, default=7300, help="first decoder KV control port")
-    p.add_argument("--policy", default="least_loaded", help="proxy routing policy")
+    p.add_argument("--policy", default="prefix", help="proxy routing policy: prefix, least_loaded or round_robin")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--log-dir", type=Path, default=None, help="default: logs/<timestamp>")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)

@@ -79,7 +79,8 @@ from lmcache_p2p.proxy.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from lmcache_p2p.proxy.metrics import ProxyMetrics
+from lmcache_p2p.proxy.metrics import ProxyMetrics, RequestReuse
+from lmcache_p2p.proxy.prefix import PromptPrefix, prompt_token_ids
 from lmcache_p2p.proxy.registry import Instance, Lease, Registry
 from lmcache_p2p.proxy.responses import Delta, FirstToken, decode_delta, first_token, usage
 from lmcache_p2p.proxy.routing import (
@@ -142,6 +143,9 @@ class Orchestrator:
         self.admission = AdmissionQueue(settings.admission_timeout_s, settings.admission_queue_max)
         registry.on_credit.append(self.admission.poke)
         metrics.admission_waiting.set_function(lambda: len(self.admission))
+        registry.on_forgotten.append(router.forget)  # its caches are gone with it
+        registry.on_pending.append(router.forget)  # new, restarted, moved or down: caches may be gone
+        router.on_prefix_decision.append(lambda role, d: metrics.reuse.observe_decision(role.value, d.value))
         self.tokenizers = tokenizers or TokenizerProvider.fixed(None)
 
     def open(self, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> RequestFlow:
@@ -196,6 +200,10 @@ class RequestFlow:
         self._context_full = False
         self._handover_observed = False
         self._taken: _Handover | None = None  # the handover the running decode took: cancelled after its 1st token
+        self._prefix: PromptPrefix | None = None  # the prompt's chunk hashes (--policy prefix)
+        self._reuse: RequestReuse | None = None  # what the prefill and the KV handover reused and moved
+        self._kv: KvOutcome | None = None
+        self._output_remembered = False
 
     # ---- phase 1: prefill ----------------------------------------------------------------------
 
@@ -254,6 +262,7 @@ class RequestFlow:
             try:
                 async for delta in self._decode_stream():
                     yield delta
+                self._remember_output()  # before the client's [DONE]: its next turn may follow at once
                 return
             except UpstreamError as exc:
                 if _context_full(exc):
@@ -279,6 +288,8 @@ class RequestFlow:
             self._abandon_kv("no decode needed: the first token ended the output" if ended
                              else "the request ended before its decode (client gone or an error)")
         self._free_taken_kv()
+        self._remember_output()
+        self._observe_reuse()
         if self._decoder is not None:
             self._decoder.release()
 
@@ -380,6 +391,7 @@ class RequestFlow:
         first = first_token(req, answer)
         self.prompt_ids = first.prompt_ids or list(req.prompt_ids or ()) or await self._tokenize(prefiller)
         self._lease().resize_commit(chunks_needed(len(self.prompt_ids), decoder.chunk_tokens))
+        self._note_prefill(prefiller, decoder, answer)
         return first
 
     def _pairable(self) -> tuple[list[Instance], ColocatedReason | None]:
@@ -400,7 +412,7 @@ class RequestFlow:
         decoders, reason = self._pairable()
         if reason is not None:
             raise CannotAdmit(reason, f"no decoder to pair with a prefiller any more ({reason.value})")
-        decoder = o.router.decoder_with_room(decoders, cost)
+        decoder = o.router.decoder_with_room(decoders, cost, prefix=self._prefix)
         if decoder is not None:
             chunks = chunks_needed(cost.prompt_tokens, decoder.chunk_tokens)
             return o.registry.lease(decoder, cost.decode_tokens, chunks)
@@ -432,6 +444,7 @@ class RequestFlow:
         self.prompt_ids = list(req.prompt_ids) if req.prompt_ids is not None else await self._tokenize(inst)
         self.colocated = reason
         self._note_colocated(inst, reason)
+        self._reuse = RequestReuse(self.response_id, len(self.prompt_ids), decoder=inst.instance_id, kv_bytes=0)
         return FirstToken(token_id=-1, text="", finish_reason=None, stop_reason=None, logprobs=None,
                           prompt_ids=self.prompt_ids, model=str(req.body.get("model") or ""), created=int(time.time()))
 
@@ -467,7 +480,7 @@ class RequestFlow:
         decoders, reason = self._pairable()
         if reason is not None:
             raise NoInstanceAvailable(f"no decoder to pair with a prefiller ({reason.value})")
-        decoder = self._o.router.pick_decoder(decoders, cost, exclude)
+        decoder = self._o.router.pick_decoder(decoders, cost, exclude, prefix=self._prefix)
         self._hold_decoder(decoder, cost.decode_tokens, chunks_needed(cost.prompt_tokens, decoder.chunk_tokens))
         return decoder
 
@@ -486,7 +499,7 @@ class RequestFlow:
         return prefillers if decoder is None else [p for p in prefillers if o.registry.compatible(p, decoder)]
 
     def _pick_prefiller(self, exclude: Collection[str], decoder: Instance | None = None) -> Instance:
-        prefiller = self._o.router.pick_prefiller(self._compatible_prefillers(decoder), exclude)
+        prefiller = self._o.router.pick_prefiller(self._compatible_prefillers(decoder), exclude, prefix=self._prefix)
         self._tried.add(prefiller.instance_id)
         return prefiller
 
@@ -609,10 +622,55 @@ class RequestFlow:
         registry = o.registry
         instances = [] if o.tokenizers.settled else registry.routable(Role.SENDER) + registry.routable(Role.RECEIVER)
         self._tokenizer = await o.tokenizers.get(instances, o.settings.tokenizer_wait_s)
+        ids = await self._prefix_ids(req)
         if self._tokenizer is None or req.exact_prompt_tokens is not None:
             return req
-        count = await asyncio.to_thread(self._tokenizer.prompt_tokens, req)
+        count = len(ids) if ids is not None else await asyncio.to_thread(self._tokenizer.prompt_tokens, req)
         return req if count is None else dataclasses.replace(req, exact_prompt_tokens=count)
+
+    async def _prefix_ids(self, req: ClientRequest) -> list[int] | None:
+        """The prompt's ids for --policy prefix (None under other policies or without a tokenizer)."""
+        router = self._o.router
+        if not router.uses_prefix:
+            return None
+        if req.prompt_ids is not None:
+            ids: list[int] | None = list(req.prompt_ids)
+        elif self._tokenizer is None:
+            return None
+        else:
+            ids = await asyncio.to_thread(prompt_token_ids, self._tokenizer, req)
+        self._prefix = router.prompt_prefix(ids) if ids else None
+        return ids
+
+    def _note_prefill(self, prefiller: Instance, decoder: Instance, answer: dict[str, Any]) -> None:
+        """The prefill answered: both instances now hold the prompt; note what the prefiller reused."""
+        router = self._o.router
+        router.remember(prefiller, self._prefix)
+        router.remember(decoder, self._prefix)
+        self._reuse = RequestReuse(self.response_id, len(self.prompt_ids), prefiller=prefiller.instance_id,
+                                   decoder=decoder.instance_id, cached_tokens=_cached_tokens(answer))
+
+    def _remember_output(self) -> None:
+        """The decoding instance's prefix cache now holds prompt + output: a next turn finds it there."""
+        router = self._o.router
+        if self._output_remembered or not router.uses_prefix or self._decoder is None or not self.prompt_ids:
+            return
+        self._output_remembered = True
+        router.remember(self._decoder.instance, router.prompt_prefix(self.prompt_ids + self._output_ids))
+
+    def _observe_reuse(self) -> None:
+        reuse, self._reuse = self._reuse, None
+        if reuse is None:
+            return
+        kv = self._kv
+        if kv is not None and kv.status is KvStatus.READY:
+            known = kv.chunks_held > 0 or kv.bytes_received > 0  # a decoder that reports the new fields
+            chunk_tokens = self._decoder.instance.chunk_tokens if self._decoder is not None else 0
+            reuse = dataclasses.replace(
+                reuse, kv_bytes=kv.bytes_received if known else kv.nbytes,
+                chunks_held=kv.chunks_held if known else None,
+                decoder_hit_tokens=min(kv.chunks_held * chunk_tokens, reuse.prompt_tokens) if known else None)
+        self._o.metrics.reuse.observe_request(reuse)
 
     def _shape_first(self, first: FirstToken) -> FirstToken:
         """The first token as the client sees it: its finish reason (the prefill's ``length`` only means
@@ -774,6 +832,7 @@ class RequestFlow:
         m.observe_kv_wait(outcome.wait_s)
         if outcome.status is KvStatus.READY:
             m.kv_bytes.inc(outcome.nbytes)
+        self._kv = outcome
         return outcome
 
     async def _retry_prefill(self) -> None:
@@ -793,6 +852,13 @@ class RequestFlow:
                        handover.req_id if handover else "?", handover.decoder.instance.instance_id if handover else "?",
                        outcome.reason, action)
         self._abandon_kv(f"KV {outcome.status.value}: {outcome.reason}")
+
+
+def _cached_tokens(answer: dict[str, Any]) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a vLLM answer (``--enable-prompt-tokens-details``)."""
+    details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and cached >= 0 else None
 
 
 def _migratable(exc: UpstreamError) -> bool:

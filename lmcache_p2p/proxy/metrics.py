@@ -75,6 +75,7 @@ class ProxyMetrics:
         self.admission_waiting = Gauge(_PREFIX + "admission_waiting", "Requests waiting for decoder buffer credit",
                                        registry=r)
         r.register(_InstanceCollector(instances))
+        self.reuse = ReuseMetrics(r)
         self.ttft_window = SampleWindow()
         self.handover_window = SampleWindow()
         self._stats = _StatsWindows()
@@ -95,12 +96,14 @@ class ProxyMetrics:
 
     def stats(self) -> dict[str, Any]:
         """The body of ``GET /stats``: samples since start or the last ``reset_stats``."""
-        return self._stats.describe()
+        return {**self._stats.describe(), **self.reuse.describe()}
 
     def reset_stats(self) -> dict[str, Any]:
         """Start a new stats window; returns the one that ended (the body of ``POST /stats/reset``)."""
         ended, self._stats = self._stats, _StatsWindows()
-        return ended.describe()
+        described = {**ended.describe(), **self.reuse.describe()}
+        self.reuse.reset()
+        return described
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -214,3 +217,101 @@ def _percentile(ordered: list[float], pct: float) -> float:
     rank = max(1, math.ceil(pct / 100 * len(ordered)))
     return ordered[rank - 1]
 
+
+# ---- prefix reuse (issue 10): what each request reused, computed and moved ------------------------
+
+_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_BYTE_BUCKETS = (0, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28, 1 << 30, 1 << 32)
+RECENT_REQUESTS_MAX = 4096  # per-request records kept for GET /stats (oldest fall out)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestReuse:
+    """One request's reuse as the proxy learnt it; None: not known (an old peer, a flag not set).
+
+    ``cached_tokens``: prompt tokens the prefiller did not compute (vLLM's
+    ``usage.prompt_tokens_details.cached_tokens``, with ``--enable-prompt-tokens-details``);
+    ``kv_bytes``: KV bytes moved to the decoder (KvReady ``bytes_received`` when the decoder reports
+    it, else ``nbytes``: everything moved); ``chunks_held``: chunks the decoder already held (KvReady).
+    """
+
+    response_id: str
+    prompt_tokens: int
+    prefiller: str | None = None
+    decoder: str | None = None
+    cached_tokens: int | None = None
+    kv_bytes: int | None = None
+    chunks_held: int | None = None
+    decoder_hit_tokens: int | None = None
+
+    @property
+    def prefill_tokens_computed(self) -> int | None:
+        if self.cached_tokens is None:
+            return None
+        return max(self.prompt_tokens - self.cached_tokens, 0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "prefill_tokens_computed": self.prefill_tokens_computed}
+
+
+class ReuseMetrics:
+    """Prefix hit tokens per instance, prefill tokens computed and KV bytes moved per request, and the
+    ``prefix`` policy's decisions; in Prometheus and in ``GET /stats`` (``reuse`` and ``requests``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.hit_tokens = Counter(_PREFIX + "prefix_hit_tokens",
+                                  "Prompt tokens an instance did not compute or receive: a prefiller's cached tokens "
+                                  "(usage.prompt_tokens_details), a decoder's chunks already held (KvReady) x chunk "
+                                  "tokens", ["instance", "role"], registry=r)
+        self.prefill_computed = Histogram(_PREFIX + "prefill_tokens_computed",
+                                          "Prompt tokens a prefiller computed per request (prompt - cached); only "
+                                          "when the prefiller reports cached tokens", buckets=_TOKEN_BUCKETS,
+                                          registry=r)
+        self.kv_moved = Histogram(_PREFIX + "kv_bytes_per_request", "KV bytes moved to the decoder per request",
+                                  buckets=_BYTE_BUCKETS, registry=r)
+        self.routed = Counter(_PREFIX + "prefix_routed",
+                              "--policy prefix choices by role and decision (match, no_match, imbalanced, no_prefix)",
+                              ["role", "decision"], registry=r)
+        self._recent: collections.deque[RequestReuse] = collections.deque(maxlen=RECENT_REQUESTS_MAX)
+        self._hits: collections.Counter[str] = collections.Counter()
+        self._decisions: collections.Counter[str] = collections.Counter()
+
+    def observe_decision(self, role: str, decision: str) -> None:
+        self.routed.labels(role, decision).inc()
+        self._decisions[f"{role}:{decision}"] += 1
+
+    def observe_request(self, reuse: RequestReuse) -> None:
+        if reuse.prefiller is not None and reuse.cached_tokens is not None:
+            self.hit_tokens.labels(reuse.prefiller, "sender").inc(reuse.cached_tokens)
+            self._hits[reuse.prefiller] += reuse.cached_tokens
+        if reuse.decoder is not None and reuse.decoder_hit_tokens is not None:
+            self.hit_tokens.labels(reuse.decoder, "receiver").inc(reuse.decoder_hit_tokens)
+            self._hits[reuse.decoder] += reuse.decoder_hit_tokens
+        if (computed := reuse.prefill_tokens_computed) is not None:
+            self.prefill_computed.observe(computed)
+        if reuse.kv_bytes is not None:
+            self.kv_moved.observe(reuse.kv_bytes)
+        self._recent.append(reuse)
+
+    def reset(self) -> None:
+        self._recent.clear()
+        self._hits.clear()
+        self._decisions.clear()
+
+    def describe(self) -> dict[str, Any]:
+        records = list(self._recent)
+        computed = [c for r in records if (c := r.prefill_tokens_computed) is not None]
+        moved = [r.kv_bytes for r in records if r.kv_bytes is not None]
+        return {
+            "reuse": {"requests": len(records), "prefill_tokens_computed": _totals(computed),
+                      "kv_bytes_per_request": _totals(moved), "prefix_hit_tokens": dict(self._hits),
+                      "prefix_decisions": dict(self._decisions)},
+            "requests": [r.to_json() for r in records],
+        }
+
+
+def _totals(values: list[int]) -> dict[str, float | int | None]:
+    if not values:
+        return {"count": 0, "sum": 0, "mean": None}
+    return {"count": len(values), "sum": sum(values), "mean": round(sum(values) / len(values), 3)}

@@ -22,9 +22,19 @@ recomputes). Among eligible ones:
   buffer credit; remaining ties go round robin so equal decoders share the work. Deterministic:
   no random choice.
 * ``round_robin``: the next one in instance-id order.
+* ``prefix``: cache-aware, in the style of SGLang's router (``--cache-threshold``,
+  ``--balance-abs-threshold``, ``--balance-rel-threshold``). The proxy hashes the prompt's chunks as
+  LMCache does and keeps, per instance, the chunks it recently sent there (``prefix.py``; a decoder
+  also holds the output it generated). Load is balanced unless ``max - min > --prefix-balance-abs``
+  AND ``max > --prefix-balance-rel * min`` (in-flight requests among the candidates). Balanced: the
+  instance holding the longest prefix of the prompt wins when that prefix covers at least
+  ``--prefix-cache-threshold`` of the prompt (ties: least loaded); otherwise, or when imbalanced, or
+  when the proxy has no token ids for the prompt (no tokenizer), it is ``least_loaded``. Only
+  decoders with buffer credit are candidates, as with every policy, and prefillers are chosen among
+  those whose KV fingerprint matches the decoder's.
 
 Prefiller choice: among those compatible with the chosen decoder, fewest in-flight prompt tokens
-(ties round robin), or round robin.
+(ties round robin), round robin, or (``prefix``) as above.
 
 ``exclude`` names instances to avoid (a retry after a failure); when nothing else is left they are
 used anyway.
@@ -41,12 +51,23 @@ from typing import Any
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.errors import NoCapacity, NoInstanceAvailable
+from lmcache_p2p.proxy.prefix import PrefixIndex, PrefixSettings, PromptPrefix, none_hash
 from lmcache_p2p.proxy.registry import Instance
 
 
 class Policy(str, enum.Enum):
     ROUND_ROBIN = "round_robin"
     LEAST_LOADED = "least_loaded"
+    PREFIX = "prefix"
+
+
+class PrefixDecision(str, enum.Enum):
+    """Why ``prefix`` picked an instance (the ``decision`` label of ``prefix_routed_total``)."""
+
+    MATCH = "match"  # balanced load and a long enough cached prefix: the instance holding it
+    NO_MATCH = "no_match"  # balanced, but no instance holds --prefix-cache-threshold of the prompt
+    IMBALANCED = "imbalanced"  # the load is imbalanced: least loaded
+    NO_PREFIX = "no_prefix"  # no token ids for the prompt (no tokenizer in the proxy): least loaded
 
 
 class ColocatedReason(str, enum.Enum):
@@ -77,49 +98,107 @@ def chunks_needed(prompt_tokens: int, chunk_tokens: int) -> int:
 
 
 class Router:
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, prefix: PrefixSettings | None = None) -> None:
         self.policy = policy
         self._turn = {role: itertools.count() for role in Role}
+        self.prefix_settings = prefix or PrefixSettings()
+        self.index = PrefixIndex(self.prefix_settings.index_chunks)
+        self._start_hash = none_hash(self.prefix_settings.hash_seed)
+        self.on_prefix_decision: list[Callable[[Role, PrefixDecision], None]] = []  # metrics
+
+    # ---- prefixes (``prefix`` policy) ------------------------------------------------------------
+
+    @property
+    def uses_prefix(self) -> bool:
+        return self.policy is Policy.PREFIX
+
+    def prompt_prefix(self, token_ids: list[int] | tuple[int, ...]) -> PromptPrefix:
+        return PromptPrefix(token_ids, self._start_hash)
+
+    def remember(self, instance: Instance, prefix: PromptPrefix | None) -> None:
+        """``instance`` now holds these tokens' KV (in vLLM's prefix cache or our receive buffer)."""
+        if self.uses_prefix and prefix is not None:
+            self.index.record(instance.instance_id, prefix.hashes(_chunk_tokens(instance)))
+
+    def forget(self, instance: Instance) -> None:
+        """The instance left, restarted or went down: whatever it cached is gone."""
+        self.index.forget(instance.instance_id)
+
+    def matched_tokens(self, instance: Instance, prefix: PromptPrefix) -> int:
+        chunk_tokens = _chunk_tokens(instance)
+        matched = self.index.matched_chunks(instance.instance_id, prefix.hashes(chunk_tokens))
+        return min(matched * chunk_tokens, prefix.tokens)
+
+    # ---- choices ----------------------------------------------------------------------------------
 
     def pick_decoder(self, decoders: list[Instance], cost: RequestCost, exclude: Collection[str] = (), *,
-                     needs_kv: bool = True) -> Instance:
+                     needs_kv: bool = True, prefix: PromptPrefix | None = None) -> Instance:
         """A decoder with room for the request's KV now (any, without ``needs_kv``); raises when none."""
         if not decoders:
             raise NoInstanceAvailable(
                 "no decoder available: start one (p2p.role: receiver, p2p.proxy_url -> this proxy's control port) "
                 "or pass --decode URL"
             )
-        decoder = self.decoder_with_room(decoders, cost, exclude) if needs_kv else self._pick_decoder(decoders,
-                                                                                                       exclude)
+        decoder = (self.decoder_with_room(decoders, cost, exclude, prefix=prefix) if needs_kv
+                   else self._pick_decoder(decoders, exclude, prefix))
         if decoder is None:
             raise no_capacity(decoders, cost.prompt_tokens)
         return decoder
 
-    def decoder_with_room(self, decoders: list[Instance], cost: RequestCost,
-                          exclude: Collection[str] = ()) -> Instance | None:
+    def decoder_with_room(self, decoders: list[Instance], cost: RequestCost, exclude: Collection[str] = (), *,
+                          prefix: PromptPrefix | None = None) -> Instance | None:
         """A decoder whose buffer credit holds the request's KV now; None when none has room."""
         fitting = [d for d in decoders if _fits(d, cost.prompt_tokens)]
-        return self._pick_decoder(fitting, exclude) if fitting else None
+        return self._pick_decoder(fitting, exclude, prefix) if fitting else None
 
-    def _pick_decoder(self, decoders: list[Instance], exclude: Collection[str]) -> Instance:
-        return self._pick(Role.RECEIVER, _prefer(decoders, exclude), _decoder_load)
+    def _pick_decoder(self, decoders: list[Instance], exclude: Collection[str],
+                      prefix: PromptPrefix | None = None) -> Instance:
+        return self._pick(Role.RECEIVER, _prefer(decoders, exclude), _decoder_load, prefix)
 
-    def pick_prefiller(self, prefillers: list[Instance], exclude: Collection[str] = ()) -> Instance:
+    def pick_prefiller(self, prefillers: list[Instance], exclude: Collection[str] = (), *,
+                       prefix: PromptPrefix | None = None) -> Instance:
         if not prefillers:
             raise NoInstanceAvailable(
                 "no prefiller available: start one (p2p.role: sender, p2p.proxy_url -> this proxy's control port) "
                 "or pass --prefill URL"
             )
-        return self._pick(Role.SENDER, _prefer(prefillers, exclude), lambda p: p.inflight_tokens)
+        return self._pick(Role.SENDER, _prefer(prefillers, exclude), lambda p: p.inflight_tokens, prefix)
 
-    def _pick(self, role: Role, candidates: list[Instance], load: Callable[[Instance], Any]) -> Instance:
+    def _pick(self, role: Role, candidates: list[Instance], load: Callable[[Instance], Any],
+              prefix: PromptPrefix | None = None) -> Instance:
         ordered = sorted(candidates, key=lambda i: i.instance_id)
         turn = next(self._turn[role])
         if self.policy is Policy.ROUND_ROBIN:
             return ordered[turn % len(ordered)]
+        if self.policy is Policy.PREFIX:
+            decision, holders = self._prefix_holders(ordered, prefix)
+            for listener in self.on_prefix_decision:
+                listener(role, decision)
+            if holders:
+                ordered = holders
         lowest = min(load(i) for i in ordered)
         tied = [i for i in ordered if load(i) == lowest]
         return tied[turn % len(tied)]
+
+    def _prefix_holders(self, ordered: list[Instance], prefix: PromptPrefix | None
+                        ) -> tuple[PrefixDecision, list[Instance]]:
+        """The candidates holding the longest prefix of the prompt when that one should win (else none)."""
+        if prefix is None or prefix.tokens == 0:
+            return PrefixDecision.NO_PREFIX, []
+        if len(ordered) > 1 and self._imbalanced(ordered):
+            return PrefixDecision.IMBALANCED, []
+        matched = {i.instance_id: self.matched_tokens(i, prefix) for i in ordered}
+        best = max(matched.values())
+        if best == 0 or best / prefix.tokens < self.prefix_settings.cache_threshold:
+            return PrefixDecision.NO_MATCH, []
+        return PrefixDecision.MATCH, [i for i in ordered if matched[i.instance_id] == best]
+
+    def _imbalanced(self, ordered: list[Instance]) -> bool:
+        """SGLang's rule on in-flight requests: max - min > abs AND max > rel * min."""
+        loads = [i.inflight_requests for i in ordered]
+        most, least = max(loads), min(loads)
+        s = self.prefix_settings
+        return most - least > s.balance_abs_requests and most > s.balance_rel * least
 
 
 def exceeds_every_buffer(decoders: list[Instance], prompt_tokens: int) -> bool:
@@ -127,6 +206,14 @@ def exceeds_every_buffer(decoders: list[Instance], prompt_tokens: int) -> bool:
     return bool(decoders) and all(
         d.capacity_slots is not None and chunks_needed(prompt_tokens, d.chunk_tokens) > d.capacity_slots
         for d in decoders)
+
+
+def _chunk_tokens(instance: Instance) -> int:
+    """Tokens per LMCache chunk of the instance (announced, else its fingerprint's; 0 when unknown)."""
+    if instance.chunk_tokens > 0:
+        return instance.chunk_tokens
+    fingerprint = instance.fingerprint
+    return fingerprint.chunk_tokens if fingerprint is not None else 0
 
 
 def _decoder_load(decoder: Instance) -> tuple[int, int]:

@@ -63,7 +63,8 @@ class Proxy:
         self.registry.on_forgotten.append(self.prober.forget)
         self.registry.on_forgotten.append(self.canceller.forget)
         self.orchestrator = Orchestrator(
-            self.registry, Router(settings.policy), self.waiters, self.upstream, self.canceller, self.metrics,
+            self.registry, Router(settings.policy, settings.prefix), self.waiters, self.upstream, self.canceller,
+            self.metrics,
             FlowSettings(settings.kv_timeout_s, settings.prefill_timeout_s, settings.decode_idle_timeout_s,
                          settings.on_kv_failure, settings.admission_timeout_s, settings.admission_queue_max,
                          migration_limit=settings.migration_limit, tokenizer_wait_s=settings.tokenizer_wait_s),

@@ -46,6 +46,7 @@ from urllib.parse import urlsplit
 
 from lmcache_p2p.config import Role, is_loopback
 from lmcache_p2p.errors import ConfigError
+from lmcache_p2p.proxy.prefix import PrefixSettings
 from lmcache_p2p.proxy.registry import StaticInstance
 from lmcache_p2p.proxy.routing import Policy
 
@@ -71,7 +72,7 @@ class ProxySettings:
     shared_secret: str | None = None
     insecure: bool = False  # allow --host / --control-host beyond loopback without a shared secret
     auth_window_s: float = 30.0
-    policy: Policy = Policy.LEAST_LOADED
+    policy: Policy = Policy.PREFIX
     on_kv_failure: KvFailurePolicy = KvFailurePolicy.RETRY
     kv_timeout_s: float = 10.0
     instance_ttl_s: float = 10.0
@@ -90,6 +91,7 @@ class ProxySettings:
     tokenizer_wait_s: float = 10.0  # longest a request waits for the tokenizer's first load
     migration_limit: int = 2
     static_instances: tuple[StaticInstance, ...] = ()
+    prefix: PrefixSettings = PrefixSettings()  # the knobs of --policy prefix
 
     def __post_init__(self) -> None:
         # Accept the flags' string values when built directly (tests, launchers).
@@ -136,6 +138,7 @@ class ProxySettings:
             raise ConfigError("--tokenizer-wait-s", f"must be >= 0, got {args.tokenizer_wait_s}")
         if args.migration_limit < 0:
             raise ConfigError("--migration-limit", f"must be >= 0 (0 turns migration off), got {args.migration_limit}")
+        prefix = _prefix_settings(args)
         if args.summary_interval_s < 0:
             raise ConfigError("--summary-interval-s",
                               f"must be >= 0 (0 turns the summary off), got {args.summary_interval_s}")
@@ -166,7 +169,24 @@ class ProxySettings:
             tokenizer_wait_s=args.tokenizer_wait_s,
             migration_limit=args.migration_limit,
             static_instances=tuple(args.prefill or ()) + tuple(args.decode or ()),
+            prefix=prefix,
         )
+
+
+def _prefix_settings(args: argparse.Namespace) -> PrefixSettings:
+    if not 0.0 <= args.prefix_cache_threshold <= 1.0:
+        raise ConfigError("--prefix-cache-threshold", f"must be in 0..1, got {args.prefix_cache_threshold}")
+    if args.prefix_balance_abs < 0 or args.prefix_balance_rel < 1.0:
+        raise ConfigError("--prefix-balance-abs / --prefix-balance-rel",
+                          f"must be >= 0 / >= 1.0, got {args.prefix_balance_abs} / {args.prefix_balance_rel}")
+    if args.prefix_index_chunks <= 0:
+        raise ConfigError("--prefix-index-chunks", f"must be positive, got {args.prefix_index_chunks}")
+    if args.prefix_hash_seed < 0 or args.prefix_hash_seed > 4294967295:
+        raise ConfigError("--prefix-hash-seed", f"must be a PYTHONHASHSEED value (0..4294967295), got "
+                                                f"{args.prefix_hash_seed}")
+    return PrefixSettings(cache_threshold=args.prefix_cache_threshold, balance_abs_requests=args.prefix_balance_abs,
+                          balance_rel=args.prefix_balance_rel, index_chunks=args.prefix_index_chunks,
+                          hash_seed=args.prefix_hash_seed)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -194,6 +214,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a static decoder (repeatable); ports: one base port or one per TP rank joined by +")
     g.add_argument("--policy", choices=[p.value for p in Policy], default=d.policy.value,
                    help="routing policy (default %(default)s)")
+    p = d.prefix
+    g.add_argument("--prefix-cache-threshold", type=float, default=p.cache_threshold,
+                   help="--policy prefix: when load is balanced, the instance holding the longest cached prefix of "
+                        "the prompt wins if that prefix is at least this share of the prompt; else least loaded "
+                        "(default %(default)s)")
+    g.add_argument("--prefix-balance-abs", type=int, default=p.balance_abs_requests,
+                   help="--policy prefix: load is imbalanced (least loaded wins, whatever is cached) when the most "
+                        "and least loaded candidates' in-flight requests differ by more than this ... "
+                        "(default %(default)s)")
+    g.add_argument("--prefix-balance-rel", type=float, default=p.balance_rel,
+                   help="... and the most loaded has more than this times the least loaded's (default %(default)s)")
+    g.add_argument("--prefix-index-chunks", type=int, default=p.index_chunks,
+                   help="--policy prefix: chunk hashes the proxy remembers per instance, least recently sent "
+                        "forgotten first (default %(default)s)")
+    g.add_argument("--prefix-hash-seed", type=int, default=p.hash_seed,
+                   help="the instances' PYTHONHASHSEED, which LMCache's chunk hashes depend on (the launcher sets "
+                        "0; default %(default)s)")
     g.add_argument("--on-kv-failure", choices=[p.value for p in KvFailurePolicy], default=d.on_kv_failure.value,
                    help="on KV failure/timeout: retry once elsewhere then recompute, recompute, or fail "
                         "(default %(default)s)")

@@ -34,6 +34,8 @@ class KvOutcome:
     nbytes: int = 0
     chunks: int = 0
     reason: str = ""
+    chunks_held: int = 0  # KvReady's new fields (0 from peers that do not send them)
+    bytes_received: int = 0
 
 
 class KvWaiter:
@@ -78,6 +80,8 @@ class KvWaiter:
             elapsed_s,
             nbytes=sum(m.nbytes for m in self._ready.values()),
             chunks=max(m.chunks for m in self._ready.values()),
+            chunks_held=max(m.chunks_held for m in self._ready.values()),
+            bytes_received=sum(m.bytes_received for m in self._ready.values()),
         )
 
     def drop(self) -> None:

@@ -157,6 +157,7 @@ class FakeVllm:
         self.max_model_len: int | None = None  # context length, enforced as vLLM does (None: unbounded)
         self.models_card: dict[str, Any] = {}  # extra fields of GET /v1/models' model card (root, max_model_len)
         self.die_after: int | None = None  # a stream breaks (connection dropped) after this many tokens
+        self.cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (None: not reported)
         self.cancelled_streams = 0
         self.finished_streams = 0
         self.server = HttpServer(Starlette(routes=[
@@ -281,6 +282,8 @@ class FakeVllm:
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
                       "total_tokens": len(ids) + len(tokens)},
         }
+        if self.cached_tokens is not None:
+            answer["usage"]["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         if (body.get("kv_transfer_params") or {}).get("ret_first_tok"):
             answer["kv_transfer_params"] = {"first_tok": tokens[0]}
         return answer
@@ -350,6 +353,7 @@ class FakeAgent:
         self.fingerprint = fingerprint
         self.kv_mode = "ready"
         self.kv_delay_s = 0.0
+        self.kv_chunks_held: int | None = None  # report KvReady's chunks_held / bytes_received (None: old peer)
         self.kv_requests: list[str] = []
         self._codec = Codec(secret)
         self._ctx = zmq.asyncio.Context()
@@ -397,8 +401,10 @@ class FakeAgent:
         elif self.kv_mode in ("ready", "one_rank"):
             ranks = range(self.tp_size) if self.kv_mode == "ready" else range(1)
             for rank in ranks:
+                held = self.kv_chunks_held
+                extra = {} if held is None else {"chunks_held": held, "bytes_received": (3 - held) << 20}
                 await self.send(KvReady(req_id=req_id, instance_id=self.instance_id, tp_rank=rank, chunks=3,
-                                        nbytes=3 << 20))
+                                        nbytes=3 << 20, **extra))
 
     def close(self) -> None:
         for task in self._tasks:

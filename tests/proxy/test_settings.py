@@ -6,6 +6,7 @@ import pytest
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ConfigError
+from lmcache_p2p.proxy.prefix import PrefixSettings
 from lmcache_p2p.proxy.routing import Policy
 from lmcache_p2p.proxy.server import add_arguments
 from lmcache_p2p.proxy.settings import KvFailurePolicy, ProxySettings, parse_decode_flag, parse_prefill_flag
@@ -20,7 +21,7 @@ def parse(*argv: str) -> ProxySettings:
 def test_defaults_bind_loopback():
     s = parse()
     assert (s.host, s.port, s.control_host, s.control_port) == ("127.0.0.1", 9100, "127.0.0.1", 9101)
-    assert s.policy is Policy.LEAST_LOADED and s.on_kv_failure is KvFailurePolicy.RETRY
+    assert s.policy is Policy.PREFIX and s.on_kv_failure is KvFailurePolicy.RETRY
     assert s.shared_secret is None and s.static_instances == ()
 
 
@@ -78,3 +79,20 @@ def test_health_flags():
         parse("--max-connect-failures", "0")
     with pytest.raises(ConfigError, match="--health-probe-interval-s"):
         parse("--health-probe-interval-s", "0")
+
+
+def test_prefix_policy_flags():
+    s = parse("--policy", "prefix", "--prefix-cache-threshold", "0.3", "--prefix-balance-abs", "4",
+              "--prefix-balance-rel", "2", "--prefix-index-chunks", "100", "--prefix-hash-seed", "7")
+    assert s.policy is Policy.PREFIX
+    assert s.prefix == PrefixSettings(cache_threshold=0.3, balance_abs_requests=4, balance_rel=2.0, index_chunks=100,
+                                      hash_seed=7)
+    assert parse("--policy", "round_robin").policy is Policy.ROUND_ROBIN
+
+
+@pytest.mark.parametrize("flag, value", [("--prefix-cache-threshold", "1.5"), ("--prefix-balance-rel", "0.5"),
+                                         ("--prefix-balance-abs", "-1"), ("--prefix-index-chunks", "0"),
+                                         ("--prefix-hash-seed", "-1")])
+def test_prefix_policy_flags_are_checked(flag, value):
+    with pytest.raises(ConfigError, match=flag):
+        parse(flag, value)
