@@ -30,14 +30,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import json
 import logging
 import math
 import os
-import platform
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -48,6 +45,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e import cores_of, prompt_vocab, resolve_model  # noqa: E402  (bench/ is not a package)
+from meta import collect  # noqa: E402
 
 from lmcache_p2p.cli import launch  # noqa: E402
 from lmcache_p2p.cli.cluster import Cluster, free_base_port  # noqa: E402
@@ -361,23 +359,9 @@ def print_table(rows: Sequence[Row]) -> None:
 
 
 def meta(cfg: BenchConfig, argv: Sequence[str], runs: Sequence[Run]) -> dict[str, Any]:
-    """What ran where. (A local stand-in for bench/meta.py, which another branch adds.)"""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False).stdout.strip()
-
-    from importlib import metadata as md
-
-    packages = {}
-    for name in ("vllm", "lmcache", "torch", "lmcache_p2p"):
-        try:
-            packages[name] = md.version(name)
-        except md.PackageNotFoundError:
-            packages[name] = None
+    """What ran where: bench/meta.py's block plus this benchmark's config and runs."""
     return {
-        "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform()},
-        "packages": packages, "command": " ".join(["bench/multiturn.py", *argv]),
+        **collect(["bench/multiturn.py", *argv]),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()},
         "runs": [{"system": r.system, "policy": r.policy, "wall_s": round(r.wall_s, 1),
                   "load_1m_before": round(r.load_1m_before, 2), "cores": r.cores} for r in runs],
