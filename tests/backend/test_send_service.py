@@ -65,6 +65,7 @@ class FakeTransport(Transport):
         self.disconnected: list[str] = []
         self.connect_gate: dict[str, threading.Event] = {}  # peer name -> released when set
         self.auto_complete = True
+        self.polls = 0
 
     def register(self, tensor: torch.Tensor) -> Any:
         raise NotImplementedError
@@ -88,6 +89,7 @@ class FakeTransport(Transport):
         return WriteHandle(peer=peer, nbytes=write.nbytes, token=write)
 
     def poll(self, handle: WriteHandle) -> bool:
+        self.polls += 1
         write: FakeWrite = handle.token
         if write.error:
             raise TransportError(write.error)
@@ -248,6 +250,24 @@ def test_aborted_write_keeps_its_chunks_until_the_transport_says_reads_ended(
     write.reads_ended = True
     wait_for(lambda: sorted(chunks.released) == sorted(_keys(batch)), "the chunks to be released once settled")
     assert service.stats().chunks_leaked == 0
+
+
+def test_a_pending_write_does_not_make_the_thread_spin(make_service, transport, receiver, chunks) -> None:
+    """The service thread shares the engine's core (and GIL): between polls of a pending write it
+    sleeps in the socket poll (>= 1 ms) instead of spinning, so the engine's forward pass and sampling
+    after the store are not starved while the KV is on its way."""
+    transport.auto_complete = False
+    service = make_service()
+    service.submit("req-1", receiver.target, chunks.make(1), last=True)
+    receiver.welcome()
+    receiver.grant()
+    wait_for(lambda: transport.writes, "the write")
+    before = transport.polls
+    time.sleep(0.5)
+    polls = transport.polls - before
+    assert 0 < polls <= 500, f"{polls} polls of one pending write in 0.5 s: the thread spins"
+    transport.writes[0].done = True
+    wait_for(lambda: service.stats().requests_done == 1, "the request to finish once its write is done")
 
 
 def test_failed_write_that_never_settles_is_leaked_not_released(make_service, transport, receiver, chunks) -> None:
