@@ -18,11 +18,15 @@ Conversations:
       Written
   instance -> proxy (ZMQ PUSH -> PULL, the proxy's control address):
       Announce (start and every heartbeat), Goodbye, KvReady, KvFailed
+  sender -> proxy (the same PUSH), after a request's last chunk was written:
+      KvSent (the prefiller's store / submit / transfer times, for the proxy's request timeline)
 
 Version history:
   1  first version.
   2  Hello and Announce carry the KV :class:`Fingerprint`; a receiver refuses a sender whose
      fingerprint differs and the proxy never pairs such instances.
+     Additive, same version: KvSent (sender -> proxy). A proxy that predates it drops it as
+     malformed (counted); nothing else depends on it.
 Framing under a shared secret (not versioned: both sides share the secret and the release):
   ``auth`` was the bare HMAC of the payload; it now carries identity, nonce and timestamp inside
   the tag. A peer of the older framing is refused as ``auth`` (malformed envelope).
@@ -230,9 +234,23 @@ class KvFailed(msgspec.Struct, tag="kv_failed", frozen=True):
     reason: str
 
 
+class KvSent(msgspec.Struct, tag="kv_sent", frozen=True):
+    """A sender's times for one request whose KV it wrote in full (durations in seconds)."""
+
+    req_id: str
+    instance_id: str
+    tp_rank: int
+    store_s: float = 0.0  # first store call's start -> last store call's end, as the plugin sees it
+    submit_s: float = 0.0  # time spent in batched_submit_put_task for this request (engine thread)
+    transfer_s: float = 0.0  # first chunk submitted -> last chunk written
+    chunks: int = 0
+    nbytes: int = 0
+
+
 Message = (
     Hello | Welcome | Alloc | Grant | Refused | Written | Cancel | Ack | ErrorReply
     | Announce | Goodbye | KvReady | KvFailed
+    | KvSent
 )
 
 _encoder = msgspec.msgpack.Encoder()

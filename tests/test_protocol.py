@@ -24,6 +24,7 @@ MESSAGES = [
     protocol.Goodbye("d0"),
     protocol.KvReady("req", "d0", 0, 2, 262144),
     protocol.KvFailed("req", "d0", 0, "lease expired"),
+    protocol.KvSent("req", "p0", 0, store_s=0.002, submit_s=0.001, transfer_s=0.004, chunks=2, nbytes=262144),
 ]
 
 
@@ -39,6 +40,19 @@ def test_round_trip(msg):
 def test_garbage_is_a_protocol_error(payload):
     with pytest.raises(ProtocolError):
         protocol.Codec().unpack([b"", payload])
+
+
+def test_kv_sent_from_a_sender_that_sends_only_the_ids_decodes_with_zero_times():
+    """KvSent's times are optional: a minimal (or older) sender's message still decodes."""
+    payload = msgspec.msgpack.encode({"type": "kv_sent", "req_id": "req", "instance_id": "p0", "tp_rank": 1})
+    assert protocol.decode(payload) == protocol.KvSent("req", "p0", 1, 0.0, 0.0, 0.0, 0, 0)
+
+
+def test_kv_sent_with_a_wrong_type_is_a_protocol_error():
+    payload = msgspec.msgpack.encode({"type": "kv_sent", "req_id": "r", "instance_id": "p", "tp_rank": 0,
+                                      "submit_s": "slow"})
+    with pytest.raises(ProtocolError):
+        protocol.decode(payload)
 
 
 def test_pickle_is_never_accepted():

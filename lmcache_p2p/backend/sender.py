@@ -9,6 +9,7 @@ disaggregation) is a no-op that never breaks the engine.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,6 +75,7 @@ class SenderBackend(P2PPlugin):
 
     def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj],
                                 transfer_spec: Any = None, on_complete_callback: Any = None) -> None:
+        called_s = time.perf_counter()  # the request's submit time, reported to the proxy (KvSent)
         if transfer_spec is None:
             if not self._warned_no_spec:
                 self._warned_no_spec = True
@@ -92,7 +94,7 @@ class SenderBackend(P2PPlugin):
             obj.ref_count_up()
             chunks.append(Chunk(chunk_key(key), _shape_of(obj), obj.tensor, obj.ref_count_down))
         try:
-            service.submit(str(transfer_spec.req_id), target, chunks, bool(transfer_spec.is_last_prefill))
+            service.submit(str(transfer_spec.req_id), target, chunks, bool(transfer_spec.is_last_prefill), called_s)
         except P2PError as exc:
             logger.error("request %s: KV not sent: %s", transfer_spec.req_id, exc)
         return None

@@ -7,7 +7,8 @@
     POST /instances/drain                        {"instance_id"}: no new work; forgotten once idle   [admin]
     GET  /metrics                                Prometheus
     GET  /stats                                  TTFT / handover / kv_wait count, mean, p50, p99 (ms) since
-                                                 start or the last reset; read-only
+                                                 start or the last reset, per-phase timeline_ms and the
+                                                 last requests' phases (recent; see timeline.py); read-only
     POST /stats/reset                            start a new stats window; answers the one that ended [admin]
 
 [admin]: with a shared secret (``--shared-secret``) these need ``Authorization: Bearer <secret>``
@@ -135,6 +136,7 @@ class ProxyApp:
         try:
             for chunk in renderer.first_chunks():
                 yield sse(chunk)
+            flow.first_byte_written()  # resumed: the server has handed the first token to the client
             if flow.needs_decode:
                 async for delta in flow.decode():
                     yield sse(renderer.delta_chunk(delta))

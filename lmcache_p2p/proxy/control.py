@@ -1,4 +1,5 @@
-"""The proxy's control socket: a ZMQ PULL where instances push Announce, Goodbye, KvReady, KvFailed.
+"""The proxy's control socket: a ZMQ PULL where instances push Announce, Goodbye, KvReady, KvFailed,
+KvSent (a prefiller's times for the request timeline).
 
 Frames are checked and decoded by :class:`lmcache_p2p.protocol.Codec` (shared secret optional).
 A frame that fails authentication (wrong tag, replayed, stale), is oversized, or fails decoding
@@ -16,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from lmcache_p2p.errors import ClosedError, ProtocolError
-from lmcache_p2p.protocol import (MAX_MESSAGE_BYTES, Announce, Codec, Goodbye, KvFailed, KvReady, Rejection,
+from lmcache_p2p.protocol import (MAX_MESSAGE_BYTES, Announce, Codec, Goodbye, KvFailed, KvReady, KvSent, Rejection,
                                   RejectionLog, rejection_of)
 from lmcache_p2p.proxy.metrics import ProxyMetrics
 from lmcache_p2p.proxy.registry import Registry
@@ -113,6 +114,8 @@ class ControlListener:
                 self._registry.goodbye(msg)
             case KvReady() | KvFailed():
                 self._waiters.deliver(msg)
+            case KvSent():
+                self._metrics.report_prefiller(msg)
             case _:
                 raise ProtocolError(f"{type(msg).__name__} is not a message for the proxy's control port")
         self._metrics.control_messages.labels(type(msg).__name__).inc()

@@ -101,6 +101,7 @@ from lmcache_p2p.proxy.shaping import (
     retry_prefill_body,
     tokenize_body,
 )
+from lmcache_p2p.proxy.timeline import Timeline
 from lmcache_p2p.proxy.tokenizer import ProxyTokenizer, TokenizerProvider
 from lmcache_p2p.proxy.upstream import Upstream
 from lmcache_p2p.proxy.waiters import KvOutcome, KvStatus, KvWaiter, KvWaiters
@@ -204,6 +205,8 @@ class RequestFlow:
         self._reuse: RequestReuse | None = None  # what the prefill and the KV handover reused and moved
         self._kv: KvOutcome | None = None
         self._output_remembered = False
+        self.timeline = Timeline(received_s)  # recorded at close (metrics.record_timeline)
+        self._timeline_recorded = False
 
     # ---- phase 1: prefill ----------------------------------------------------------------------
 
@@ -292,8 +295,21 @@ class RequestFlow:
         self._observe_reuse()
         if self._decoder is not None:
             self._decoder.release()
+        self._record_timeline()
+
+    def first_byte_written(self) -> None:
+        """The first token's bytes reached a streaming client (its transport took them)."""
+        if self.timeline.first_byte_s is None:
+            self.timeline.first_byte_s = self._o.clock()
 
     # ---- internals -------------------------------------------------------------------------------
+
+    def _record_timeline(self) -> None:
+        """Once, for a request that prefilled on a prefiller (a colocated one has no phases to show)."""
+        if self._timeline_recorded or self.colocated is not None or self.timeline.prefill_sent_s is None:
+            return
+        self._timeline_recorded = True
+        self._o.metrics.record_timeline(self.timeline)
 
     def _first_or_raise(self) -> FirstToken:
         if self.first is None:
@@ -519,6 +535,7 @@ class RequestFlow:
         self._abandon_kv("superseded by a new prefill")
         req_id = uuid.uuid4().hex
         handover = self._handover = _Handover(self._o.waiters.register(req_id, decoder.tp_size), lease)
+        self.timeline.req_id, self.timeline.tp_size = req_id, decoder.tp_size
         body = build(kv_transfer_params(req_id, decoder))
         logger.debug("prefill %s on %s, KV to %s", req_id, prefiller.http_url, decoder.instance_id)
         try:
@@ -544,6 +561,7 @@ class RequestFlow:
     async def _post(self, inst: Instance, path: str, body: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
         """One POST to ``inst`` under a lease of its load; failed connections are counted against it."""
         o = self._o
+        self.timeline.prefill_sent_s = o.clock()
         try:
             with o.registry.lease(inst, prompt_tokens):
                 answer = await o.upstream.post_json(inst.http_url, path, body, timeout_s=o.settings.prefill_timeout_s,
@@ -551,6 +569,7 @@ class RequestFlow:
         except UpstreamUnreachable as exc:
             self._connect_failed(inst, exc)
             raise
+        self.timeline.prefill_answered_s = o.clock()
         o.registry.note_connected(inst)
         return answer
 
@@ -570,7 +589,7 @@ class RequestFlow:
         """The decoding instance sent its first output, so it has loaded the request's KV: its receive
         slots are free again (the buffer credit returns now, not at the next heartbeat)."""
         o = self._o
-        now_s = o.clock()
+        now_s = self.timeline.first_decoded_s = o.clock()
         if self.colocated is not None:
             o.metrics.observe_ttft(self.req.endpoint.value, now_s - self._received_s)
         else:
@@ -585,6 +604,8 @@ class RequestFlow:
         failed: set[str] = set()
         while True:
             decoder = self._lease().instance
+            if self.timeline.decode_sent_s is None:
+                self.timeline.decode_sent_s = o.clock()
             try:
                 events = await stack.enter_async_context(o.upstream.stream_events(
                     decoder.http_url, Endpoint.COMPLETIONS.value, body,
@@ -832,6 +853,7 @@ class RequestFlow:
         m.observe_kv_wait(outcome.wait_s)
         if outcome.status is KvStatus.READY:
             m.kv_bytes.inc(outcome.nbytes)
+            self.timeline.kv_ready_s = self._handover.waiter.ready_at_s
         self._kv = outcome
         return outcome
 

@@ -12,6 +12,11 @@ Definitions:
   kv_wait   prefill answer received -> every rank's KV ready (0 when it was ready first), or failure
   A colocated request (one instance serves it whole, ``colocated_total``) has a TTFT (received ->
   first output of that instance) and no handover.
+
+Per-request timeline (``timeline.py`` defines the phases: queue, prefill, first_byte, kv_wait,
+decode_start, decode_first at the proxy; store, submit, transfer reported by the prefiller):
+``lmcache_p2p_proxy_phase_seconds{phase}`` and, in ``/stats``, ``timeline_ms`` (count, mean, p50,
+p99 per phase) and ``recent`` (the last ``RECENT_TIMELINES`` requests, each phase in ms).
 """
 
 from __future__ import annotations
@@ -27,11 +32,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from lmcache_p2p.protocol import KvSent
 from lmcache_p2p.proxy.registry import Health, Instance, InstanceState
+from lmcache_p2p.proxy.timeline import Phase, Timeline, prefiller_phases
 
 _LATENCY_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
                       5.0, 10.0, 30.0)
 _PREFIX = "lmcache_p2p_proxy_"
+RECENT_TIMELINES = 256  # per-request timelines kept for /stats "recent"
+_PENDING_REPORTS = 4096  # prefiller reports (and recorded timelines) kept to be matched by req_id
 
 
 class ProxyMetrics:
@@ -74,11 +83,14 @@ class ProxyMetrics:
                                         buckets=_LATENCY_BUCKETS_S, registry=r)
         self.admission_waiting = Gauge(_PREFIX + "admission_waiting", "Requests waiting for decoder buffer credit",
                                        registry=r)
+        self.phase = Histogram(_PREFIX + "phase_seconds", "Per-request time by phase (see proxy/timeline.py)",
+                               ["phase"], buckets=_LATENCY_BUCKETS_S, registry=r)
         r.register(_InstanceCollector(instances))
         self.reuse = ReuseMetrics(r)
         self.ttft_window = SampleWindow()
         self.handover_window = SampleWindow()
         self._stats = _StatsWindows()
+        self._timelines = _TimelineBook()
 
     def observe_ttft(self, endpoint: str, seconds: float) -> None:
         self.ttft.labels(endpoint).observe(seconds)
@@ -93,6 +105,27 @@ class ProxyMetrics:
     def observe_kv_wait(self, seconds: float) -> None:
         self.kv_wait.observe(seconds)
         self._stats.kv_wait.add(seconds)
+
+    def record_timeline(self, timeline: Timeline) -> None:
+        """A finished request's proxy stamps; its prefiller phases follow once its sender reports them."""
+        entry = _Entry(timeline.req_id, timeline.tp_size, {})
+        self._observe_phases(entry, timeline.phases())
+        self._stats.recent.append(entry)
+        if timeline.req_id:
+            self._timelines.recorded(entry, self._observe_prefiller)
+
+    def report_prefiller(self, msg: KvSent) -> None:
+        """A sender's ``KvSent``: its phases join the request's timeline (now, or once it is recorded)."""
+        self._timelines.reported(msg, self._observe_prefiller)
+
+    def _observe_prefiller(self, entry: _Entry, reports: list[KvSent]) -> None:
+        self._observe_phases(entry, prefiller_phases(reports))
+
+    def _observe_phases(self, entry: _Entry, phases: dict[Phase, float]) -> None:
+        for phase, seconds in phases.items():
+            self.phase.labels(phase.value).observe(seconds)
+            self._stats.phases[phase].add(seconds)
+            entry.phases_s[phase] = seconds
 
     def stats(self) -> dict[str, Any]:
         """The body of ``GET /stats``: samples since start or the last ``reset_stats``."""
@@ -198,6 +231,57 @@ class SampleWindow:
         return Stats(len(samples), sum(samples) / len(samples), _percentile(samples, 50), _percentile(samples, 99))
 
 
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    """One request's phases as ``/stats`` lists them (filled in as they become known)."""
+
+    req_id: str
+    tp_size: int
+    phases_s: dict[Phase, float]
+
+    def to_ms(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"req_id": self.req_id}
+        for phase in Phase:
+            seconds = self.phases_s.get(phase)
+            out[phase.value] = None if seconds is None else round(seconds * 1e3, 3)
+        return out
+
+
+class _TimelineBook:
+    """Matches prefiller reports with recorded timelines by req_id, whichever comes first (bounded)."""
+
+    def __init__(self, max_entries: int = _PENDING_REPORTS) -> None:
+        self._max = max_entries
+        self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+        self._reports: collections.OrderedDict[str, list[KvSent]] = collections.OrderedDict()
+
+    def recorded(self, entry: _Entry, complete: Callable[[_Entry, list[KvSent]], None]) -> None:
+        _bounded_put(self._entries, entry.req_id, entry, self._max)
+        self._maybe_complete(entry.req_id, complete)
+
+    def reported(self, msg: KvSent, complete: Callable[[_Entry, list[KvSent]], None]) -> None:
+        reports = self._reports.get(msg.req_id)
+        if reports is None:
+            reports = []
+            _bounded_put(self._reports, msg.req_id, reports, self._max)
+        if all(r.tp_rank != msg.tp_rank for r in reports):
+            reports.append(msg)
+        self._maybe_complete(msg.req_id, complete)
+
+    def _maybe_complete(self, req_id: str, complete: Callable[[_Entry, list[KvSent]], None]) -> None:
+        entry, reports = self._entries.get(req_id), self._reports.get(req_id)
+        if entry is None or reports is None or len(reports) < entry.tp_size:
+            return
+        del self._entries[req_id], self._reports[req_id]
+        complete(entry, reports)
+
+
+def _bounded_put(table: collections.OrderedDict[str, Any], key: str, value: Any, max_entries: int) -> None:
+    table[key] = value
+    while len(table) > max_entries:
+        table.popitem(last=False)
+
+
 class _StatsWindows:
     """What ``GET /stats`` reports: every sample since this object was made."""
 
@@ -206,10 +290,14 @@ class _StatsWindows:
         self.ttft = SampleWindow()
         self.handover = SampleWindow()
         self.kv_wait = SampleWindow()
+        self.phases = {phase: SampleWindow() for phase in Phase}
+        self.recent: collections.deque[_Entry] = collections.deque(maxlen=RECENT_TIMELINES)
 
     def describe(self) -> dict[str, Any]:
         return {"window_s": round(time.monotonic() - self.started_s, 3), "ttft_ms": self.ttft.peek().to_ms(),
-                "handover_ms": self.handover.peek().to_ms(), "kv_wait_ms": self.kv_wait.peek().to_ms()}
+                "handover_ms": self.handover.peek().to_ms(), "kv_wait_ms": self.kv_wait.peek().to_ms(),
+                "timeline_ms": {phase.value: window.peek().to_ms() for phase, window in self.phases.items()},
+                "recent": [entry.to_ms() for entry in self.recent]}
 
 
 def _percentile(ordered: list[float], pct: float) -> float:

@@ -47,6 +47,7 @@ class KvWaiter:
         self._ready: dict[int, KvReady] = {}
         self._failed: KvFailed | None = None
         self._done = asyncio.Event()
+        self.ready_at_s: float | None = None  # when the last rank's KvReady arrived (the request's timeline)
 
     def on_ready(self, msg: KvReady) -> None:
         if not 0 <= msg.tp_rank < self.tp_size:
@@ -54,7 +55,8 @@ class KvWaiter:
                            self.req_id, msg.tp_rank, self.tp_size)
             return
         self._ready[msg.tp_rank] = msg
-        if len(self._ready) == self.tp_size:
+        if len(self._ready) == self.tp_size and not self._done.is_set():
+            self.ready_at_s = self._clock()
             self._done.set()
 
     def on_failed(self, msg: KvFailed) -> None:

@@ -65,6 +65,7 @@ class FakeTransport(Transport):
         self.disconnected: list[str] = []
         self.connect_gate: dict[str, threading.Event] = {}  # peer name -> released when set
         self.auto_complete = True
+        self.polls = 0
 
     def register(self, tensor: torch.Tensor) -> Any:
         raise NotImplementedError
@@ -88,6 +89,7 @@ class FakeTransport(Transport):
         return WriteHandle(peer=peer, nbytes=write.nbytes, token=write)
 
     def poll(self, handle: WriteHandle) -> bool:
+        self.polls += 1
         write: FakeWrite = handle.token
         if write.error:
             raise TransportError(write.error)
@@ -248,6 +250,24 @@ def test_aborted_write_keeps_its_chunks_until_the_transport_says_reads_ended(
     write.reads_ended = True
     wait_for(lambda: sorted(chunks.released) == sorted(_keys(batch)), "the chunks to be released once settled")
     assert service.stats().chunks_leaked == 0
+
+
+def test_a_pending_write_does_not_make_the_thread_spin(make_service, transport, receiver, chunks) -> None:
+    """The service thread shares the engine's core (and GIL): between polls of a pending write it
+    sleeps in the socket poll (>= 1 ms) instead of spinning, so the engine's forward pass and sampling
+    after the store are not starved while the KV is on its way."""
+    transport.auto_complete = False
+    service = make_service()
+    service.submit("req-1", receiver.target, chunks.make(1), last=True)
+    receiver.welcome()
+    receiver.grant()
+    wait_for(lambda: transport.writes, "the write")
+    before = transport.polls
+    time.sleep(0.5)
+    polls = transport.polls - before
+    assert 0 < polls <= 500, f"{polls} polls of one pending write in 0.5 s: the thread spins"
+    transport.writes[0].done = True
+    wait_for(lambda: service.stats().requests_done == 1, "the request to finish once its write is done")
 
 
 def test_failed_write_that_never_settles_is_leaked_not_released(make_service, transport, receiver, chunks) -> None:
@@ -465,3 +485,65 @@ def test_pairing_that_never_finishes_fails_its_requests_and_is_undone_later(
     gate.set()  # too late: the transport reports success, but nobody uses this pairing now
     wait_for(lambda: transport.connected == ["rx-a"], "the late connect to return")
     wait_for(lambda: transport.disconnected == ["rx-a"], "the unused pairing to be undone")
+
+
+# ---- the request's times for the proxy's timeline (KvSent) ---------------------------------------
+
+
+class FakeProxy:
+    """The proxy's control PULL socket: what the service reports."""
+
+    def __init__(self) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.url = f"tcp://127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self._codec = protocol.Codec()
+
+    def recv(self, kind: type, timeout_s: float = WAIT_S) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._sock.poll(left_ms):
+                raise AssertionError(f"the proxy got no {kind.__name__} within {timeout_s}s")
+            msg = self._codec.unpack(self._sock.recv_multipart())
+            if isinstance(msg, kind):
+                return msg
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()
+
+
+@pytest.fixture
+def proxy() -> Iterator[FakeProxy]:
+    p = FakeProxy()
+    yield p
+    p.close()
+
+
+def test_a_request_written_in_full_reports_its_times_to_the_proxy(make_service, receiver, chunks, proxy) -> None:
+    service = make_service(proxy_url=proxy.url, instance_id="prefiller-t", heartbeat_interval_s=0.05)
+    proxy.recv(protocol.Announce)  # connected: reports are no longer dropped
+    earlier_s = 0.5  # the first store call "began" this long before submit: a lower bound for every span
+    service.submit("req-1", receiver.target, chunks.make(2), last=False, called_s=time.perf_counter() - earlier_s)
+    receiver.welcome()
+    receiver.grant()
+    service.submit("req-1", receiver.target, chunks.make(1), last=True)
+    receiver.grant()
+    sent = proxy.recv(protocol.KvSent)
+    assert (sent.req_id, sent.instance_id, sent.tp_rank, sent.chunks, sent.nbytes) == ("req-1", "prefiller-t", 0, 3,
+                                                                                        3 * SHAPE.nbytes)
+    assert sent.submit_s >= earlier_s and sent.store_s >= earlier_s and sent.transfer_s >= sent.store_s
+
+
+def test_a_failed_request_reports_no_times(make_service, receiver, chunks, proxy) -> None:
+    service = make_service(proxy_url=proxy.url, heartbeat_interval_s=0.05)
+    proxy.recv(protocol.Announce)
+    service.submit("req-1", receiver.target, chunks.make(1), last=True)
+    receiver.welcome()
+    receiver.grant([NUM_SLOTS])  # outside the buffer: the request fails
+    failed = proxy.recv(protocol.KvFailed)
+    assert failed.req_id == "req-1"
+    with pytest.raises(AssertionError, match="no KvSent"):
+        proxy.recv(protocol.KvSent, timeout_s=0.3)

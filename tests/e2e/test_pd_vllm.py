@@ -156,6 +156,27 @@ def test_1p1d_outputs_equal_single_instance(cluster, reference, tiny_model_dir):
     # The prompts span 1 to 5 chunks of 256 tokens, one with a partial last chunk.
     lengths = sorted(r["usage"]["prompt_tokens"] for r in reference.values())
     assert lengths[0] < 256 < lengths[-1] and any(n % 256 for n in lengths)
+    assert_streamed_requests_fill_every_phase(cluster.url, streamed=len(PROMPTS) + 1)
+
+
+TIMELINE_PHASES = ("queue", "prefill", "first_byte", "kv_wait", "decode_start", "decode_first", "store", "submit",
+                   "transfer")
+KV_SENT_WAIT_S = 10.0  # the prefiller's KvSent follows its last write; the proxy matches it when it comes
+
+
+def assert_streamed_requests_fill_every_phase(url: str, streamed: int) -> None:
+    """The proxy's timeline (/stats): every streamed 1P1D request has every phase, the prefiller's included."""
+    deadline = time.monotonic() + KV_SENT_WAIT_S
+    while True:
+        stats = httpx.get(f"{url}/stats", timeout=10).json()
+        full = [r for r in stats["recent"] if all(r[p] is not None for p in TIMELINE_PHASES)]
+        if len(full) >= streamed or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(full) >= streamed, stats["recent"]
+    for phase in TIMELINE_PHASES:
+        assert stats["timeline_ms"][phase]["count"] >= streamed, (phase, stats["timeline_ms"])
+    assert all(r["submit"] <= r["transfer"] for r in full), full
 
 
 def test_upstream_error_is_a_clean_client_error(cluster, tiny_model_dir):

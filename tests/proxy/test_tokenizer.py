@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 import pytest
@@ -43,3 +44,16 @@ async def test_background_load_settles_before_any_request(tokenizer_dir):
     task = asyncio.get_running_loop().create_task(provider.load_in_background(list, retry_s=0.01))
     await asyncio.wait_for(task, 60)
     assert provider.settled and await provider.get([], wait_s=0) is not None
+
+
+async def test_the_heap_is_frozen_once_the_tokenizer_is_loaded(tokenizer_dir):
+    """transformers' objects are left out of full collections (each walked them all: ~185 ms stalls)."""
+    path, _ = tokenizer_dir
+    gc.unfreeze()
+    try:
+        provider = tok.TokenizerProvider(str(path), None, timeout_s=1.0)
+        assert gc.get_freeze_count() == 0
+        assert await provider.get([], wait_s=None) is not None
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -1,0 +1,92 @@
+"""Where one disaggregated request's time goes: stamps at the proxy, times reported by the prefiller.
+
+The proxy stamps (``clock()``, ``time.perf_counter`` by default) as the request passes:
+
+    received -> prefill sent -> prefill answered -> first byte written to the client
+                                prefill answered .. KV ready on every decoder rank (may come first)
+                                max(prefill answered, KV ready) -> decode sent -> first decoded byte
+
+and the prefiller's sender reports its own durations for the request (``protocol.KvSent``, one per
+TP rank, after its last chunk was written). The phases, in seconds:
+
+  queue         received -> prefill sent: parsing, tokenization, routing, admission
+  prefill       prefill sent -> prefill answer (the prefiller's HTTP round trip, forward pass included)
+  first_byte    prefill answer -> the first token's bytes written to a streaming client
+  kv_wait       prefill answer -> KV ready on every rank (0 when it was ready first)
+  decode_start  max(prefill answer, KV ready) -> decode request sent
+  decode_first  decode sent -> the decoder's first streamed byte
+  store         prefiller: the request's LMCache store as the plugin sees it (its first store call's
+                start -> its last store call's end; one store per prefill: equals ``submit``)
+  submit        prefiller: time spent in ``batched_submit_put_task`` for the request (engine thread)
+  transfer      prefiller: first chunk submitted -> last chunk written (acknowledged by the transport)
+
+A phase whose stamps are missing (no decode followed, the KV failed, a non-streaming client has no
+first byte) is left out of that request's figures. With several TP ranks the prefiller phases are
+the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from lmcache_p2p.protocol import KvSent
+
+
+class Phase(str, enum.Enum):
+    QUEUE = "queue"
+    PREFILL = "prefill"
+    FIRST_BYTE = "first_byte"
+    KV_WAIT = "kv_wait"
+    DECODE_START = "decode_start"
+    DECODE_FIRST = "decode_first"
+    STORE = "store"
+    SUBMIT = "submit"
+    TRANSFER = "transfer"
+
+
+PROXY_PHASES = (Phase.QUEUE, Phase.PREFILL, Phase.FIRST_BYTE, Phase.KV_WAIT, Phase.DECODE_START,
+                Phase.DECODE_FIRST)
+PREFILLER_PHASES = (Phase.STORE, Phase.SUBMIT, Phase.TRANSFER)
+
+
+@dataclasses.dataclass
+class Timeline:
+    """The proxy's stamps for one request (``None``: that moment did not happen)."""
+
+    received_s: float
+    req_id: str = ""  # the KV handover's id (the prefiller and decoder know the request by it)
+    tp_size: int = 1  # prefiller reports expected (one per rank)
+    prefill_sent_s: float | None = None
+    prefill_answered_s: float | None = None
+    first_byte_s: float | None = None
+    kv_ready_s: float | None = None
+    decode_sent_s: float | None = None
+    first_decoded_s: float | None = None
+
+    def phases(self) -> dict[Phase, float]:
+        """The proxy-side phases this request went through, in seconds."""
+        out: dict[Phase, float] = {}
+        _span(out, Phase.QUEUE, self.received_s, self.prefill_sent_s)
+        _span(out, Phase.PREFILL, self.prefill_sent_s, self.prefill_answered_s)
+        _span(out, Phase.FIRST_BYTE, self.prefill_answered_s, self.first_byte_s)
+        answered = self.prefill_answered_s
+        if answered is not None and self.kv_ready_s is not None:
+            out[Phase.KV_WAIT] = max(0.0, self.kv_ready_s - answered)
+            _span(out, Phase.DECODE_START, max(answered, self.kv_ready_s), self.decode_sent_s)
+        _span(out, Phase.DECODE_FIRST, self.decode_sent_s, self.first_decoded_s)
+        return out
+
+
+def _span(out: dict[Phase, float], phase: Phase, start_s: float | None, end_s: float | None) -> None:
+    if start_s is not None and end_s is not None:
+        out[phase] = max(0.0, end_s - start_s)
+
+
+def prefiller_phases(reports: list[KvSent]) -> dict[Phase, float]:
+    """The prefiller phases of one request from its ranks' reports: the slowest rank's, in seconds."""
+    return {
+        Phase.STORE: max(r.store_s for r in reports),
+        Phase.SUBMIT: max(r.submit_s for r in reports),
+        Phase.TRANSFER: max(r.transfer_s for r in reports),
+    }
