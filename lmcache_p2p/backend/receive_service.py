@@ -73,6 +73,7 @@ class Counters:
     chunks_held: int = 0  # Alloc chunks granted -1 because the buffer cache held them
     bytes_held: int = 0
     chunks_loaded_from_cache: int = 0  # retrieves served by a CACHED slot
+    bytes_received: int = 0  # bytes landed for requests (moved over the transport)
 
 
 @dataclasses.dataclass
@@ -606,6 +607,7 @@ class ReceiveService:
                     continue
                 key, shape = req.shapes[slot]
                 req.ready.add(slot)
+                self.counters.bytes_received += shape.nbytes
                 self._index.setdefault(key, deque()).append(Chunk(req.req_id, slot, shape))
             self._maybe_ready_locked(req)
 
@@ -625,8 +627,10 @@ class ReceiveService:
         self._announcer.send(protocol.KvReady(req.req_id, self.instance_id, self._tp_rank, len(req.keys), req.nbytes,
                                               chunks_held=len(req.held), bytes_held=req.held_bytes,
                                               bytes_received=req.nbytes))
-        logger.debug("request %s: KV ready (%d chunks, %d bytes moved; %d chunks, %d bytes held)", req.req_id,
-                     len(req.keys), req.nbytes, len(req.held), req.held_bytes)
+        # INFO only when the cache saved a transfer (once per request, never per chunk).
+        logger.log(logging.INFO if req.held else logging.DEBUG,
+                   "request %s: KV ready: %d chunks moved (%d bytes), %d chunks held in the buffer cache (%d bytes)",
+                   req.req_id, len(req.keys), req.nbytes, len(req.held), req.held_bytes)
         if not self._pool.slots_of(req.req_id):
             self._requests.pop(req.req_id, None)  # nothing of its own to load (all held): done here
 
