@@ -134,6 +134,8 @@ class ReceiveService:
         pool.cache = cfg.buffer_cache
         self._slot_meta: dict[int, tuple[str, protocol.ChunkShape]] = {}  # slot -> what its last grant holds
         self._lookup_pins: dict[str, int] = {}  # key -> lookup pins we placed (LMCache unpins each once)
+        # Reported requests with nothing of their own left, whose Grant pins a Cancel must still drop.
+        self._pinning: dict[str, tuple[list[int], float]] = {}  # req_id -> (held slots, until)
         self.counters = Counters()
         self._warned: set[tuple[str, str]] = set()  # (what, peer) already logged
         self._teardowns: list[threading.Thread] = []
@@ -633,6 +635,8 @@ class ReceiveService:
                    req.req_id, len(req.keys), req.nbytes, len(req.held), req.held_bytes)
         if not self._pool.slots_of(req.req_id):
             self._requests.pop(req.req_id, None)  # nothing of its own to load (all held): done here
+            if req.held:
+                self._pinning[req.req_id] = (list(req.held.values()), time.monotonic() + self._cfg.ready_lease_s)
 
     def _cancel(self, req_id: str, reason: str) -> None:
         """The sender gave up, or the proxy will not decode here: drop the request's KV.
@@ -648,6 +652,9 @@ class ReceiveService:
             req = self._requests.get(req_id)
             if req is not None:
                 self._fail_locked(req, f"cancelled: {reason}", expected=True)
+            pinning = self._pinning.pop(req_id, None)
+            if pinning is not None:  # KV ready, all of it held: no decode will read it here
+                self._pool.unpin_holder(req_id, pinning[0])
 
     def _fail_locked(self, req: _Request, reason: str, *, expected: bool = False) -> None:
         """Free every slot of ``req`` that the engine does not hold, and report the failure once.
@@ -679,6 +686,11 @@ class ReceiveService:
                     del self._index[key]
 
     def _expire(self) -> None:
+        if self._pinning:
+            now = time.monotonic()
+            with self._lock:
+                for req_id in [r for r, (_, until) in self._pinning.items() if until <= now]:
+                    del self._pinning[req_id]  # the pool dropped its pins at the same deadline
         quarantined = self._pool.quarantined_slots
         expired = self._pool.expire()
         self.counters.slots_quarantined += max(0, self._pool.quarantined_slots - quarantined)

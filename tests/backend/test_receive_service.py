@@ -612,3 +612,17 @@ def test_buffer_cache_off_frees_loaded_chunks_and_grants_every_chunk(make_rig) -
     load(rig, ["k1"])
     assert rig.pool.state(slot) is SlotState.FREE and rig.service.count_ready(["k1"]) == 0
     assert -1 not in rig.granted(a, "turn-2", ["k1"])
+
+
+def test_cancel_after_kv_ready_of_a_request_made_only_of_held_chunks_drops_its_pins(make_rig) -> None:
+    # The proxy cancels KV it will not use (the client left, or it decodes elsewhere) after KvReady.
+    rig = make_rig(num_slots=1)
+    a = rig.sender("sender-a", "tx-a")
+    (slot,) = rig.granted(a, "turn-1", ["k1"])
+    rig.transport.land("tx-a", "sender-a", "turn-1", [slot])
+    assert eventually(lambda: rig.service.count_ready(["k1"]) == 1)
+    load(rig, ["k1"])
+    assert rig.granted(a, "repeat", ["k1"]) == [-1]  # ready at once, nothing of its own
+    assert rig.pool.pins(slot) == ["repeat"] and rig.service.free_slots == 0
+    assert isinstance(a.cancel("repeat"), protocol.Ack)
+    assert rig.pool.pins(slot) == [] and rig.service.free_slots == 1
