@@ -99,6 +99,7 @@ class SlotPool:
         self._lru: OrderedDict[int, None] = OrderedDict()  # CACHED slots, least recently used first
         self._pins: list[list[tuple[Holder, float]]] = [[] for _ in range(num_slots)]  # CACHED: (holder, until)
         self._readers = [0] * num_slots  # CACHED: engine references handed out by ``read``
+        self._busy = 0  # CACHED slots pinned or read (not evictable)
 
     # ---- queries ----
     def now(self) -> float:
@@ -279,8 +280,10 @@ class SlotPool:
         with self._lock:
             s = self._cached.get(key)
             if s is not None:
+                busy = self._busy_locked(s)
                 self._pins[s].append((holder, self._clock() + lease_s))
                 self._lru.move_to_end(s)
+                self._busy += not busy
             return s
 
     def unpin(self, slot: int, holder: Holder | None = None, *, not_holder: Holder | None = None) -> bool:
@@ -292,6 +295,7 @@ class SlotPool:
             for i, (h, _) in enumerate(pins):
                 if (h == holder) if holder is not None else (h != not_holder):
                     del pins[i]
+                    self._busy -= not self._busy_locked(slot)
                     return True
             return False
 
@@ -300,10 +304,11 @@ class SlotPool:
         dropped = 0
         with self._lock:
             for s in set(slots):
-                if self._in_range(s):
+                if self._in_range(s) and self._pins[s]:
                     before = len(self._pins[s])
                     self._pins[s] = [p for p in self._pins[s] if p[0] != holder]
                     dropped += before - len(self._pins[s])
+                    self._busy -= not self._busy_locked(s)
         return dropped
 
     def read(self, key: Key) -> int | None:
@@ -311,6 +316,7 @@ class SlotPool:
         with self._lock:
             s = self._cached.get(key)
             if s is not None:
+                self._busy += not self._busy_locked(s)
                 self._readers[s] += 1
                 self._lru.move_to_end(s)
             return s
@@ -320,6 +326,7 @@ class SlotPool:
         with self._lock:
             if self._in_range(slot) and self._state[slot] == SlotState.CACHED and self._readers[slot] > 0:
                 self._readers[slot] -= 1
+                self._busy -= not self._busy_locked(slot)
 
     def expire(self) -> dict[Owner, list[int]]:
         """Give up RESERVED and READY slots whose lease passed (returned by owner); free
@@ -330,6 +337,7 @@ class SlotPool:
             for s in self._cached.values():
                 if self._pins[s]:
                     self._pins[s] = [p for p in self._pins[s] if p[1] > now]
+                    self._busy -= not self._busy_locked(s)
             for s in range(self.num_slots):
                 state = self._state[s]
                 if state in (SlotState.RESERVED, SlotState.READY) and self._deadline[s] <= now:
@@ -346,10 +354,13 @@ class SlotPool:
         return isinstance(s, int) and 0 <= s < self.num_slots
 
     def _available_locked(self) -> int:
-        return len(self._free) + sum(1 for s in self._lru if self._evictable_locked(s))
+        return len(self._free) + len(self._cached) - self._busy
+
+    def _busy_locked(self, s: int) -> bool:
+        return bool(self._pins[s]) or self._readers[s] > 0
 
     def _evictable_locked(self, s: int) -> bool:
-        return not self._pins[s] and not self._readers[s]
+        return not self._busy_locked(s)
 
     def _evict_locked(self, count: int) -> list[int]:
         """Take ``count`` least recently used evictable CACHED slots out of the cache."""
@@ -434,4 +445,6 @@ class SlotPool:
             quarantined = sum(1 for st in self._state if st == SlotState.QUARANTINED)
             assert quarantined == self._quarantined, "quarantined count out of sync"
             assert len(self._cached) == len(self._lru), "cache index and LRU order out of sync"
+            busy = sum(1 for s in self._lru if self._busy_locked(s))
+            assert busy == self._busy, f"busy cached count {self._busy} but {busy} pinned or read"
             assert self.cache or not self._cached, "cached slots while the cache is off"
