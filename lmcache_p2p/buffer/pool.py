@@ -2,13 +2,15 @@
 
     FREE --reserve--> RESERVED --mark_ready--> READY --acquire--> LOADING --release--> FREE | CACHED
                           |                      |
-                          |                      +--release / cancel / expire--> FREE | CACHED
+                          |                      +--release / cancel / expire--> FREE
                           +--release / cancel / expire--> QUARANTINED --confirm / write window passed--> FREE
     CACHED --reserve (evicted: least recently used, unpinned, unread)--> RESERVED
 
-With ``cache=True`` a slot whose bytes landed (READY or LOADING) and whose chunk key is known
-(``reserve(..., keys=...)``) is kept as CACHED when its request lets it go, instead of FREE: it
+With ``cache=True`` a slot the engine loaded (LOADING) whose chunk key is known
+(``reserve(..., keys=...)``) is kept as CACHED when the engine lets it go, instead of FREE: it
 holds that key's KV for any later request, until a reservation that finds no FREE slot evicts it.
+A READY slot given up (its request cancelled, failed or expired before any load) is freed: the
+cache holds only what the decoder actually used.
 A CACHED slot has no owner and no writer (nothing writes it: its write completed). Requests that
 rely on it ``pin`` it (a Grant that told a sender not to send the chunk; LMCache's lookup), the
 engine ``read``s it (zero-copy view); a pinned or read slot is never evicted. Pins carry a
@@ -388,8 +390,9 @@ class SlotPool:
                 self._quarantined += 1
                 self._key[s] = None
                 return
-        elif self.cache and self._key[s] is not None and self._key[s] not in self._cached:
-            self._to_cached_locked(s)  # READY / LOADING: its bytes landed and nothing writes it
+        elif (state == SlotState.LOADING and self.cache and self._key[s] is not None
+              and self._key[s] not in self._cached):
+            self._to_cached_locked(s)  # loaded: its bytes landed, nothing writes it, the engine used it
             return
         self._to_free_locked(s)
 

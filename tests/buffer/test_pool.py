@@ -255,12 +255,12 @@ def test_cache_off_frees_as_before():
     assert pool.state(s) is SlotState.FREE and pool.cached_slot("k0") is None
 
 
-def test_ready_slot_given_up_is_cached_reserved_one_is_quarantined_not_cached():
+def test_only_loaded_slots_are_cached_a_cancelled_requests_are_not():
     pool = SlotPool(3, cache=True, write_window_s=100)
     a = pool.reserve("a", 2, lease_s=10, writer="peer-a", keys=["k0", "k1"])
     pool.mark_ready("a", [a[0]], lease_s=10)
-    pool.release_owner("a")  # cancel: k0 landed, k1 may still be written
-    assert pool.state(a[0]) is SlotState.CACHED and pool.cached_slot("k0") == a[0]
+    pool.release_owner("a")  # cancel: k0 landed but was never loaded, k1 may still be written
+    assert pool.state(a[0]) is SlotState.FREE and pool.cached_slot("k0") is None
     assert pool.state(a[1]) is SlotState.QUARANTINED and pool.cached_slot("k1") is None
     pool.check_invariants()
 
