@@ -103,13 +103,28 @@ def decoder_cache_hits(cluster: Cluster) -> list[tuple[int, int, int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir, tmp_path_factory):
+def plain(tiny_model_dir, tmp_path_factory) -> tuple[dict, list[dict]]:
     """Greedy outputs of a plain vLLM instance: no LMCache, no KV transfer, otherwise the deployment's
     vLLM flags and environment. Started and stopped before the deployment (memory on 2 cores)."""
-    return plain_reference(tiny_model_dir, tmp_path_factory.mktemp("reference"))
+    return plain_outputs(tiny_model_dir, tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="module")
+def reference(plain) -> dict:
+    return plain[0]
+
+
+@pytest.fixture(scope="module")
+def conversation_reference(plain) -> list[dict]:
+    return plain[1]
 
 
 def plain_reference(model_dir, log_dir) -> dict:
+    return plain_outputs(model_dir, log_dir)[0]
+
+
+def plain_outputs(model_dir, log_dir) -> tuple[dict, list[dict]]:
+    """The plain instance's answers: one per PROMPTS entry and the chat, and both CONVERSATION turns."""
     child = plain_vllm_child(model_dir, log_dir, port=free_port(), cpu_core=0)
     try:
         child.start()
@@ -117,8 +132,7 @@ def plain_reference(model_dir, log_dir) -> dict:
         url, model = child.health_url.removesuffix("/health"), str(model_dir)
         ref = {name: complete(url, model, p) for name, p in PROMPTS.items()}
         ref["chat"] = chat(url, model)
-        ref["conversation"] = converse(url, model)
-        return ref
+        return ref, converse(url, model)
     finally:
         child.stop()
 
@@ -183,18 +197,18 @@ def test_1p1d_outputs_equal_single_instance(cluster, reference, tiny_model_dir):
     assert lengths[0] < 256 < lengths[-1] and any(n % 256 for n in lengths)
 
 
-def test_second_turn_of_a_conversation_moves_only_the_new_chunks(cluster, reference, tiny_model_dir):
+def test_second_turn_of_a_conversation_moves_only_the_new_chunks(cluster, conversation_reference, tiny_model_dir):
     """Prefix caching on, as deployed: turn 2 equals the single instance's turn 2, and the decoder
     reuses turn 1's chunks from its buffer cache, so turn 2 moves less KV than its whole prompt."""
     model = str(tiny_model_dir)
     cluster.wait_registered(1, 1)
     before = kv_bytes_moved(cluster)
     first = complete(cluster.url, model, CONVERSATION[0])
-    assert first["text"] == reference["conversation"][0]["text"]
+    assert first["text"] == conversation_reference[0]["text"]
     after_first = kv_bytes_moved(cluster)
     held_before = len(decoder_cache_hits(cluster))
     second = complete(cluster.url, model, CONVERSATION[0] + first["text"] + CONVERSATION[1])
-    assert second["text"] == reference["conversation"][1]["text"]
+    assert second["text"] == conversation_reference[1]["text"]
     after_second = kv_bytes_moved(cluster)
     prompt_1, prompt_2 = first["usage"]["prompt_tokens"], second["usage"]["prompt_tokens"]
     bytes_per_token = (after_first - before) / prompt_1  # turn 1 shares nothing with earlier prompts
