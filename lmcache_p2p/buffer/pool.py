@@ -432,7 +432,8 @@ class SlotPool:
                 assert cached == (s in self._lru), f"{state.name} slot {s}: LRU membership wrong"
                 assert cached or (not self._pins[s] and not self._readers[s]), f"{state.name} slot {s} pinned or read"
                 if cached:
-                    assert self._key[s] is not None and self._cached.get(self._key[s]) == s, f"cached slot {s} unindexed"
+                    key = self._key[s]
+                    assert key is not None and self._cached.get(key) == s, f"cached slot {s} unindexed"
                 if state in (SlotState.FREE, SlotState.QUARANTINED):
                     assert self._key[s] is None, f"{state.name} slot {s} has a key"
                 if state in (SlotState.FREE, SlotState.QUARANTINED, SlotState.CACHED):
