@@ -127,6 +127,9 @@ class P2PConfig:
     # Receiver: the preallocated buffer and where it listens.
     buffer_size_bytes: int = 1 << 30
     buffer_device: str = "cpu"
+    # Receiver: keep chunks the engine loaded as an LRU cache in the receive buffer, so a later
+    # request sharing a prefix is told not to send them again (evicted when a reservation needs room).
+    buffer_cache: bool = True
     host: str = "127.0.0.1"  # bind address of the receiver's control port and NCCL store
     advertise_host: str | None = None  # what peers dial; default: host (see advertised_host())
     control_ports: tuple[int, ...] | int = 7300
@@ -273,7 +276,7 @@ def _convert(key: str, name: str, value: Any) -> Any:
         return _ports(key, value)
     if name.endswith("_s"):
         return _positive_float(key, value)
-    if name == "insecure":
+    if name in ("insecure", "buffer_cache"):
         if not isinstance(value, bool):
             raise ConfigError(key, f"must be true or false, got {value!r}")
         return value

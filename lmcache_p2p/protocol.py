@@ -27,6 +27,8 @@ Version history:
      fingerprint differs and the proxy never pairs such instances.
      Additive, same version: KvSent (sender -> proxy). A proxy that predates it drops it as
      malformed (counted); nothing else depends on it.
+  (2, additive) KvReady carries chunks_held / bytes_held / bytes_received (defaults 0: an older
+     peer's KvReady decodes unchanged); a Grant's -1 also means "kept in the receiver's cache".
 Framing under a shared secret (not versioned: both sides share the secret and the release):
   ``auth`` was the bare HMAC of the payload; it now carries identity, nonce and timestamp inside
   the tag. A peer of the older framing is refused as ``auth`` (malformed envelope).
@@ -155,7 +157,8 @@ class Alloc(msgspec.Struct, tag="alloc", frozen=True):
 class Grant(msgspec.Struct, tag="grant", frozen=True):
     seq: int
     req_id: str
-    slots: list[int]  # one per key of the Alloc, same order; -1: already held, do not write
+    slots: list[int]  # one per key of the Alloc, same order; -1: already held (sent earlier in this
+    # request, or kept in the receiver's buffer cache from an earlier one): do not write
     free_slots: int
 
 
@@ -221,10 +224,11 @@ class KvReady(msgspec.Struct, tag="kv_ready", frozen=True):
     req_id: str
     instance_id: str
     tp_rank: int
-    chunks: int
-    nbytes: int
-    chunks_held: int = 0  # chunks of this request the decoder already held (not sent again); 0 from old peers
-    bytes_received: int = 0  # KV bytes that actually moved for it; 0 from old peers (then: unknown)
+    chunks: int  # chunks written for this request (moved)
+    nbytes: int  # their bytes
+    chunks_held: int = 0  # chunks the decoder already held (its buffer cache): not moved again
+    bytes_held: int = 0
+    bytes_received: int = 0  # bytes moved for this request (= nbytes; named for the proxy's metric)
 
 
 class KvFailed(msgspec.Struct, tag="kv_failed", frozen=True):

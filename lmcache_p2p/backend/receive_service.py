@@ -9,6 +9,14 @@ chunks get -1), a ``Written`` notification turns slots READY, and once the last 
 announced and every granted slot is READY the request's KV is ready (KvReady to the proxy).
 A refused, cancelled, expired or abandoned request frees its slots and reports KvFailed.
 
+The buffer cache (``p2p.buffer_cache``, on by default): a chunk the engine loaded stays in its
+slot as CACHED (see ``buffer/pool.py``). An Alloc key that is CACHED is granted -1 (the sender
+skips it) and pinned for the request until the decoder's LMCache lookup (which turns it into a
+lookup pin, dropped by LMCache's ``unpin`` after its retrieve), the request's failure, or
+``p2p.ready_lease_s``. Lookups and retrieves serve a key from a request's own READY chunk first,
+else from the cache (a read reference: never evicted while the engine holds it). KvReady reports
+what was moved (``chunks``/``nbytes``) and what was reused (``chunks_held``/``bytes_held``).
+
 Integrity (a wrong answer is worse than a slow one):
   * a sender whose KV :class:`~lmcache_p2p.protocol.Fingerprint` differs from ours is refused at
     Hello (nothing is reserved for it); so a chunk key (the chunk hash) names the same KV on both
@@ -62,6 +70,10 @@ class Counters:
     slots_quarantined: int = 0  # RESERVED slots given up while a write could still land
     slots_confirmed: int = 0  # quarantined slots freed by their writer's Written
     senders_torn_down: int = 0
+    chunks_held: int = 0  # Alloc chunks granted -1 because the buffer cache held them
+    bytes_held: int = 0
+    chunks_loaded_from_cache: int = 0  # retrieves served by a CACHED slot
+    bytes_received: int = 0  # bytes landed for requests (moved over the transport)
 
 
 @dataclasses.dataclass
@@ -77,9 +89,13 @@ class _Sender:
 class Chunk:
     """A READY chunk: where it is and what LMCache needs to rebuild its MemoryObj."""
 
-    req_id: str
+    req_id: str  # "" for a chunk read from the cache
     slot: int
     shape: protocol.ChunkShape
+    cached: bool = False  # read from the cache (a read reference), not a request's own slot
+
+
+_LOOKUP = "lookup"  # the pin holder of LMCache's lookups (pin ... unpin around a retrieve)
 
 
 @dataclasses.dataclass
@@ -90,9 +106,11 @@ class _Request:
     keys: dict[str, int] = dataclasses.field(default_factory=dict)  # key -> slot
     shapes: dict[int, tuple[str, protocol.ChunkShape]] = dataclasses.field(default_factory=dict)  # slot -> key
     ready: set[int] = dataclasses.field(default_factory=set)
+    held: dict[str, int] = dataclasses.field(default_factory=dict)  # key -> CACHED slot pinned for it
     last: bool = False
     reported: bool = False
     nbytes: int = 0
+    held_bytes: int = 0
 
 
 class ReceiveService:
@@ -111,8 +129,13 @@ class ReceiveService:
         self._chunk_tokens = chunk_tokens
         self._dtype = dtype
         self._fingerprint = fingerprint  # None: accept any sender (tests that move raw bytes)
-        # Quarantine policy is ours: a pool built without it (tests) gets our write window before any grant.
+        # Quarantine and cache policy are ours: a pool built without them (tests) gets them before any grant.
         pool.write_window_s = max(pool.write_window_s, cfg.write_window_s)
+        pool.cache = cfg.buffer_cache
+        self._slot_meta: dict[int, tuple[str, protocol.ChunkShape]] = {}  # slot -> what its last grant holds
+        self._lookup_pins: dict[str, int] = {}  # key -> lookup pins we placed (LMCache unpins each once)
+        # Reported requests with nothing of their own left, whose Grant pins a Cancel must still drop.
+        self._pinning: dict[str, tuple[list[int], float]] = {}  # req_id -> (held slots, until)
         self.counters = Counters()
         self._warned: set[tuple[str, str]] = set()  # (what, peer) already logged
         self._teardowns: list[threading.Thread] = []
@@ -147,18 +170,45 @@ class ReceiveService:
 
     # ---- engine-facing (any thread) ----------------------------------------------------------
 
-    def count_ready(self, keys: list[str], refresh_lease: bool = False) -> int:
-        """How many of ``keys``, as a prefix, have a READY chunk."""
+    def count_ready(self, keys: list[str], refresh_lease: bool = False, pin: bool = False) -> int:
+        """How many of ``keys``, as a prefix, have a READY chunk (a request's own, or cached).
+
+        ``pin`` (LMCache's lookup): each cached hit gets a lookup pin until :meth:`unpin`, and one
+        pin a Grant placed on it (the request this lookup serves) is dropped.
+        """
         with self._lock:
             hits = 0
             for key in keys:
-                if not self._index.get(key):
+                if self._index.get(key):
+                    hits += 1
+                    continue
+                slot = self._pool.cached_slot(key)
+                if slot is None:
                     break
                 hits += 1
+                if pin:
+                    self._pool.pin(key, _LOOKUP, self._cfg.ready_lease_s)
+                    self._pool.unpin(slot, not_holder=_LOOKUP)
+                    self._lookup_pins[key] = self._lookup_pins.get(key, 0) + 1
         return hits
 
+    def unpin(self, key: str) -> None:
+        """LMCache released its lookup pin of ``key`` (after its retrieve)."""
+        with self._lock:
+            count = self._lookup_pins.get(key, 0)
+            if not count:
+                return
+            if count == 1:
+                del self._lookup_pins[key]
+            else:
+                self._lookup_pins[key] = count - 1
+            slot = self._pool.cached_slot(key)
+            if slot is not None:
+                self._pool.unpin(slot, _LOOKUP)
+
     def take(self, key: str) -> Chunk | None:
-        """Hand one READY chunk of ``key`` to the engine (READY -> LOADING); None if there is none."""
+        """Hand one READY chunk of ``key`` to the engine: a request's own (READY -> LOADING) first,
+        else the cached one (a read reference); None if there is none."""
         with self._lock:
             queue = self._index.get(key)
             while queue:
@@ -167,10 +217,17 @@ class ReceiveService:
                     del self._index[key]
                 if self._pool.acquire(chunk.slot, chunk.req_id):
                     return chunk
-        return None
+            slot = self._pool.read(key)
+            if slot is None:
+                return None
+            self.counters.chunks_loaded_from_cache += 1
+            return Chunk("", slot, self._slot_meta[slot][1], cached=True)
 
     def release(self, chunk: Chunk) -> None:
-        """The engine dropped its reference: the slot is FREE again."""
+        """The engine dropped its reference: the slot is cached (or FREE) again."""
+        if chunk.cached:
+            self._pool.unread(chunk.slot)
+            return
         self._pool.release([chunk.slot])
         with self._lock:
             req = self._requests.get(chunk.req_id)
@@ -182,7 +239,12 @@ class ReceiveService:
 
     @property
     def free_slots(self) -> int:
+        """Slots a reservation can get now (FREE plus evictable cached ones): the announced credit."""
         return self._pool.free_slots
+
+    @property
+    def cached_slots(self) -> int:
+        return self._pool.cached_slots
 
     def rejected_frames(self) -> dict[str, int]:
         """Control frames refused so far, by reason (auth, replay, stale, oversized, malformed)."""
@@ -355,9 +417,11 @@ class ReceiveService:
                 return protocol.ErrorReply(msg.seq, f"request {msg.req_id} belongs to another sender")
             elif req.reported:
                 return self._refuse(msg, protocol.RefusalCode.FINISHED, "request already completed or failed")
-            new = [i for i, key in enumerate(msg.keys) if key not in req.keys]
+            held = self._pin_held_locked(req, msg)  # before reserving: never evicted for this very batch
+            new = [i for i, key in enumerate(msg.keys) if key not in req.keys and key not in req.held and i not in held]
             total = len(req.keys) + len(new)
             if total > self._pool.num_slots:
+                self._unpin_locked(req.req_id, held.values())
                 reason = (f"decoder buffer holds {self._pool.num_slots} chunks, request needs at least {total}: "
                           "raise p2p.buffer_size on the decoder")
                 refusal = self._refuse(msg, protocol.RefusalCode.TOO_LARGE, reason, needed=total)
@@ -365,21 +429,52 @@ class ReceiveService:
                 return refusal
             try:
                 slots = self._pool.reserve(msg.req_id, len(new), self._cfg.reserve_lease_s,
-                                           writer=(req.writer, msg.req_id))
+                                           writer=(req.writer, msg.req_id), keys=[msg.keys[i] for i in new])
             except BufferFull as exc:
-                if not req.keys:
+                self._unpin_locked(req.req_id, held.values())
+                if not req.keys and not req.held:
                     del self._requests[msg.req_id]
                 return self._refuse(msg, protocol.RefusalCode.FULL, str(exc), needed=exc.needed_slots)
             self._last_activity = time.monotonic()
+            for i, slot in held.items():
+                req.held[msg.keys[i]] = slot
+                req.held_bytes += msg.shapes[i].nbytes
+            self.counters.chunks_held += len(held)
+            self.counters.bytes_held += sum(msg.shapes[i].nbytes for i in held)
             granted = [-1] * len(msg.keys)
             for i, slot in zip(new, slots):
                 req.keys[msg.keys[i]] = slot
                 req.shapes[slot] = (msg.keys[i], msg.shapes[i])
+                self._slot_meta[slot] = (msg.keys[i], msg.shapes[i])
                 req.nbytes += msg.shapes[i].nbytes
                 granted[i] = slot
             req.last = req.last or msg.last
             self._maybe_ready_locked(req)
         return protocol.Grant(seq=msg.seq, req_id=msg.req_id, slots=granted, free_slots=self._pool.free_slots)
+
+    def _pin_held_locked(self, req: _Request, msg: protocol.Alloc) -> dict[int, int]:
+        """Pin the cached chunks of this Alloc for ``req`` ({index in the Alloc: slot}); a cached
+        chunk of another shape (it cannot be the same KV) is not held."""
+        held: dict[int, int] = {}
+        if not self._pool.cache:
+            return held
+        seen = set(req.keys) | set(req.held)
+        for i, key in enumerate(msg.keys):
+            if key in seen:
+                continue
+            slot = self._pool.pin(key, req.req_id, self._cfg.ready_lease_s)
+            if slot is None:
+                continue
+            if self._slot_meta.get(slot, ("", None))[1] != msg.shapes[i]:
+                self._pool.unpin(slot, req.req_id)
+                continue
+            held[i] = slot
+            seen.add(key)
+        return held
+
+    def _unpin_locked(self, req_id: str, slots) -> None:
+        for slot in slots:
+            self._pool.unpin(slot, req_id)
 
     def _refuse(self, msg: protocol.Alloc, code: protocol.RefusalCode, reason: str, needed: int = 0) -> protocol.Refused:
         return protocol.Refused(seq=msg.seq, req_id=msg.req_id, code=code, reason=reason, needed_slots=needed,
@@ -514,6 +609,7 @@ class ReceiveService:
                     continue
                 key, shape = req.shapes[slot]
                 req.ready.add(slot)
+                self.counters.bytes_received += shape.nbytes
                 self._index.setdefault(key, deque()).append(Chunk(req.req_id, slot, shape))
             self._maybe_ready_locked(req)
 
@@ -530,8 +626,17 @@ class ReceiveService:
         if req.reported or not req.last or len(req.ready) != len(req.keys):
             return
         req.reported = True
-        self._announcer.send(protocol.KvReady(req.req_id, self.instance_id, self._tp_rank, len(req.keys), req.nbytes))
-        logger.debug("request %s: KV ready (%d chunks, %d bytes)", req.req_id, len(req.keys), req.nbytes)
+        self._announcer.send(protocol.KvReady(req.req_id, self.instance_id, self._tp_rank, len(req.keys), req.nbytes,
+                                              chunks_held=len(req.held), bytes_held=req.held_bytes,
+                                              bytes_received=req.nbytes))
+        # INFO only when the cache saved a transfer (once per request, never per chunk).
+        logger.log(logging.INFO if req.held else logging.DEBUG,
+                   "request %s: KV ready: %d chunks moved (%d bytes), %d chunks held in the buffer cache (%d bytes)",
+                   req.req_id, len(req.keys), req.nbytes, len(req.held), req.held_bytes)
+        if not self._pool.slots_of(req.req_id):
+            self._requests.pop(req.req_id, None)  # nothing of its own to load (all held): done here
+            if req.held:
+                self._pinning[req.req_id] = (list(req.held.values()), time.monotonic() + self._cfg.ready_lease_s)
 
     def _cancel(self, req_id: str, reason: str) -> None:
         """The sender gave up, or the proxy will not decode here: drop the request's KV.
@@ -547,6 +652,9 @@ class ReceiveService:
             req = self._requests.get(req_id)
             if req is not None:
                 self._fail_locked(req, f"cancelled: {reason}", expected=True)
+            pinning = self._pinning.pop(req_id, None)
+            if pinning is not None:  # KV ready, all of it held: no decode will read it here
+                self._pool.unpin_holder(req_id, pinning[0])
 
     def _fail_locked(self, req: _Request, reason: str, *, expected: bool = False) -> None:
         """Free every slot of ``req`` that the engine does not hold, and report the failure once.
@@ -555,6 +663,7 @@ class ReceiveService:
         """
         quarantined = self._pool.quarantined_slots
         self._pool.release_owner(req.req_id)
+        self._pool.unpin_holder(req.req_id, req.held.values())
         self.counters.slots_quarantined += max(0, self._pool.quarantined_slots - quarantined)
         self._unindex_locked(req, set(req.shapes))
         if not req.reported:
@@ -577,6 +686,11 @@ class ReceiveService:
                     del self._index[key]
 
     def _expire(self) -> None:
+        if self._pinning:
+            now = time.monotonic()
+            with self._lock:
+                for req_id in [r for r, (_, until) in self._pinning.items() if until <= now]:
+                    del self._pinning[req_id]  # the pool dropped its pins at the same deadline
         quarantined = self._pool.quarantined_slots
         expired = self._pool.expire()
         self.counters.slots_quarantined += max(0, self._pool.quarantined_slots - quarantined)

@@ -97,7 +97,7 @@ class ReceiverBackend(P2PPlugin):
             region = self._transport.register(self._buffer)
             self._service = ReceiveService(
                 self.cfg, tp_rank=tp_rank, tp_size=tp_size, transport=self._transport,
-                pool=SlotPool(num_slots, write_window_s=self.cfg.write_window_s),
+                pool=SlotPool(num_slots, write_window_s=self.cfg.write_window_s, cache=self.cfg.buffer_cache),
                 slot_bytes=slot_bytes, region_addr=region.addr, chunk_tokens=chunk_tokens, dtype=dtype_name(dtype),
                 fingerprint=fingerprint_of(metadata),
             )
@@ -118,7 +118,7 @@ class ReceiverBackend(P2PPlugin):
         return self.batched_contains([key], pin) == 1
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
-        return self._svc().count_ready([chunk_key(k) for k in keys])
+        return self._svc().count_ready([chunk_key(k) for k in keys], pin=pin)
 
     # ---- retrieval (zero-copy out of the slot pool) ----
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
@@ -146,9 +146,11 @@ class ReceiverBackend(P2PPlugin):
         return None
 
     def pin(self, key: CacheEngineKey) -> bool:
-        return self.contains(key)
+        return self.batched_contains([key], pin=True) == 1
 
     def unpin(self, key: CacheEngineKey) -> bool:
+        """LMCache's lookup_unpin, once per key its lookup pinned: a cached chunk may be evicted again."""
+        self._svc().unpin(chunk_key(key))
         return True
 
     @property

@@ -164,6 +164,7 @@ class SendStats:
     bytes_sent: int
     rejected_frames: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason, see protocol.Rejection
     chunks_leaked: int = 0  # never handed back: their transfer never confirmed it stopped reading
+    chunks_skipped: int = 0  # not sent: the receiver already held them (its buffer cache, or sent before)
 
 
 class SendService:
@@ -191,7 +192,7 @@ class SendService:
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, str] = {}
         self._unsettled: list[_Unsettled] = []
-        self._done = self._failed = self._bytes = self._leaked = 0
+        self._done = self._failed = self._bytes = self._leaked = self._skipped = 0
         self._stop = threading.Event()
         self._closed = False
         self._dead = ""  # why the service thread stopped, once it has
@@ -228,7 +229,7 @@ class SendService:
         return ""
 
     def stats(self) -> SendStats:
-        return SendStats(self._done, self._failed, self._bytes, self._codec.rejected, self._leaked)
+        return SendStats(self._done, self._failed, self._bytes, self._codec.rejected, self._leaked, self._skipped)
 
     def pending_requests(self) -> int:
         return len(self._requests) + len(self._inbox)
@@ -533,7 +534,8 @@ class SendService:
         to_write = [(c, s) for c, s in zip(batch.chunks, msg.slots) if s >= 0]
         for c, s in zip(batch.chunks, msg.slots):
             if s < 0:
-                c.done()  # the receiver already holds this chunk (re-sent by a later store)
+                c.done()  # the receiver already holds this chunk (its cache, or re-sent by a later store)
+                self._skipped += 1
         req.last_granted = req.last_granted or batch.last
         req.granted_any = req.granted_any or any(s >= 0 for s in msg.slots)
         if to_write:

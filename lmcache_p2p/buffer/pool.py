@@ -1,9 +1,21 @@
 """The slot state machine of the receive buffer (indexes only; the bytes live in ``memory.py``).
 
-    FREE --reserve--> RESERVED --mark_ready--> READY --acquire--> LOADING --release--> FREE
+    FREE --reserve--> RESERVED --mark_ready--> READY --acquire--> LOADING --release--> FREE | CACHED
                           |                      |
                           |                      +--release / cancel / expire--> FREE
                           +--release / cancel / expire--> QUARANTINED --confirm / write window passed--> FREE
+    CACHED --reserve (evicted: least recently used, unpinned, unread)--> RESERVED
+
+With ``cache=True`` a slot the engine loaded (LOADING) whose chunk key is known
+(``reserve(..., keys=...)``) is kept as CACHED when the engine lets it go, instead of FREE: it
+holds that key's KV for any later request, until a reservation that finds no FREE slot evicts it.
+A READY slot given up (its request cancelled, failed or expired before any load) is freed: the
+cache holds only what the decoder actually used.
+A CACHED slot has no owner and no writer (nothing writes it: its write completed). Requests that
+rely on it ``pin`` it (a Grant that told a sender not to send the chunk; LMCache's lookup), the
+engine ``read``s it (zero-copy view); a pinned or read slot is never evicted. Pins carry a
+deadline: ``expire`` drops the ones past it, so a request that never comes back for its chunk
+cannot hold a slot forever. A key maps to at most one CACHED slot: a second copy is freed.
 
 A RESERVED slot was granted to a sender whose bytes have not landed: a write into it may still be
 on the wire. Given up (cancel, sender gone, lease expiry), it is QUARANTINED, not FREE: it returns
@@ -22,7 +34,11 @@ Invariants (checked by ``check_invariants`` and the property tests):
   * RESERVED and READY slots carry a lease deadline; ``expire`` gives up the ones past it, so after
     any request ends, in any way, each of its slots is FREE within its lease plus the write window;
   * LOADING slots (the engine holds a reference) never expire: they are freed by ``release``;
-  * ``reserve`` is all or nothing and never waits: a full pool raises :class:`BufferFull` at once.
+  * ``reserve`` is all or nothing and never waits: a full pool raises :class:`BufferFull` at once;
+  * a CACHED slot has a key, no owner and no writer, is the one slot of its key in the cache index
+    and in the LRU order; only CACHED slots carry pins or readers; eviction takes only CACHED
+    slots with neither; FREE and QUARANTINED slots have no key;
+  * ``free_slots`` (the credit announced to the proxy) counts FREE slots plus evictable CACHED ones.
 """
 
 from __future__ import annotations
@@ -30,8 +46,8 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from lmcache_p2p.errors import BufferFull
 
@@ -42,10 +58,13 @@ class SlotState(enum.IntEnum):
     READY = 2
     LOADING = 3
     QUARANTINED = 4  # given up while a write into it may still land; not grantable yet
+    CACHED = 5  # landed bytes of a known key, no owner: reusable by any request until evicted
 
 
 Owner = Hashable
 Writer = Hashable
+Key = Hashable
+Holder = Hashable
 
 
 class SlotPool:
@@ -53,10 +72,11 @@ class SlotPool:
 
     ``write_window_s``: how long after its grant a write into a slot may still land (the sender's
     transfer deadline plus a margin); a given-up RESERVED slot stays QUARANTINED that long.
+    ``cache``: keep landed slots of known keys as CACHED when let go (see the module docstring).
     """
 
     def __init__(self, num_slots: int, clock: Callable[[], float] = time.monotonic, *,
-                 write_window_s: float = 0.0) -> None:
+                 write_window_s: float = 0.0, cache: bool = False) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         if write_window_s < 0:
@@ -75,6 +95,13 @@ class SlotPool:
         self._by_owner: dict[Owner, set[int]] = {}
         self._reserved = 0  # slots granted whose bytes have not landed yet
         self._quarantined = 0
+        self.cache = cache
+        self._key: list[Key | None] = [None] * num_slots  # the chunk a slot holds or awaits (cache only)
+        self._cached: dict[Key, int] = {}  # key -> its CACHED slot
+        self._lru: OrderedDict[int, None] = OrderedDict()  # CACHED slots, least recently used first
+        self._pins: list[list[tuple[Holder, float]]] = [[] for _ in range(num_slots)]  # CACHED: (holder, until)
+        self._readers = [0] * num_slots  # CACHED: engine references handed out by ``read``
+        self._busy = 0  # CACHED slots pinned or read (not evictable)
 
     # ---- queries ----
     def now(self) -> float:
@@ -83,7 +110,29 @@ class SlotPool:
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        """Slots a reservation can get now: FREE ones plus CACHED ones it may evict."""
+        with self._lock:
+            return self._available_locked()
+
+    @property
+    def cached_slots(self) -> int:
+        """CACHED slots (evictable or not)."""
+        return len(self._cached)
+
+    def cached_slot(self, key: Key) -> int | None:
+        """The CACHED slot holding ``key``, or None."""
+        with self._lock:
+            return self._cached.get(key)
+
+    def pins(self, slot: int) -> list[Holder]:
+        with self._lock:
+            return [holder for holder, _ in self._pins[slot]]
+
+    def readers(self, slot: int) -> int:
+        return self._readers[slot]
+
+    def key(self, slot: int) -> Key | None:
+        return self._key[slot]
 
     @property
     def reserved_slots(self) -> int:
@@ -109,29 +158,40 @@ class SlotPool:
             return frozenset(self._by_owner.get(owner, ()))
 
     # ---- transitions ----
-    def reserve(self, owner: Owner, count: int, lease_s: float, writer: Writer | None = None) -> list[int]:
+    def reserve(self, owner: Owner, count: int, lease_s: float, writer: Writer | None = None,
+                keys: Sequence[Key] | None = None) -> list[int]:
         """Reserve ``count`` slots for ``owner``, all or nothing; raise BufferFull without waiting.
 
         ``writer`` (default: ``owner``) is the peer whose write and confirmation count for them.
+        ``keys`` (one per slot): the chunks they will hold, so that they can be CACHED once loaded.
+        FREE slots go first (least recently freed first), then the least recently used CACHED
+        slots that nobody pins or reads are evicted.
         """
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
+        if keys is not None and len(keys) != count:
+            raise ValueError(f"{len(keys)} keys for {count} slots")
         writer = owner if writer is None else writer
         with self._lock:
-            if count > len(self._free):
+            available = self._available_locked()
+            if count > available:
+                pinned = len(self._cached) - (available - len(self._free))
                 raise BufferFull(
-                    f"receive buffer has {len(self._free)} free of {self.num_slots} slots, {count} needed"
+                    f"receive buffer has {available} free of {self.num_slots} slots, {count} needed"
                     + (f" ({self._quarantined} quarantined until their writes are confirmed)"
-                       if self._quarantined else ""),
-                    needed_slots=count, free_slots=len(self._free), capacity_slots=self.num_slots,
+                       if self._quarantined else "")
+                    + (f" ({pinned} cached slots pinned by requests or loads)" if pinned else ""),
+                    needed_slots=count, free_slots=available, capacity_slots=self.num_slots,
                 )
             if count == 0:
                 return []
             now = self._clock()
-            slots = [self._free.popleft() for _ in range(count)]
+            slots = [self._free.popleft() for _ in range(min(count, len(self._free)))]
+            slots += self._evict_locked(count - len(slots))
             self._reserved += count
             owned = self._by_owner.setdefault(owner, set())
-            for s in slots:
+            for i, s in enumerate(slots):
+                self._key[s] = keys[i] if keys is not None else None
                 self._state[s] = SlotState.RESERVED
                 self._owner[s] = owner
                 self._writer[s] = writer
@@ -216,12 +276,70 @@ class SlotPool:
                 self._give_up_locked(s)
             return gone
 
+    # ---- the cache (CACHED slots) ----
+    def pin(self, key: Key, holder: Holder, lease_s: float) -> int | None:
+        """Pin the CACHED slot of ``key`` for ``holder`` until ``lease_s`` from now; None if not cached."""
+        with self._lock:
+            s = self._cached.get(key)
+            if s is not None:
+                busy = self._busy_locked(s)
+                self._pins[s].append((holder, self._clock() + lease_s))
+                self._lru.move_to_end(s)
+                self._busy += not busy
+            return s
+
+    def unpin(self, slot: int, holder: Holder | None = None, *, not_holder: Holder | None = None) -> bool:
+        """Drop one pin of ``slot``: ``holder``'s, or (None) the oldest one not held by ``not_holder``."""
+        with self._lock:
+            if not self._in_range(slot):
+                return False
+            pins = self._pins[slot]
+            for i, (h, _) in enumerate(pins):
+                if (h == holder) if holder is not None else (h != not_holder):
+                    del pins[i]
+                    self._busy -= not self._busy_locked(slot)
+                    return True
+            return False
+
+    def unpin_holder(self, holder: Holder, slots: Iterable[int]) -> int:
+        """Drop every pin of ``holder`` on ``slots`` (a request that ends); return how many."""
+        dropped = 0
+        with self._lock:
+            for s in set(slots):
+                if self._in_range(s) and self._pins[s]:
+                    before = len(self._pins[s])
+                    self._pins[s] = [p for p in self._pins[s] if p[0] != holder]
+                    dropped += before - len(self._pins[s])
+                    self._busy -= not self._busy_locked(s)
+        return dropped
+
+    def read(self, key: Key) -> int | None:
+        """The engine takes a reference on the CACHED slot of ``key`` (never evicted meanwhile)."""
+        with self._lock:
+            s = self._cached.get(key)
+            if s is not None:
+                self._busy += not self._busy_locked(s)
+                self._readers[s] += 1
+                self._lru.move_to_end(s)
+            return s
+
+    def unread(self, slot: int) -> None:
+        """The engine dropped a reference taken by ``read``."""
+        with self._lock:
+            if self._in_range(slot) and self._state[slot] == SlotState.CACHED and self._readers[slot] > 0:
+                self._readers[slot] -= 1
+                self._busy -= not self._busy_locked(slot)
+
     def expire(self) -> dict[Owner, list[int]]:
         """Give up RESERVED and READY slots whose lease passed (returned by owner); free
-        QUARANTINED slots whose write window passed."""
+        QUARANTINED slots whose write window passed; drop pins past their deadline."""
         now = self._clock()
         expired: dict[Owner, list[int]] = {}
         with self._lock:
+            for s in self._cached.values():
+                if self._pins[s]:
+                    self._pins[s] = [p for p in self._pins[s] if p[1] > now]
+                    self._busy -= not self._busy_locked(s)
             for s in range(self.num_slots):
                 state = self._state[s]
                 if state in (SlotState.RESERVED, SlotState.READY) and self._deadline[s] <= now:
@@ -237,9 +355,32 @@ class SlotPool:
     def _in_range(self, s: int) -> bool:
         return isinstance(s, int) and 0 <= s < self.num_slots
 
+    def _available_locked(self) -> int:
+        return len(self._free) + len(self._cached) - self._busy
+
+    def _busy_locked(self, s: int) -> bool:
+        return bool(self._pins[s]) or self._readers[s] > 0
+
+    def _evictable_locked(self, s: int) -> bool:
+        return not self._busy_locked(s)
+
+    def _evict_locked(self, count: int) -> list[int]:
+        """Take ``count`` least recently used evictable CACHED slots out of the cache."""
+        victims = []
+        for s in self._lru:
+            if len(victims) == count:
+                break
+            if self._evictable_locked(s):
+                victims.append(s)
+        for s in victims:
+            del self._lru[s]
+            del self._cached[self._key[s]]
+            self._key[s] = None
+        return victims
+
     def _give_up_locked(self, s: int) -> None:
         state = self._state[s]
-        if state in (SlotState.FREE, SlotState.QUARANTINED):
+        if state in (SlotState.FREE, SlotState.QUARANTINED, SlotState.CACHED):
             return
         self._drop_owner_locked(s)
         if state == SlotState.RESERVED:
@@ -247,8 +388,20 @@ class SlotPool:
             if self._write_until[s] > self._clock():
                 self._state[s] = SlotState.QUARANTINED
                 self._quarantined += 1
+                self._key[s] = None
                 return
+        elif (state == SlotState.LOADING and self.cache and self._key[s] is not None
+              and self._key[s] not in self._cached):
+            self._to_cached_locked(s)  # loaded: its bytes landed, nothing writes it, the engine used it
+            return
         self._to_free_locked(s)
+
+    def _to_cached_locked(self, s: int) -> None:
+        self._state[s] = SlotState.CACHED
+        self._owner[s] = None
+        self._writer[s] = None
+        self._cached[self._key[s]] = s
+        self._lru[s] = None
 
     def _drop_owner_locked(self, s: int) -> None:
         owner = self._owner[s]
@@ -263,6 +416,7 @@ class SlotPool:
         self._state[s] = SlotState.FREE
         self._owner[s] = None
         self._writer[s] = None
+        self._key[s] = None
         self._free.append(s)
 
     def check_invariants(self) -> None:
@@ -274,7 +428,15 @@ class SlotPool:
             owned: dict[Owner, set[int]] = {}
             for s in range(self.num_slots):
                 state = self._state[s]
+                cached = state == SlotState.CACHED
+                assert cached == (s in self._lru), f"{state.name} slot {s}: LRU membership wrong"
+                assert cached or (not self._pins[s] and not self._readers[s]), f"{state.name} slot {s} pinned or read"
+                if cached:
+                    key = self._key[s]
+                    assert key is not None and self._cached.get(key) == s, f"cached slot {s} unindexed"
                 if state in (SlotState.FREE, SlotState.QUARANTINED):
+                    assert self._key[s] is None, f"{state.name} slot {s} has a key"
+                if state in (SlotState.FREE, SlotState.QUARANTINED, SlotState.CACHED):
                     assert self._owner[s] is None, f"{state.name} slot {s} has an owner"
                 else:
                     assert self._owner[s] is not None, f"slot {s} in use without owner"
@@ -286,3 +448,7 @@ class SlotPool:
             assert reserved == self._reserved, "reserved count out of sync"
             quarantined = sum(1 for st in self._state if st == SlotState.QUARANTINED)
             assert quarantined == self._quarantined, "quarantined count out of sync"
+            assert len(self._cached) == len(self._lru), "cache index and LRU order out of sync"
+            busy = sum(1 for s in self._lru if self._busy_locked(s))
+            assert busy == self._busy, f"busy cached count {self._busy} but {busy} pinned or read"
+            assert self.cache or not self._cached, "cached slots while the cache is off"

@@ -64,12 +64,13 @@ class Cluster:
     """Proxy + prefillers + decoders; ``add_decoder`` joins one while the rest keeps serving."""
 
     def __init__(self, model: Path, log_dir: Path, *, prefill: int = 1, decode: int = 1,
-                 proxy_args: tuple[str, ...] = (), buffer_size: str = "256MB") -> None:
+                 proxy_args: tuple[str, ...] = (), buffer_size: str = "256MB", prefix_caching: bool = True) -> None:
         base = free_base_port()
         argv = ["launch", "--model", str(model), "--prefill", str(prefill), "--decode", str(decode),
                 "--proxy-port", str(base), "--proxy-control-port", str(base + 1), "--prefill-port", str(base + 10),
                 "--decode-port", str(base + 30), "--kv-port", str(base + 50), "--log-dir", str(log_dir),
-                "--buffer-size", buffer_size, *[f"--proxy-arg={a}" for a in proxy_args]]
+                "--buffer-size", buffer_size, *[f"--proxy-arg={a}" for a in proxy_args],
+                *([] if prefix_caching else ["--no-prefix-caching"])]
         self.args: argparse.Namespace = build_parser().parse_args(argv)
         self.model = model
         self.log_dir = log_dir
@@ -129,11 +130,11 @@ class Cluster:
 
 
 def plain_vllm_child(model: Path, log_dir: Path, *, port: int, cpu_core: int | None, name: str = "direct",
-                     max_model_len: int = 2048) -> Child:
+                     max_model_len: int = 2048, prefix_caching: bool = True) -> Child:
     """One vLLM server without LMCache or a KV-transfer config, with the PD instances' other flags
-    (no prefix caching, same context length, environment and logging)."""
+    (the same prefix-caching setting and prompt-token details, context length, environment and logging)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     logging_config = write_logging_config(log_dir / "logging.json")
-    argv = vllm_argv(model, port, "--no-enable-prefix-caching", "--max-model-len", str(max_model_len))
+    argv = vllm_argv(model, port, *launch.cache_flags(prefix_caching), "--max-model-len", str(max_model_len))
     env = vllm_env(cpu_core=cpu_core, logging_config=logging_config)
     return Child(name, argv, env, log_dir / f"{name}.log", f"http://127.0.0.1:{port}/health")

@@ -85,6 +85,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--kv-port", type=int, default=7300, help="first decoder KV control port")
     p.add_argument("--policy", default="prefix", help="proxy routing policy: prefix, least_loaded or round_robin")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="turn vLLM's automatic prefix caching off on every instance (on by default)")
     p.add_argument("--log-dir", type=Path, default=None, help="default: logs/<timestamp>")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--shared-secret", default=os.environ.get("LMCACHE_P2P_SECRET"),
@@ -175,6 +177,16 @@ def check_ucx_for_gpus(args: argparse.Namespace, environ: dict[str, str] | os._E
         f"or add cuda_ipc,cuda_copy to it")
 
 
+def cache_flags(prefix_caching: bool = True) -> list[str]:
+    """vLLM flags every instance we start gets, and every reference it is compared with.
+
+    Prefix caching is vLLM's default (on); ``--no-prefix-caching`` turns it off. Prompt-token
+    details make every response carry ``usage.prompt_tokens_details.cached_tokens``: how many
+    prompt tokens the instance did not compute (its prefix cache plus KV loaded through LMCache).
+    """
+    return ["--enable-prompt-tokens-details", *([] if prefix_caching else ["--no-enable-prefix-caching"])]
+
+
 def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: Path,
                gpu: GpuAssignment | None = None) -> Child:
     transfer = {"kv_connector": "LMCacheConnectorV1",
@@ -183,7 +195,8 @@ def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: P
         transfer["kv_connector_extra_config"] = {"skip_last_n_tokens": 1}
     _, passthrough = gpu_plan.split_utilization_arg(args.vllm_arg)
     gpu_args = [] if gpu is None else ["--gpu-memory-utilization", f"{gpu.memory_utilization:.2f}"]
-    argv = vllm_argv(model, inst.http_port, "--no-enable-prefix-caching", "--max-model-len", str(args.max_model_len),
+    argv = vllm_argv(model, inst.http_port, *cache_flags(getattr(args, "prefix_caching", True)),
+                     "--max-model-len", str(args.max_model_len),
                      "--kv-transfer-config", json.dumps(transfer), *gpu_args,
                      *(passthrough if gpu is not None else args.vllm_arg))
     on_cpu = args.device == "cpu"

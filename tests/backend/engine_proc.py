@@ -15,7 +15,12 @@ Commands (one JSON object per line; each gets one JSON reply line):
   {"op": "lookup", "seed", "num_tokens"}                 -> {"hit_tokens"}
   {"op": "wait_ready", "seed", "num_tokens", "timeout_s"} -> {"hit_tokens"}
   {"op": "retrieve", "seed", "num_tokens"}               -> {"retrieved", "equal"}
-  {"op": "slots"}                                        -> {"free", "capacity", "sent", "failed"}
+  {"op": "load", "seed", "num_tokens", "end", "vllm_hit", "req_id"} -> {"hit_tokens", "retrieved", "equal"}
+      as vLLM's LMCacheConnectorV1 loads the first ``end`` tokens of the sequence: lookup with pins,
+      retrieve past the tokens its own prefix cache holds (``vllm_hit``, chunk-aligned), unpin
+  {"op": "slots"}                                        -> {"free", "capacity", "cached", "pinned",
+                                                             "counters"} | {"sent", "failed", "pending",
+                                                             "bytes_sent", "chunks_skipped"}
   {"op": "buffer"}                                       -> {"slot_bytes", "device"} (receiver)
   {"op": "quit"}
 """
@@ -158,7 +163,7 @@ def handle(cmd: dict, engine, connector, backend) -> dict:
         engine.store(tokens, mask=mask, transfer_spec=spec if cmd.get("spec", True) else None)
         return {"ok": True}
     if op in ("lookup", "wait_ready"):
-        tokens = tokens_of(cmd["seed"], cmd["num_tokens"])
+        tokens = tokens_of(cmd["seed"], cmd["num_tokens"])[: cmd.get("end", cmd["num_tokens"])]
         deadline = time.monotonic() + cmd.get("timeout_s", 0)
         while True:
             hit = engine.lookup(tokens)
@@ -174,16 +179,42 @@ def handle(cmd: dict, engine, connector, backend) -> dict:
         expected = kv_of(cmd["seed"], n)
         equal = bool(torch.equal(connector.kv[:, :, :retrieved].cpu(), expected[:, :, :retrieved]))
         return {"retrieved": retrieved, "equal": equal}
+    if op == "load":
+        return load_like_vllm(cmd, engine, connector)
     if op == "slots":
         if hasattr(backend, "free_slots"):
             svc = backend._svc()
-            return {"free": backend.free_slots, "capacity": svc._pool.num_slots}
+            pool = svc._pool
+            out = {"free": backend.free_slots, "capacity": pool.num_slots}
+            if cmd.get("detail"):
+                out.update(cached=pool.cached_slots, pinned=sum(1 for s in range(pool.num_slots) if pool.pins(s)),
+                           counters=dataclasses.asdict(svc.counters))
+            return out
         stats = backend.service.stats()
         return {"sent": stats.requests_done, "failed": stats.requests_failed,
-                "pending": backend.service.pending_requests()}
+                "pending": backend.service.pending_requests(), "bytes_sent": stats.bytes_sent,
+                "chunks_skipped": stats.chunks_skipped}
     if op == "buffer":
         return {"slot_bytes": backend._slot_bytes, "device": str(backend._buffer.device)}
     return {"error": f"unknown op {op}"}
+
+
+def load_like_vllm(cmd: dict, engine, connector) -> dict:
+    """What LMCacheConnectorV1 does for a request on a consumer: lookup with pins from token 0, then
+    retrieve the tokens past vLLM's own (chunk-aligned) prefix hit, then release the lookup pins."""
+    n, end, req_id = cmd["num_tokens"], cmd.get("end", cmd["num_tokens"]), cmd["req_id"]
+    tokens = tokens_of(cmd["seed"], n)[:end]
+    hit = engine.lookup(tokens, lookup_id=req_id, pin=True)
+    masked = cmd.get("vllm_hit", 0) // CHUNK * CHUNK
+    mask = torch.ones(hit, dtype=torch.bool)
+    mask[:masked] = False
+    connector.kv = torch.zeros(2, LAYERS, end, HIDDEN, dtype=DTYPE, device=DEVICE)
+    ret = engine.retrieve(tokens[:hit], mask, req_id=req_id) if hit > masked else torch.zeros(0, dtype=torch.bool)
+    engine.lookup_unpin(req_id)
+    retrieved = int(ret.sum())
+    expected = kv_of(cmd["seed"], n)[:, :, masked:masked + retrieved]
+    equal = bool(torch.equal(connector.kv[:, :, masked:masked + retrieved].cpu(), expected))
+    return {"hit_tokens": hit, "retrieved": retrieved, "equal": equal}
 
 
 def reply(obj: dict) -> None:

@@ -140,3 +140,88 @@ def test_nccl_on_gloo_real_sender_writes_pass_the_receivers_write_guard(make_pai
     assert all_free(pair.receiver)
     stats = wait_for(lambda: pair.sender.call(op="slots"), lambda s: s["pending"] == 0, 5)
     assert stats["failed"] == 0
+
+
+# ---- prefix sharing: the decoder's buffer cache, only the missing chunks move --------------------
+
+BYTES_PER_TOKEN = 2 * 2 * 64 * 2  # K and V, 2 layers, 2 KV heads x 32, bf16 (engine_proc's tiny shape)
+
+
+def detail(receiver):
+    return receiver.call(op="slots", detail=True)
+
+
+def sent(sender):
+    return wait_for(lambda: sender.call(op="slots"), lambda s: s["pending"] == 0, STATS_TIMEOUT_S)
+
+
+def test_second_turn_sends_only_the_chunks_the_decoder_lacks_and_loads_bit_exact(pair):
+    # A conversation: turn 1 is 600 tokens (256 + 256 + 88), turn 2 = turn 1's tokens + 300 more
+    # (256 + 256 + 256 + 132). Turn 2 shares turn 1's two full chunks; the partial one differs
+    # (its hash covers 88 tokens, turn 2's third chunk 256).
+    s0, r0 = sent(pair.sender), detail(pair.receiver)
+    store(pair.sender, pair.port, seed=41, n=900, end=600, req_id="conv-turn-1")
+    assert pair.receiver.call(op="wait_ready", seed=41, num_tokens=900, end=600, timeout_s=READY_TIMEOUT_S) == \
+        {"hit_tokens": 600}
+    assert pair.receiver.call(op="load", seed=41, num_tokens=900, end=600, req_id="conv-turn-1") == \
+        {"hit_tokens": 600, "retrieved": 600, "equal": True}
+    s1, r1 = sent(pair.sender), detail(pair.receiver)
+    assert s1["bytes_sent"] - s0["bytes_sent"] == 600 * BYTES_PER_TOKEN
+    assert r1["counters"]["bytes_received"] - r0["counters"]["bytes_received"] == 600 * BYTES_PER_TOKEN
+    # Loaded chunks stay cached, unpinned and evictable: the credit is the whole buffer.
+    assert r1["cached"] - r0["cached"] == 3 and r1["pinned"] == 0 and r1["free"] == r1["capacity"]
+
+    store(pair.sender, pair.port, seed=41, n=900, end=900, req_id="conv-turn-2")
+    assert pair.receiver.call(op="wait_ready", seed=41, num_tokens=900, timeout_s=READY_TIMEOUT_S) == \
+        {"hit_tokens": 900}
+    assert pair.receiver.call(op="load", seed=41, num_tokens=900, req_id="conv-turn-2") == \
+        {"hit_tokens": 900, "retrieved": 900, "equal": True}
+    s2, r2 = sent(pair.sender), detail(pair.receiver)
+    moved = (900 - 512) * BYTES_PER_TOKEN  # chunks 2 and 3 only
+    print(f"turn 1 moved {600 * BYTES_PER_TOKEN} bytes; turn 2 moved {s2['bytes_sent'] - s1['bytes_sent']} "
+          f"of {900 * BYTES_PER_TOKEN} (2 chunks held)")
+    assert s2["bytes_sent"] - s1["bytes_sent"] == moved
+    assert s2["chunks_skipped"] - s1["chunks_skipped"] == 2
+    assert r2["counters"]["bytes_received"] - r1["counters"]["bytes_received"] == moved
+    assert r2["counters"]["chunks_held"] - r1["counters"]["chunks_held"] == 2
+    assert r2["counters"]["bytes_held"] - r1["counters"]["bytes_held"] == 512 * BYTES_PER_TOKEN
+    assert r2["counters"]["chunks_loaded_from_cache"] - r1["counters"]["chunks_loaded_from_cache"] == 2
+    assert r2["cached"] - r1["cached"] == 2 and r2["pinned"] == 0 and r2["free"] == r2["capacity"]
+
+
+def test_decoder_with_a_local_prefix_hit_loads_only_the_rest(pair):
+    # The decoder's vLLM holds the first 512 tokens itself: LMCache still looks up from token 0
+    # (the cached chunks count), but retrieves only from the first chunk vLLM lacks.
+    store(pair.sender, pair.port, seed=43, n=900, end=600, req_id="local-1")
+    pair.receiver.call(op="wait_ready", seed=43, num_tokens=900, end=600, timeout_s=READY_TIMEOUT_S)
+    assert pair.receiver.call(op="load", seed=43, num_tokens=900, end=600, req_id="local-1")["equal"]
+    r1 = detail(pair.receiver)
+    store(pair.sender, pair.port, seed=43, n=900, end=900, req_id="local-2")
+    pair.receiver.call(op="wait_ready", seed=43, num_tokens=900, timeout_s=READY_TIMEOUT_S)
+    got = pair.receiver.call(op="load", seed=43, num_tokens=900, vllm_hit=600, req_id="local-2")
+    assert got == {"hit_tokens": 900, "retrieved": 900 - 512, "equal": True}
+    r2 = detail(pair.receiver)
+    # The held chunks were not read, and their pins went with the lookup's unpin: nothing stays pinned.
+    assert r2["counters"]["chunks_loaded_from_cache"] == r1["counters"]["chunks_loaded_from_cache"]
+    assert r2["pinned"] == 0 and r2["free"] == r2["capacity"]
+
+
+def test_pinned_cached_chunks_are_never_evicted_by_another_request(make_pair):
+    # 4 slots. Turn 1 leaves 2 chunks cached; turn 2 pins them (held) and takes 1 slot; a third
+    # request needing 2 slots finds only 1 (the pinned ones are not credit) and is refused, the
+    # KV of turn 2 stays bit-exact; once turn 2 is loaded, the third request fits (evicting).
+    pair = make_pair(buffer_size="512KB", alloc_timeout_s=1.0)
+    store(pair.sender, pair.port, seed=45, n=768, end=512, req_id="pin-1")
+    pair.receiver.call(op="wait_ready", seed=45, num_tokens=768, end=512, timeout_s=READY_TIMEOUT_S)
+    assert pair.receiver.call(op="load", seed=45, num_tokens=768, end=512, req_id="pin-1")["equal"]
+    store(pair.sender, pair.port, seed=45, n=768, end=768, req_id="pin-2")
+    pair.receiver.call(op="wait_ready", seed=45, num_tokens=768, timeout_s=READY_TIMEOUT_S)
+    assert detail(pair.receiver)["free"] == 1
+    store(pair.sender, pair.port, seed=46, n=512, req_id="other")
+    stats = wait_for(lambda: pair.sender.call(op="slots"), lambda s: s["failed"] == 1, STATS_TIMEOUT_S)
+    assert stats["failed"] == 1
+    assert pair.receiver.call(op="load", seed=45, num_tokens=768, req_id="pin-2") == \
+        {"hit_tokens": 768, "retrieved": 768, "equal": True}
+    store(pair.sender, pair.port, seed=46, n=512, req_id="other-again")
+    assert_received(pair.receiver, seed=46, n=512)
+    assert detail(pair.receiver)["free"] == 4

@@ -516,3 +516,113 @@ def test_real_send_service_with_another_fingerprint_is_refused_and_fails_its_req
     finally:
         sender.close()
         rig.close()
+
+
+# ---- the buffer cache: loaded chunks stay, a later request is told not to send them ----------------
+
+
+def load(rig: Rig, keys: list[str]) -> None:
+    """The engine loads ``keys`` (as LMCache would) and drops its references."""
+    for key in keys:
+        chunk = rig.service.take(key)
+        assert chunk is not None, key
+        rig.service.release(chunk)
+
+
+def test_loaded_chunks_are_cached_and_a_later_request_is_told_not_to_send_them(make_rig) -> None:
+    rig = make_rig(num_slots=3)
+    a = rig.sender("sender-a", "tx-a")
+    first = rig.granted(a, "turn-1", ["k1", "k2"])
+    rig.transport.land("tx-a", "sender-a", "turn-1", first)
+    assert eventually(lambda: rig.service.count_ready(["k1", "k2"]) == 2)
+    load(rig, ["k1", "k2"])
+    assert [rig.pool.state(s) for s in first] == [SlotState.CACHED] * 2
+    assert rig.service.free_slots == 3 and rig.service.cached_slots == 2
+    second = rig.granted(a, "turn-2", ["k1", "k2", "k3"])
+    assert second[:2] == [-1, -1] and second[2] not in first
+    assert [rig.pool.pins(s) for s in first] == [["turn-2"]] * 2
+    assert rig.service.free_slots == 0  # pinned cached slots are not credit
+    assert (rig.service.counters.chunks_held, rig.service.counters.bytes_held) == (2, 2 * SLOT_BYTES)
+    rig.transport.land("tx-a", "sender-a", "turn-2", second[2:])
+    assert eventually(lambda: rig.service.count_ready(["k1", "k2", "k3"]) == 3)
+    assert rig.service.count_ready(["k1", "k2", "k3"], pin=True) == 3  # LMCache's lookup
+    # The lookup's pins replaced the grant's; LMCache's unpin after its retrieve releases them.
+    assert [rig.pool.pins(s) for s in first] == [["lookup"]] * 2
+    chunk = rig.service.take("k1")
+    assert chunk.cached and chunk.slot == first[0] and chunk.shape == SHAPE
+    for key in ("k1", "k2"):
+        rig.service.unpin(key)
+    rig.service.release(chunk)
+    load(rig, ["k3"])
+    assert all(not rig.pool.pins(s) and not rig.pool.readers(s) for s in first)
+    assert rig.service.free_slots == 3 and rig.service.cached_slots == 3
+    assert rig.service.counters.bytes_received == 3 * SLOT_BYTES
+    assert not rig.service._requests  # both requests are done and forgotten
+
+
+def test_a_cached_chunk_in_use_by_the_engine_is_never_granted_to_a_writer(make_rig) -> None:
+    rig = make_rig(num_slots=2)
+    a = rig.sender("sender-a", "tx-a")
+    (slot,) = rig.granted(a, "turn-1", ["k1"])
+    rig.transport.land("tx-a", "sender-a", "turn-1", [slot])
+    assert eventually(lambda: rig.service.count_ready(["k1"]) == 1)
+    load(rig, ["k1"])
+    reading = rig.service.take("k1")  # another request's retrieve holds a zero-copy view of it
+    refused = a.alloc("big", ["x1", "x2"])
+    assert isinstance(refused, protocol.Refused) and refused.code is protocol.RefusalCode.FULL
+    assert rig.pool.state(slot) is SlotState.CACHED
+    rig.service.release(reading)
+    granted = rig.granted(a, "big-again", ["x1", "x2"])
+    assert slot in granted and rig.service.count_ready(["k1"]) == 0  # evicted only once unread
+
+
+def test_cancel_returns_pinned_chunks_to_the_cache(make_rig) -> None:
+    rig = make_rig(num_slots=2)
+    a = rig.sender("sender-a", "tx-a")
+    (slot,) = rig.granted(a, "turn-1", ["k1"])
+    rig.transport.land("tx-a", "sender-a", "turn-1", [slot])
+    assert eventually(lambda: rig.service.count_ready(["k1"]) == 1)
+    load(rig, ["k1"])
+    assert rig.granted(a, "turn-2", ["k1", "k2"])[0] == -1
+    assert isinstance(a.cancel("turn-2"), protocol.Ack)
+    assert rig.pool.state(slot) is SlotState.CACHED and rig.pool.pins(slot) == []
+    assert rig.pool.quarantined_slots == 1  # turn 2's own unwritten slot: a write may still land
+
+
+def test_pins_of_a_request_that_never_loads_expire(make_rig) -> None:
+    rig = make_rig(num_slots=1, ready_lease_s=10)
+    a = rig.sender("sender-a", "tx-a")
+    (slot,) = rig.granted(a, "turn-1", ["k1"])
+    rig.transport.land("tx-a", "sender-a", "turn-1", [slot])
+    assert eventually(lambda: rig.service.count_ready(["k1"]) == 1)
+    load(rig, ["k1"])
+    assert rig.granted(a, "turn-2", ["k1"]) == [-1]
+    assert rig.service.free_slots == 0
+    rig.clock.now += 10
+    assert eventually(lambda: rig.service.free_slots == 1)
+    assert rig.pool.state(slot) is SlotState.CACHED
+
+
+def test_buffer_cache_off_frees_loaded_chunks_and_grants_every_chunk(make_rig) -> None:
+    rig = make_rig(num_slots=2, buffer_cache=False)
+    a = rig.sender("sender-a", "tx-a")
+    (slot,) = rig.granted(a, "turn-1", ["k1"])
+    rig.transport.land("tx-a", "sender-a", "turn-1", [slot])
+    assert eventually(lambda: rig.service.count_ready(["k1"]) == 1)
+    load(rig, ["k1"])
+    assert rig.pool.state(slot) is SlotState.FREE and rig.service.count_ready(["k1"]) == 0
+    assert -1 not in rig.granted(a, "turn-2", ["k1"])
+
+
+def test_cancel_after_kv_ready_of_a_request_made_only_of_held_chunks_drops_its_pins(make_rig) -> None:
+    # The proxy cancels KV it will not use (the client left, or it decodes elsewhere) after KvReady.
+    rig = make_rig(num_slots=1)
+    a = rig.sender("sender-a", "tx-a")
+    (slot,) = rig.granted(a, "turn-1", ["k1"])
+    rig.transport.land("tx-a", "sender-a", "turn-1", [slot])
+    assert eventually(lambda: rig.service.count_ready(["k1"]) == 1)
+    load(rig, ["k1"])
+    assert rig.granted(a, "repeat", ["k1"]) == [-1]  # ready at once, nothing of its own
+    assert rig.pool.pins(slot) == ["repeat"] and rig.service.free_slots == 0
+    assert isinstance(a.cancel("repeat"), protocol.Ack)
+    assert rig.pool.pins(slot) == [] and rig.service.free_slots == 1

@@ -225,3 +225,183 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# ---- the cache: landed slots of known keys stay CACHED, evictable unless pinned or read ----------
+
+
+def _load(pool: SlotPool, owner: str, keys: list[str]) -> list[int]:
+    """Reserve, land and load ``keys`` for ``owner``; the slots stay LOADING (engine holds them)."""
+    slots = pool.reserve(owner, len(keys), lease_s=10, keys=keys)
+    assert pool.mark_ready(owner, slots, lease_s=10) == []
+    assert all(pool.acquire(s, owner) for s in slots)
+    return slots
+
+
+def test_loaded_slot_is_cached_and_counts_as_free_credit():
+    pool = SlotPool(3, cache=True)
+    (s,) = _load(pool, "a", ["k0"])
+    pool.release([s])
+    assert pool.state(s) is SlotState.CACHED and pool.owner(s) is None and pool.writer(s) is None
+    assert pool.cached_slot("k0") == s and pool.cached_slots == 1
+    assert pool.free_slots == 3  # evictable cached slots are credit
+    pool.check_invariants()
+
+
+def test_cache_off_frees_as_before():
+    pool = SlotPool(2)
+    (s,) = _load(pool, "a", ["k0"])
+    pool.release([s])
+    assert pool.state(s) is SlotState.FREE and pool.cached_slot("k0") is None
+
+
+def test_only_loaded_slots_are_cached_a_cancelled_requests_are_not():
+    pool = SlotPool(3, cache=True, write_window_s=100)
+    a = pool.reserve("a", 2, lease_s=10, writer="peer-a", keys=["k0", "k1"])
+    pool.mark_ready("a", [a[0]], lease_s=10)
+    pool.release_owner("a")  # cancel: k0 landed but was never loaded, k1 may still be written
+    assert pool.state(a[0]) is SlotState.FREE and pool.cached_slot("k0") is None
+    assert pool.state(a[1]) is SlotState.QUARANTINED and pool.cached_slot("k1") is None
+    pool.check_invariants()
+
+
+def test_second_copy_of_a_cached_key_is_freed():
+    pool = SlotPool(3, cache=True)
+    (s0,) = _load(pool, "a", ["k0"])
+    (s1,) = _load(pool, "b", ["k0"])
+    pool.release([s0, s1])
+    assert pool.state(s0) is SlotState.CACHED and pool.state(s1) is SlotState.FREE
+    assert pool.cached_slot("k0") == s0
+    pool.check_invariants()
+
+
+def test_eviction_takes_free_slots_first_then_least_recently_used_unpinned_unread():
+    clock = Clock()
+    pool = SlotPool(4, clock=clock, cache=True)
+    slots = _load(pool, "a", ["k0", "k1", "k2"])
+    pool.release(slots)  # k0, k1, k2 cached in this order; slot 3 FREE
+    assert pool.pin("k0", "req-x", lease_s=5) == slots[0]  # pinned (and used: most recent)
+    assert pool.read("k1") == slots[1]  # read by the engine
+    got = pool.reserve("b", 2, lease_s=10)
+    assert got == [3, slots[2]]  # the FREE slot, then the only evictable cached one
+    assert pool.cached_slot("k2") is None and pool.key(slots[2]) is None
+    with pytest.raises(BufferFull, match="2 cached slots pinned"):
+        pool.reserve("c", 1, lease_s=10)
+    pool.unread(slots[1])
+    assert pool.free_slots == 1 and pool.reserve("c", 1, lease_s=10) == [slots[1]]
+    clock.now = 5  # the pin's lease passed
+    pool.expire()
+    assert pool.pins(slots[0]) == [] and pool.reserve("d", 1, lease_s=10) == [slots[0]]
+    pool.check_invariants()
+
+
+def test_unpin_drops_one_pin_of_a_holder_or_the_oldest_other():
+    pool = SlotPool(1, cache=True)
+    (s,) = _load(pool, "a", ["k0"])
+    pool.release([s])
+    for holder in ("r1", "r2", "lookup"):
+        pool.pin("k0", holder, lease_s=10)
+    assert pool.unpin(s, not_holder="lookup") and pool.pins(s) == ["r2", "lookup"]
+    assert pool.unpin(s, "lookup") and not pool.unpin(s, "lookup")
+    assert pool.unpin_holder("r2", [s]) == 1 and pool.free_slots == 1
+    pool.check_invariants()
+
+
+KEYS = ["k0", "k1", "k2", "k3", "k4"]
+
+
+class CachePoolMachine(RuleBasedStateMachine):
+    """The cache under random traffic: a pinned or read slot is never handed to a writer, a key has
+    at most one CACHED slot, and every invariant of the pool holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.pool = SlotPool(6, clock=self.clock, write_window_s=2, cache=True)
+        self.reads: list[int] = []  # slots handed to the engine by read(), not yet dropped
+
+    def _protected(self) -> set[int]:
+        return {s for s in range(self.pool.num_slots)
+                if self.pool.state(s) is SlotState.CACHED and (self.pool.pins(s) or self.pool.readers(s))}
+
+    @rule(owner=st.sampled_from(["a", "b", "c"]), keys=st.lists(st.sampled_from(KEYS), max_size=4))
+    def reserve(self, owner, keys):
+        protected = self._protected()
+        before = self.pool.free_slots
+        try:
+            slots = self.pool.reserve(owner, len(keys), 3, writer=f"peer-{owner}", keys=keys)
+        except BufferFull:
+            assert len(keys) > before
+            return
+        assert not set(slots) & protected, "a pinned or read cached slot was granted"
+        assert all(self.pool.state(s) is SlotState.RESERVED for s in slots)
+
+    @rule(owner=st.sampled_from(["a", "b", "c"]), data=st.data())
+    def land_and_maybe_load(self, owner, data):
+        slots = sorted(self.pool.slots_of(owner))
+        if not slots:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(slots), max_size=3, unique=True))
+        self.pool.mark_ready(owner, chosen, lease_s=3)
+        for s in chosen:
+            if data.draw(st.booleans()) and self.pool.acquire(s, owner):
+                key = self.pool.key(s)
+                had = self.pool.cached_slot(key)
+                self.pool.release([s])
+                expect = SlotState.FREE if had is not None else SlotState.CACHED
+                assert self.pool.state(s) is expect
+
+    @rule(owner=st.sampled_from(["a", "b", "c"]))
+    def cancel(self, owner):
+        self.pool.release_owner(owner)
+
+    @rule(key=st.sampled_from(KEYS), holder=st.sampled_from(["r1", "r2", "lookup"]), lease=st.floats(0.5, 5))
+    def pin(self, key, holder, lease):
+        s = self.pool.pin(key, holder, lease)
+        assert (s is None) == (self.pool.cached_slot(key) is None)
+
+    @rule(slot=st.integers(0, 5), holder=st.sampled_from(["r1", "r2", "lookup", None]))
+    def unpin(self, slot, holder):
+        self.pool.unpin(slot, holder)
+
+    @rule(holder=st.sampled_from(["r1", "r2"]))
+    def unpin_holder(self, holder):
+        self.pool.unpin_holder(holder, range(self.pool.num_slots))
+
+    @rule(key=st.sampled_from(KEYS))
+    def read(self, key):
+        s = self.pool.read(key)
+        if s is not None:
+            self.reads.append(s)
+
+    @precondition(lambda self: self.reads)
+    @rule(data=st.data())
+    def unread(self, data):
+        s = self.reads.pop(data.draw(st.integers(0, len(self.reads) - 1)))
+        self.pool.unread(s)
+
+    @rule(dt=st.floats(0, 4))
+    def tick_and_expire(self, dt):
+        self.clock.now += dt
+        self.pool.expire()
+
+    @rule()
+    def end_everything(self):
+        """Requests end, leases pass, the engine drops its references: all is FREE or evictable."""
+        self.clock.now += 1000
+        self.pool.expire()
+        for s in self.reads:
+            self.pool.unread(s)
+        self.reads = []
+        self.pool.release([s for s in range(self.pool.num_slots) if self.pool.state(s) is SlotState.LOADING])
+        assert self.pool.free_slots == self.pool.num_slots
+
+    @invariant()
+    def consistent(self):
+        self.pool.check_invariants()
+        for s in self.reads:  # a slot the engine reads is never anything but CACHED meanwhile
+            assert self.pool.state(s) is SlotState.CACHED and self.pool.readers(s) > 0
+
+
+TestCachePoolMachine = CachePoolMachine.TestCase
+TestCachePoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -10,6 +10,7 @@ recompute; the decoders' own LMCache log lines prove the prompt's KV was loaded.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from unittest import mock
@@ -39,6 +40,10 @@ PROMPTS = {
     "long": prompt_of(400, 4),  # ~1780 tokens: 6 full + 1 partial chunk
 }
 CHAT = [{"role": "user", "content": prompt_of(80, 5)}]
+# A 2-turn conversation: turn 2's prompt is turn 1's prompt + its output + new text.
+CONVERSATION = (prompt_of(150, 6), " " + prompt_of(40, 7))  # ~660 tokens, then ~180 more
+HELD_RE = re.compile(r"request (\S+): KV ready: (\d+) chunks moved \((\d+) bytes\), (\d+) chunks held")
+KV_BYTES_RE = re.compile(r"^lmcache_p2p_proxy_kv_bytes_total (\S+)$", re.M)
 
 
 def complete(url: str, model: str, prompt: str, *, stream: bool = False, max_tokens: int = MAX_TOKENS) -> dict:
@@ -78,14 +83,48 @@ def _collect_stream(url: str, body: dict, piece) -> dict:
     return {"text": "".join(text), "usage": usage}
 
 
+def converse(url: str, model: str) -> list[dict]:
+    """Both turns of CONVERSATION: turn 2 resends turn 1's prompt and output, then new text."""
+    first = complete(url, model, CONVERSATION[0])
+    second = complete(url, model, CONVERSATION[0] + first["text"] + CONVERSATION[1])
+    return [first, second]
+
+
+def kv_bytes_moved(cluster: Cluster) -> float:
+    """KV bytes decoders reported received, as the proxy counts them (its /metrics)."""
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    return float(KV_BYTES_RE.search(text).group(1))
+
+
+def decoder_cache_hits(cluster: Cluster) -> list[tuple[int, int, int]]:
+    """(chunks moved, bytes moved, chunks held) of every request decoder-0 served partly from its buffer cache."""
+    text = cluster.children["decoder-0"].log_path.read_text(errors="replace")
+    return [(int(moved), int(nbytes), int(held)) for _, moved, nbytes, held in HELD_RE.findall(text)]
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir, tmp_path_factory):
+def plain(tiny_model_dir, tmp_path_factory) -> tuple[dict, list[dict]]:
     """Greedy outputs of a plain vLLM instance: no LMCache, no KV transfer, otherwise the deployment's
     vLLM flags and environment. Started and stopped before the deployment (memory on 2 cores)."""
-    return plain_reference(tiny_model_dir, tmp_path_factory.mktemp("reference"))
+    return plain_outputs(tiny_model_dir, tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="module")
+def reference(plain) -> dict:
+    return plain[0]
+
+
+@pytest.fixture(scope="module")
+def conversation_reference(plain) -> list[dict]:
+    return plain[1]
 
 
 def plain_reference(model_dir, log_dir) -> dict:
+    return plain_outputs(model_dir, log_dir)[0]
+
+
+def plain_outputs(model_dir, log_dir) -> tuple[dict, list[dict]]:
+    """The plain instance's answers: one per PROMPTS entry and the chat, and both CONVERSATION turns."""
     child = plain_vllm_child(model_dir, log_dir, port=free_port(), cpu_core=0)
     try:
         child.start()
@@ -93,7 +132,7 @@ def plain_reference(model_dir, log_dir) -> dict:
         url, model = child.health_url.removesuffix("/health"), str(model_dir)
         ref = {name: complete(url, model, p) for name, p in PROMPTS.items()}
         ref["chat"] = chat(url, model)
-        return ref
+        return ref, converse(url, model)
     finally:
         child.stop()
 
@@ -177,6 +216,30 @@ def assert_streamed_requests_fill_every_phase(url: str, streamed: int) -> None:
     for phase in TIMELINE_PHASES:
         assert stats["timeline_ms"][phase]["count"] >= streamed, (phase, stats["timeline_ms"])
     assert all(r["submit"] <= r["transfer"] for r in full), full
+
+
+def test_second_turn_of_a_conversation_moves_only_the_new_chunks(cluster, conversation_reference, tiny_model_dir):
+    """Prefix caching on, as deployed: turn 2 equals the single instance's turn 2, and the decoder
+    reuses turn 1's chunks from its buffer cache, so turn 2 moves less KV than its whole prompt."""
+    model = str(tiny_model_dir)
+    cluster.wait_registered(1, 1)
+    before = kv_bytes_moved(cluster)
+    first = complete(cluster.url, model, CONVERSATION[0])
+    assert first["text"] == conversation_reference[0]["text"]
+    after_first = kv_bytes_moved(cluster)
+    held_before = len(decoder_cache_hits(cluster))
+    second = complete(cluster.url, model, CONVERSATION[0] + first["text"] + CONVERSATION[1])
+    assert second["text"] == conversation_reference[1]["text"]
+    after_second = kv_bytes_moved(cluster)
+    prompt_1, prompt_2 = first["usage"]["prompt_tokens"], second["usage"]["prompt_tokens"]
+    bytes_per_token = (after_first - before) / prompt_1  # turn 1 shares nothing with earlier prompts
+    moved_2 = after_second - after_first
+    held = decoder_cache_hits(cluster)[held_before:]
+    print(f"turn 1: {prompt_1} prompt tokens, {after_first - before:.0f} KV bytes moved; turn 2: {prompt_2} "
+          f"prompt tokens, {moved_2:.0f} KV bytes moved (whole prompt: {prompt_2 * bytes_per_token:.0f}); "
+          f"decoder cache hits (moved, bytes, held chunks): {held}")
+    assert len(held) == 1 and held[0][2] >= 2  # turn 2 reused at least turn 1's two full chunks
+    assert 0 < moved_2 < prompt_2 * bytes_per_token - 2 * 256 * bytes_per_token + 1
 
 
 def test_upstream_error_is_a_clean_client_error(cluster, tiny_model_dir):

@@ -59,7 +59,7 @@ class ClusterSpec:
 
 def common_vllm_args(spec: ClusterSpec) -> list[str]:
     """The vLLM flags every instance of the deployment gets, the reference instance included."""
-    return ["--no-enable-prefix-caching", "--max-model-len", str(spec.max_model_len),
+    return [*launch.cache_flags(), "--max-model-len", str(spec.max_model_len),
             "--served-model-name", SERVED_MODEL_NAME, *spec.vllm_args]
 
 

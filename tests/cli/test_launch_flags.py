@@ -1,0 +1,29 @@
+"""The vLLM flags ``lmcache-p2p launch`` gives every instance, and the reference instance's (no processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmcache_p2p.cli import launch
+from lmcache_p2p.cli.cluster import plain_vllm_child
+from lmcache_p2p.cli.main import build_parser
+
+
+def children(tmp_path: Path, *argv: str) -> dict:
+    args = build_parser().parse_args(["launch", "--prefill", "1", "--decode", "1", *argv])
+    return {i.name: launch.vllm_child(i, tmp_path / "model", args, tmp_path) for i in launch.plan(args)}
+
+
+def cache_part(argv: list[str]) -> set[str]:
+    return {a for a in argv if a in ("--enable-prompt-tokens-details", "--no-enable-prefix-caching")}
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_every_instance_and_the_reference_get_the_same_cache_flags(tmp_path: Path, prefix_caching: bool) -> None:
+    made = children(tmp_path, *([] if prefix_caching else ["--no-prefix-caching"]))
+    want = {"--enable-prompt-tokens-details"} | (set() if prefix_caching else {"--no-enable-prefix-caching"})
+    assert {name: cache_part(c.argv) for name, c in made.items()} == {"prefiller-0": want, "decoder-0": want}
+    reference = plain_vllm_child(tmp_path / "model", tmp_path, port=1, cpu_core=None, prefix_caching=prefix_caching)
+    assert cache_part(reference.argv) == want
