@@ -12,6 +12,7 @@ name without ``.json``). Plots, from ``anchor_cpu.json`` (bench/anchor.py):
   docs/anchor_ttft_cdf.png       client TTFT CDF per system, one panel per closed-loop load
   docs/anchor_handover_cdf.png   handover CDF per system (where per-request handovers exist)
   docs/anchor_rate.png           output tokens/s and TTFT p99 against the open-loop request rate
+  docs/multiturn_cpu.png         TTFT, KV bytes moved and prefill tokens computed per turn (bench/multiturn.py)
   docs/anchor_timeline.png       per-request phases (mean ms) as stacked bars, per system and load:
                                  the phases that follow one another from arrival to the first decoded
                                  byte stacked, the ones that run beside them (first_byte, the
@@ -23,6 +24,7 @@ matplotlib is imported only to draw (``--no-plots`` needs only the standard libr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -158,6 +160,16 @@ def e2e_gpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
                      "handover p50 / p99 ms", "KV wait p50 / p99 ms", "KV hit", "failed", "= single"], lines)
 
 
+def multiturn_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    lines = [[r["system"], r["policy"], str(r["turn"]), pair(r, "ttft_ms_p50", "ttft_ms_p99"),
+              cell(r.get("kv_bytes_per_request"), 0), cell(r.get("prefill_tokens_per_request"), 0),
+              cell(r.get("decoder_reused_tokens_per_request"), 0), cell(r.get("same_decoder_as_previous_turn"), 2),
+              "ref" if r["system"] == "single" else cell(r.get("outputs_equal_single")), cell(r.get("failed"))]
+             for r in rows]
+    return markdown(["system", "policy", "turn", "TTFT p50 / p99 ms", "KV bytes / request", "prefill tokens / request",
+                     "decoder reused tokens / request", "same decoder as last turn", "= single", "failed"], lines)
+
+
 def faults_table(rows: Sequence[Mapping[str, Any]]) -> str:
     cols = ["scenario", "requests", "succeeded", "clean_errors", "unclean_errors", "hung", "leaked_slots",
             "held_slots_after_settle", "wrong_outputs", "recovered"]
@@ -170,6 +182,7 @@ TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
     "e2e_cpu": e2e_cpu_table,
     "e2e_gpu": e2e_gpu_table,
     "faults": faults_table,
+    "multiturn_cpu": multiturn_table,
 }
 
 
@@ -375,7 +388,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_plots and "anchor_cpu" in results:
         for path in plot_anchor(results["anchor_cpu"], args.docs):
             print(f"wrote {path}")
+    if not args.no_plots and "multiturn_cpu" in results:
+        print(f"wrote {plot_multiturn(results['multiturn_cpu'], args.docs)}")
     return 0
+
+
+def plot_multiturn(data: Any, docs: Path) -> Path:
+    """docs/multiturn_cpu.png with bench/multiturn.py's own plot."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import multiturn  # bench/ is not a package; heavy imports stay lazy until here
+
+    fields = {f.name for f in dataclasses.fields(multiturn.Row)}
+    rows = [multiturn.Row(**{k: v for k, v in r.items() if k in fields}) for r in rows_of(data)]
+    path = docs / "multiturn_cpu.png"
+    multiturn.plot(rows, path)
+    return path
 
 
 if __name__ == "__main__":

@@ -98,3 +98,18 @@ def test_e2e_equality_count_leaves_out_the_reference(e2e):
     rows = [row("direct", 1, 0), row("direct", 4, 0), row("proxy-1p1d", 1, 0), row("proxy-1p1d", 4, 2, False)]
     assert e2e.equality_summary(rows) == {"requests_compared_with_direct": 128, "requests_differing": 2,
                                           "requests_failed": 0}
+
+
+def test_multiturn_table_and_plot(report, tmp_path):
+    rows = [{"system": s, "policy": p, "turn": t, "requests": 4, "failed": 0, "ttft_ms_p50": 20.0 * t,
+             "ttft_ms_p99": 40.0 * t, "kv_bytes_per_request": None if s == "single" else 1000.0 * t,
+             "prefill_tokens_per_request": 100.0, "prompt_tokens_per_request": 300.0 * t,
+             "decoder_reused_tokens_per_request": None, "same_decoder_as_previous_turn": None,
+             "outputs_equal_single": None if s == "single" else True}
+            for s, p in (("single", "none"), ("1p2d", "prefix")) for t in (1, 2)]
+    table = report.table_for("multiturn_cpu", {"meta": {}, "rows": rows})
+    assert "| 1p2d | prefix | 2 | 40.0 / 80.0 | 2000 | 100 | - | - | yes | 0 |" in table
+    assert "| single | none | 1 | 20.0 / 40.0 | - | 100 | - | - | ref | 0 |" in table
+    pytest.importorskip("matplotlib")
+    path = report.plot_multiturn({"meta": {}, "rows": rows}, tmp_path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
