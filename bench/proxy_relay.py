@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,10 @@ _PROXY_MAIN = """
 import argparse, logging, sys
 logging.basicConfig(level=logging.WARNING, format="%(name)s %(message)s")
 logging.getLogger("lmcache_p2p.proxy.server").setLevel(logging.INFO)
+from transformers import AutoTokenizer  # before the loop: the baseline's tokenizer load raced its own import
+import lmcache_p2p.proxy.server as server
+if "{loop}" == "asyncio" and hasattr(server, "_loop_factory"):
+    server._loop_factory = lambda: None  # the ablation: this tree on asyncio's own loop
 from lmcache_p2p.proxy.server import add_arguments, run
 parser = argparse.ArgumentParser()
 add_arguments(parser)
@@ -105,13 +112,21 @@ def fixed_model(ids: list[int]) -> int:
 
 
 class ProxyChild:
-    def __init__(self, pythonpath: str, tokenizer_dir: str) -> None:
+    def __init__(self, pythonpath: str, tokenizer_dir: str, loop: str = "auto") -> None:
         env = {**os.environ, "PYTHONPATH": pythonpath}
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _PROXY_MAIN, "--port", "0", "--control-port", "0", "--summary-interval-s", "0",
-             "--tokenizer", tokenizer_dir, "--kv-timeout-s", "10", "--health-probe-interval-s", "1"],
-            stderr=subprocess.PIPE, text=True, env=env)
+            [sys.executable, "-c", _PROXY_MAIN.replace("{loop}", loop), "--port", "0", "--control-port", "0",
+             "--summary-interval-s", "0", "--tokenizer", tokenizer_dir, "--kv-timeout-s", "10", "--health-probe-interval-s", "1"],
+            stderr=subprocess.PIPE, text=True, env=env, cwd=pythonpath)  # cwd: "-c" puts it first on sys.path
         self.url, self.control = self._wait_up()
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=50)
+        threading.Thread(target=self._drain, name="proxy-stderr", daemon=True).start()
+
+    def _drain(self) -> None:
+        """Keep reading the proxy's log (a full pipe would stall it); the tail is printed at the end."""
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log_tail.append(line)
 
     def _wait_up(self) -> tuple[str, str]:
         deadline = time.monotonic() + _PROXY_START_TIMEOUT_S
@@ -242,8 +257,9 @@ def _pct(sorted_values: list[float], q: float) -> float:
 # ---- one variant: proxy + fakes ----------------------------------------------------------------------
 
 
-async def run_variant(name: str, pythonpath: str, tokenizer_dir: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    proxy = ProxyChild(pythonpath, tokenizer_dir)
+async def run_variant(name: str, rep: int, pythonpath: str, tokenizer_dir: str, args: argparse.Namespace
+                      ) -> list[dict[str, Any]]:
+    proxy = ProxyChild(pythonpath, tokenizer_dir, loop="asyncio" if name.endswith("-asyncio") else "auto")
     network = KvNetwork()
     nodes: list[tuple[FakeVllm, FakeAgent]] = []
     try:
@@ -274,7 +290,7 @@ async def run_variant(name: str, pythonpath: str, tokenizer_dir: str, args: argp
             row = await measure(proxy, decoders, streams=streams, token_delay_s=delay_s, max_tokens=args.max_tokens,
                                 warmup_s=args.warmup_s, duration_s=args.duration_s,
                                 profile_to=f"/tmp/proxy_relay_{name}_{point}.txt")
-            rows.append({"variant": name, "point": point, **row})
+            rows.append({"variant": name, "rep": rep, "point": point, **row})
             print(_fmt(rows[-1]), flush=True)
         heartbeat.cancel()
         return rows
@@ -283,6 +299,8 @@ async def run_variant(name: str, pythonpath: str, tokenizer_dir: str, args: argp
             agent.close()
         await asyncio.gather(*(v.server.stop() for v, _ in nodes))
         proxy.kill()
+        if proxy.log_tail:
+            print(f"{name} proxy's last log lines:\n" + "".join(proxy.log_tail), file=sys.stderr)
 
 
 async def _heartbeat(agents: list[FakeAgent], interval_s: float = 1.0) -> None:
@@ -313,7 +331,7 @@ async def _wait_routable(url: str, n: int, timeout_s: float = 30.0) -> None:
     raise RuntimeError(f"instances not routable within {timeout_s} s: {health}")
 
 
-_COLS = ("variant", "point", "streams", "decoder_gap_ms", "tokens_s", "proxy_us_token", "proxy_cpu_util",
+_COLS = ("variant", "rep", "point", "streams", "decoder_gap_ms", "tokens_s", "proxy_us_token", "proxy_cpu_util",
          "bench_cpu_util", "gap_ms_p50", "gap_ms_p99", "failed")
 
 
@@ -360,7 +378,10 @@ def metadata(args: argparse.Namespace, load_before: float) -> dict[str, Any]:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline-ref", default=BASELINE_REF, help="git ref of the 'baseline' proxy")
-    p.add_argument("--variants", default="baseline,current")
+    p.add_argument("--variants", default="baseline,current,current-asyncio",
+                   help="baseline: the proxy at --baseline-ref; current: this tree; current-asyncio: this tree on "
+                        "asyncio's loop instead of uvloop")
+    p.add_argument("--reps", type=int, default=3, help="runs of each variant (medians are summarized)")
     p.add_argument("--decoders", type=int, default=1)
     p.add_argument("--capacity-streams", type=int, default=32)
     p.add_argument("--rate-streams", type=int, default=32)
@@ -381,12 +402,13 @@ async def main() -> None:
         (tmp_path / "tok").mkdir()
         (tmp_path / "base").mkdir()
         tok = tokenizer_folder(tmp_path / "tok")
-        paths = {"current": str(REPO)}
+        paths = {"current": str(REPO), "current-asyncio": str(REPO)}
         if "baseline" in args.variants:
             paths["baseline"] = baseline_tree(args.baseline_ref, tmp_path / "base")
         print("  ".join(f"{c:>14}" for c in _COLS), flush=True)
-        for name in args.variants.split(","):
-            rows += await run_variant(name, paths[name], tok, args)
+        for rep in range(args.reps):  # variants interleaved: the machine's load drifts
+            for name in args.variants.split(","):
+                rows += await run_variant(name, rep, paths[name], tok, args)
     result = {"meta": metadata(args, load_before), "rows": rows, "summary": _summary(rows)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -394,14 +416,20 @@ async def main() -> None:
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """current / baseline per point: tokens/s ratio, µs/token ratio."""
-    by = {(r["variant"], r["point"]): r for r in rows}
-    out = {}
-    for (variant, point), row in by.items():
-        base = by.get(("baseline", point))
-        if variant == "current" and base is not None:
-            out[point] = {"tokens_s_x": round(row["tokens_s"] / max(base["tokens_s"], 1), 2),
-                          "us_token_x": round(row["proxy_us_token"] / max(base["proxy_us_token"], 1e-9), 2)}
+    """Per (variant, point): medians over the repetitions, and the ratio to the baseline's."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["variant"], row["point"]), []).append(row)
+    keys = ("tokens_s", "proxy_us_token", "proxy_cpu_util", "gap_ms_p50", "gap_ms_p99", "failed")
+    medians = {g: {k: statistics.median(r[k] for r in rs) for k in keys} for g, rs in groups.items()}
+    out: dict[str, Any] = {}
+    for (variant, point), med in medians.items():
+        entry = {**med, "reps": len(groups[(variant, point)])}
+        base = medians.get(("baseline", point))
+        if variant != "baseline" and base is not None:
+            entry["tokens_s_x_baseline"] = round(med["tokens_s"] / max(base["tokens_s"], 1), 2)
+            entry["us_token_x_baseline"] = round(med["proxy_us_token"] / max(base["proxy_us_token"], 1e-9), 2)
+        out[f"{variant} {point}"] = entry
     return out
 
 
