@@ -15,8 +15,11 @@ Per (variant, point) row:
   gap_ms_p50/p99  client-side gaps between consecutive SSE chunks of one stream (first excluded)
   decoder_gap_ms  the decoder's own pacing (what the gaps would be through a perfect relay)
 
-Points: ``capacity`` (decoders stream as fast as the fakes can; the proxy saturates) and one
-fixed offered rate (``--offered-tok-s``, N streams paced at N / rate each). Variants: ``baseline``
+Points: ``capacity`` (decoders stream as fast as the fakes can: on a 2-core machine the proxy
+and this process, which runs the fakes and clients, saturate together), each fixed offered rate
+(``--offered-tok-s``, N streams paced at N / rate each, one event per write: the GPU case, where a
+decode step emits one token per stream), and the same rate with ``--backlog-events`` events per
+write (what a proxy lagging behind its decoder finds in its socket buffers). Variants: ``baseline``
 (the proxy at ``--baseline-ref``, extracted with ``git archive``) and ``current`` (this tree),
 side by side in one run, alternating.
 
@@ -75,9 +78,12 @@ _CLIENT_TIMEOUT_S = 60.0
 class PacedVllm(FakeVllm):
     """``FakeVllm`` whose decode stream is cheap (events pre-encoded) and paced at ``token_delay_s``.
 
-    Pacing keeps a schedule (sleeps until the next due time) so a busy loop does not lower the
+    ``events_per_write`` > 1 writes that many events at once (a backlog: what a proxy that lags behind a
+    decoder finds in its socket buffer). Pacing keeps a schedule (sleeps until the next due time) so a busy loop does not lower the
     offered rate more than it must; 0 streams as fast as this process can.
     """
+
+    events_per_write = 1
 
     async def _stream(self, body: dict[str, Any], ids: list[int], tokens: list[int], finish: str) -> Any:
         head = '{"id":"x","object":"text_completion","created":1700000000,"model":"fake-model","choices":[{"index":0,'
@@ -93,14 +99,15 @@ class PacedVllm(FakeVllm):
         events.append(b"data: [DONE]\n\n")
         clock = time.perf_counter
         due = clock()
-        for event in events:
+        per_write = self.events_per_write
+        for start in range(0, len(events), per_write):
             if self.token_delay_s:
-                due += self.token_delay_s
+                due += self.token_delay_s * per_write
                 delay = due - clock()
                 await asyncio.sleep(max(delay, 0.0))
             else:
                 await asyncio.sleep(0)
-            yield event
+            yield b"".join(events[start:start + per_write])
 
 
 def fixed_model(ids: list[int]) -> int:
@@ -200,10 +207,11 @@ async def client_loop(client: httpx.AsyncClient, tally: Tally, stop_at: float, m
 
 
 async def measure(proxy: ProxyChild, decoders: list[FakeVllm], *, streams: int, token_delay_s: float,
-                  max_tokens: int, warmup_s: float, duration_s: float, profile_to: str | None = None
-                  ) -> dict[str, Any]:
+                  max_tokens: int, warmup_s: float, duration_s: float, profile_to: str | None = None,
+                  events_per_write: int = 1) -> dict[str, Any]:
     for d in decoders:
         d.token_delay_s = token_delay_s
+        d.events_per_write = events_per_write
     tally = Tally()
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
     async with httpx.AsyncClient(base_url=proxy.url, timeout=_CLIENT_TIMEOUT_S, trust_env=False,
@@ -228,6 +236,7 @@ async def measure(proxy: ProxyChild, decoders: list[FakeVllm], *, streams: int, 
         "streams": streams,
         "decoder_gap_ms": round(token_delay_s * 1e3, 3),
         "offered_tok_s": round(streams / token_delay_s) if token_delay_s else None,
+        "events_per_write": events_per_write,
         "tokens_s": round(tally.tokens / wall_s),
         "proxy_us_token": round((cpu1 - cpu0) / tokens * 1e6, 1),
         "proxy_cpu_util": round((cpu1 - cpu0) / wall_s, 2),
@@ -283,13 +292,16 @@ async def run_variant(name: str, rep: int, pythonpath: str, tokenizer_dir: str, 
         heartbeat = asyncio.create_task(_heartbeat([agent for _, agent in nodes]))
         await _first_request(proxy.url)
         rows = []
-        points = [("capacity", args.capacity_streams, 0.0)]
+        points = [("capacity", args.capacity_streams, 0.0, 1)]
         for rate in args.offered_tok_s:
-            points.append((f"offered-{rate}", args.rate_streams, args.rate_streams / rate))
-        for point, streams, delay_s in points:
+            points.append((f"offered-{rate}", args.rate_streams, args.rate_streams / rate, 1))
+            if args.backlog_events > 1:
+                points.append((f"offered-{rate}-backlog-{args.backlog_events}", args.rate_streams,
+                               args.rate_streams / rate, args.backlog_events))
+        for point, streams, delay_s, per_write in points:
             row = await measure(proxy, decoders, streams=streams, token_delay_s=delay_s, max_tokens=args.max_tokens,
                                 warmup_s=args.warmup_s, duration_s=args.duration_s,
-                                profile_to=f"/tmp/proxy_relay_{name}_{point}.txt")
+                                profile_to=f"/tmp/proxy_relay_{name}_{point}.txt", events_per_write=per_write)
             rows.append({"variant": name, "rep": rep, "point": point, **row})
             print(_fmt(rows[-1]), flush=True)
         heartbeat.cancel()
@@ -386,6 +398,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--capacity-streams", type=int, default=32)
     p.add_argument("--rate-streams", type=int, default=32)
     p.add_argument("--offered-tok-s", type=int, nargs="*", default=[4000])
+    p.add_argument("--backlog-events", type=int, default=4,
+                   help="also each offered rate with the decoder writing this many events at once (1: not)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--warmup-s", type=float, default=2.0)
     p.add_argument("--duration-s", type=float, default=6.0)
