@@ -10,7 +10,10 @@ import json
 
 import pytest
 
-from lmcache_p2p.proxy.upstream import SseLines, coalesce
+import httpx
+
+from lmcache_p2p.proxy.errors import UpstreamStatus
+from lmcache_p2p.proxy.upstream import SseLines, Upstream, coalesce
 
 from .conftest import make_cluster
 from .fakes import MODEL, PROMPT
@@ -85,6 +88,52 @@ def test_events_that_cannot_merge_stay_apart():
     two_choices = _event(6, "g")
     two_choices["choices"].append({**two_choices["choices"][0], "index": 1})
     assert len(coalesce([_event(7, "h"), two_choices])) == 2
+
+
+# ---- the stream: what one read brings is yielded in order, before an error or [DONE] ---------------
+
+def _upstream_answering(chunks: list[bytes]) -> Upstream:
+    async def body():
+        for chunk in chunks:
+            yield chunk
+
+    upstream = Upstream(connect_timeout_s=1.0)
+    upstream._client = httpx.AsyncClient(transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})))
+    return upstream
+
+
+async def _read(upstream: Upstream) -> list[dict]:
+    got: list[dict] = []
+    async with upstream.stream_events("http://decoder", "/v1/completions", {}, idle_timeout_s=1.0) as events:
+        async for event in events:
+            got.append(event)
+    return got
+
+
+def _sse(event: dict) -> bytes:
+    return f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+
+
+async def test_tokens_read_with_an_error_event_reach_the_client_before_the_error():
+    error = {"error": {"message": "engine dead", "code": 500}}
+    upstream = _upstream_answering([_sse(_event(0, "a")) + _sse(_event(1, "b")) + _sse(error)])
+    got: list[dict] = []
+    with pytest.raises(UpstreamStatus, match="engine dead"):
+        async with upstream.stream_events("http://decoder", "/v1/completions", {}, idle_timeout_s=1.0) as events:
+            async for event in events:
+                got.append(event)
+    assert [e["choices"][0]["text"] for e in got] == ["ab"] and got[0]["choices"][0]["token_ids"] == [0, 1]
+    await upstream.aclose()
+
+
+async def test_done_ends_the_stream_after_the_tokens_read_with_it_and_a_cut_event_is_joined():
+    stream = _sse(_event(0, "a")) + _sse(_event(1, "中")) + b"data: [DONE]\n\n" + _sse(_event(2, "never"))
+    cut = stream.index(b"\xe4") + 1  # inside the multibyte character of the second event
+    upstream = _upstream_answering([stream[:cut], stream[cut:]])
+    got = await _read(upstream)
+    assert [e["choices"][0]["text"] for e in got] == ["a", "中"]  # one per read: nothing waits to be merged
+    await upstream.aclose()
 
 
 # ---- end to end: merged events give the slow path's output ---------------------------------------
