@@ -6,6 +6,12 @@ one, ``stream_events`` a connect timeout plus an idle timeout between bytes. An 
 its status and body; a 5xx becomes 502; an unreachable instance 502; a deadline 504. A connection
 that was never established (refused, connect timeout) raises :class:`UpstreamConnectError`: the
 instance received nothing, so the caller may send the same call elsewhere.
+
+A decode stream is the proxy's hot path (every output token passes through it): its bytes are
+split into SSE events here, per read, and the token events one read brought are merged into one
+event (``coalesce``), so a proxy that lags behind its decoder writes one chunk per read to the
+client instead of one per token, and catches up. Nothing waits to be merged: a read with one
+event yields that event at once.
 """
 
 from __future__ import annotations
