@@ -79,8 +79,8 @@ class PacedVllm(FakeVllm):
     """``FakeVllm`` whose decode stream is cheap (events pre-encoded) and paced at ``token_delay_s``.
 
     ``events_per_write`` > 1 writes that many events at once (a backlog: what a proxy that lags behind a
-    decoder finds in its socket buffer). Pacing keeps a schedule (sleeps until the next due time) so a busy loop does not lower the
-    offered rate more than it must; 0 streams as fast as this process can.
+    decoder finds in its socket buffer). Pacing keeps a schedule (sleeps until the next due time) so a busy
+    loop does not lower the offered rate more than it must; 0 streams as fast as this process can.
     """
 
     events_per_write = 1
@@ -123,7 +123,8 @@ class ProxyChild:
         env = {**os.environ, "PYTHONPATH": pythonpath}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _PROXY_MAIN.replace("{loop}", loop), "--port", "0", "--control-port", "0",
-             "--summary-interval-s", "0", "--tokenizer", tokenizer_dir, "--kv-timeout-s", "10", "--health-probe-interval-s", "1"],
+             "--summary-interval-s", "0", "--tokenizer", tokenizer_dir, "--kv-timeout-s", "10",
+             "--health-probe-interval-s", "1"],
             stderr=subprocess.PIPE, text=True, env=env, cwd=pythonpath)  # cwd: "-c" puts it first on sys.path
         self.url, self.control = self._wait_up()
         self.log_tail: collections.deque[str] = collections.deque(maxlen=50)

@@ -226,7 +226,8 @@ def _token_choice(event: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _mergeable_logprobs(a: Any, b: Any) -> bool:
-    return (isinstance(a, dict) and isinstance(b, dict) and set(a) <= set(_LOGPROB_LISTS) and set(b) <= set(_LOGPROB_LISTS)
+    keys = set(_LOGPROB_LISTS)
+    return (isinstance(a, dict) and isinstance(b, dict) and set(a) <= keys and set(b) <= keys
             and all(isinstance(v, list) for v in (*a.values(), *b.values())))
 
 
