@@ -190,6 +190,8 @@ class TokenizerProvider:
                                "proxy (pass --tokenizer DIR for exact prompt counts and every prompt's KV used)", root)
                 return None
             path = root
+        if self._prefetch is not None:  # a second thread importing transformers meanwhile sees it half-initialized
+            await asyncio.wait({self._prefetch})  # ("cannot import name 'AutoTokenizer'"); the import has no deadline
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, path)
         except Exception as exc:

@@ -6,6 +6,12 @@ one, ``stream_events`` a connect timeout plus an idle timeout between bytes. An 
 its status and body; a 5xx becomes 502; an unreachable instance 502; a deadline 504. A connection
 that was never established (refused, connect timeout) raises :class:`UpstreamConnectError`: the
 instance received nothing, so the caller may send the same call elsewhere.
+
+A decode stream is the proxy's hot path (every output token passes through it): its bytes are
+split into SSE events here, per read, and the token events one read brought are merged into one
+event (``coalesce``), so a proxy that lags behind its decoder writes one chunk per read to the
+client instead of one per token, and catches up. Nothing waits to be merged: a read with one
+event yields that event at once.
 """
 
 from __future__ import annotations
@@ -120,22 +126,109 @@ class Upstream:
 
 
 async def _sse_events(url: str, resp: httpx.Response, idle_timeout_s: float) -> AsyncIterator[dict[str, Any]]:
+    """The stream's ``data:`` events; the token events of one read are merged into one (``coalesce``).
+
+    Bytes are split into events here, per read (``httpx``'s ``aiter_lines`` costs a text decode and
+    a generator step per line); an event cut across reads waits for its end.
+    """
+    lines = SseLines()
     try:
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return
-            event = _decode_object(url, data.encode())
-            if "error" in event and "choices" not in event:
-                raise _stream_error(url, event)
-            yield event
+        async for chunk in resp.aiter_bytes():
+            pending: list[dict[str, Any]] = []
+            for data in lines.feed(chunk):
+                if data == b"[DONE]":
+                    for event in coalesce(pending):
+                        yield event
+                    return
+                event = _decode_object(url, data)
+                if "error" in event and "choices" not in event:
+                    for merged in coalesce(pending):
+                        yield merged
+                    raise _stream_error(url, event)
+                pending.append(event)
+            for event in coalesce(pending):
+                yield event
     except httpx.TimeoutException as exc:
         raise UpstreamTimeout(f"POST {url}: stream silent for {idle_timeout_s:.1f} s "
                               "(--decode-idle-timeout-s)") from exc
     except httpx.TransportError as exc:
         raise UpstreamUnreachable(f"POST {url}: stream broke: {type(exc).__name__}: {exc}") from exc
+
+
+class SseLines:
+    """Splits an SSE byte stream, read in arbitrary pieces, into the payloads of its ``data:`` lines.
+
+    Line ends may be ``\n``, ``\r\n`` or ``\r`` (the SSE spec's three); a line cut across pieces is
+    kept until its end arrives. Each ``data:`` line is one event (vLLM writes one per event).
+    """
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r", b"\n")  # "\r\n" becomes an empty line too: harmless
+        lines = (self._rest + chunk).split(b"\n") if self._rest else chunk.split(b"\n")
+        self._rest = lines.pop()
+        return [line[5:].strip() for line in lines if line.startswith(b"data:")]
+
+
+_LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def coalesce(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive completion token events merged into one, as vLLM's own output collector merges the
+    deltas a slow client has not taken yet: one event with the tokens' text, ids and logprobs in
+    order and the last one's finish. Only events already read are merged (no wait, no added
+    latency); a usage or unusual event is kept apart, in order."""
+    if len(events) < 2:
+        return events
+    out = [events[0]]
+    for event in events[1:]:
+        if not _merge_into(out[-1], event):
+            out.append(event)
+    return out
+
+
+def _merge_into(into: dict[str, Any], event: dict[str, Any]) -> bool:
+    """Append ``event``'s one choice to ``into``'s; False (nothing changed) when they do not merge."""
+    a, b = _token_choice(into), _token_choice(event)
+    if a is None or b is None or a.get("finish_reason") is not None:
+        return False
+    if ("token_ids" in a) != ("token_ids" in b) or set(a) - _CHOICE_KEYS or set(b) - _CHOICE_KEYS:
+        return False
+    la, lb = a.get("logprobs"), b.get("logprobs")
+    if (la is None) != (lb is None) or (la is not None and not _mergeable_logprobs(la, lb)):
+        return False
+    a["text"] = (a.get("text") or "") + (b.get("text") or "")
+    if "token_ids" in a:
+        a["token_ids"] = list(a["token_ids"] or ()) + list(b["token_ids"] or ())
+    if la is not None:
+        a["logprobs"] = {k: list(la.get(k) or ()) + list(lb.get(k) or ()) for k in _LOGPROB_LISTS}
+    a["finish_reason"] = b.get("finish_reason")
+    a["stop_reason"] = b.get("stop_reason")
+    return True
+
+
+_CHOICE_KEYS = frozenset({"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
+                          "prompt_token_ids", "prompt_logprobs"})
+
+
+def _token_choice(event: dict[str, Any]) -> dict[str, Any] | None:
+    """The one completion choice of a plain token event (no usage, no other field), else None."""
+    choices = event.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or event.get("usage") is not None:
+        return None
+    choice = choices[0]
+    if not isinstance(choice, dict) or choice.get("index", 0) != 0 or not isinstance(choice.get("text", ""), str):
+        return None
+    return choice
+
+
+def _mergeable_logprobs(a: Any, b: Any) -> bool:
+    keys = set(_LOGPROB_LISTS)
+    return (isinstance(a, dict) and isinstance(b, dict) and set(a) <= keys and set(b) <= keys
+            and all(isinstance(v, list) for v in (*a.values(), *b.values())))
 
 
 def _describe(exc: Exception) -> str:
