@@ -35,7 +35,6 @@ import asyncio
 import collections
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -372,20 +371,12 @@ def tokenizer_folder(into: Path) -> str:
 
 
 def metadata(args: argparse.Namespace, load_before: float) -> dict[str, Any]:
-    """Machine and run facts (local: bench/meta.py is not on main yet)."""
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True,
-                                text=True).stdout.strip())
-    return {
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
-        "python": platform.python_version(),
-        "commit": commit + ("-dirty" if dirty else ""),
-        "baseline_ref": args.baseline_ref,
-        "loadavg_1m_before": round(load_before, 2),
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "args": {k: v for k, v in vars(args).items()},
-    }
+    """bench/meta.py's block plus this run's baseline and arguments."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from meta import collect  # bench/ is not a package
+
+    return {**collect(), "load_1m_before": round(load_before, 2), "baseline_ref": args.baseline_ref,
+            "args": {k: v for k, v in vars(args).items()}}
 
 
 def parse_args() -> argparse.Namespace:
