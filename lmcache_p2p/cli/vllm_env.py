@@ -22,7 +22,13 @@ HOST = "127.0.0.1"
 LOG_FORMAT = "(%(processName)s pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s"
 
 
-CPU_DEFAULTS = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
+CPU_DEFAULTS = {
+    "UCX_TLS": "tcp,self",
+    "UCX_NET_DEVICES": "lo",
+    # vLLM's idle workers spin 1 s after every step; cap it so that instances sharing cores (and the
+    # proxy) get the CPU between requests (lmcache_p2p/cpu_connector/spin.py).
+    "LMCACHE_P2P_VLLM_SPIN_S": "0.005",
+}
 GPU_DEFAULTS = {
     # NIXL/UCX: peer GPU copies (cuda_ipc), host<->device (cuda_copy), loopback TCP for UCX's own
     # wire-up (the set the transport's GPU contract suite passes with); network devices stay on loopback.

@@ -38,6 +38,11 @@ def register() -> None:
         logger.debug("vLLM platform is not CPU: LMCache CPU connector not installed")
         return
     install()
+    from lmcache_p2p.cpu_connector.spin import cap_busy_loop, spin_from_env
+
+    spin_s = spin_from_env()
+    if spin_s is not None:
+        cap_busy_loop(spin_s)
 
 
 def install() -> None:

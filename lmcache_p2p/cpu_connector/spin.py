@@ -1,0 +1,65 @@
+"""Cap how long vLLM's idle workers busy-loop (``LMCACHE_P2P_VLLM_SPIN_S``).
+
+vLLM's shared-memory message queue (``vllm.distributed.device_communicators.shm_broadcast``) lets
+a reader spin with ``sched_yield`` for ``busy_loop_s`` (1 s, not configurable) after every read
+before it waits on a socket the writer pings on every write. With one instance per core that is
+free; with a prefiller, a decoder, their API servers and engine cores and the proxy on 2 cores, each
+instance keeps its core busy for a second after every step, and the proxy's event loop and the
+other processes wait for CPU: the TTFT tail of issue 9 (stalls of 120-135 ms in one proxy phase at
+a time). Capping the spin to a few milliseconds keeps it during a running batch (steps follow each
+other well within it) and sleeps otherwise; a wake-up then costs one socket ping (~0.1 ms).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ENV = "LMCACHE_P2P_VLLM_SPIN_S"
+_PATCHED_ATTR = "_lmcache_p2p_spin_capped"
+
+
+def spin_from_env(environ: os._Environ[str] | dict[str, str] = os.environ) -> float | None:
+    """The cap in seconds from ``LMCACHE_P2P_VLLM_SPIN_S``, None when unset or empty."""
+    raw = environ.get(ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV}={raw!r}: expected seconds as a number >= 0 (e.g. 0.005)") from None
+    if not value >= 0:
+        raise ValueError(f"{ENV}={raw!r}: expected seconds as a number >= 0 (e.g. 0.005)")
+    return value
+
+
+def cap_busy_loop(seconds: float) -> bool:
+    """Make vLLM's ``SpinCondition`` readers spin at most ``seconds`` (when vLLM passes no value).
+
+    Returns False, logging why, where this vLLM has no such class (nothing is changed then).
+    """
+    try:
+        from vllm.distributed.device_communicators import shm_broadcast
+    except ImportError as exc:
+        logger.warning("%s ignored: vLLM's shm_broadcast is not importable (%s)", ENV, exc)
+        return False
+    cls = getattr(shm_broadcast, "SpinCondition", None)
+    if cls is None:
+        logger.warning("%s ignored: this vLLM has no shm_broadcast.SpinCondition", ENV)
+        return False
+    original = cls.__init__
+    if getattr(original, _PATCHED_ATTR, None) is not None:
+        original = original.__wrapped__
+
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, busy_loop_s: float | None = None, **kwargs: Any) -> None:
+        original(self, *args, busy_loop_s=seconds if busy_loop_s is None else busy_loop_s, **kwargs)
+
+    setattr(init, _PATCHED_ATTR, seconds)
+    cls.__init__ = init
+    logger.info("vLLM's shared-memory queue readers spin at most %.3f s after a read (%s)", seconds, ENV)
+    return True
