@@ -529,6 +529,9 @@ class P2PSystem(System):
         return [sys.executable, "-m", "lmcache_p2p.cli.main", "launch", "--prefill", "1", "--decode", "1",
                 "--model", str(self.cfg.model), "--proxy-port", str(P2P_PORT), "--max-model-len",
                 str(self.cfg.max_model_len), "--log-dir", str(self.log_dir),
+                # like the anchor's instances: no KV reuse across requests (the loads repeat the same
+                # 48 prompts, which vLLM's prefix cache and the decoder's buffer cache would serve)
+                "--no-prefix-caching",
                 *[f"--vllm-arg={a}" for a in self.cfg.vllm_args]]
 
     def start(self) -> None:

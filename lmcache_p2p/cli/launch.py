@@ -86,7 +86,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--policy", default="prefix", help="proxy routing policy: prefix, least_loaded or round_robin")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="turn vLLM's automatic prefix caching off on every instance (on by default)")
+                   help="no KV reuse across requests: vLLM's automatic prefix caching off on every instance and "
+                        "the decoders' buffer cache off (p2p.buffer_cache); both on by default")
     p.add_argument("--log-dir", type=Path, default=None, help="default: logs/<timestamp>")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--shared-secret", default=os.environ.get("LMCACHE_P2P_SECRET"),
@@ -136,6 +137,8 @@ def write_lmcache_config(inst: Instance, args: argparse.Namespace, out_dir: Path
     if inst.role == "decoder":
         p2p.update(buffer_size=args.buffer_size, buffer_device=args.device, control_ports=inst.control_port,
                    transport_ports=inst.transport_port)
+        if not getattr(args, "prefix_caching", True):
+            p2p["buffer_cache"] = False
     path = out_dir / f"{inst.name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path

@@ -42,3 +42,14 @@ def test_cpu_cores_keep_prefillers_and_decoders_apart(prefill: int, decode: int,
                                                       want: dict[str, int]) -> None:
     args = build_parser().parse_args(["launch", "--prefill", str(prefill), "--decode", str(decode)])
     assert {i.name: launch.cpu_core_of(i, args, cores) for i in launch.plan(args)} == want
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_no_prefix_caching_also_turns_the_decoders_buffer_cache_off(tmp_path: Path, prefix_caching: bool) -> None:
+    import yaml
+
+    args = build_parser().parse_args(["launch", "--prefill", "1", "--decode", "1",
+                                      *([] if prefix_caching else ["--no-prefix-caching"])])
+    decoder = next(i for i in launch.plan(args) if i.role == "decoder")
+    p2p = yaml.safe_load(launch.write_lmcache_config(decoder, args, tmp_path).read_text())["extra_config"]["p2p"]
+    assert p2p.get("buffer_cache", True) is prefix_caching
