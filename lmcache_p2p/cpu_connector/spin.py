@@ -8,6 +8,13 @@ instance keeps its core busy for a second after every step, and the proxy's even
 other processes wait for CPU: the TTFT tail of issue 9 (stalls of 120-135 ms in one proxy phase at
 a time). Capping the spin to a few milliseconds keeps it during a running batch (steps follow each
 other well within it) and sleeps otherwise; a wake-up then costs one socket ping (~0.1 ms).
+
+vLLM's ping can be lost (a PUB socket with a send high-water mark of 1 drops a ping while the
+previous one is still queued); an idle reader then finds the data only at its next recheck,
+``SHM_READER_RECHECK_INTERVAL_MS`` (5000 ms). With vLLM's 1 s spin a reader is rarely idle while
+work arrives; with a short spin it often is: a 5 s stall of every request on that instance was seen
+once in 4 benchmark runs. So the recheck interval is capped to the spin too (at least 1 ms): a lost
+ping then costs at most that, and an idle reader polls its socket every few milliseconds (cheap).
 """
 
 from __future__ import annotations
@@ -61,5 +68,11 @@ def cap_busy_loop(seconds: float) -> bool:
 
     setattr(init, _PATCHED_ATTR, seconds)
     cls.__init__ = init
-    logger.info("vLLM's shared-memory queue readers spin at most %.3f s after a read (%s)", seconds, ENV)
+    recheck_ms = max(1, round(seconds * 1000))
+    if hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, recheck_ms)
+    else:
+        logger.warning("this vLLM has no SHM_READER_RECHECK_INTERVAL_MS: a lost wake-up ping may stall a reader")
+    logger.info("vLLM's shared-memory queue readers spin at most %.3f s after a read and recheck every %d ms (%s)",
+                seconds, shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, ENV)
     return True

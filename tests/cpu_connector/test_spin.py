@@ -12,9 +12,9 @@ from lmcache_p2p.cpu_connector import spin
 def restore_spin_condition():
     from vllm.distributed.device_communicators import shm_broadcast
 
-    original = shm_broadcast.SpinCondition.__init__
+    original = shm_broadcast.SpinCondition.__init__, shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS
     yield shm_broadcast.SpinCondition
-    shm_broadcast.SpinCondition.__init__ = original
+    shm_broadcast.SpinCondition.__init__, shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = original
 
 
 def reader(cls, tmp_path, **kwargs):
@@ -30,6 +30,18 @@ def test_cap_applies_when_vllm_passes_no_value_and_twice_keeps_one_wrapper(resto
     assert spin.cap_busy_loop(0.002)  # re-applied: wraps vLLM's own __init__, not the first wrapper
     assert reader(cls, tmp_path).busy_loop_s == 0.002
     assert cls.__init__.__wrapped__.__qualname__ == "SpinCondition.__init__"
+
+
+def test_a_lost_ping_costs_at_most_the_spin(restore_spin_condition):
+    """An idle reader rechecks the queue every few ms instead of vLLM's 5 s (a ping can be lost)."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 5000
+    spin.cap_busy_loop(0.005)
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 5
+    assert shm_broadcast.MessageQueue.ReadTimeoutWithWarnings(None, False).timeout_ms() == 5  # what a reader waits
+    spin.cap_busy_loop(0.0)
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 1
 
 
 @pytest.mark.parametrize(("raw", "want"), [("", None), ("0.005", 0.005), (" 0 ", 0.0)])
