@@ -142,7 +142,10 @@ def start_cluster(model_dir, log_dir, *, decoders_ever: int) -> Cluster:
     base = free_cluster_base_port(prefill=1, decode=decoders_ever)
     with mock.patch("lmcache_p2p.cli.cluster.free_base_port", lambda *a, **k: base):
         c = Cluster(model_dir, log_dir, prefill=1, decode=1,
-                    proxy_args=("--on-kv-failure", "fail", "--instance-ttl-s", "6"))
+                    # least_loaded: the join test checks that a new decoder takes its share of a trickle
+                    # of 5 repeating prompts; --policy prefix (the default) rightly keeps those on the
+                    # decoder that holds their KV while the load is balanced (tests/proxy/test_prefix.py)
+                    proxy_args=("--on-kv-failure", "fail", "--instance-ttl-s", "6", "--policy", "least_loaded"))
     try:
         c.start()
     except BaseException:
