@@ -51,7 +51,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +200,22 @@ def request_body(model: Path, prompt: list[int], output_len: int) -> dict[str, A
             "stream": True, "return_token_ids": True}
 
 
+class StreamError(Exception):
+    """An OpenAI stream carried an error event."""
+
+
+async def stream_events(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an OpenAI server-sent-event stream up to ``[DONE]``; an error event raises
+    :class:`StreamError`."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            raise StreamError(f"error in stream: {event['error']}")
+        yield event
+
+
 async def one_request(client: httpx.AsyncClient, url: str, index: int, body: dict[str, Any]) -> RequestResult:
     """Stream one completion; TTFT is the arrival of the first event carrying an output token id."""
     start = time.perf_counter()
@@ -211,18 +227,14 @@ async def one_request(client: httpx.AsyncClient, url: str, index: int, body: dic
             if resp.status_code != 200:
                 error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
             else:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        error = f"error in stream: {event['error']}"
-                        break
+                async for event in stream_events(resp):
                     for choice in event.get("choices") or ():
                         tokens = choice.get("token_ids") or ()
                         if tokens:
                             times.append(time.perf_counter() - start)
                             ids.extend(tokens)
+    except StreamError as exc:
+        error = str(exc)
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
     if error is None and len(ids) != body["max_tokens"]:

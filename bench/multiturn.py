@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import cores_of, prompt_vocab, resolve_model  # noqa: E402  (bench/ is not a package)
+from e2e import StreamError, cores_of, prompt_vocab, resolve_model, stream_events  # noqa: E402  (bench/ is not a package)
 from meta import collect  # noqa: E402
 
 from lmcache_p2p.cli import launch  # noqa: E402
@@ -145,13 +145,7 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: Path, prompt: lis
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 return None, None, [], None, f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    error = f"error in stream: {event['error']}"
-                    break
+            async for event in stream_events(resp):
                 response_id = response_id or event.get("id")
                 for choice in event.get("choices") or ():
                     tokens = choice.get("token_ids") or ()
@@ -161,6 +155,8 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: Path, prompt: lis
                 details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
                 if isinstance(details.get("cached_tokens"), int):
                     cached = details["cached_tokens"]
+    except StreamError as exc:
+        error = str(exc)
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
     if error is None and len(ids) != output_len:
