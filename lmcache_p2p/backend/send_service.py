@@ -44,7 +44,6 @@ from typing import Any
 import zmq
 
 from lmcache_p2p import protocol
-from lmcache_p2p.backend.affinity import leave_engine_cpus, thread_cpus
 from lmcache_p2p.backend.announcer import Announcer
 from lmcache_p2p.config import P2PConfig
 from lmcache_p2p.errors import ClosedError, P2PError, ProtocolError, RequestFailed, TransportError
@@ -201,8 +200,6 @@ class SendService:
         self._poller = zmq.Poller()
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._announcer = Announcer(cfg.proxy_url, self._codec, cfg.heartbeat_interval_s)
-        self._engine_cpus = thread_cpus()  # the engine thread constructs us: its CPUs (affinity.py)
-        self.cpus: frozenset[int] | None = None  # where the service thread moved to (None: it stayed)
         self._thread = threading.Thread(target=self._run, name=f"p2p-sender-{tp_rank}", daemon=True)
         self._thread.start()
 
@@ -264,8 +261,6 @@ class SendService:
 
     def _run(self) -> None:
         errors = 0
-        # before any socket of ours exists: the ZMQ I/O thread our first socket starts inherits this
-        self.cpus = leave_engine_cpus(self._engine_cpus, self._thread.name)
         try:
             while not self._stop.is_set():
                 try:

@@ -9,7 +9,6 @@ the service does with LMCache's memory (``Chunk.done``) and with other requests.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -548,27 +547,3 @@ def test_a_failed_request_reports_no_times(make_service, receiver, chunks, proxy
     assert failed.req_id == "req-1"
     with pytest.raises(AssertionError, match="no KvSent"):
         proxy.recv(protocol.KvSent, timeout_s=0.3)
-
-
-# ---- the service thread runs off the engine's core (backend/affinity.py) ---------------------------
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs Linux and at least 2 usable CPUs")
-def test_the_service_thread_runs_off_the_core_of_the_engine_thread_that_built_it(make_service) -> None:
-    """vLLM-CPU pins its worker thread to one core and threads inherit that: the service thread
-    moves itself to the other cores so its work does not queue behind (or ahead of) the prefill."""
-    first = min(os.sched_getaffinity(0))
-    built: list[SendService] = []
-
-    def engine_thread() -> None:
-        os.sched_setaffinity(0, {first})
-        built.append(make_service())
-
-    t = threading.Thread(target=engine_thread)
-    t.start()
-    t.join(WAIT_S)
-    [service] = built
-    wait_for(lambda: service.cpus is not None, "the service thread to move")
-    assert first not in service.cpus
-    assert first not in os.sched_getaffinity(service._thread.native_id)
