@@ -1,0 +1,397 @@
+"""One relay worker process of ``--workers N`` (started by ``workers.py``, never by hand).
+
+It serves the proxy's public HTTP port (the listening socket is inherited from the coordinator)
+with the same app as one process (``app.py``), but its request flow is :class:`RemoteFlow`: the
+coordinator prefills (routing, admission, KV wait) and names the decoder; this process streams
+the decode from it, makes the client's text (its own copy of the tokenizer), renders the client's
+events, and reports the steps the coordinator needs (``relay_messages.py``). A broken decode
+continues where the coordinator says (migration), exactly as in one process. Other endpoints
+(``/health``, ``/metrics``, ``/stats``, admin) are passed through to the coordinator.
+
+The worker exits when the coordinator does (its parent pid changes) and on SIGTERM (graceful:
+in-flight requests get ``--graceful-shutdown-s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from lmcache_p2p.proxy.app import ProxyApp
+from lmcache_p2p.proxy.detokenize import OutputText, TextParams
+from lmcache_p2p.proxy.errors import ProxyError, UpstreamConnectError, UpstreamError
+from lmcache_p2p.proxy.flow import context_full, end_of_context, migratable, shape_delta
+from lmcache_p2p.proxy.relay_messages import (
+    PREFIX,
+    VERSION_HEADER,
+    PROTOCOL_VERSION,
+    Count,
+    Failed,
+    Hello,
+    Open,
+    Opened,
+    Planned,
+    Step,
+    Target,
+)
+from lmcache_p2p.proxy.responses import Delta, FirstToken, decode_delta, usage
+from lmcache_p2p.proxy.shaping import ClientRequest, Endpoint
+from lmcache_p2p.proxy.tokenizer import ProxyTokenizer, load_tokenizer
+from lmcache_p2p.proxy.upstream import Upstream
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M")
+_PARENT_POLL_S = 1.0
+_PASSED_HEADERS = ("authorization", "content-type")
+_ANSWER_HEADERS = ("content-type", "www-authenticate")
+
+
+class RelayedError(ProxyError):
+    """An error the coordinator answered; keeps its status, body and class name (errors_total{type})."""
+
+    def __init__(self, failed: Failed, status_code: int) -> None:
+        error = failed.body.get("error") if isinstance(failed.body, dict) else None
+        message = str(error.get("message")) if isinstance(error, dict) else str(failed.body)
+        super().__init__(message, status_code=status_code, body=failed.body)
+        self.relayed_name = failed.name
+
+
+class CoordinatorLink:
+    """HTTP to the coordinator's Unix socket; step reports that nothing waits for go in tasks, in order."""
+
+    def __init__(self, uds_path: str, worker: int, timeout_s: float) -> None:
+        self.worker = worker
+        self._client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=uds_path),
+                                         base_url="http://coordinator", timeout=httpx.Timeout(timeout_s),
+                                         headers={VERSION_HEADER: str(PROTOCOL_VERSION)}, trust_env=False)
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def call(self, step: str, msg: msgspec.Struct, answer: type[M]) -> M:
+        resp = await self._client.post(f"{PREFIX}/{step}", content=msgspec.json.encode(msg))
+        if resp.status_code != 200:
+            raise _relayed(resp)
+        return msgspec.json.decode(resp.content, type=answer)
+
+    async def tell(self, step: str, msg: msgspec.Struct) -> None:
+        resp = await self._client.post(f"{PREFIX}/{step}", content=msgspec.json.encode(msg))
+        if resp.status_code >= 400:
+            logger.warning("the coordinator refused %s: %d %s", step, resp.status_code, resp.content[:300])
+
+    def tell_later(self, step: str, msg: msgspec.Struct, after: asyncio.Task[Any] | None = None) -> asyncio.Task[Any]:
+        """Send in a task (never awaits here: safe in a cancelled task); after ``after`` when given."""
+        task = asyncio.get_running_loop().create_task(self._tell_after(step, msg, after), name=f"relay-{step}")
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    async def _tell_after(self, step: str, msg: msgspec.Struct, after: asyncio.Task[Any] | None) -> None:
+        if after is not None:
+            await asyncio.wait({after})
+        await self.tell(step, msg)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("reporting to the coordinator failed: %r", task.exception())
+
+    async def passthrough(self, request: Request) -> Response:
+        headers = {k: v for k in _PASSED_HEADERS if (v := request.headers.get(k))}
+        resp = await self._client.request(request.method, request.url.path, params=request.query_params,
+                                          content=await request.body(), headers=headers)
+        return Response(resp.content, status_code=resp.status_code,
+                        headers={k: v for k in _ANSWER_HEADERS if (v := resp.headers.get(k))})
+
+    async def aclose(self) -> None:
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
+        await self._client.aclose()
+
+
+def _relayed(resp: httpx.Response) -> ProxyError:
+    try:
+        return RelayedError(msgspec.json.decode(resp.content, type=Failed), resp.status_code)
+    except msgspec.DecodeError:
+        return ProxyError(f"the coordinator answered {resp.status_code}: {resp.content[:300]!r}")
+
+
+class Tokenizers:
+    """The tokenizer the coordinator names, loaded once in this process (off the event loop)."""
+
+    def __init__(self) -> None:
+        self._loading: dict[str, asyncio.Task[ProxyTokenizer | None]] = {}
+
+    async def get(self, source: str) -> ProxyTokenizer:
+        task = self._loading.get(source)
+        if task is None:
+            task = self._loading[source] = asyncio.get_running_loop().create_task(asyncio.to_thread(load_tokenizer,
+                                                                                                    source))
+        tokenizer = await asyncio.shield(task)
+        if tokenizer is None:
+            raise ProxyError(f"this relay worker cannot load the coordinator's tokenizer {source}")
+        return tokenizer
+
+
+class RemoteFlow:
+    """One request of this worker: ``RequestFlow``'s interface (what ``app.py`` uses), its decode here."""
+
+    def __init__(self, worker: WorkerApp, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> None:
+        self._w = worker
+        self.req = req
+        self.handle = uuid.uuid4().hex
+        self.response_id = self.handle
+        self._headers = dict(headers)
+        self._received_s = received_s
+        self._opened: Opened | None = None
+        self.prompt_ids: list[int] = []
+        self._output_ids: list[int] = []
+        self._text: OutputText | None = None
+        self._finished = False
+        self._started: asyncio.Task[Any] | None = None
+        self._first_byte_s: float | None = None
+        self._closed = False
+
+    async def prefill(self) -> FirstToken:
+        link = self._w.link
+        opened = self._opened = await link.call("open", Open(
+            self.handle, link.worker, self.req.endpoint.value, msgspec.Raw(msgspec.json.encode(self.req.body)),
+            self._headers, self._received_s), Opened)
+        self.response_id, self.prompt_ids = opened.response_id, opened.prompt_ids
+        first = opened.first
+        self._output_ids = [] if opened.colocated else [first.token_id]
+        if opened.proxy_text and opened.tokenizer is not None:
+            tokenizer = await self._w.tokenizers.get(opened.tokenizer)
+            self._text = tokenizer.output_text(self.prompt_ids, TextParams.from_body(self.req.body))
+            if not opened.colocated:  # as the coordinator's copy did for the first token
+                self._text.update([first.token_id], stop_terminated=False)
+                self._text.next_delta(finished=False)
+        return first
+
+    @property
+    def decoder_regenerates_first(self) -> bool:
+        return self._open().regenerates_first
+
+    @property
+    def needs_decode(self) -> bool:
+        return self._open().needs_decode
+
+    def first_byte_written(self) -> None:
+        if self._first_byte_s is None:
+            self._first_byte_s = time.perf_counter()
+
+    def usage(self) -> dict[str, int]:
+        return usage(len(self.prompt_ids), len(self._output_ids) or 1)
+
+    async def decode(self) -> AsyncIterator[Delta]:
+        target = await self._call("plan", Planned)
+        if target is None:
+            raise ProxyError("the coordinator named no decoder")
+        if self.decoder_regenerates_first:
+            self._output_ids = []
+        while True:
+            try:
+                async for delta in self._decode_stream(target):
+                    yield delta
+                if self._started is not None:
+                    await asyncio.wait({self._started})  # the coordinator learns the steps in order
+                await self._w.link.tell("ended", self._step())  # before the client's [DONE]: its next turn
+                return
+            except UpstreamError as exc:
+                if context_full(exc):
+                    self._finished = True
+                    yield end_of_context(self._text)
+                    return
+                if not migratable(exc) or self._finished:
+                    raise
+                target = await self._call("broken", Planned, connect_failed=isinstance(exc, UpstreamConnectError),
+                                          message=str(exc))
+                if target is None:
+                    raise
+
+    def close(self) -> None:
+        """Tell the coordinator the request is over (in a task: never awaits)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._w.link.tell_later("closed", self._step(), after=self._started)
+
+    # ---- internals ---------------------------------------------------------------------------------
+
+    def _open(self) -> Opened:
+        if self._opened is None:
+            raise RuntimeError("prefill() first")
+        return self._opened
+
+    def _step(self, **fields: Any) -> Step:
+        return Step(self.handle, list(self._output_ids), self._finished, first_byte_s=self._first_byte_s, **fields)
+
+    async def _call(self, step: str, answer: type[Planned], **fields: Any) -> Target | None:
+        if self._started is not None:
+            await asyncio.wait({self._started})  # the coordinator learns the steps in order
+        planned = await self._w.link.call(step, self._step(**fields), answer)
+        return planned.target
+
+    async def _decode_stream(self, target: Target) -> AsyncIterator[Delta]:
+        """One decode stream; a refused connection goes where the coordinator says."""
+        async with contextlib.AsyncExitStack() as stack:
+            while True:
+                try:
+                    events = await stack.enter_async_context(self._w.upstream.stream_events(
+                        target.url, Endpoint.COMPLETIONS.value, target.body,
+                        idle_timeout_s=self._open().decode_idle_timeout_s, headers=self._headers))
+                    break
+                except UpstreamConnectError as exc:
+                    moved = await self._call("unreachable", Planned, message=str(exc))
+                    if moved is None:
+                        raise
+                    target = moved
+            async for event in events:
+                if self._started is None:
+                    self._started = self._w.link.tell_later("started", self._step())
+                raw = decode_delta(event)
+                if raw is None:
+                    continue
+                delta = shape_delta(self._text, raw)
+                self._output_ids.extend(delta.token_ids)
+                self._finished = delta.finish_reason is not None
+                yield delta
+                if self._finished:
+                    return
+
+
+class WorkerApp(ProxyApp):
+    """``ProxyApp`` with remote flows; counts go to the coordinator; other endpoints pass through."""
+
+    def __init__(self, link: CoordinatorLink, upstream: Upstream, chars_per_token: float) -> None:
+        super().__init__(None, chars_per_token, 0.0)  # type: ignore[arg-type]  # no orchestrator here
+        self.link = link
+        self.upstream = upstream
+        self.tokenizers = Tokenizers()
+
+    def build(self) -> Starlette:
+        return Starlette(routes=[
+            Route(Endpoint.COMPLETIONS.value, self.completions, methods=["POST"]),
+            Route(Endpoint.CHAT.value, self.chat_completions, methods=["POST"]),
+            Route("/{path:path}", self._pass, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
+        ])
+
+    async def _pass(self, request: Request) -> Response:
+        if request.url.path.startswith(PREFIX):
+            return Response(status_code=404)
+        return await self.link.passthrough(request)
+
+    def _now(self) -> float:
+        return time.perf_counter()
+
+    def _open_flow(self, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> Any:
+        return RemoteFlow(self, req, headers, received_s)
+
+    def _count(self, endpoint: Endpoint, status: int) -> None:
+        self.link.tell_later("count", Count(endpoint.value, status=status))
+
+    def _count_error(self, endpoint: Endpoint, name: str) -> None:
+        self.link.tell_later("count", Count(endpoint.value, error=name))
+
+
+# ---- the process -------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lmcache_p2p.proxy.relay_worker", description=__doc__)
+    p.add_argument("--fd", type=int, required=True, help="the inherited listening socket")
+    p.add_argument("--uds", required=True, help="the coordinator's Unix socket")
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--chars-per-token", type=float, required=True)
+    p.add_argument("--connect-timeout-s", type=float, required=True)
+    p.add_argument("--coordinator-timeout-s", type=float, required=True,
+                   help="deadline of one call to the coordinator (it covers a prefill and a KV wait)")
+    p.add_argument("--graceful-shutdown-s", type=float, required=True)
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    sock = socket.socket(fileno=args.fd)
+    sock.setblocking(False)
+    link = CoordinatorLink(args.uds, args.index, args.coordinator_timeout_s)
+    upstream = Upstream(args.connect_timeout_s)
+    app = WorkerApp(link, upstream, args.chars_per_token).build()
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=args.graceful_shutdown_s, timeout_keep_alive=30)
+    server = _Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="relay-worker-http")
+    parent = os.getppid()
+    try:
+        while not server.started:
+            if task.done():
+                await task
+                return
+            await asyncio.sleep(0.01)
+        await link.tell("hello", Hello(args.index, os.getpid()))
+        while not task.done():
+            if os.getppid() != parent:
+                logger.error("relay worker %d: the coordinator (pid %d) is gone: exiting", args.index, parent)
+                server.should_exit = server.force_exit = True
+            await asyncio.wait({task}, timeout=_PARENT_POLL_S)
+        await task
+    finally:
+        await link.aclose()
+        await upstream.aclose()
+
+
+class _Server:
+    """uvicorn's server with SIGTERM as its only signal (the coordinator's; SIGINT of a terminal goes to
+    the coordinator, which stops its workers)."""
+
+    def __new__(cls, config: Any) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                loop = asyncio.get_running_loop()
+                loop.add_signal_handler(signal.SIGTERM, self.handle_exit, signal.SIGTERM, None)
+                try:
+                    yield
+                finally:
+                    loop.remove_signal_handler(signal.SIGTERM)
+
+        return Server(config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s [relay {args.index}] %(name)s: "
+                                                     "%(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import uvloop
+
+        loop_factory: Any = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()
