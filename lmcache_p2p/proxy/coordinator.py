@@ -68,7 +68,7 @@ class RelayCoordinator:
     def routes(self) -> list[Route]:
         steps: dict[str, Callable[[Request], Any]] = {
             "open": self._open, "plan": self._plan, "started": self._started, "unreachable": self._unreachable,
-            "broken": self._broken, "ended": self._ended, "closed": self._closed_step, "count": self._count,
+            "broken": self._broken, "closed": self._closed_step, "count": self._count,
             "hello": self._hello}
         return [Route(f"{PREFIX}/{name}", handler, methods=["POST"]) for name, handler in steps.items()]
 
@@ -156,12 +156,6 @@ class RelayCoordinator:
         step, relayed = await self._step(request)
         if relayed is not None:
             relayed.flow.decode_started()
-        return Response(status_code=204)
-
-    async def _ended(self, request: Request) -> Response:
-        step, relayed = await self._step(request)
-        if relayed is not None:
-            relayed.flow.decode_ended(step.output_ids)
         return Response(status_code=204)
 
     async def _closed_step(self, request: Request) -> Response:

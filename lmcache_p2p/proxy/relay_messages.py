@@ -7,8 +7,8 @@ pickle. One request, as a worker sees it:
     POST /_relay/plan     Step   -> Planned         after the KV wait: where the decode goes
     POST /_relay/started  Step                      the decoder's first output (its KV is loaded)
     POST /_relay/unreachable / broken  Step -> Planned   the decode could not connect / broke: go on where?
-    POST /_relay/ended    Step                      the output is complete (before the client's [DONE])
-    POST /_relay/closed   Step                      the request is over, however it ended (idempotent)
+    POST /_relay/closed   Step                      the request is over, however it ended (idempotent); a
+                                                    complete answer is closed before its last bytes go out
     POST /_relay/count    Count                     requests_total / errors_total of a worker's answer
     POST /_relay/hello    Hello                     a worker serves the HTTP port
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import signal
@@ -31,7 +32,7 @@ import httpx
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from lmcache_p2p.proxy.app import ProxyApp
@@ -51,7 +52,7 @@ from lmcache_p2p.proxy.relay_messages import (
     Step,
     Target,
 )
-from lmcache_p2p.proxy.responses import Delta, FirstToken, decode_delta, usage
+from lmcache_p2p.proxy.responses import SSE_DONE, Delta, FirstToken, Renderer, decode_delta, usage
 from lmcache_p2p.proxy.shaping import ClientRequest, Endpoint
 from lmcache_p2p.proxy.tokenizer import ProxyTokenizer, load_tokenizer
 from lmcache_p2p.proxy.upstream import Upstream
@@ -59,6 +60,7 @@ from lmcache_p2p.proxy.upstream import Upstream
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M")
+_current: contextvars.ContextVar[RemoteFlow | None] = contextvars.ContextVar("relay_flow", default=None)
 _PARENT_POLL_S = 1.0
 _PASSED_HEADERS = ("authorization", "content-type")
 _ANSWER_HEADERS = ("content-type", "www-authenticate")
@@ -167,6 +169,7 @@ class RemoteFlow:
         self._started: asyncio.Task[Any] | None = None
         self._first_byte_s: float | None = None
         self._closed = False
+        self._closing: asyncio.Task[Any] | None = None
 
     async def prefill(self) -> FirstToken:
         link = self._w.link
@@ -209,9 +212,6 @@ class RemoteFlow:
             try:
                 async for delta in self._decode_stream(target):
                     yield delta
-                if self._started is not None:
-                    await asyncio.wait({self._started})  # the coordinator learns the steps in order
-                await self._w.link.tell("ended", self._step())  # before the client's [DONE]: its next turn
                 return
             except UpstreamError as exc:
                 if context_full(exc):
@@ -225,12 +225,27 @@ class RemoteFlow:
                 if target is None:
                     raise
 
-    def close(self) -> None:
-        """Tell the coordinator the request is over (in a task: never awaits)."""
+    async def end(self) -> None:
+        """The answer is complete (before the client's [DONE] or its body): the coordinator closes the
+        request now (releases its load, remembers the output for the next turn), as one process would."""
         if self._closed:
             return
         self._closed = True
-        self._w.link.tell_later("closed", self._step(), after=self._started)
+        if self._started is not None:
+            await asyncio.wait({self._started})  # the coordinator learns the steps in order
+        await self._w.link.tell("closed", self._step())
+
+    def close(self) -> None:
+        """Tell the coordinator the request is over (in a task: never awaits); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closing = self._w.link.tell_later("closed", self._step(), after=self._started)
+
+    async def closing(self) -> None:
+        """Until the coordinator has closed the request (after ``close``)."""
+        if self._closing is not None:
+            await asyncio.wait({self._closing})
 
     # ---- internals ---------------------------------------------------------------------------------
 
@@ -301,7 +316,24 @@ class WorkerApp(ProxyApp):
         return time.perf_counter()
 
     def _open_flow(self, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> Any:
-        return RemoteFlow(self, req, headers, received_s)
+        flow = RemoteFlow(self, req, headers, received_s)
+        _current.set(flow)
+        return flow
+
+    async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
+        """As one process; an answer that is not a stream goes out once the coordinator closed its request."""
+        _current.set(None)
+        response = await super()._generate(request, endpoint)
+        flow = _current.get()
+        if flow is not None and not isinstance(response, StreamingResponse):
+            await flow.closing()
+        return response
+
+    async def _stream(self, flow: Any, renderer: Renderer) -> AsyncIterator[bytes]:
+        async for chunk in super()._stream(flow, renderer):
+            if chunk is SSE_DONE:
+                await flow.end()
+            yield chunk
 
     def _count(self, endpoint: Endpoint, status: int) -> None:
         self.link.tell_later("count", Count(endpoint.value, status=status))
