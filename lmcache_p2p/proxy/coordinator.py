@@ -64,6 +64,7 @@ class RelayCoordinator:
         self._on_hello = on_hello
         self._flows: dict[str, _Relayed] = {}
         self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.opened_by_worker: collections.Counter[int] = collections.Counter()  # requests each worker opened
 
     def routes(self) -> list[Route]:
         steps: dict[str, Callable[[Request], Any]] = {
@@ -103,6 +104,7 @@ class RelayCoordinator:
             if msg.handle in self._closed:
                 return Response(status_code=499)
             self._flows[msg.handle] = _Relayed(flow, msg.worker)
+            self.opened_by_worker[msg.worker] += 1
             kept = True
             return _answer(Opened(
                 flow.response_id, first, flow.prompt_ids, flow.needs_decode, flow.decoder_regenerates_first,

@@ -1,6 +1,6 @@
 """One relay worker process of ``--workers N`` (started by ``workers.py``, never by hand).
 
-It serves the proxy's public HTTP port (the listening socket is inherited from the coordinator)
+It serves the proxy's public HTTP port (its own SO_REUSEPORT listener, next to the other workers')
 with the same app as one process (``app.py``), but its request flow is :class:`RemoteFlow`: the
 coordinator prefills (routing, admission, KV wait) and names the decoder; this process streams
 the decode from it, makes the client's text (its own copy of the tokenizer), renders the client's
@@ -21,7 +21,6 @@ import contextvars
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -347,7 +346,8 @@ class WorkerApp(ProxyApp):
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lmcache_p2p.proxy.relay_worker", description=__doc__)
-    p.add_argument("--fd", type=int, required=True, help="the inherited listening socket")
+    p.add_argument("--host", required=True, help="the proxy's HTTP address (SO_REUSEPORT: shared with the others)")
+    p.add_argument("--port", type=int, required=True)
     p.add_argument("--uds", required=True, help="the coordinator's Unix socket")
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--chars-per-token", type=float, required=True)
@@ -362,8 +362,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    sock = socket.socket(fileno=args.fd)
-    sock.setblocking(False)
+    from lmcache_p2p.proxy.server import bind_http
+
+    sock = bind_http(args.host, args.port, reuse_port=True)
     link = CoordinatorLink(args.uds, args.index, args.coordinator_timeout_s)
     upstream = Upstream(args.connect_timeout_s)
     app = WorkerApp(link, upstream, args.chars_per_token).build()

@@ -110,9 +110,10 @@ class Proxy:
 
     async def start_http(self) -> None:
         """Serve HTTP in a task (``.port`` is the bound port, useful with --port 0)."""
-        sock = _bind(self.settings.host, self.settings.port)
+        workers = self.settings.workers > 1
+        sock = bind_http(self.settings.host, self.settings.port, listen=not workers, reuse_port=workers)
         self.port = sock.getsockname()[1]
-        if self.settings.workers > 1:
+        if workers:
             await self._start_workers(sock)
             return
         await self._serve_on(self.app, sock, f"{self.settings.host}:{self.port}")
@@ -128,7 +129,7 @@ class Proxy:
 
     async def _start_workers(self, sock: socket.socket) -> None:
         """The coordinator serves its workers (and the public endpoints they pass through) on a Unix socket
-        in a 0700 folder; the workers serve ``sock``."""
+        in a 0700 folder; the workers listen on the port ``sock`` holds (SO_REUSEPORT)."""
         from starlette.applications import Starlette
 
         self._http_socket = sock
@@ -138,7 +139,7 @@ class Proxy:
         usock.bind(uds_path)
         usock.listen(2048)
         usock.setblocking(False)
-        pool = self.workers = WorkerPool(self.settings, sock, uds_path, on_dead=self._worker_died,
+        pool = self.workers = WorkerPool(self.settings, self.port, uds_path, on_dead=self._worker_died,
                                          on_give_up=self._give_up)
         self.coordinator = RelayCoordinator(self.orchestrator, self.proxy_app, self.settings.chars_per_token,
                                             on_hello=pool.hello)
@@ -306,21 +307,29 @@ def _uvicorn_server(app: Any, settings: ProxySettings) -> uvicorn.Server:
     return _Server(config)
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_http(host: str, port: int, *, listen: bool = True, reuse_port: bool = False) -> socket.socket:
     """A listening socket (port 0: ephemeral); bound here so a busy port fails before anything starts.
 
     Made with ``IPPROTO_TCP`` explicitly: asyncio sets TCP_NODELAY only on accepted sockets whose
     proto says TCP (proto 0 is skipped). Without it, Nagle held each streamed chunk written after
     the response headers until the client's delayed ACK, ~40 ms added to a streaming client's TTFT.
+
+    ``reuse_port`` (``--workers N``): SO_REUSEPORT, so that each relay worker listens on the port with
+    its own socket and the kernel spreads new connections over them (one shared listening socket
+    let the least busy process take nearly every connection). The coordinator holds the port with
+    a socket that does not listen (``listen=False``): it gets no connections.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
         raise OSError(f"cannot bind the proxy's HTTP port {host}:{port} (--host/--port): {exc}") from exc
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.setblocking(False)
     return sock

@@ -6,14 +6,15 @@ core, and once its loop is busy every request's prefill and KV handover queues b
 (issue 7: 627 ms of a 649 ms handover at 32 req/s on 2x H200). With ``--workers N`` the relay is
 spread over N processes while the routing state stays in one place:
 
-    client --HTTP--> worker i (of N; they share the listening socket, the kernel spreads connections)
+    client --HTTP--> worker i (of N; SO_REUSEPORT listeners, the kernel spreads connections)
                       |  Unix socket in a 0700 folder, msgspec JSON (relay_messages.py)
                       v
                    coordinator (this process): registry, routing, admission, KV waiters, control
                    socket, metrics; prefills; answers /health /metrics /stats and admin calls
 
 The coordinator binds the public port (so ``--port 0`` and a busy port behave as in one process)
-and never accepts on it; each worker inherits the socket. :class:`WorkerPool` starts the workers,
+and never listens on it; each worker listens on it with its own socket (SO_REUSEPORT: the kernel
+spreads new connections over the workers; a client's keep-alive connection stays on one). :class:`WorkerPool` starts the workers,
 waits until each serves (its hello), restarts one that dies (the requests it held are closed on
 the coordinator, so no load leaks) and gives up after ``_MAX_RESTARTS`` deaths within
 ``_RESTART_WINDOW_S``: then the proxy exits with an error rather than serve with fewer relays
@@ -28,7 +29,6 @@ import collections
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -58,10 +58,10 @@ def coordinator_call_timeout_s(s: ProxySettings) -> float:
 
 
 class WorkerPool:
-    def __init__(self, settings: ProxySettings, http_socket: socket.socket, uds_path: str,
+    def __init__(self, settings: ProxySettings, port: int, uds_path: str,
                  on_dead: Callable[[int], None], on_give_up: Callable[[str], None]) -> None:
         self._settings = settings
-        self._socket = http_socket
+        self._port = port
         self._uds = uds_path
         self._on_dead = on_dead
         self._on_give_up = on_give_up
@@ -123,18 +123,18 @@ class WorkerPool:
     async def _spawn(self, index: int) -> None:
         s = self._settings
         ready = self._ready[index] = asyncio.Event()
-        fd = self._socket.fileno()
         package_root = str(Path(lmcache_p2p.__file__).resolve().parent.parent)  # the same code as this process
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
                                                            if p)}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "lmcache_p2p.proxy.relay_worker", "--fd", str(fd), "--uds", self._uds,
+            sys.executable, "-m", "lmcache_p2p.proxy.relay_worker", "--host", s.host, "--port", str(self._port),
+            "--uds", self._uds,
             "--index", str(index), "--chars-per-token", str(s.chars_per_token),
             "--connect-timeout-s", str(s.connect_timeout_s),
             "--coordinator-timeout-s", str(coordinator_call_timeout_s(s)),
             "--graceful-shutdown-s", str(s.graceful_shutdown_s),
             "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-            pass_fds=(fd,), start_new_session=True, env=env)  # own session: a terminal's ^C reaches us alone
+            start_new_session=True, env=env)  # own session: a terminal's ^C reaches us alone
         self._procs[index] = proc
         watch = asyncio.get_running_loop().create_task(self._watch(index, proc), name=f"relay-worker-{index}")
         self._watches.add(watch)
