@@ -206,3 +206,24 @@ def test_sigterm_stops_the_coordinator_and_every_worker():
         _wait(lambda: not any(_alive(p) for p in workers))
     finally:
         proxy.kill()
+
+
+def test_launch_passes_proxy_workers_to_the_proxy_and_the_proxy_takes_it(tmp_path):
+    import argparse
+
+    from lmcache_p2p.cli import launch
+    from lmcache_p2p.cli.main import build_parser
+    from lmcache_p2p.errors import ConfigError
+    from lmcache_p2p.proxy.server import add_arguments
+    from lmcache_p2p.proxy.settings import ProxySettings
+
+    args = build_parser().parse_args(["launch", "--model", str(tmp_path), "--proxy-workers", "3"])
+    argv = list(launch.proxy_child(args, tmp_path).argv)
+    proxy_argv = argv[argv.index("proxy") + 1:]
+    assert proxy_argv[proxy_argv.index("--workers") + 1] == "3"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert ProxySettings.from_args(parser.parse_args(proxy_argv)).workers == 3
+    assert ProxySettings.from_args(parser.parse_args([])).workers == 1  # default: one process
+    with pytest.raises(ConfigError, match="--workers"):
+        ProxySettings(workers=0)
