@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import contextvars
+import gc
 import logging
 import os
 import signal
@@ -139,14 +140,26 @@ class Tokenizers:
     def __init__(self) -> None:
         self._loading: dict[str, asyncio.Task[ProxyTokenizer | None]] = {}
 
+    def preload(self, source: str) -> None:
+        """Start loading ``source`` now (the proxy's --tokenizer folder), before the first request needs it."""
+        if source not in self._loading:
+            self._loading[source] = asyncio.get_running_loop().create_task(self._load(source), name="relay-tokenizer")
+
     async def get(self, source: str) -> ProxyTokenizer:
-        task = self._loading.get(source)
-        if task is None:
-            task = self._loading[source] = asyncio.get_running_loop().create_task(asyncio.to_thread(load_tokenizer,
-                                                                                                    source))
-        tokenizer = await asyncio.shield(task)
+        self.preload(source)
+        tokenizer = await asyncio.shield(self._loading[source])
         if tokenizer is None:
             raise ProxyError(f"this relay worker cannot load the coordinator's tokenizer {source}")
+        return tokenizer
+
+    @staticmethod
+    async def _load(source: str) -> ProxyTokenizer | None:
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, source)
+        except Exception as exc:
+            logger.error("relay worker: cannot load the tokenizer from %s (%s: %s)", source, type(exc).__name__, exc)
+            return None
+        gc.freeze()  # as the coordinator does (tokenizer.py): full collections must not walk transformers' objects
         return tokenizer
 
 
@@ -355,6 +368,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--coordinator-timeout-s", type=float, required=True,
                    help="deadline of one call to the coordinator (it covers a prefill and a KV wait)")
     p.add_argument("--graceful-shutdown-s", type=float, required=True)
+    p.add_argument("--tokenizer", default=None, help="a tokenizer folder to load at start (the proxy's --tokenizer)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -367,7 +381,10 @@ async def serve(args: argparse.Namespace) -> None:
     sock = bind_http(args.host, args.port, reuse_port=True)
     link = CoordinatorLink(args.uds, args.index, args.coordinator_timeout_s)
     upstream = Upstream(args.connect_timeout_s)
-    app = WorkerApp(link, upstream, args.chars_per_token).build()
+    worker_app = WorkerApp(link, upstream, args.chars_per_token)
+    if args.tokenizer:
+        worker_app.tokenizers.preload(args.tokenizer)
+    app = worker_app.build()
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=args.graceful_shutdown_s, timeout_keep_alive=30)
     server = _Server(config)
