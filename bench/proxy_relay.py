@@ -157,19 +157,24 @@ class ProxyChild:
     def cpu_s(self) -> float:
         """User + system CPU seconds so far of the proxy process and its live children (--workers: the relay
         workers; they are not restarted during a run, so none of their time is lost to reaping), from /proc."""
-        total = 0
-        for pid in [self.proc.pid, *_children(self.proc.pid)]:
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += int(fields[11]) + int(fields[12])
-        return total / os.sysconf("SC_CLK_TCK")
+        return sum(_cpu_s(pid) for pid in [self.proc.pid, *_children(self.proc.pid)])
+
+    def coordinator_cpu_s(self) -> float:
+        """The proxy process alone (with --workers: the coordinator)."""
+        return _cpu_s(self.proc.pid)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(30)
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _children(pid: int) -> list[int]:
@@ -245,11 +250,13 @@ async def measure(proxy: ProxyChild, decoders: list[FakeVllm], *, streams: int, 
         await asyncio.sleep(warmup_s)
         tally.measuring = True
         cpu0, own0, t0 = proxy.cpu_s(), time.process_time(), time.perf_counter()
+        coord0 = proxy.coordinator_cpu_s()
         spy = _pyspy(proxy, duration_s, profile_to)
         await asyncio.sleep(duration_s)
         if spy is not None:
             spy.wait(30)
         cpu1, own1, t1 = proxy.cpu_s(), time.process_time(), time.perf_counter()
+        coord1 = proxy.coordinator_cpu_s()
         tally.measuring = False
         # tokens of streams that finish after the window are not counted; those before it were
         await asyncio.wait(tasks, timeout=_CLIENT_TIMEOUT_S)
@@ -264,6 +271,7 @@ async def measure(proxy: ProxyChild, decoders: list[FakeVllm], *, streams: int, 
         "tokens_s": round(tally.tokens / wall_s),
         "proxy_us_token": round((cpu1 - cpu0) / tokens * 1e6, 1),
         "proxy_cpu_util": round((cpu1 - cpu0) / wall_s, 2),
+        "coordinator_cpu_util": round((coord1 - coord0) / wall_s, 2),  # = proxy_cpu_util with one process
         "bench_cpu_util": round((own1 - own0) / wall_s, 2),
         "gap_ms_p50": round(_pct(gaps_ms, 50), 2),
         "gap_ms_p99": round(_pct(gaps_ms, 99), 2),
@@ -370,7 +378,7 @@ async def _wait_routable(url: str, n: int, timeout_s: float = 30.0) -> None:
 
 
 _COLS = ("variant", "workers", "rep", "point", "streams", "decoder_gap_ms", "tokens_s", "proxy_us_token", "proxy_cpu_util",
-         "bench_cpu_util", "gap_ms_p50", "gap_ms_p99", "failed")
+         "coordinator_cpu_util", "bench_cpu_util", "gap_ms_p50", "gap_ms_p99", "failed")
 
 
 def _fmt(row: dict[str, Any]) -> str:
@@ -457,7 +465,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for row in rows:
         variant = row["variant"] if row.get("workers", 1) == 1 else f"{row['variant']}-workers{row['workers']}"
         groups.setdefault((variant, row["point"]), []).append(row)
-    keys = ("tokens_s", "proxy_us_token", "proxy_cpu_util", "gap_ms_p50", "gap_ms_p99", "failed")
+    keys = ("tokens_s", "proxy_us_token", "proxy_cpu_util", "coordinator_cpu_util", "gap_ms_p50", "gap_ms_p99", "failed")
     medians = {g: {k: statistics.median(r[k] for r in rs) for k in keys} for g, rs in groups.items()}
     out: dict[str, Any] = {}
     for (variant, point), med in medians.items():
