@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Collection, Iterator, Mapping
 from typing import Any, TypeVar
 
 import httpx
@@ -97,16 +97,17 @@ class CoordinatorLink:
         if resp.status_code >= 400:
             logger.warning("the coordinator refused %s: %d %s", step, resp.status_code, resp.content[:300])
 
-    def tell_later(self, step: str, msg: msgspec.Struct, after: asyncio.Task[Any] | None = None) -> asyncio.Task[Any]:
-        """Send in a task (never awaits here: safe in a cancelled task); after ``after`` when given."""
+    def tell_later(self, step: str, msg: msgspec.Struct, after: Collection[asyncio.Task[Any]] = ()
+                   ) -> asyncio.Task[Any]:
+        """Send in a task (never awaits here: safe in a cancelled task); after the tasks ``after``."""
         task = asyncio.get_running_loop().create_task(self._tell_after(step, msg, after), name=f"relay-{step}")
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task
 
-    async def _tell_after(self, step: str, msg: msgspec.Struct, after: asyncio.Task[Any] | None) -> None:
-        if after is not None:
-            await asyncio.wait({after})
+    async def _tell_after(self, step: str, msg: msgspec.Struct, after: Collection[asyncio.Task[Any]]) -> None:
+        if after:
+            await asyncio.wait(after)
         await self.tell(step, msg)
 
     def _done(self, task: asyncio.Task[Any]) -> None:
@@ -182,6 +183,7 @@ class RemoteFlow:
         self._first_byte_s: float | None = None
         self._closed = False
         self._closing: asyncio.Task[Any] | None = None
+        self._before_close: list[asyncio.Task[Any]] = []  # reports the coordinator must have before "closed"
 
     async def prefill(self) -> FirstToken:
         link = self._w.link
@@ -206,6 +208,10 @@ class RemoteFlow:
     @property
     def needs_decode(self) -> bool:
         return self._open().needs_decode
+
+    def count_sent(self, task: asyncio.Task[Any]) -> None:
+        """A count of this request's answer is on its way: "closed" goes after it."""
+        self._before_close.append(task)
 
     def first_byte_written(self) -> None:
         if self._first_byte_s is None:
@@ -243,8 +249,8 @@ class RemoteFlow:
         if self._closed:
             return
         self._closed = True
-        if self._started is not None:
-            await asyncio.wait({self._started})  # the coordinator learns the steps in order
+        if self._before_close:
+            await asyncio.wait(self._before_close)  # the coordinator learns the steps (and counts) in order
         await self._w.link.tell("closed", self._step())
 
     def close(self) -> None:
@@ -252,7 +258,7 @@ class RemoteFlow:
         if self._closed:
             return
         self._closed = True
-        self._closing = self._w.link.tell_later("closed", self._step(), after=self._started)
+        self._closing = self._w.link.tell_later("closed", self._step(), after=self._before_close)
 
     async def closing(self) -> None:
         """Until the coordinator has closed the request (after ``close``)."""
@@ -292,6 +298,7 @@ class RemoteFlow:
             async for event in events:
                 if self._started is None:
                     self._started = self._w.link.tell_later("started", self._step())
+                    self._before_close.append(self._started)
                 raw = decode_delta(event)
                 if raw is None:
                     continue
@@ -348,10 +355,16 @@ class WorkerApp(ProxyApp):
             yield chunk
 
     def _count(self, endpoint: Endpoint, status: int) -> None:
-        self.link.tell_later("count", Count(endpoint.value, status=status))
+        self._tell_count(Count(endpoint.value, status=status))
 
     def _count_error(self, endpoint: Endpoint, name: str) -> None:
-        self.link.tell_later("count", Count(endpoint.value, error=name))
+        self._tell_count(Count(endpoint.value, error=name))
+
+    def _tell_count(self, count: Count) -> None:
+        task = self.link.tell_later("count", count)
+        flow = _current.get()
+        if flow is not None:
+            flow.count_sent(task)
 
 
 # ---- the process -------------------------------------------------------------------------------------
@@ -396,6 +409,9 @@ async def serve(args: argparse.Namespace) -> None:
                 await task
                 return
             await asyncio.sleep(0.01)
+        if args.tokenizer:  # serve once the text can be made: a first request must not wait for the load
+            with contextlib.suppress(ProxyError):
+                await worker_app.tokenizers.get(args.tokenizer)
         await link.tell("hello", Hello(args.index, os.getpid()))
         while not task.done():
             if os.getppid() != parent:
