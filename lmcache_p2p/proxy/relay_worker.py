@@ -87,13 +87,23 @@ class CoordinatorLink:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def call(self, step: str, msg: msgspec.Struct, answer: type[M]) -> M:
-        resp = await self._client.post(f"{PREFIX}/{step}", content=msgspec.json.encode(msg))
+        try:
+            resp = await self._client.post(f"{PREFIX}/{step}", content=msgspec.json.encode(msg))
+        except httpx.HTTPError as exc:  # the coordinator is gone or stuck: a worker cannot serve alone
+            raise ProxyError(f"relay worker {self.worker}: the coordinator did not answer {step} "
+                             f"({type(exc).__name__}: {exc})", status_code=503) from exc
         if resp.status_code != 200:
             raise _relayed(resp)
         return msgspec.json.decode(resp.content, type=answer)
 
     async def tell(self, step: str, msg: msgspec.Struct) -> None:
-        resp = await self._client.post(f"{PREFIX}/{step}", content=msgspec.json.encode(msg))
+        """A report nothing waits on the answer of; a coordinator that does not take it is logged."""
+        try:
+            resp = await self._client.post(f"{PREFIX}/{step}", content=msgspec.json.encode(msg))
+        except httpx.HTTPError as exc:
+            logger.error("relay worker %d: the coordinator did not take %s (%s: %s)", self.worker, step,
+                         type(exc).__name__, exc)
+            return
         if resp.status_code >= 400:
             logger.warning("the coordinator refused %s: %d %s", step, resp.status_code, resp.content[:300])
 
