@@ -77,6 +77,10 @@ class RelayCoordinator:
         """Requests open on workers."""
         return len(self._flows)
 
+    def open_on(self, worker: int) -> int:
+        """Requests open on worker ``worker``."""
+        return sum(relayed.worker == worker for relayed in self._flows.values())
+
     def forget_worker(self, worker: int) -> None:
         """Worker ``worker`` is gone: close every request it held (its clients' connections went with it)."""
         gone = [handle for handle, relayed in self._flows.items() if relayed.worker == worker]

@@ -140,14 +140,18 @@ async def test_a_decoder_dying_mid_stream_still_migrates(stream):
 
 async def test_a_killed_worker_is_restarted_and_its_requests_are_closed():
     async with make_cluster(workers=2) as c:
-        c.decoders[0].vllm.token_delay_s = 0.05
+        c.decoders[0].vllm.token_delay_s = 0.05  # streams of 5 s: all open when the worker is killed
         pool = c.proxy.workers
         before = dict(pool.pids)
         streams = [asyncio.ensure_future(_stream_until_cut(str(c.client.base_url))) for _ in range(6)]
         await eventually(lambda: len(c.proxy.coordinator) == 6)
-        os.kill(before[0], signal.SIGKILL)
-        await eventually(lambda: pool.pids.get(0) not in (None, before[0]), timeout_s=60)
-        await asyncio.gather(*streams)
+        victim = max(before, key=c.proxy.coordinator.open_on)
+        held = c.proxy.coordinator.open_on(victim)
+        assert held > 0
+        os.kill(before[victim], signal.SIGKILL)
+        await eventually(lambda: pool.pids.get(victim) not in (None, before[victim]), timeout_s=60)
+        assert c.proxy.coordinator.open_on(victim) == 0  # its requests were closed when it died
+        assert sum(await asyncio.gather(*streams)) == held  # its clients' streams broke, the others' did not
         await eventually(lambda: len(c.proxy.coordinator) == 0)
         c.decoders[0].vllm.token_delay_s = 0.0
         ids = tokenize(PROMPT)
@@ -159,16 +163,17 @@ async def test_a_killed_worker_is_restarted_and_its_requests_are_closed():
         assert_idle(c)
 
 
-async def _stream_until_cut(url: str) -> None:
-    """A long stream on its own connection; ends when the stream does or the worker serving it dies."""
+async def _stream_until_cut(url: str) -> int:
+    """A long stream on its own connection; 1 when it broke (the worker serving it died), 0 when it ended."""
     try:
         async with httpx.AsyncClient(base_url=url, timeout=30, trust_env=False) as own:
-            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True}
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "stream": True}
             async with own.stream("POST", "/v1/completions", json=body) as resp:
                 async for _ in resp.aiter_bytes():
                     pass
     except httpx.HTTPError:
-        pass
+        return 1
+    return 0
 
 
 def _children(pid: int) -> list[int]:
