@@ -230,9 +230,14 @@ def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: P
 
 
 def proxy_child(args: argparse.Namespace, log_dir: Path) -> Child:
+    # With relay workers, name the tokenizer folder: each worker loads it before it serves (with "auto" a
+    # worker learns the folder from the coordinator, after the instances are up: the first requests wait).
+    model = Path(args.model) if args.model is not None else DEFAULT_MODEL_DIR
+    tokenizer = (["--tokenizer", str(model.resolve())] if args.proxy_workers > 1 and model.is_dir()
+                 and not any(a.startswith("--tokenizer") for a in args.proxy_arg) else [])
     argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "proxy", "--host", "127.0.0.1",
             "--port", str(args.proxy_port), "--control-port", str(args.proxy_control_port), "--policy", args.policy,
-            "--workers", str(args.proxy_workers), *args.proxy_arg]
+            "--workers", str(args.proxy_workers), *tokenizer, *args.proxy_arg]
     env = dict(os.environ)
     if args.shared_secret:
         env["LMCACHE_P2P_SECRET"] = args.shared_secret

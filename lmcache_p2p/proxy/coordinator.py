@@ -38,6 +38,7 @@ from lmcache_p2p.proxy.relay_messages import (
     Planned,
     Step,
     Target,
+    TokenizerSource,
 )
 from lmcache_p2p.proxy.shaping import Endpoint, parse_client_request
 
@@ -70,7 +71,7 @@ class RelayCoordinator:
         steps: dict[str, Callable[[Request], Any]] = {
             "open": self._open, "plan": self._plan, "started": self._started, "unreachable": self._unreachable,
             "broken": self._broken, "closed": self._closed_step, "count": self._count,
-            "hello": self._hello}
+            "hello": self._hello, "tokenizer": self._tokenizer}
         return [Route(f"{PREFIX}/{name}", handler, methods=["POST"]) for name, handler in steps.items()]
 
     def __len__(self) -> int:
@@ -181,6 +182,10 @@ class RelayCoordinator:
         if count.error is not None:
             metrics.errors.labels(endpoint.value, count.error).inc()
         return Response(status_code=204)
+
+    async def _tokenizer(self, request: Request) -> Response:
+        tokenizers = self._o.tokenizers
+        return _answer(TokenizerSource(tokenizers.settled, tokenizers.loaded_source))
 
     async def _hello(self, request: Request) -> Response:
         self._on_hello(msgspec.json.decode(await request.body(), type=Hello))

@@ -11,6 +11,7 @@ pickle. One request, as a worker sees it:
                                                     complete answer is closed before its last bytes go out
     POST /_relay/count    Count                     requests_total / errors_total of a worker's answer
     POST /_relay/hello    Hello                     a worker serves the HTTP port
+    POST /_relay/tokenizer        -> TokenizerSource  which tokenizer to load (polled until settled)
 
 A coordinator error answers with its HTTP status and a ``Failed`` body.
 
@@ -79,6 +80,11 @@ class Hello(msgspec.Struct, frozen=True):
     worker: int
     pid: int
     version: int = PROTOCOL_VERSION
+
+
+class TokenizerSource(msgspec.Struct, frozen=True):
+    settled: bool  # False: the coordinator has not loaded it yet (it waits for an instance to ask)
+    source: str | None  # the folder to load; None: the proxy makes no text (instances do)
 
 
 class Failed(msgspec.Struct, frozen=True):

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import contextvars
 import gc
+import importlib
 import logging
 import os
 import signal
@@ -51,10 +52,11 @@ from lmcache_p2p.proxy.relay_messages import (
     Planned,
     Step,
     Target,
+    TokenizerSource,
 )
 from lmcache_p2p.proxy.responses import SSE_DONE, Delta, FirstToken, Renderer, decode_delta, usage
 from lmcache_p2p.proxy.shaping import ClientRequest, Endpoint
-from lmcache_p2p.proxy.tokenizer import ProxyTokenizer, load_tokenizer
+from lmcache_p2p.proxy.tokenizer import NONE, ProxyTokenizer, load_tokenizer
 from lmcache_p2p.proxy.upstream import Upstream
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ logger = logging.getLogger(__name__)
 M = TypeVar("M")
 _current: contextvars.ContextVar[RemoteFlow | None] = contextvars.ContextVar("relay_flow", default=None)
 _PARENT_POLL_S = 1.0
+_TOKENIZER_POLL_S = 0.5
 _PASSED_HEADERS = ("authorization", "content-type")
 _ANSWER_HEADERS = ("content-type", "www-authenticate")
 
@@ -150,6 +153,13 @@ class Tokenizers:
 
     def __init__(self) -> None:
         self._loading: dict[str, asyncio.Task[ProxyTokenizer | None]] = {}
+        self._import: asyncio.Task[Any] | None = None
+
+    def prefetch(self) -> None:
+        """Import ``transformers`` in a thread now (seconds): the first request then waits for the folder alone."""
+        if self._import is None:
+            self._import = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(importlib.import_module, "transformers"), name="relay-tokenizer-import")
 
     def preload(self, source: str) -> None:
         """Start loading ``source`` now (the proxy's --tokenizer folder), before the first request needs it."""
@@ -163,8 +173,9 @@ class Tokenizers:
             raise ProxyError(f"this relay worker cannot load the coordinator's tokenizer {source}")
         return tokenizer
 
-    @staticmethod
-    async def _load(source: str) -> ProxyTokenizer | None:
+    async def _load(self, source: str) -> ProxyTokenizer | None:
+        if self._import is not None:  # a second importing thread would see it half-initialized (tokenizer.py)
+            await asyncio.wait({self._import})
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, source)
         except Exception as exc:
@@ -391,7 +402,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--coordinator-timeout-s", type=float, required=True,
                    help="deadline of one call to the coordinator (it covers a prefill and a KV wait)")
     p.add_argument("--graceful-shutdown-s", type=float, required=True)
-    p.add_argument("--tokenizer", default=None, help="a tokenizer folder to load at start (the proxy's --tokenizer)")
+    p.add_argument("--tokenizer", default=NONE, help="the proxy's --tokenizer: a folder is loaded at start; 'auto': "
+                   "transformers is imported at start and the coordinator's folder loaded once it knows it")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -405,7 +417,9 @@ async def serve(args: argparse.Namespace) -> None:
     link = CoordinatorLink(args.uds, args.index, args.coordinator_timeout_s)
     upstream = Upstream(args.connect_timeout_s)
     worker_app = WorkerApp(link, upstream, args.chars_per_token)
-    if args.tokenizer:
+    if args.tokenizer != NONE:
+        worker_app.tokenizers.prefetch()
+    if os.path.isdir(args.tokenizer):
         worker_app.tokenizers.preload(args.tokenizer)
     app = worker_app.build()
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
@@ -413,16 +427,19 @@ async def serve(args: argparse.Namespace) -> None:
     server = _Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="relay-worker-http")
     parent = os.getppid()
+    follow: asyncio.Task[None] | None = None
     try:
         while not server.started:
             if task.done():
                 await task
                 return
             await asyncio.sleep(0.01)
-        if args.tokenizer:  # serve once the text can be made: a first request must not wait for the load
+        if os.path.isdir(args.tokenizer):  # serve once the text can be made: a first request must not wait
             with contextlib.suppress(ProxyError):
                 await worker_app.tokenizers.get(args.tokenizer)
         await link.tell("hello", Hello(args.index, os.getpid()))
+        follow = asyncio.get_running_loop().create_task(_follow_tokenizer(link, worker_app.tokenizers),
+                                                        name="relay-tokenizer-follow")
         while not task.done():
             if os.getppid() != parent:
                 logger.error("relay worker %d: the coordinator (pid %d) is gone: exiting", args.index, parent)
@@ -430,8 +447,26 @@ async def serve(args: argparse.Namespace) -> None:
             await asyncio.wait({task}, timeout=_PARENT_POLL_S)
         await task
     finally:
+        if follow is not None:
+            follow.cancel()
         await link.aclose()
         await upstream.aclose()
+
+
+async def _follow_tokenizer(link: CoordinatorLink, tokenizers: Tokenizers) -> None:
+    """Load the tokenizer the coordinator loaded (``--tokenizer auto``: once an instance told it the model
+    folder), before a request needs it here; asks every ``_TOKENIZER_POLL_S`` until the coordinator settled."""
+    while True:
+        try:
+            answer = await link.call("tokenizer", Hello(link.worker, os.getpid()), TokenizerSource)
+        except ProxyError as exc:
+            logger.debug("tokenizer source not known yet: %s", exc)
+        else:
+            if answer.settled:
+                if answer.source is not None:
+                    tokenizers.preload(answer.source)
+                return
+        await asyncio.sleep(_TOKENIZER_POLL_S)
 
 
 class _Server:
@@ -458,6 +493,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s [relay {args.index}] %(name)s: "
                                                      "%(message)s")
+    for noisy in ("httpx", "httpcore"):  # a line per call to the coordinator: plumbing, not news
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import uvloop

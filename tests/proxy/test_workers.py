@@ -248,6 +248,9 @@ def test_launch_passes_proxy_workers_to_the_proxy_and_the_proxy_takes_it(tmp_pat
     argv = list(launch.proxy_child(args, tmp_path).argv)
     proxy_argv = argv[argv.index("proxy") + 1:]
     assert proxy_argv[proxy_argv.index("--workers") + 1] == "3"
+    assert proxy_argv[proxy_argv.index("--tokenizer") + 1] == str(tmp_path.resolve())  # workers load it first
+    one = build_parser().parse_args(["launch", "--model", str(tmp_path)])
+    assert "--tokenizer" not in launch.proxy_child(one, tmp_path).argv  # one process: as before
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert ProxySettings.from_args(parser.parse_args(proxy_argv)).workers == 3
