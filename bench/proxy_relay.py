@@ -21,7 +21,11 @@ and this process, which runs the fakes and clients, saturate together), each fix
 decode step emits one token per stream), and the same rate with ``--backlog-events`` events per
 write (what a proxy lagging behind its decoder finds in its socket buffers). Variants: ``baseline``
 (the proxy at ``--baseline-ref``, extracted with ``git archive``) and ``current`` (this tree),
-side by side in one run, alternating.
+side by side in one run, alternating. ``--workers 1 2`` runs this tree's proxy once per count
+(``--workers N``: N relay processes and a coordinator; ``proxy_us_token`` and ``proxy_cpu_util`` add
+up all of them). On a 2-core machine the fakes and clients of this process share the cores with
+the proxy's workers, so more workers cannot add much capacity here: what the rows show is the cost
+per token of the split (IPC per request, the coordinator's share) and whether it spreads.
 
     flock /tmp/lmcache_p2p_vllm.lock timeout 600 env PYTHONPATH=$PWD .venv/bin/python bench/proxy_relay.py
 
@@ -118,12 +122,12 @@ def fixed_model(ids: list[int]) -> int:
 
 
 class ProxyChild:
-    def __init__(self, pythonpath: str, tokenizer_dir: str, loop: str = "auto") -> None:
+    def __init__(self, pythonpath: str, tokenizer_dir: str, loop: str = "auto", workers: int = 1) -> None:
         env = {**os.environ, "PYTHONPATH": pythonpath}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _PROXY_MAIN.replace("{loop}", loop), "--port", "0", "--control-port", "0",
              "--summary-interval-s", "0", "--tokenizer", tokenizer_dir, "--kv-timeout-s", "10",
-             "--health-probe-interval-s", "1"],
+             "--health-probe-interval-s", "1", *(["--workers", str(workers)] if workers > 1 else [])],
             stderr=subprocess.PIPE, text=True, env=env, cwd=pythonpath)  # cwd: "-c" puts it first on sys.path
         self.url, self.control = self._wait_up()
         self.log_tail: collections.deque[str] = collections.deque(maxlen=50)
@@ -151,14 +155,39 @@ class ProxyChild:
         raise RuntimeError(f"proxy did not start: {''.join(seen)[-2000:]}")
 
     def cpu_s(self) -> float:
-        """User + system CPU seconds of the proxy process so far (from /proc)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User + system CPU seconds so far of the proxy process and its live children (--workers: the relay
+        workers; they are not restarted during a run, so none of their time is lost to reaping), from /proc."""
+        return sum(_cpu_s(pid) for pid in [self.proc.pid, *_children(self.proc.pid)])
+
+    def coordinator_cpu_s(self) -> float:
+        """The proxy process alone (with --workers: the coordinator)."""
+        return _cpu_s(self.proc.pid)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(30)
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid:
+                out.append(int(entry.name))
+    return out
 
 
 # ---- clients -----------------------------------------------------------------------------------------
@@ -221,11 +250,13 @@ async def measure(proxy: ProxyChild, decoders: list[FakeVllm], *, streams: int, 
         await asyncio.sleep(warmup_s)
         tally.measuring = True
         cpu0, own0, t0 = proxy.cpu_s(), time.process_time(), time.perf_counter()
+        coord0 = proxy.coordinator_cpu_s()
         spy = _pyspy(proxy, duration_s, profile_to)
         await asyncio.sleep(duration_s)
         if spy is not None:
             spy.wait(30)
         cpu1, own1, t1 = proxy.cpu_s(), time.process_time(), time.perf_counter()
+        coord1 = proxy.coordinator_cpu_s()
         tally.measuring = False
         # tokens of streams that finish after the window are not counted; those before it were
         await asyncio.wait(tasks, timeout=_CLIENT_TIMEOUT_S)
@@ -240,6 +271,7 @@ async def measure(proxy: ProxyChild, decoders: list[FakeVllm], *, streams: int, 
         "tokens_s": round(tally.tokens / wall_s),
         "proxy_us_token": round((cpu1 - cpu0) / tokens * 1e6, 1),
         "proxy_cpu_util": round((cpu1 - cpu0) / wall_s, 2),
+        "coordinator_cpu_util": round((coord1 - coord0) / wall_s, 2),  # = proxy_cpu_util with one process
         "bench_cpu_util": round((own1 - own0) / wall_s, 2),
         "gap_ms_p50": round(_pct(gaps_ms, 50), 2),
         "gap_ms_p99": round(_pct(gaps_ms, 99), 2),
@@ -266,9 +298,10 @@ def _pct(sorted_values: list[float], q: float) -> float:
 # ---- one variant: proxy + fakes ----------------------------------------------------------------------
 
 
-async def run_variant(name: str, rep: int, pythonpath: str, tokenizer_dir: str, args: argparse.Namespace
-                      ) -> list[dict[str, Any]]:
-    proxy = ProxyChild(pythonpath, tokenizer_dir, loop="asyncio" if name.endswith("-asyncio") else "auto")
+async def run_variant(name: str, rep: int, pythonpath: str, tokenizer_dir: str, args: argparse.Namespace,
+                      workers: int = 1) -> list[dict[str, Any]]:
+    proxy = ProxyChild(pythonpath, tokenizer_dir, loop="asyncio" if name.endswith("-asyncio") else "auto",
+                       workers=workers)
     network = KvNetwork()
     nodes: list[tuple[FakeVllm, FakeAgent]] = []
     try:
@@ -290,7 +323,8 @@ async def run_variant(name: str, rep: int, pythonpath: str, tokenizer_dir: str, 
             await agent.announce()
         await _wait_routable(proxy.url, 1 + args.decoders)
         heartbeat = asyncio.create_task(_heartbeat([agent for _, agent in nodes]))
-        await _first_request(proxy.url)
+        for _ in range(4 * workers):  # each on its own connection: every worker serves one (SO_REUSEPORT)
+            await _first_request(proxy.url)
         rows = []
         points = [("capacity", args.capacity_streams, 0.0, 1)]
         for rate in args.offered_tok_s:
@@ -302,7 +336,7 @@ async def run_variant(name: str, rep: int, pythonpath: str, tokenizer_dir: str, 
             row = await measure(proxy, decoders, streams=streams, token_delay_s=delay_s, max_tokens=args.max_tokens,
                                 warmup_s=args.warmup_s, duration_s=args.duration_s,
                                 profile_to=f"/tmp/proxy_relay_{name}_{point}.txt", events_per_write=per_write)
-            rows.append({"variant": name, "rep": rep, "point": point, **row})
+            rows.append({"variant": name, "workers": workers, "rep": rep, "point": point, **row})
             print(_fmt(rows[-1]), flush=True)
         heartbeat.cancel()
         return rows
@@ -343,8 +377,8 @@ async def _wait_routable(url: str, n: int, timeout_s: float = 30.0) -> None:
     raise RuntimeError(f"instances not routable within {timeout_s} s: {health}")
 
 
-_COLS = ("variant", "rep", "point", "streams", "decoder_gap_ms", "tokens_s", "proxy_us_token", "proxy_cpu_util",
-         "bench_cpu_util", "gap_ms_p50", "gap_ms_p99", "failed")
+_COLS = ("variant", "workers", "rep", "point", "streams", "decoder_gap_ms", "tokens_s", "proxy_us_token", "proxy_cpu_util",
+         "coordinator_cpu_util", "bench_cpu_util", "gap_ms_p50", "gap_ms_p99", "failed")
 
 
 def _fmt(row: dict[str, Any]) -> str:
@@ -386,6 +420,9 @@ def parse_args() -> argparse.Namespace:
                    help="baseline: the proxy at --baseline-ref; current: this tree; current-asyncio: this tree on "
                         "asyncio's loop instead of uvloop")
     p.add_argument("--reps", type=int, default=3, help="runs of each variant (medians are summarized)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1],
+                   help="the proxy's --workers, one set of rows per count (the baseline runs with 1 only: it has "
+                        "no such flag); proxy CPU is the coordinator's plus its workers'")
     p.add_argument("--decoders", type=int, default=1)
     p.add_argument("--capacity-streams", type=int, default=32)
     p.add_argument("--rate-streams", type=int, default=32)
@@ -414,7 +451,8 @@ async def main() -> None:
         print("  ".join(f"{c:>14}" for c in _COLS), flush=True)
         for rep in range(args.reps):  # variants interleaved: the machine's load drifts
             for name in args.variants.split(","):
-                rows += await run_variant(name, rep, paths[name], tok, args)
+                for workers in ([1] if name == "baseline" else args.workers):
+                    rows += await run_variant(name, rep, paths[name], tok, args, workers)
     result = {"meta": metadata(args, load_before), "rows": rows, "summary": _summary(rows)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -425,8 +463,9 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per (variant, point): medians over the repetitions, and the ratio to the baseline's."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
-        groups.setdefault((row["variant"], row["point"]), []).append(row)
-    keys = ("tokens_s", "proxy_us_token", "proxy_cpu_util", "gap_ms_p50", "gap_ms_p99", "failed")
+        variant = row["variant"] if row.get("workers", 1) == 1 else f"{row['variant']}-workers{row['workers']}"
+        groups.setdefault((variant, row["point"]), []).append(row)
+    keys = ("tokens_s", "proxy_us_token", "proxy_cpu_util", "coordinator_cpu_util", "gap_ms_p50", "gap_ms_p99", "failed")
     medians = {g: {k: statistics.median(r[k] for r in rs) for k in keys} for g, rs in groups.items()}
     out: dict[str, Any] = {}
     for (variant, point), med in medians.items():

@@ -84,6 +84,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--decode-port", type=int, default=7200, help="first decoder HTTP port")
     p.add_argument("--kv-port", type=int, default=7300, help="first decoder KV control port")
     p.add_argument("--policy", default="prefix", help="proxy routing policy: prefix, least_loaded or round_robin")
+    p.add_argument("--proxy-workers", type=int, default=1,
+                   help="relay processes of the proxy (its --workers): each streams its clients' decodes, one "
+                        "coordinator routes; 1 = one process (default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="no KV reuse across requests: vLLM's automatic prefix caching off on every instance and "
@@ -227,8 +230,14 @@ def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: P
 
 
 def proxy_child(args: argparse.Namespace, log_dir: Path) -> Child:
+    # With relay workers, name the tokenizer folder: each worker loads it before it serves (with "auto" a
+    # worker learns the folder from the coordinator, after the instances are up: the first requests wait).
+    model = Path(args.model) if args.model is not None else DEFAULT_MODEL_DIR
+    tokenizer = (["--tokenizer", str(model.resolve())] if args.proxy_workers > 1 and model.is_dir()
+                 and not any(a.startswith("--tokenizer") for a in args.proxy_arg) else [])
     argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "proxy", "--host", "127.0.0.1",
-            "--port", str(args.proxy_port), "--control-port", str(args.proxy_control_port), "--policy", args.policy, *args.proxy_arg]
+            "--port", str(args.proxy_port), "--control-port", str(args.proxy_control_port), "--policy", args.policy,
+            "--workers", str(args.proxy_workers), *tokenizer, *args.proxy_arg]
     env = dict(os.environ)
     if args.shared_secret:
         env["LMCACHE_P2P_SECRET"] = args.shared_secret

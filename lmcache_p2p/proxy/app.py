@@ -26,7 +26,7 @@ import asyncio
 import functools
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -99,22 +99,22 @@ class ProxyApp:
         return await self._generate(request, Endpoint.CHAT)
 
     async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
-        received_s = self._o.clock()
+        received_s = self._now()
         try:
             req = parse_client_request(endpoint, await _read_json(request), self._chars_per_token)
         except ProxyError as exc:
             return self._error(endpoint, exc)
-        flow = self._o.open(req, forwarded_headers(request.headers), received_s)
+        flow = self._open_flow(req, forwarded_headers(request.headers), received_s)
         streaming = False
         try:
-            first = await _unless_disconnected(request, flow.prefill())
+            first = await unless_disconnected(request, flow.prefill())
             renderer = renderer_for(req, _response_id(req, flow), first, flow.prompt_ids,
                                     include_first=not flow.decoder_regenerates_first)
             if req.stream:
                 streaming = True
                 self._count(endpoint, 200)
                 return _FlowStreamingResponse(flow, self._stream(flow, renderer))
-            answer = await _unless_disconnected(request, _collect(flow, renderer))
+            answer = await unless_disconnected(request, _collect(flow, renderer))
             self._count(endpoint, 200)
             return Response(msgspec.json.encode(answer), media_type="application/json")
         except ProxyError as exc:
@@ -144,7 +144,7 @@ class ProxyApp:
                 yield sse(renderer.usage_chunk(flow.usage()))
         except Exception as exc:  # after the first token the status is sent: report in the stream
             error = exc if isinstance(exc, ProxyError) else ProxyError(f"internal proxy error: {exc!r}")
-            self._o.metrics.errors.labels(req.endpoint.value, type(error).__name__).inc()
+            self._count_error(req.endpoint, error_name(error))
             logger.warning("%s request %s failed mid-stream: %s", req.endpoint.value, flow.response_id, exc,
                            exc_info=not isinstance(exc, ProxyError))
             yield sse(error.to_body())
@@ -208,11 +208,20 @@ class ProxyApp:
         level = logging.WARNING if exc.status_code >= 500 else logging.INFO
         logger.log(level, "%s answered %d: %s", endpoint.value, exc.status_code, exc)
         self._count(endpoint, exc.status_code)
-        self._o.metrics.errors.labels(endpoint.value, type(exc).__name__).inc()
+        self._count_error(endpoint, error_name(exc))
         return JSONResponse(exc.to_body(), status_code=exc.status_code)
+
+    def _now(self) -> float:
+        return self._o.clock()
+
+    def _open_flow(self, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> RequestFlow:
+        return self._o.open(req, headers, received_s)
 
     def _count(self, endpoint: Endpoint, status: int) -> None:
         self._o.metrics.requests.labels(endpoint.value, str(status)).inc()
+
+    def _count_error(self, endpoint: Endpoint, name: str) -> None:
+        self._o.metrics.errors.labels(endpoint.value, name).inc()
 
 
 class _FlowStreamingResponse(StreamingResponse):
@@ -229,7 +238,7 @@ class _FlowStreamingResponse(StreamingResponse):
             self._flow.close()
 
 
-async def _collect(flow: RequestFlow, renderer: Renderer) -> dict[str, Any]:
+async def _collect(flow: Any, renderer: Renderer) -> dict[str, Any]:
     if flow.needs_decode:
         async for delta in flow.decode():
             renderer.add(delta)
@@ -243,7 +252,7 @@ async def _read_json(request: Request) -> Any:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Run ``work`` unless the client disconnects first (then cancel it and raise ClientDisconnected)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnect(request))
@@ -262,6 +271,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 async def _disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def error_name(exc: ProxyError) -> str:
+    """The ``errors_total{type}`` label of ``exc`` (a relay worker's copy of an error keeps its name)."""
+    return getattr(exc, "relayed_name", None) or type(exc).__name__
 
 
 def _auth_error(status: int, message: str) -> Response:

@@ -166,6 +166,14 @@ class _Handover:
         return self.waiter.req_id
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeTarget:
+    """Where a relay worker sends a decode (``/v1/completions`` there) and what it sends."""
+
+    url: str
+    body: dict[str, Any]
+
+
 def _nothing_routable() -> NoInstanceAvailable:
     return NoInstanceAvailable("no prefiller or decoder available: start one (p2p.proxy_url -> this proxy's control "
                                "port) or pass --prefill / --decode URL")
@@ -268,13 +276,13 @@ class RequestFlow:
                 self._remember_output()  # before the client's [DONE]: its next turn may follow at once
                 return
             except UpstreamError as exc:
-                if _context_full(exc):
+                if context_full(exc):
                     logger.info("request %s: the context is full after %d output token(s): the output ends there",
                                 self.response_id, len(self._output_ids))
                     yield self._end_of_context()
                     return
                 decoder = self._lease().instance
-                if not _migratable(exc) or self._finished or migrations >= self._o.settings.migration_limit:
+                if not migratable(exc) or self._finished or migrations >= self._o.settings.migration_limit:
                     raise
                 migrations += 1
                 failed.add(decoder.instance_id)
@@ -301,6 +309,79 @@ class RequestFlow:
         """The first token's bytes reached a streaming client (its transport took them)."""
         if self.timeline.first_byte_s is None:
             self.timeline.first_byte_s = self._o.clock()
+
+    # ---- the decode run by a relay worker (--workers N, see workers.py) ------------------------------
+    #
+    # The worker streams the decode and makes the client's text; these steps keep the rest here:
+    # the KV wait, which decoder, the KV handover's end, load accounting and migration.
+
+    @property
+    def proxy_text(self) -> bool:
+        """The proxy makes the client's text (it has the tokenizer) rather than the instances."""
+        return self._text is not None
+
+    @property
+    def tokenizer_source(self) -> str | None:
+        return self._tokenizer.source if self._tokenizer is not None else None
+
+    async def plan_decode(self) -> DecodeTarget:
+        """Wait for the KV (retrying or recomputing per policy), then where the first decode goes."""
+        await self._settle_kv()
+        if self.decoder_regenerates_first:
+            self._output_ids = []
+        return self._target()
+
+    def decode_unreachable(self, failed: set[str], exc: UpstreamConnectError) -> DecodeTarget | None:
+        """The target refused the connection (nothing was sent): another decoder recomputes; None when none."""
+        decoder = self._lease().instance
+        failed.add(decoder.instance_id)
+        self._connect_failed(decoder, exc)
+        self._free_taken_kv()
+        try:
+            self._next_decoder(failed, exc)
+        except UpstreamConnectError:
+            return None
+        return self._target()
+
+    def decode_started(self) -> None:
+        """The target sent its first output: it has loaded the request's KV."""
+        if self._handover_observed:
+            return
+        self._handover_observed = True
+        self._o.registry.note_connected(self._lease().instance)
+        self._on_first_output()
+        self._free_taken_kv()
+
+    def decode_broken(self, output_ids: list[int], finished: bool, failed: set[str], migrations: int,
+                      exc: UpstreamError) -> DecodeTarget | None:
+        """The stream broke after ``output_ids``: where it continues; None when it may not (the limit)."""
+        self._output_ids = list(output_ids)
+        self._finished = finished
+        if finished or migrations >= self._o.settings.migration_limit:
+            return None
+        decoder = self._lease().instance
+        failed.add(decoder.instance_id)
+        try:
+            self._migrate(decoder, failed, exc)
+        except UpstreamError:
+            return None
+        return self._target()
+
+    def decode_ended(self, output_ids: list[int]) -> None:
+        """The output is complete (before the client's [DONE]: its next turn may follow at once)."""
+        self._output_ids = list(output_ids)
+        self._remember_output()
+
+    def _target(self) -> DecodeTarget:
+        """The current decoder and the decode request that continues after ``self._output_ids``. The
+        decoder holding the KV takes the handover now (as a decode stream that connected does)."""
+        body = decode_body(self.req, self.prompt_ids, self._output_ids, proxy_text=self._text is not None)
+        if self.timeline.decode_sent_s is None:
+            self.timeline.decode_sent_s = self._o.clock()
+        if self._handover is not None:
+            self._handover.waiter.drop()
+            self._taken, self._handover = self._handover, None
+        return DecodeTarget(self._lease().instance.http_url, body)
 
     # ---- internals -------------------------------------------------------------------------------
 
@@ -744,22 +825,11 @@ class RequestFlow:
                     return  # a stop string the proxy found: closing the stream aborts the decoder's request
 
     def _shape_delta(self, delta: Delta) -> Delta:
-        """The client's text for the decoder's tokens (the decoder's own text starts mid-context)."""
-        if self._text is None:
-            return delta
-        # The decoder has no stop strings (the proxy applies them), so "stop" means an EOS / stop token id.
-        step = self._text.update(delta.token_ids, stop_terminated=delta.finish_reason == "stop")
-        finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
-        if step.stop_string is not None:
-            finish_reason, stop_reason = "stop", step.stop_string
-        return Delta(self._text.next_delta(finished=finish_reason is not None), delta.token_ids[:step.kept],
-                     _first_logprobs(delta.logprobs, step.kept), finish_reason, stop_reason)
+        return shape_delta(self._text, delta)
 
     def _end_of_context(self) -> Delta:
-        """The output ends because prompt + output fill the context (as one instance's ``length``)."""
         self._finished = True
-        text = self._text.next_delta(finished=True) if self._text is not None else ""
-        return Delta(text, [], None, "length", None)
+        return end_of_context(self._text)
 
     def _free_taken_kv(self) -> None:
         """The decode produced output: its engine loaded what it will load; free what is left of the KV."""
@@ -876,6 +946,24 @@ class RequestFlow:
         self._abandon_kv(f"KV {outcome.status.value}: {outcome.reason}")
 
 
+def shape_delta(text: OutputText | None, delta: Delta) -> Delta:
+    """The client's text for the decoder's tokens (the decoder's own text starts mid-context)."""
+    if text is None:
+        return delta
+    # The decoder has no stop strings (the proxy applies them), so "stop" means an EOS / stop token id.
+    step = text.update(delta.token_ids, stop_terminated=delta.finish_reason == "stop")
+    finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
+    if step.stop_string is not None:
+        finish_reason, stop_reason = "stop", step.stop_string
+    return Delta(text.next_delta(finished=finish_reason is not None), delta.token_ids[:step.kept],
+                 _first_logprobs(delta.logprobs, step.kept), finish_reason, stop_reason)
+
+
+def end_of_context(text: OutputText | None) -> Delta:
+    """The output ends because prompt + output fill the context (as one instance's ``length``)."""
+    return Delta(text.next_delta(finished=True) if text is not None else "", [], None, "length", None)
+
+
 def _cached_tokens(answer: dict[str, Any]) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` of a vLLM answer (``--enable-prompt-tokens-details``)."""
     details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
@@ -883,13 +971,13 @@ def _cached_tokens(answer: dict[str, Any]) -> int | None:
     return cached if isinstance(cached, int) and cached >= 0 else None
 
 
-def _migratable(exc: UpstreamError) -> bool:
+def migratable(exc: UpstreamError) -> bool:
     """A broken, silent or failing (5xx) decode stream; a 4xx is the request's own fault."""
     return isinstance(exc, (UpstreamUnreachable, UpstreamTimeout)) or (
         isinstance(exc, UpstreamStatus) and exc.status_code >= 500)
 
 
-def _context_full(exc: UpstreamError) -> bool:
+def context_full(exc: UpstreamError) -> bool:
     """vLLM's refusal of a decode whose prompt fills the context (max_tokens computed as 0)."""
     return (isinstance(exc, UpstreamStatus) and exc.status_code == 400
             and "max_tokens must be at least 1, got 0" in str(exc))

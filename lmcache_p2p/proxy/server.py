@@ -14,8 +14,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
 import signal
 import socket
+import tempfile
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
@@ -27,6 +30,7 @@ from lmcache_p2p.protocol import Codec
 from lmcache_p2p.proxy.app import ProxyApp
 from lmcache_p2p.proxy.cancel import KvCanceller
 from lmcache_p2p.proxy.control import ControlListener
+from lmcache_p2p.proxy.coordinator import RelayCoordinator
 from lmcache_p2p.proxy.flow import FlowSettings, Orchestrator
 from lmcache_p2p.proxy.tokenizer import TokenizerProvider
 from lmcache_p2p.proxy.health import HealthProber
@@ -36,6 +40,7 @@ from lmcache_p2p.proxy.routing import Router
 from lmcache_p2p.proxy.settings import ProxySettings, add_arguments
 from lmcache_p2p.proxy.upstream import Upstream
 from lmcache_p2p.proxy.waiters import KvWaiters
+from lmcache_p2p.proxy.workers import WorkerFailure, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +77,19 @@ class Proxy:
         )
         self.control = ControlListener(settings.control_host, settings.control_port, codec,
                                        self.registry, self.waiters, self.metrics)
-        self.app = ProxyApp(self.orchestrator, settings.chars_per_token, settings.connect_timeout_s,
-                            admin_secret=settings.shared_secret).build()
+        self.proxy_app = ProxyApp(self.orchestrator, settings.chars_per_token, settings.connect_timeout_s,
+                                  admin_secret=settings.shared_secret)
+        self.app = self.proxy_app.build()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.workers: WorkerPool | None = None  # --workers N > 1
+        self.coordinator: RelayCoordinator | None = None
+        self._relay_dir: str | None = None
+        self._http_socket: socket.socket | None = None
+        self.failure: str | None = None  # why the proxy stopped on its own (relay workers kept dying)
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._closed = False
+        self._stopping: asyncio.Task[None] | None = None
         self.port = 0
 
     async def start(self) -> None:
@@ -98,25 +110,80 @@ class Proxy:
 
     async def start_http(self) -> None:
         """Serve HTTP in a task (``.port`` is the bound port, useful with --port 0)."""
-        sock = _bind(self.settings.host, self.settings.port)
+        workers = self.settings.workers > 1
+        sock = bind_http(self.settings.host, self.settings.port, listen=not workers, reuse_port=workers)
         self.port = sock.getsockname()[1]
-        self._http = _uvicorn_server(self.app, self.settings)
+        if workers:
+            await self._start_workers(sock)
+            return
+        await self._serve_on(self.app, sock, f"{self.settings.host}:{self.port}")
+
+    async def _serve_on(self, app: Any, sock: socket.socket, where: str) -> None:
+        self._http = _uvicorn_server(app, self.settings)
         self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]), name="proxy-http")
         while not self._http.started:
             if self._http_task.done():
                 await self._http_task  # raises the start-up error
-                raise OSError(f"the HTTP server on {self.settings.host}:{self.port} stopped while starting")
+                raise OSError(f"the HTTP server on {where} stopped while starting")
             await asyncio.sleep(0.01)
+
+    async def _start_workers(self, sock: socket.socket) -> None:
+        """The coordinator serves its workers (and the public endpoints they pass through) on a Unix socket
+        in a 0700 folder; the workers listen on the port ``sock`` holds (SO_REUSEPORT)."""
+        from starlette.applications import Starlette
+
+        self._http_socket = sock
+        self._relay_dir = tempfile.mkdtemp(prefix="lmcache_p2p_relay_")  # mode 0700
+        uds_path = os.path.join(self._relay_dir, "coordinator.sock")
+        usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        usock.bind(uds_path)
+        usock.listen(2048)
+        usock.setblocking(False)
+        pool = self.workers = WorkerPool(self.settings, self.port, uds_path, on_dead=self._worker_died,
+                                         on_give_up=self._give_up)
+        self.coordinator = RelayCoordinator(self.orchestrator, self.proxy_app, self.settings.chars_per_token,
+                                            on_hello=pool.hello)
+        await self._serve_on(Starlette(routes=[*self.coordinator.routes(), *self.app.routes]), usock, uds_path)
+        await pool.start()
+
+    def _worker_died(self, index: int) -> None:
+        if self.coordinator is not None:
+            self.coordinator.forget_worker(index)
+
+    def _give_up(self, reason: str) -> None:
+        self.failure = reason
+        self.request_exit()
 
     def request_exit(self, sig: signal.Signals | None = None) -> None:
         """Graceful shutdown; a second request cancels in-flight requests at once."""
         if self._http is None:
+            return
+        if self.workers is not None:
+            self._stop_workers()
             return
         if self._http.should_exit:
             self._http.force_exit = True
         self._http.should_exit = True
         logger.info("%s: shutting down (%s)", sig.name if sig else "exit requested",
                     "now" if self._http.force_exit else f"in-flight requests get {self.settings.graceful_shutdown_s} s")
+
+    def _stop_workers(self) -> None:
+        """Workers first (graceful; the coordinator keeps answering them meanwhile), then the coordinator's
+        server; a second request kills the workers at once."""
+        pool = self.workers
+        if pool is None:
+            return
+        if self._stopping is not None:
+            pool.kill()
+            return
+        logger.info("shutting down: in-flight requests get %s s", self.settings.graceful_shutdown_s)
+
+        async def stop() -> None:
+            await pool.stop(self.settings.graceful_shutdown_s)
+            if self._http is not None:
+                self._http.should_exit = True
+
+        self._stopping = asyncio.get_running_loop().create_task(stop(), name="proxy-stop-workers")
 
     async def wait_http(self) -> None:
         """Until the HTTP server exits (uvicorn turns SIGINT/SIGTERM into a graceful exit)."""
@@ -127,6 +194,10 @@ class Proxy:
         if self._closed:
             return
         self._closed = True
+        if self.workers is not None:
+            await self.workers.stop(self.settings.graceful_shutdown_s)
+        if self.coordinator is not None:
+            self.coordinator.close_all()
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             await asyncio.wait({self._http_task}, timeout=self.settings.graceful_shutdown_s + 1.0)
@@ -138,6 +209,10 @@ class Proxy:
         await self.control.close()
         self.canceller.close()
         await self.upstream.aclose()
+        if self._http_socket is not None:
+            self._http_socket.close()
+        if self._relay_dir is not None:
+            shutil.rmtree(self._relay_dir, ignore_errors=True)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -174,13 +249,16 @@ async def serve(args: argparse.Namespace) -> None:
         for sig in signals:
             loop.add_signal_handler(sig, proxy.request_exit, sig)
         s = proxy.settings
-        logger.info("proxy on http://%s:%d, control %s, policy %s, on KV failure %s", s.host, proxy.port,
-                    proxy.control.address, s.policy.value, s.on_kv_failure.value)
+        logger.info("proxy on http://%s:%d, control %s, policy %s, on KV failure %s%s", s.host, proxy.port,
+                    proxy.control.address, s.policy.value, s.on_kv_failure.value,
+                    f", {s.workers} relay workers" if s.workers > 1 else "")
         await proxy.wait_http()
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
         await proxy.close()
+    if proxy.failure is not None:
+        raise WorkerFailure(proxy.failure)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -190,6 +268,9 @@ def run(args: argparse.Namespace) -> None:
     except ConfigError as exc:
         logger.error("proxy not started: %s", exc)
         raise SystemExit(2) from exc
+    except WorkerFailure as exc:
+        logger.error("proxy stopped: %s", exc)
+        raise SystemExit(1) from exc
     except KeyboardInterrupt:
         pass
 
@@ -226,21 +307,29 @@ def _uvicorn_server(app: Any, settings: ProxySettings) -> uvicorn.Server:
     return _Server(config)
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_http(host: str, port: int, *, listen: bool = True, reuse_port: bool = False) -> socket.socket:
     """A listening socket (port 0: ephemeral); bound here so a busy port fails before anything starts.
 
     Made with ``IPPROTO_TCP`` explicitly: asyncio sets TCP_NODELAY only on accepted sockets whose
     proto says TCP (proto 0 is skipped). Without it, Nagle held each streamed chunk written after
     the response headers until the client's delayed ACK, ~40 ms added to a streaming client's TTFT.
+
+    ``reuse_port`` (``--workers N``): SO_REUSEPORT, so that each relay worker listens on the port with
+    its own socket and the kernel spreads new connections over them (one shared listening socket
+    let the least busy process take nearly every connection). The coordinator holds the port with
+    a socket that does not listen (``listen=False``): it gets no connections.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
         raise OSError(f"cannot bind the proxy's HTTP port {host}:{port} (--host/--port): {exc}") from exc
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.setblocking(False)
     return sock

@@ -90,6 +90,7 @@ class ProxySettings:
     tokenizer: str = "auto"  # a folder, "auto" (the served model's folder) or "none"
     tokenizer_wait_s: float = 10.0  # longest a request waits for the tokenizer's first load
     migration_limit: int = 2
+    workers: int = 1  # relay processes on the HTTP port; 1: the proxy is one process (see workers.py)
     static_instances: tuple[StaticInstance, ...] = ()
     prefix: PrefixSettings = PrefixSettings()  # the knobs of --policy prefix
 
@@ -97,6 +98,8 @@ class ProxySettings:
         # Accept the flags' string values when built directly (tests, launchers).
         object.__setattr__(self, "policy", Policy(self.policy))
         object.__setattr__(self, "on_kv_failure", KvFailurePolicy(self.on_kv_failure))
+        if self.workers < 1:
+            raise ConfigError("--workers", f"must be at least 1 (1: one process), got {self.workers}")
         self.check_exposure()
 
     def exposed_ports(self) -> list[str]:
@@ -168,6 +171,7 @@ class ProxySettings:
             tokenizer=args.tokenizer,
             tokenizer_wait_s=args.tokenizer_wait_s,
             migration_limit=args.migration_limit,
+            workers=args.workers,
             static_instances=tuple(args.prefill or ()) + tuple(args.decode or ()),
             prefix=prefix,
         )
@@ -275,6 +279,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--migration-limit", type=int, default=d.migration_limit,
                    help="times one request's decode stream may move to another instance when its decoder fails "
                         "mid-stream; 0 = never (default %(default)s)")
+    g.add_argument("--workers", type=int, default=d.workers,
+                   help="relay processes serving the HTTP port: each streams its clients' decodes, while one "
+                        "coordinator process keeps the registry, routing, admission and KV waits; 1 = one process "
+                        "(default %(default)s)")
 
 
 def parse_prefill_flag(value: str) -> StaticInstance:

@@ -138,6 +138,11 @@ class TokenizerProvider:
         """Loaded, or known to be absent: ``get`` answers at once."""
         return self._done
 
+    @property
+    def loaded_source(self) -> str | None:
+        """Where the loaded tokenizer came from (None: not loaded, or none)."""
+        return self._tokenizer.source if self._tokenizer is not None else None
+
     def prefetch(self) -> None:
         """Import ``transformers`` in a thread now (seconds), so the first request waits for the load alone."""
         if not self._done and self._prefetch is None and self._source != NONE:

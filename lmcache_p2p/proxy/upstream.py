@@ -1,7 +1,8 @@
 """HTTP calls to prefillers and decoders, with deadlines, mapped to :mod:`lmcache_p2p.proxy.errors`.
 
-One ``httpx.AsyncClient`` per proxy (connection reuse; no pool limit, so the proxy never queues
-requests the instances could take). Every call has a deadline: ``post_json`` / ``get_json`` a total
+One ``httpx.AsyncClient`` per proxy for calls (connection reuse; no pool limit, so the proxy never
+queues requests the instances could take), one ``aiohttp`` session for decode streams (cheaper per
+read, see ``stream_events``). Every call has a deadline: ``post_json`` / ``get_json`` a total
 one, ``stream_events`` a connect timeout plus an idle timeout between bytes. An upstream 4xx keeps
 its status and body; a 5xx becomes 502; an unreachable instance 502; a deadline 504. A connection
 that was never established (refused, connect timeout) raises :class:`UpstreamConnectError`: the
@@ -52,9 +53,12 @@ class Upstream:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             trust_env=False,  # never send loopback traffic through an environment proxy
         )
+        self._aio: Any = None  # aiohttp.ClientSession for decode streams (stream_events)
 
     async def aclose(self) -> None:
         await self._client.aclose()
+        if self._aio is not None:
+            await self._aio.close()
 
     def _timeout(self, read_timeout_s: float) -> httpx.Timeout:
         c = self._connect_timeout_s
@@ -104,55 +108,91 @@ class Upstream:
                             headers: Mapping[str, str] | None = None) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         """POST a streaming request; yields an iterator over its SSE ``data:`` events (JSON objects).
 
-        Leaving the context closes the connection, which makes vLLM abort the request.
+        aiohttp, not httpx: a decode stream is read once per decoder write, and httpx's read (anyio
+        stream, a cancel scope per read) cost ~20 us more per read than aiohttp's (C parser, one
+        ``iter_any`` step; ``bench/proxy_relay.py``). Leaving the context closes the connection unless the
+        stream was read to its end, which makes vLLM abort the request.
         """
+        import aiohttp  # lazy: the proxy alone needs it
+
         url = base_url + path
-        request = self._client.build_request("POST", url, content=msgspec.json.encode(body),
-                                             headers=_json_headers(headers), timeout=self._timeout(idle_timeout_s))
+        c = self._connect_timeout_s
+        timeout = aiohttp.ClientTimeout(total=None, connect=c, sock_connect=c, sock_read=idle_timeout_s)
         try:
-            resp = await self._client.send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            resp = await self._streams().post(url, data=msgspec.json.encode(body), headers=_json_headers(headers),
+                                              timeout=timeout)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             raise UpstreamConnectError(f"POST {url}: {_describe(exc)}") from exc
-        except httpx.TimeoutException as exc:
+        except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
             raise UpstreamTimeout(f"POST {url}: no answer within {idle_timeout_s:.1f} s") from exc
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(f"POST {url}: {_describe(exc)}") from exc
         try:
-            if resp.status_code >= 400:
-                raise _status_error(url, resp.status_code, await resp.aread())
-            yield _sse_events(url, resp, idle_timeout_s)
+            if resp.status >= 400:
+                raise _status_error(url, resp.status, await _read_body(url, resp))
+            yield _sse_events(url, _chunks(url, resp, idle_timeout_s))
         finally:
-            await resp.aclose()
+            if resp.content.at_eof():
+                resp.release()  # read to its end: the connection goes back to the pool
+            else:
+                resp.close()
+
+    def _streams(self) -> Any:
+        """The decode streams' aiohttp session (made on first use: it belongs to the running loop)."""
+        if self._aio is None:
+            import aiohttp
+
+            self._aio = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30),
+                trust_env=False, auto_decompress=False)  # never through an environment proxy; SSE is not compressed
+        return self._aio
 
 
-async def _sse_events(url: str, resp: httpx.Response, idle_timeout_s: float) -> AsyncIterator[dict[str, Any]]:
-    """The stream's ``data:`` events; the token events of one read are merged into one (``coalesce``).
+async def _read_body(url: str, resp: Any) -> bytes:
+    import aiohttp
 
-    Bytes are split into events here, per read (``httpx``'s ``aiter_lines`` costs a text decode and
-    a generator step per line); an event cut across reads waits for its end.
-    """
-    lines = SseLines()
     try:
-        async for chunk in resp.aiter_bytes():
-            pending: list[dict[str, Any]] = []
-            for data in lines.feed(chunk):
-                if data == b"[DONE]":
-                    for event in coalesce(pending):
-                        yield event
-                    return
-                event = _decode_object(url, data)
-                if "error" in event and "choices" not in event:
-                    for merged in coalesce(pending):
-                        yield merged
-                    raise _stream_error(url, event)
-                pending.append(event)
-            for event in coalesce(pending):
-                yield event
-    except httpx.TimeoutException as exc:
+        return await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise UpstreamUnreachable(f"POST {url}: answered {resp.status}, then {_describe(exc)}") from exc
+
+
+async def _chunks(url: str, resp: Any, idle_timeout_s: float) -> AsyncIterator[bytes]:
+    """The stream's bytes as they arrive, its failures mapped to the proxy's errors."""
+    import aiohttp
+
+    try:
+        async for chunk in resp.content.iter_any():
+            yield chunk
+    except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
         raise UpstreamTimeout(f"POST {url}: stream silent for {idle_timeout_s:.1f} s "
                               "(--decode-idle-timeout-s)") from exc
-    except httpx.TransportError as exc:
+    except aiohttp.ClientError as exc:
         raise UpstreamUnreachable(f"POST {url}: stream broke: {type(exc).__name__}: {exc}") from exc
+
+
+async def _sse_events(url: str, chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The stream's ``data:`` events; the token events of one read are merged into one (``coalesce``).
+
+    Bytes are split into events here, per read (a line iterator costs a generator step per line);
+    an event cut across reads waits for its end.
+    """
+    lines = SseLines()
+    async for chunk in chunks:
+        pending: list[dict[str, Any]] = []
+        for data in lines.feed(chunk):
+            if data == b"[DONE]":
+                for event in coalesce(pending):
+                    yield event
+                return
+            event = _decode_object(url, data)
+            if "error" in event and "choices" not in event:
+                for merged in coalesce(pending):
+                    yield merged
+                raise _stream_error(url, event)
+            pending.append(event)
+        for event in coalesce(pending):
+            yield event
 
 
 class SseLines:

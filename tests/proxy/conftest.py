@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import os
 import queue
 import re
 import subprocess
@@ -34,6 +35,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+WORKERS_ENV = "LMCACHE_P2P_TEST_PROXY_WORKERS"  # run the proxy suite with --workers N (default 1: one process)
 EVENTUALLY_TIMEOUT_S = 10.0  # a deadline for conditions that normally hold within milliseconds (busy 2-core CI)
 PROXY_START_TIMEOUT_S = 60.0
 
@@ -116,7 +118,8 @@ async def make_cluster(n_prefill: int = 1, n_decode: int = 1, *, tp_size: int = 
                        **settings: Any) -> AsyncIterator[Cluster]:
     defaults = dict(port=0, control_port=0, summary_interval_s=0, kv_timeout_s=2.0, instance_ttl_s=30.0,
                     prefill_timeout_s=5.0, decode_idle_timeout_s=5.0, graceful_shutdown_s=1.0,
-                    health_probe_interval_s=0.05, health_probe_timeout_s=1.0)
+                    health_probe_interval_s=0.05, health_probe_timeout_s=1.0,
+                    workers=int(os.environ.get(WORKERS_ENV, "1")))
     proxy = Proxy(ProxySettings(**{**defaults, "shared_secret": secret, **settings}))
     await proxy.start()
     await proxy.start_http()

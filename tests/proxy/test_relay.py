@@ -10,10 +10,9 @@ import json
 
 import pytest
 
-import httpx
 
 from lmcache_p2p.proxy.errors import UpstreamStatus
-from lmcache_p2p.proxy.upstream import SseLines, Upstream, coalesce
+from lmcache_p2p.proxy.upstream import SseLines, _sse_events, coalesce
 
 from .conftest import make_cluster
 from .fakes import MODEL, PROMPT
@@ -92,23 +91,13 @@ def test_events_that_cannot_merge_stay_apart():
 
 # ---- the stream: what one read brings is yielded in order, before an error or [DONE] ---------------
 
-def _upstream_answering(chunks: list[bytes]) -> Upstream:
-    async def body():
-        for chunk in chunks:
-            yield chunk
-
-    upstream = Upstream(connect_timeout_s=1.0)
-    upstream._client = httpx.AsyncClient(transport=httpx.MockTransport(
-        lambda request: httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})))
-    return upstream
+async def _chunks(chunks: list[bytes]):
+    for chunk in chunks:
+        yield chunk
 
 
-async def _read(upstream: Upstream) -> list[dict]:
-    got: list[dict] = []
-    async with upstream.stream_events("http://decoder", "/v1/completions", {}, idle_timeout_s=1.0) as events:
-        async for event in events:
-            got.append(event)
-    return got
+async def _read(chunks: list[bytes]) -> list[dict]:
+    return [event async for event in _sse_events("http://decoder/v1/completions", _chunks(chunks))]
 
 
 def _sse(event: dict) -> bytes:
@@ -117,23 +106,19 @@ def _sse(event: dict) -> bytes:
 
 async def test_tokens_read_with_an_error_event_reach_the_client_before_the_error():
     error = {"error": {"message": "engine dead", "code": 500}}
-    upstream = _upstream_answering([_sse(_event(0, "a")) + _sse(_event(1, "b")) + _sse(error)])
     got: list[dict] = []
     with pytest.raises(UpstreamStatus, match="engine dead"):
-        async with upstream.stream_events("http://decoder", "/v1/completions", {}, idle_timeout_s=1.0) as events:
-            async for event in events:
-                got.append(event)
+        async for event in _sse_events("http://decoder/v1/completions",
+                                       _chunks([_sse(_event(0, "a")) + _sse(_event(1, "b")) + _sse(error)])):
+            got.append(event)
     assert [e["choices"][0]["text"] for e in got] == ["ab"] and got[0]["choices"][0]["token_ids"] == [0, 1]
-    await upstream.aclose()
 
 
 async def test_done_ends_the_stream_after_the_tokens_read_with_it_and_a_cut_event_is_joined():
     stream = _sse(_event(0, "a")) + _sse(_event(1, "中")) + b"data: [DONE]\n\n" + _sse(_event(2, "never"))
     cut = stream.index(b"\xe4") + 1  # inside the multibyte character of the second event
-    upstream = _upstream_answering([stream[:cut], stream[cut:]])
-    got = await _read(upstream)
+    got = await _read([stream[:cut], stream[cut:]])
     assert [e["choices"][0]["text"] for e in got] == ["a", "中"]  # one per read: nothing waits to be merged
-    await upstream.aclose()
 
 
 # ---- end to end: merged events give the slow path's output ---------------------------------------
@@ -174,10 +159,12 @@ async def test_merged_decode_events_give_the_text_of_one_event_per_read(tokenize
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "return_token_ids": True, "stream": stream, **extra}
     async with make_cluster(tokenizer=str(path)) as c:
         use_model(c, cycling_model(cycle), hf)
+        c.decoders[0].vllm.token_delay_s = 0.005  # one event per read (unless the proxy lags that much)
         slow = await _outputs(c, body)
+        c.decoders[0].vllm.token_delay_s = 0.0
         _one_write(c.decoders[0].vllm)
         merged = await _outputs(c, body)
         assert merged[:-1] == slow[:-1]
         if stream:
-            assert merged[-1] < slow[-1]  # the decoder's events did reach the client merged
+            assert merged[-1] < 24 - 1  # the decoder's events (one per token) did reach the client merged
         assert_idle(c)

@@ -43,7 +43,7 @@ async def test_accepted_http_connections_have_tcp_nodelay():
     import asyncio
     import socket
 
-    from lmcache_p2p.proxy.server import _bind
+    from lmcache_p2p.proxy.server import bind_http
 
     accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
@@ -53,7 +53,7 @@ async def test_accepted_http_connections_have_tcp_nodelay():
             accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
             transport.close()
 
-    listener = _bind("127.0.0.1", 0)
+    listener = bind_http("127.0.0.1", 0)
     server = await asyncio.get_running_loop().create_server(Record, sock=listener)
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", listener.getsockname()[1])
