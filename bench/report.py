@@ -170,6 +170,25 @@ def multiturn_table(rows: Sequence[Mapping[str, Any]]) -> str:
                      "decoder reused tokens / request", "same decoder as last turn", "= single", "failed"], lines)
 
 
+def proxy_relay_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Medians over repetitions per (variant, workers, point)."""
+    groups: dict[tuple[str, int, str], list[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["variant"], r.get("workers") or 1, r["point"]), []).append(r)
+
+    def median(rs: Sequence[Mapping[str, Any]], key: str) -> float | None:
+        values = sorted(v for r in rs if (v := r.get(key)) is not None)
+        return values[len(values) // 2] if values else None
+
+    lines = [[variant, str(workers), point, str(len(rs)), cell(median(rs, "tokens_s"), 0),
+              cell(median(rs, "proxy_us_token"), 1), cell(median(rs, "proxy_cpu_util"), 2),
+              cell(median(rs, "coordinator_cpu_util"), 2), cell(median(rs, "gap_ms_p99"), 1),
+              str(sum(r.get("failed") or 0 for r in rs))]
+             for (variant, workers, point), rs in groups.items()]
+    return markdown(["variant", "workers", "point", "reps", "tokens/s", "proxy CPU us / token", "proxy CPU (cores)",
+                     "coordinator CPU (cores)", "token gap p99 ms", "failed"], lines)
+
+
 def faults_table(rows: Sequence[Mapping[str, Any]]) -> str:
     cols = ["scenario", "requests", "succeeded", "clean_errors", "unclean_errors", "hung", "leaked_slots",
             "held_slots_after_settle", "wrong_outputs", "recovered"]
@@ -183,6 +202,7 @@ TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
     "e2e_gpu": e2e_gpu_table,
     "faults": faults_table,
     "multiturn_cpu": multiturn_table,
+    "proxy_relay": proxy_relay_table,
 }
 
 
