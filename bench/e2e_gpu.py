@@ -289,17 +289,14 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
     result = json.loads((result_dir / name).read_text())
     stats = httpx.get(f"{dep.url}/stats", timeout=HTTP_TIMEOUT_S).json() if dep.has_stats else None
     lookups = lookups_in_log(dep.decoder_log)[seen:] if dep.decoder_log and dep.decoder_log.exists() else []
-    pd_timings = httpx.get(f"{dep.url}/pd_stats", timeout=HTTP_TIMEOUT_S).json()["timings"] if dep.pd_stats else None
     row = make_row(dep.system, rate, result, stats, lookups, cfg.output_len)
     row["vllm_metrics"] = {role: histogram_deltas(before[role], scrape_histograms(port))
                            for role, port in dep.instances}
-    if stats is not None:
-        row["proxy_stats"] = {k: v for k, v in stats.items() if k.endswith("_ms") or k == "timeline_ms"}
-        row.update(transfer_fields(stats))
-        row.update(kv_bytes_fields(proxy_before, scrape_proxy_counters(dep.url)))
-    if pd_timings is not None:
-        row.update(pd_handover_fields(pd_timings))
-    row["handover_split"] = handover_split(row)
+    try:
+        add_handover_and_transfer(dep, row, stats, proxy_before)
+    except Exception as exc:  # noqa: BLE001 - a measured row is never lost to its derived figures
+        logger.exception("%s @ %g: handover / transfer figures failed", dep.system, rate)
+        row["derived_error"] = f"{type(exc).__name__}: {exc}"[:500]
     row["proxy_workers"] = (cfg.proxy_workers or 1) if dep.system.startswith("lmcache_p2p-") else (
         1 if dep.system == "lmcache-pd" else None)
     row["num_prompts"] = cfg.num_prompts
@@ -308,6 +305,17 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
 
 
 # ---- handover, its split and the KV transfer ------------------------------------------------------
+
+
+def add_handover_and_transfer(dep: Deployment, row: dict[str, Any], stats: dict[str, Any] | None,
+                              proxy_before: dict[str, dict[str, float]]) -> None:
+    if stats is not None:
+        row["proxy_stats"] = {k: v for k, v in stats.items() if k.endswith("_ms") or k == "timeline_ms"}
+        row.update(transfer_fields(stats))
+        row.update(kv_bytes_fields(proxy_before, scrape_proxy_counters(dep.url)))
+    if dep.pd_stats:
+        row.update(pd_handover_fields(httpx.get(f"{dep.url}/pd_stats", timeout=HTTP_TIMEOUT_S).json()["timings"]))
+    row["handover_split"] = handover_split(row)
 
 
 def nearest_rank(values: Sequence[float], pct: float) -> float | None:

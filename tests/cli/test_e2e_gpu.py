@@ -233,3 +233,63 @@ def test_kv_bytes_per_token_of_the_8b_shape(e2e_gpu, tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": 8,
                                                       "hidden_size": 4096, "num_hidden_layers": 32}))
     assert e2e_gpu.kv_bytes_per_token(tmp_path) == 128 << 10  # 1024 tokens: 128 MiB
+
+
+def test_run_rate_fills_the_new_fields_from_the_servers_answers(e2e_gpu, tmp_path, monkeypatch) -> None:
+    """One rate against fake servers: proxy /stats + /metrics, LMCache PD's /pd_stats, vLLM /metrics."""
+    cfg, _ = e2e_gpu.parse_args(["--model", str(tmp_path), "--rates", "2", "--output-len", str(OUTPUT_LEN),
+                                 "--results-dir", str(tmp_path / "parts"), "--log-dir", str(tmp_path / "logs"),
+                                 "--run-label", "test pass"])
+    stats = {"handover_ms": {"count": 3, "mean": 30.0, "p50": 25.0, "p99": 40.0}, "kv_wait_ms": {"p50": 0.1, "p99": 1.0},
+             "timeline_ms": {"transfer": {"count": 3, "mean": 1.0, "p50": 0.9, "p99": 2.0}}, "recent": []}
+    counters = iter(['lmcache_p2p_proxy_kv_bytes_total 0\n', 'lmcache_p2p_proxy_kv_bytes_total 300\n'
+                     'lmcache_p2p_proxy_kv_outcomes_total{outcome="ready"} 3\n'])
+    pd = {"timings": [{"t_prefill_done": 1.0, "t_kv_ready": 1.0, "t_decode_first_byte": 1.05}]}
+
+    class Answer:
+        def __init__(self, body):
+            self.body = body
+            self.text = body if isinstance(body, str) else ""
+
+        def json(self):
+            return self.body
+
+        def raise_for_status(self):
+            return None
+
+    def get(url, timeout):
+        if url.endswith("/stats"):
+            return Answer(stats)
+        if url.endswith("/pd_stats"):
+            return Answer(pd)
+        if url.endswith(":9100/metrics"):
+            return Answer(next(counters))
+        scraped[url] = scraped.get(url, 0) + 1  # each vLLM server: before, then after the rate
+        return Answer(METRICS_BEFORE if scraped[url] % 2 else METRICS_AFTER)
+
+    scraped: dict[str, int] = {}
+
+    def run(argv, **kwargs):
+        name = argv[argv.index("--result-filename") + 1]
+        result_dir = Path(argv[argv.index("--result-dir") + 1])
+        (result_dir / name).write_text(json.dumps(bench_result(["a", "b", "c"])))
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(e2e_gpu.httpx, "get", get)
+    monkeypatch.setattr(e2e_gpu.httpx, "post", lambda url, timeout: Answer({}))
+    monkeypatch.setattr(e2e_gpu.subprocess, "run", run)
+    (cfg.log_dir / "lmcache_p2p-nixl").mkdir(parents=True)
+    dep = e2e_gpu.Deployment("lmcache_p2p-nixl", "http://127.0.0.1:9100", lambda: None, None, True,
+                             (("prefiller", 7100), ("decoder", 7200)))
+    row = e2e_gpu.run_rate(cfg, dep, 2.0)
+    assert (row["handover_ms_p50"], row["kv_transfer_ms_p50"], row["kv_bytes_per_request"]) == (25.0, 0.9, 100)
+    assert row["proxy_workers"] == 1 and row["measured"] == "test pass" and row["handover_source"].startswith("lmcache_p2p")
+    split = row["handover_split"]  # the decoder's TTFT over the rate: 4 requests, mean 25 ms (METRICS_*)
+    assert (split["handover_ms_mean"], split["decoder_ttft_ms_mean"], split["outside_decoder_ms_mean"]) == (30.0, 25.0, 5.0)
+    (cfg.log_dir / "lmcache-pd").mkdir(parents=True)
+    dep = e2e_gpu.Deployment("lmcache-pd", "http://127.0.0.1:9000", lambda: None, None, False,
+                             (("prefiller", 8100), ("decoder", 8200)), pd_stats=True)
+    row = e2e_gpu.run_rate(cfg, dep, 2.0)
+    assert row["handover_ms_p50"] == pytest.approx(50.0) and row["proxy_workers"] == 1
+    assert row["handover_source"].startswith("LMCache PD")
+    assert row["handover_split"]["outside_decoder_ms_mean"] == pytest.approx(25.0)
