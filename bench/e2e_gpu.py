@@ -12,7 +12,7 @@ Systems, one after the other (each gets the GPUs alone; its servers are stopped 
 Every system gets the same vLLM flags (``--vllm-arg``/after ``--``: e.g. ``--load-format dummy
 --enforce-eager``), no prefix caching, the same ``--max-model-len`` and ``--gpu-memory-utilization``
 (a decoder's lowered by its VRAM receive buffer). Load: ``vllm bench serve`` (random dataset,
-``--input-len`` in / ``--output-len`` out, ``--ignore-eos``, seed 0, Poisson arrivals at each
+``--input-len`` in / ``--output-len`` out, ``--ignore-eos``, seed rate*100, Poisson arrivals at each
 ``--rates`` value, ``--num-prompts`` per rate).
 
 Per (system, rate) row (``bench/results/e2e_gpu.json``, issue 7's schema): output tok/s per GPU,
@@ -94,6 +94,7 @@ class Config:
     max_model_len: int
     gpu_memory_utilization: float
     buffer_size: str
+    lmcache_pd_receive_buffer_size: str  # LMCache PD's decoder pd_buffer_size: it keeps every chunk it received
     vllm_args: tuple[str, ...]
     results_dir: Path
     out: Path
@@ -209,10 +210,15 @@ def start_lmcache_pd(cfg: Config) -> Deployment:
     log_dir = cfg.log_dir / "lmcache-pd"
     log_dir.mkdir(parents=True, exist_ok=True)
     logging_config = write_logging_config(log_dir / "logging.json")
-    buffer_bytes = parse_size_bytes("--buffer-size", cfg.buffer_size)
     total = query_gpus()[1].total_bytes
     children = []
     for role, kv_role, gpu in (("decoder", "kv_consumer", 1), ("prefiller", "kv_producer", 0)):
+        # LMCache 0.5.3's PD receiver keeps every chunk it was sent in its pd buffer (a cache: a prompt sent again
+        # is not re-allocated) and never frees one: once full, every later distinct prompt hangs the sender (seen
+        # on 2x H200: 8 GB held the first 61 of 128 prompts, the rest failed). Its buffer must hold every
+        # distinct prompt of the pass; the sender's is freed after each send.
+        buffer_bytes = (pd_receive_buffer_bytes(cfg, total) if role == "decoder"
+                        else parse_size_bytes("--buffer-size", cfg.buffer_size))
         yaml_path = log_dir / f"{role}.yaml"
         yaml_path.write_text(yaml.safe_dump(lmcache_pd_config("receiver" if role == "decoder" else "sender",
                                                               buffer_bytes)))
@@ -247,6 +253,19 @@ def start_lmcache_pd(cfg: Config) -> Deployment:
                       (("prefiller", PD_PORTS["prefiller"]), ("decoder", PD_PORTS["decoder"])), pd_stats=True)
 
 
+def pd_receive_buffer_bytes(cfg: Config, gpu_total_bytes: int) -> int:
+    """LMCache PD's decoder buffer: ``--lmcache-pd-receive-buffer-size``, or (auto) every distinct prompt of the
+    pass (each rate has its own prompts: ``prompt_seed``) plus 2 GiB, at most half the GPU."""
+    if cfg.lmcache_pd_receive_buffer_size != "auto":
+        return parse_size_bytes("--lmcache-pd-receive-buffer-size", cfg.lmcache_pd_receive_buffer_size)
+    wanted = kv_bytes_per_token(cfg.model) * cfg.input_len * cfg.num_prompts * len(cfg.rates) + (2 << 30)
+    if wanted > gpu_total_bytes // 2:
+        logger.warning("lmcache-pd: %d rates x %d prompts need a %.0f GiB receive buffer; capped at half the GPU: "
+                       "its later prompts will hang (fewer --rates per call)", len(cfg.rates), cfg.num_prompts,
+                       wanted / 2**30)
+    return min(wanted, gpu_total_bytes // 2)
+
+
 def start(system: str, cfg: Config) -> Deployment:
     if system == "single":
         return start_single(cfg)
@@ -263,10 +282,16 @@ def bench_argv(cfg: Config, url: str, rate: float, result_dir: Path, name: str) 
             "--base-url", url, "--model", str(cfg.model), "--tokenizer", str(cfg.model),
             "--dataset-name", "random", "--random-input-len", str(cfg.input_len),
             "--random-output-len", str(cfg.output_len), "--num-prompts", str(cfg.num_prompts),
-            "--request-rate", f"{rate:g}", "--ignore-eos", "--seed", "0", "--temperature", "0",
+            "--request-rate", f"{rate:g}", "--ignore-eos", "--seed", str(prompt_seed(rate)), "--temperature", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", name,
             "--disable-tqdm"]
+
+
+def prompt_seed(rate: float) -> int:
+    """Each rate its own random prompts (the same for every system): no system sees a prompt twice in a pass
+    (LMCache PD's decoder keeps what it received and would skip the transfer of a repeated prompt)."""
+    return int(round(rate * 100))
 
 
 def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
@@ -558,7 +583,10 @@ def workload(cfg: Config, system: str | None = None) -> dict[str, Any]:
     rows also key on the proxy's process count)."""
     out = {"model": str(cfg.model), "input_len": cfg.input_len, "output_len": cfg.output_len,
            "num_prompts": cfg.num_prompts, "max_model_len": cfg.max_model_len, "vllm_args": list(cfg.vllm_args),
-           "gpu_memory_utilization": cfg.gpu_memory_utilization, "buffer_size": cfg.buffer_size}
+           "gpu_memory_utilization": cfg.gpu_memory_utilization, "buffer_size": cfg.buffer_size,
+           "prompt_seed": "rate * 100"}
+    if system == "lmcache-pd":
+        out["lmcache_pd_receive_buffer_size"] = cfg.lmcache_pd_receive_buffer_size
     if system is not None and system.startswith("lmcache_p2p-") and (cfg.proxy_workers or 1) > 1:
         out["proxy_workers"] = cfg.proxy_workers
     return out
@@ -587,8 +615,9 @@ def time_left_s(cfg: Config) -> float:
 
 
 def estimate_rate_s(cfg: Config, rate: float) -> float:
-    """Arrivals plus one request's generation at a slow 30 ms per token, plus the bench's warm-up."""
-    return cfg.num_prompts / rate + cfg.output_len * 0.03 + 30
+    """Arrivals plus one request's generation at 20 ms per token, plus the bench's warm-up request (seen on
+    2x H200, 8B, 1024 out: 128 prompts at 8 req/s 41 s, at 32 req/s 34 s; 256 at 32 54 s, at 96 50 s)."""
+    return cfg.num_prompts / rate + cfg.output_len * 0.02 + 15
 
 
 def run_system(cfg: Config, system: str) -> str | None:
@@ -774,6 +803,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--buffer-size", default="8GB", help="lmcache_p2p's decoder receive buffer and LMCache PD's "
                    "pd_buffer_size, both in VRAM (default 8GB)")
+    p.add_argument("--lmcache-pd-receive-buffer-size", default="auto",
+                   help="LMCache PD's decoder pd_buffer_size (default auto: every prompt of the call's rates + 2 GiB, "
+                   "at most half the GPU): LMCache 0.5.3 keeps every received chunk there and never frees one")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM flag for every server (or after --)")
     p.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results" / "e2e_gpu_parts",
                    help="per-system row cache: rates found there are skipped")
@@ -805,7 +837,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
     return Config(model=a.model.resolve(), systems=systems, rates=tuple(float(r) for r in a.rates.split(",")),
                   num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len,
                   max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
-                  buffer_size=a.buffer_size, vllm_args=tuple(a.vllm_arg + passthrough),
+                  buffer_size=a.buffer_size, lmcache_pd_receive_buffer_size=a.lmcache_pd_receive_buffer_size,
+                  vllm_args=tuple(a.vllm_arg + passthrough),
                   results_dir=a.results_dir.resolve(), out=a.out.resolve(),
                   log_dir=(a.log_dir or REPO / "logs" / time.strftime("e2e-gpu-%Y%m%d-%H%M%S")).resolve(),
                   lmcache_pd_proxy=a.lmcache_pd_proxy.resolve(), slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,

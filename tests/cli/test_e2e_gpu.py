@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -293,3 +294,19 @@ def test_run_rate_fills_the_new_fields_from_the_servers_answers(e2e_gpu, tmp_pat
     assert row["handover_ms_p50"] == pytest.approx(50.0) and row["proxy_workers"] == 1
     assert row["handover_source"].startswith("LMCache PD")
     assert row["handover_split"]["outside_decoder_ms_mean"] == pytest.approx(25.0)
+
+
+def test_each_rate_has_its_own_prompts_and_lmcache_pd_s_buffer_holds_them_all(e2e_gpu, tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": 8,
+                                                      "hidden_size": 4096, "num_hidden_layers": 32}))
+    cfg, _ = e2e_gpu.parse_args(["--model", str(tmp_path), "--rates", "8,16,32,48", "--num-prompts", "128",
+                                 "--log-dir", str(tmp_path / "logs")])
+    seeds = {e2e_gpu.prompt_seed(r) for r in cfg.rates}
+    assert len(seeds) == 4
+    argv = e2e_gpu.bench_argv(cfg, "http://x", 16.0, tmp_path, "r.json")
+    assert argv[argv.index("--seed") + 1] == str(e2e_gpu.prompt_seed(16.0))
+    gpu = 141 << 30
+    assert e2e_gpu.pd_receive_buffer_bytes(cfg, gpu) == 4 * 128 * (128 << 20) + (2 << 30)  # 66 GiB
+    assert e2e_gpu.pd_receive_buffer_bytes(cfg, 100 << 30) == 50 << 30  # at most half the GPU
+    fixed = dataclasses.replace(cfg, lmcache_pd_receive_buffer_size="8GB")
+    assert e2e_gpu.pd_receive_buffer_bytes(fixed, gpu) == 8 << 30
