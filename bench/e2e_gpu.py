@@ -741,8 +741,12 @@ def transfer_vs_ceiling(row: dict[str, Any], ceilings: Sequence[dict[str, Any]])
     def ratio(ms: float | None) -> float | None:
         return round(ceiling_ms / ms, 3) if ms else None
 
-    return {"kv_transfer_ceiling_ms": ceiling_ms, "kv_transfer_vs_ceiling_p50": ratio(row["kv_transfer_ms_p50"]),
-            "kv_transfer_vs_ceiling_p99": ratio(row.get("kv_transfer_ms_p99"))}
+    out = {"kv_transfer_ceiling_ms": ceiling_ms, "kv_transfer_vs_ceiling_p50": ratio(row["kv_transfer_ms_p50"]),
+           "kv_transfer_vs_ceiling_p99": ratio(row.get("kv_transfer_ms_p99"))}
+    host_path_ms = same[-1].get("host_h2d_peer_ms_p50")  # today's path: host buffer -> GPU 0 staging -> GPU 1
+    if host_path_ms:
+        out["kv_transfer_vs_host_path_p50"] = round(host_path_ms / row["kv_transfer_ms_p50"], 3)
+    return out
 
 
 # ---- lmcache_p2p's proxy processes --------------------------------------------------------------------

@@ -173,10 +173,12 @@ def test_transfer_fields_and_ratio_to_the_ceiling(e2e_gpu) -> None:
     assert (row["kv_transfer_ms_p50"], row["kv_transfer_ms_p99"], row["kv_transfer_samples"]) == (2.0, 4.0, 7)
     assert row["handover_samples"] == 7
     row["kv_bytes_per_request"] = 128 << 20
-    ceilings = [{"nbytes": 64 << 20, "chunked_ms_p50": 0.2}, {"nbytes": 128 << 20, "chunked_ms_p50": 0.4},
+    ceilings = [{"nbytes": 64 << 20, "chunked_ms_p50": 0.2}, {"nbytes": 128 << 20, "chunked_ms_p50": 0.4,
+                                                               "host_h2d_peer_ms_p50": 1.0},
                 {"nbytes": 64 << 20, "chunked_ms_p50": 0.1}]
     got = e2e_gpu.transfer_vs_ceiling(row, ceilings)  # the last ceiling measured for the same bytes
-    assert got == {"kv_transfer_ceiling_ms": 0.4, "kv_transfer_vs_ceiling_p50": 0.2, "kv_transfer_vs_ceiling_p99": 0.1}
+    assert got == {"kv_transfer_ceiling_ms": 0.4, "kv_transfer_vs_ceiling_p50": 0.2, "kv_transfer_vs_ceiling_p99": 0.1,
+                   "kv_transfer_vs_host_path_p50": 0.5}
     assert e2e_gpu.transfer_vs_ceiling({"kv_transfer_ms_p50": None}, ceilings) == {}
     assert e2e_gpu.transfer_vs_ceiling(row, []) == {}
 
