@@ -29,9 +29,13 @@ if [ "${1:-}" = "--src" ]; then  # this checkout's code as a carried folder (for
   dest=${2:-$BUILD}/${SRC_NAME:-gpu-src}
   rm -rf "$dest" && mkdir -p "$dest"
   cp -r bench scripts "$dest/"
-  (cd "${CODE_FROM:-.}" && cp -r lmcache_p2p configs pyproject.toml "$dest/")
+  if [ -n "${CODE_FROM:-}" ]; then  # its last commit, not whatever its working tree holds
+    git -C "$CODE_FROM" archive HEAD lmcache_p2p configs pyproject.toml | tar -x -C "$dest"
+    git -C "$CODE_FROM" log -1 --format='%h %s' > "$dest/CODE_FROM"
+  else
+    cp -r lmcache_p2p configs pyproject.toml "$dest/"
+  fi
   rm -rf "$dest/bench/results"  # results stay here: they do not travel
-  [ -n "${CODE_FROM:-}" ] && git -C "$CODE_FROM" log -1 --format='%h %s' > "$dest/CODE_FROM" || true
   find "$dest" -name __pycache__ -prune -exec rm -rf {} +
   echo "[gpu_prepare] source copied to $dest ($(du -sh "$dest" | cut -f1)); carry it and run its scripts/gpu_pass.sh"
 fi
