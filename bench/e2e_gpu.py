@@ -864,13 +864,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     notes: list[str] = []
     failed = False
-    if any(s.startswith("lmcache_p2p-") for s in cfg.systems):
-        workers, note = resolve_proxy_workers(cfg.proxy_workers, cfg.device, launcher_has_proxy_workers(),
-                                              os.cpu_count() or 1)
-        cfg = dataclasses.replace(cfg, proxy_workers=workers)
-        logger.info("lmcache_p2p proxy workers: %d", workers)
-        if note:
-            notes.append(note)
+    # resolved whatever --systems says: lmcache_p2p's cached rows key on it, and the assembled file holds every system
+    workers, note = resolve_proxy_workers(cfg.proxy_workers, cfg.device, launcher_has_proxy_workers(),
+                                          os.cpu_count() or 1)
+    cfg = dataclasses.replace(cfg, proxy_workers=workers)
+    logger.info("lmcache_p2p proxy workers: %d", workers)
+    if note and any(s.startswith("lmcache_p2p-") for s in cfg.systems):
+        notes.append(note)
     try:
         if cfg.ceiling and cfg.device == "cuda" and cfg.systems:
             measure_ceiling(cfg)
