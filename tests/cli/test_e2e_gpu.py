@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -143,3 +144,171 @@ def test_vllm_histograms_give_the_rate_s_own_requests_only(e2e_gpu) -> None:
     assert got["p50_ms"] == 20.0  # 2 of 4 in (10, 20] ms: the 2nd observation ends that bucket
     assert got["p99_ms"] == 39.6  # rank 3.96 of 4: 2 before the (20, 40] ms bucket, 0.98 of its way
     assert e2e_gpu.histogram_deltas(after, after) == {}  # no request between the scrapes
+
+
+def test_lmcache_pd_handover_is_prefill_answer_to_first_decoded_byte(e2e_gpu) -> None:
+    """LMCache PD's stamps (seconds) give its handover as the lmcache_p2p proxy defines its own."""
+    timings = [{"t_tokenized": 0.0, "t_prefill_done": 1.0, "t_kv_ready": 1.0 + k / 1e3, "t_decode_first_byte": 1.0 + h / 1e3}
+               for k, h in ((0, 20), (5, 30), (1, 40), (0, 10))]
+    timings.append({"t_decode_first_byte": 9.0})  # a decode leg whose prefill stamps were not matched: left out
+    got = e2e_gpu.pd_handover_fields(timings)
+    assert got["pd_timing_ms"]["handover"]["count"] == 4
+    assert got["handover_ms_p50"] == pytest.approx(20.0) and got["handover_ms_p99"] == pytest.approx(40.0)
+    assert got["kv_wait_ms_p50"] == pytest.approx(0.0) and got["kv_wait_ms_p99"] == pytest.approx(5.0)
+    assert e2e_gpu.pd_handover_fields([])["handover_ms_p50"] is None
+
+
+def test_nearest_rank_matches_the_proxy_s_percentiles(e2e_gpu) -> None:
+    from lmcache_p2p.proxy.metrics import _percentile
+
+    values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    for pct in (1, 50, 90, 99, 100):
+        assert e2e_gpu.nearest_rank(values, pct) == _percentile(sorted(values), pct)
+
+
+def test_transfer_fields_and_ratio_to_the_ceiling(e2e_gpu) -> None:
+    stats = {"handover_ms": {"count": 7}, "timeline_ms": {"transfer": {"count": 7, "mean": 2.5, "p50": 2.0, "p99": 4.0},
+                                                          "store": {"count": 7, "mean": 3.0, "p50": 3.0, "p99": 5.0}}}
+    row = e2e_gpu.transfer_fields(stats)
+    assert (row["kv_transfer_ms_p50"], row["kv_transfer_ms_p99"], row["kv_transfer_samples"]) == (2.0, 4.0, 7)
+    assert row["handover_samples"] == 7
+    row["kv_bytes_per_request"] = 128 << 20
+    ceilings = [{"nbytes": 64 << 20, "chunked_ms_p50": 0.2}, {"nbytes": 128 << 20, "chunked_ms_p50": 0.4,
+                                                               "host_h2d_peer_ms_p50": 1.0},
+                {"nbytes": 64 << 20, "chunked_ms_p50": 0.1}]
+    got = e2e_gpu.transfer_vs_ceiling(row, ceilings)  # the last ceiling measured for the same bytes
+    assert got == {"kv_transfer_ceiling_ms": 0.4, "kv_transfer_vs_ceiling_p50": 0.2, "kv_transfer_vs_ceiling_p99": 0.1,
+                   "kv_transfer_vs_host_path_p50": 0.5}
+    assert e2e_gpu.transfer_vs_ceiling({"kv_transfer_ms_p50": None}, ceilings) == {}
+    assert e2e_gpu.transfer_vs_ceiling(row, []) == {}
+
+
+def test_kv_bytes_per_request_from_the_proxy_s_counters(e2e_gpu) -> None:
+    text = """# TYPE lmcache_p2p_proxy_kv_bytes_total counter
+lmcache_p2p_proxy_kv_bytes_total 4.0e+08
+lmcache_p2p_proxy_kv_bytes_created 1.7e+09
+lmcache_p2p_proxy_kv_outcomes_total{outcome="ready"} 3.0
+lmcache_p2p_proxy_kv_outcomes_total{outcome="timeout"} 1.0
+"""
+    after = e2e_gpu.parse_counters(text, e2e_gpu.PROXY_COUNTERS)
+    before = {"lmcache_p2p_proxy_kv_bytes_total": {"": 1.0e8}, "lmcache_p2p_proxy_kv_outcomes_total": {'outcome="ready"': 1.0}}
+    assert e2e_gpu.kv_bytes_fields(before, after) == {"kv_bytes_per_request": 150_000_000}
+    assert e2e_gpu.kv_bytes_fields(after, after) == {"kv_bytes_per_request": None}
+
+
+def test_handover_split_is_the_decoder_s_part_and_the_rest(e2e_gpu) -> None:
+    row = {"handover_ms_p50": 30.0, "proxy_stats": {"handover_ms": {"mean": 40.0}},
+           "vllm_metrics": {"decoder": {"time_to_first_token_seconds": {"mean_ms": 17.0, "p50_ms": 15.0, "p99_ms": 30.0},
+                                        "request_queue_time_seconds": {"mean_ms": 0.1},
+                                        "request_prefill_time_seconds": {"mean_ms": 11.0}}}}
+    got = e2e_gpu.handover_split(row)
+    assert got["outside_decoder_ms_mean"] == 23.0 and got["decoder_prefill_ms_mean"] == 11.0
+    pd_row = {"pd_timing_ms": {"handover": {"mean": 20.0}}, "vllm_metrics": row["vllm_metrics"]}
+    assert e2e_gpu.handover_split(pd_row)["outside_decoder_ms_mean"] == 3.0
+    assert e2e_gpu.handover_split({"vllm_metrics": {"single": {}}}) is None
+
+
+def test_proxy_workers_default_and_fallback_without_the_flag(e2e_gpu) -> None:
+    assert e2e_gpu.resolve_proxy_workers(None, "cuda", True, 32) == (8, None)
+    assert e2e_gpu.resolve_proxy_workers(None, "cuda", True, 16) == (4, None)
+    assert e2e_gpu.resolve_proxy_workers(None, "cpu", True, 32) == (1, None)
+    workers, note = e2e_gpu.resolve_proxy_workers(None, "cuda", False, 32)
+    assert workers == 1 and "--proxy-workers" in note
+    assert e2e_gpu.resolve_proxy_workers(3, "cuda", True, 2) == (3, None)
+
+
+def test_lmcache_p2p_rows_of_another_proxy_worker_count_are_not_reused(e2e_gpu, tmp_path) -> None:
+    base = ["--model", str(tmp_path), "--rates", "2", "--results-dir", str(tmp_path / "parts"),
+            "--log-dir", str(tmp_path / "logs")]
+    one, _ = e2e_gpu.parse_args(base)
+    one.results_dir.mkdir()
+    row = e2e_gpu.make_row("lmcache_p2p-nixl", 2.0, bench_result(["x"]), None, [], OUTPUT_LEN)
+    e2e_gpu.save_cached(one, "lmcache_p2p-nixl", {"2": row})
+    eight, _ = e2e_gpu.parse_args([*base, "--proxy-workers", "8"])
+    assert e2e_gpu.load_cached(eight, "lmcache_p2p-nixl") == {}
+    assert set(e2e_gpu.load_cached(one, "lmcache_p2p-nixl")) == {"2"}
+    e2e_gpu.save_cached(eight, "lmcache_p2p-nixl", {"2": row})  # the other count's rows are moved aside, not lost
+    kept = [p for p in one.results_dir.iterdir() if p.name.startswith("lmcache_p2p-nixl.") and p.name != "lmcache_p2p-nixl.json"]
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["workload"] == e2e_gpu.workload(one, "lmcache_p2p-nixl")
+
+
+def test_kv_bytes_per_token_of_the_8b_shape(e2e_gpu, tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": 8,
+                                                      "hidden_size": 4096, "num_hidden_layers": 32}))
+    assert e2e_gpu.kv_bytes_per_token(tmp_path) == 128 << 10  # 1024 tokens: 128 MiB
+
+
+def test_run_rate_fills_the_new_fields_from_the_servers_answers(e2e_gpu, tmp_path, monkeypatch) -> None:
+    """One rate against fake servers: proxy /stats + /metrics, LMCache PD's /pd_stats, vLLM /metrics."""
+    cfg, _ = e2e_gpu.parse_args(["--model", str(tmp_path), "--rates", "2", "--output-len", str(OUTPUT_LEN),
+                                 "--results-dir", str(tmp_path / "parts"), "--log-dir", str(tmp_path / "logs"),
+                                 "--run-label", "test pass"])
+    stats = {"handover_ms": {"count": 3, "mean": 30.0, "p50": 25.0, "p99": 40.0}, "kv_wait_ms": {"p50": 0.1, "p99": 1.0},
+             "timeline_ms": {"transfer": {"count": 3, "mean": 1.0, "p50": 0.9, "p99": 2.0}}, "recent": []}
+    counters = iter(['lmcache_p2p_proxy_kv_bytes_total 0\n', 'lmcache_p2p_proxy_kv_bytes_total 300\n'
+                     'lmcache_p2p_proxy_kv_outcomes_total{outcome="ready"} 3\n'])
+    pd = {"timings": [{"t_prefill_done": 1.0, "t_kv_ready": 1.0, "t_decode_first_byte": 1.05}]}
+
+    class Answer:
+        def __init__(self, body):
+            self.body = body
+            self.text = body if isinstance(body, str) else ""
+
+        def json(self):
+            return self.body
+
+        def raise_for_status(self):
+            return None
+
+    def get(url, timeout):
+        if url.endswith("/stats"):
+            return Answer(stats)
+        if url.endswith("/pd_stats"):
+            return Answer(pd)
+        if url.endswith(":9100/metrics"):
+            return Answer(next(counters))
+        scraped[url] = scraped.get(url, 0) + 1  # each vLLM server: before, then after the rate
+        return Answer(METRICS_BEFORE if scraped[url] % 2 else METRICS_AFTER)
+
+    scraped: dict[str, int] = {}
+
+    def run(argv, **kwargs):
+        name = argv[argv.index("--result-filename") + 1]
+        result_dir = Path(argv[argv.index("--result-dir") + 1])
+        (result_dir / name).write_text(json.dumps(bench_result(["a", "b", "c"])))
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(e2e_gpu.httpx, "get", get)
+    monkeypatch.setattr(e2e_gpu.httpx, "post", lambda url, timeout: Answer({}))
+    monkeypatch.setattr(e2e_gpu.subprocess, "run", run)
+    (cfg.log_dir / "lmcache_p2p-nixl").mkdir(parents=True)
+    dep = e2e_gpu.Deployment("lmcache_p2p-nixl", "http://127.0.0.1:9100", lambda: None, None, True,
+                             (("prefiller", 7100), ("decoder", 7200)))
+    row = e2e_gpu.run_rate(cfg, dep, 2.0)
+    assert (row["handover_ms_p50"], row["kv_transfer_ms_p50"], row["kv_bytes_per_request"]) == (25.0, 0.9, 100)
+    assert row["proxy_workers"] == 1 and row["measured"] == "test pass" and row["handover_source"].startswith("lmcache_p2p")
+    split = row["handover_split"]  # the decoder's TTFT over the rate: 4 requests, mean 25 ms (METRICS_*)
+    assert (split["handover_ms_mean"], split["decoder_ttft_ms_mean"], split["outside_decoder_ms_mean"]) == (30.0, 25.0, 5.0)
+    (cfg.log_dir / "lmcache-pd").mkdir(parents=True)
+    dep = e2e_gpu.Deployment("lmcache-pd", "http://127.0.0.1:9000", lambda: None, None, False,
+                             (("prefiller", 8100), ("decoder", 8200)), pd_stats=True)
+    row = e2e_gpu.run_rate(cfg, dep, 2.0)
+    assert row["handover_ms_p50"] == pytest.approx(50.0) and row["proxy_workers"] == 1
+    assert row["handover_source"].startswith("LMCache PD")
+    assert row["handover_split"]["outside_decoder_ms_mean"] == pytest.approx(25.0)
+
+
+def test_each_rate_has_its_own_prompts_and_lmcache_pd_s_buffer_holds_them_all(e2e_gpu, tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": 8,
+                                                      "hidden_size": 4096, "num_hidden_layers": 32}))
+    cfg, _ = e2e_gpu.parse_args(["--model", str(tmp_path), "--rates", "8,16,32,48", "--num-prompts", "128",
+                                 "--log-dir", str(tmp_path / "logs")])
+    seeds = {e2e_gpu.prompt_seed(r) for r in cfg.rates}
+    assert len(seeds) == 4
+    argv = e2e_gpu.bench_argv(cfg, "http://x", 16.0, tmp_path, "r.json")
+    assert argv[argv.index("--seed") + 1] == str(e2e_gpu.prompt_seed(16.0))
+    gpu = 141 << 30
+    assert e2e_gpu.pd_receive_buffer_bytes(cfg, gpu) == 4 * 128 * (128 << 20) + (2 << 30)  # 66 GiB
+    assert e2e_gpu.pd_receive_buffer_bytes(cfg, 100 << 30) == 50 << 30  # at most half the GPU
+    fixed = dataclasses.replace(cfg, lmcache_pd_receive_buffer_size="8GB")
+    assert e2e_gpu.pd_receive_buffer_bytes(fixed, gpu) == 8 << 30
