@@ -7,6 +7,8 @@ Each case is one way of asking for the first token:
   prefill URL     the proxy's prefill request, sent straight to an instance: non-streamed, max_tokens 1,
                   return_token_ids (shaping.prefill_body); with ``--kv HOST:CTRL:XPORT`` it carries the
                   kv_transfer_params the proxy would send (the KV then really goes to that decoder)
+  prefill_kv URL  that body with kv_transfer_params (``--kv``; ``--case-kv NAME=HOST:CTRL:XPORT`` gives
+                  one case its own target, e.g. a port nothing listens on)
 
 Cases are interleaved per prompt (prompt 0 on every case, then prompt 1 ...), so noise hits every
 case alike; ``--reps`` repeats the whole pass. Prints p50 / mean per case and writes ``--out`` JSON.
@@ -68,13 +70,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     workload = json.loads(Path(args.workload).read_text())[: args.n]
     cases = [parse_case(c) for c in args.case]
     out: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    kv_of = {name: args.kv for name, _, _ in cases}
+    kv_of.update(dict(c.split("=", 1) for c in args.case_kv))
     async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
         for name, kind, url in cases:  # warm-up: one unrecorded request each
-            await one(client, kind, url, args.model, workload[0]["prompt"], args.kv)
+            await one(client, kind, url, args.model, workload[0]["prompt"], kv_of[name])
         for _ in range(args.reps):
             for w in workload:
                 for name, kind, url in cases:
-                    out[name].append(await one(client, kind, url, args.model, w["prompt"], args.kv))
+                    out[name].append(await one(client, kind, url, args.model, w["prompt"], kv_of[name]))
                     await asyncio.sleep(args.gap_s)
     return {name: [round(x * 1e3, 3) for x in xs] for name, xs in out.items()}
 
@@ -85,6 +89,7 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--case", action="append", required=True, help="NAME=KIND:URL (KIND stream, prefill, prefill_kv)")
     p.add_argument("--kv", default=None, help="HOST:CTRL_PORT:TRANSPORT_PORT of the decoder for prefill_kv")
+    p.add_argument("--case-kv", action="append", default=[], help="NAME=HOST:CTRL:XPORT: that case's KV target")
     p.add_argument("--n", type=int, default=48)
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--gap-s", type=float, default=0.0, help="pause between requests")

@@ -6,7 +6,9 @@ Owns:
   connector.py   ``CPUPagedKVConnector``: LMCache's GPUConnectorInterface in plain torch, gathering
                  and scattering between the paged cache and KV_2LTD memory objects
   plugin.py      the ``vllm.general_plugins`` entry point that makes LMCache's connector factory
-                 return ``CPUPagedKVConnector`` when vLLM runs on CPU
+                 return ``CPUPagedKVConnector`` when vLLM runs on CPU; on every platform it also
+                 hooks ``lmcache_p2p.backend.producer_lookup`` (a sender-only prefiller skips
+                 LMCache's lookups, which cannot hit) onto LMCache's vLLM adapter when imported
 
 Must not:
   - import lmcache or vllm at package import or while vLLM loads plugins (importing lmcache then

@@ -163,18 +163,21 @@ class _BlockIndex:
     layout: PageLayout
     num_blocks: int
     block_elems: int
-    k_offsets: torch.Tensor  # [num_kv_heads, block_size, head_size] int64
-    v_offsets: torch.Tensor
+    k_rows: torch.Tensor  # [block_size, num_kv_heads * head_size] int64: offsets of each token-in-block
+    v_rows: torch.Tensor
 
     @classmethod
     def build(cls, layout: PageLayout, num_kv_heads: int, *, num_blocks: int) -> _BlockIndex:
         head_base = torch.arange(num_kv_heads, dtype=torch.int64).view(-1, 1, 1) * layout.page_elems
+        k_offsets = head_base + layout.k_offsets.unsqueeze(0)  # [heads, block_size, head_size]
+        v_offsets = head_base + layout.v_offsets.unsqueeze(0)
         return cls(
             layout=layout,
             num_blocks=num_blocks,
             block_elems=num_kv_heads * layout.page_elems,
-            k_offsets=head_base + layout.k_offsets.unsqueeze(0),
-            v_offsets=head_base + layout.v_offsets.unsqueeze(0),
+            # one contiguous row per token-in-block, in (head, dim) order: a token's indices are one row
+            k_rows=k_offsets.permute(1, 0, 2).reshape(layout.block_size, -1).contiguous(),
+            v_rows=v_offsets.permute(1, 0, 2).reshape(layout.block_size, -1).contiguous(),
         )
 
     def flat_indices(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,12 +188,11 @@ class _BlockIndex:
             raise ValueError(
                 f"slot mapping holds slots outside [0, {num_slots}): min {int(slots.min())}, max {int(slots.max())}"
             )
-        block_base = ((slots // block_size) * self.block_elems).view(-1, 1, 1)  # [T, 1, 1]
+        block_base = ((slots // block_size) * self.block_elems).view(-1, 1)  # [T, 1]
         in_block = slots % block_size  # [T]
-        # [heads, T, head_size] -> [T, heads, head_size], shifted to each token's block.
-        k_index = self.k_offsets[:, in_block, :].permute(1, 0, 2) + block_base
-        v_index = self.v_offsets[:, in_block, :].permute(1, 0, 2) + block_base
-        return k_index.reshape(-1), v_index.reshape(-1)
+        k_index = torch.index_select(self.k_rows, 0, in_block).add_(block_base)  # [T, heads * head_size]
+        v_index = torch.index_select(self.v_rows, 0, in_block).add_(block_base)
+        return k_index.view(-1), v_index.view(-1)
 
 
 def _chunk_slots(kwargs: dict[str, Any], start: int, end: int) -> torch.Tensor:

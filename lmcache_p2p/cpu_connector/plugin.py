@@ -28,12 +28,15 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 TARGET_MODULE = "lmcache.v1.gpu_connector"
+ADAPTER_MODULE = "lmcache.integration.vllm.vllm_v1_adapter"  # lmcache_p2p.backend.producer_lookup patches it
 _PATCHED_ATTR = "_lmcache_p2p_cpu_connector_patched"
 _lock = threading.Lock()
 
 
 def register() -> None:
-    """vLLM general-plugin entry point. Idempotent; does nothing unless vLLM's platform is CPU."""
+    """vLLM general-plugin entry point. Idempotent; on every platform it hooks the prefiller lookup
+    skip (:mod:`lmcache_p2p.backend.producer_lookup`), and on CPU the connector and the spin cap."""
+    _install_hook(ADAPTER_MODULE, _patch_adapter)
     if not _running_on_cpu():
         logger.debug("vLLM platform is not CPU: LMCache CPU connector not installed")
         return
@@ -47,14 +50,25 @@ def register() -> None:
 
 def install() -> None:
     """Make LMCache's ``CreateGPUConnector`` return the CPU connector for vLLM (idempotent)."""
+    _install_hook(TARGET_MODULE, _patch)
+
+
+def _install_hook(target: str, patch: Callable[[types.ModuleType], Any]) -> None:
+    """Run ``patch`` on module ``target`` now if imported, else right after its first import."""
     with _lock:
-        module = sys.modules.get(TARGET_MODULE)
+        module = sys.modules.get(target)
         if module is not None:
-            _patch(module)
+            patch(module)
             return
-        if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
-            sys.meta_path.insert(0, _PatchOnImport())
-            logger.debug("import hook for %s installed", TARGET_MODULE)
+        if not any(isinstance(finder, _PatchOnImport) and finder.target == target for finder in sys.meta_path):
+            sys.meta_path.insert(0, _PatchOnImport(target, patch))
+            logger.debug("import hook for %s installed", target)
+
+
+def _patch_adapter(module: types.ModuleType) -> None:
+    from lmcache_p2p.backend.producer_lookup import patch_adapter
+
+    patch_adapter(module)
 
 
 def _running_on_cpu() -> bool:
@@ -64,33 +78,38 @@ def _running_on_cpu() -> bool:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds ``lmcache.v1.gpu_connector`` through the other finders and patches it once loaded."""
+    """Finds module ``target`` through the other finders and runs ``patch`` on it once loaded."""
+
+    def __init__(self, target: str, patch: Callable[[types.ModuleType], Any]) -> None:
+        self.target = target
+        self._patch = patch
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != TARGET_MODULE:
+        if fullname != self.target:
             return None
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            if isinstance(finder, _PatchOnImport) or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader)
+                spec.loader = _PatchingLoader(spec.loader, self._patch)
                 return spec
         return None
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader) -> None:
+    def __init__(self, loader: importlib.abc.Loader, patch: Callable[[types.ModuleType], Any]) -> None:
         self._loader = loader
+        self._patch = patch
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
         self._loader.exec_module(module)
-        _patch(module)
+        self._patch(module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tooling
         return getattr(self._loader, name)

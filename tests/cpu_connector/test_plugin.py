@@ -101,3 +101,19 @@ def test_unsupported_lmcache_options_fail_loudly():
         """
     )
     assert "error: LMCache config use_layerwise: true is not supported" in out
+
+
+def test_vllm_plugin_loader_hooks_the_prefiller_lookup_skip():
+    out = run_python(
+        """
+        import sys
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        print("lmcache imported at plugin load:", any(m.split(".")[0] == "lmcache" for m in sys.modules))
+        from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
+        method = LMCacheConnectorV1Impl.get_num_new_matched_tokens
+        print("patched:", getattr(method, "_lmcache_p2p_producer_lookup_patched", False))
+        """
+    )
+    assert "lmcache imported at plugin load: False" in out
+    assert "patched: True" in out
