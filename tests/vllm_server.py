@@ -40,10 +40,11 @@ class VLLMServerError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's ephemeral range (the
+    server binds it only after its start-up, and an ephemeral port may be taken by then)."""
+    from lmcache_p2p.cli.cluster import free_port as below_ephemeral
+
+    return below_ephemeral()
 
 
 def port_is_free(port: int) -> bool:

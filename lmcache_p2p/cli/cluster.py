@@ -10,6 +10,7 @@ deployment is compared with. Nothing here configures logging.
 from __future__ import annotations
 
 import argparse
+import random
 import re
 import socket
 import time
@@ -34,16 +35,43 @@ class Lookup(NamedTuple):
     hit_tokens: int
 
 
+# Below the kernel's ephemeral range: a port the kernel may hand to any outgoing connection (vLLM's
+# and LMCache's own sockets, the proxy's clients) between our check and the instance's bind was taken
+# there once in CI ("Address already in use" on a decoder's control port, 44599).
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_BASE_PORT = 10000
+
+
 def free_base_port(span: int = 400) -> int:
     """A port P with P..P+span likely free (every port a launch up to 8P8D uses below P+80 is checked,
-    then a few beyond)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + span < 65000 and all(_free(port + d) for d in (*range(80), 200, 210, span // 2)):
+    then a few beyond), below the ephemeral range so that no outgoing connection takes one meanwhile."""
+    highest = ephemeral_low() - span - 1
+    rng = random.Random()  # seeded from os.urandom: concurrent test processes pick different ranges
+    for _ in range(100):
+        port = rng.randrange(LOWEST_BASE_PORT, highest) if highest > LOWEST_BASE_PORT else _kernel_port()
+        offsets = (*range(80), 200, 210, span // 2) if span else (0,)
+        if port + span < 65000 and all(_free(port + d) for d in offsets):
             return port
     raise RuntimeError("no free port range")
+
+
+def free_port() -> int:
+    """One free port below the ephemeral range (for a server that binds it only after start-up)."""
+    return free_base_port(span=0)
+
+
+def ephemeral_low(path: Path = EPHEMERAL_RANGE_FILE) -> int:
+    """The first port of the kernel's ephemeral range (32768, Linux's default, when unreadable)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _kernel_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _free(port: int) -> bool:

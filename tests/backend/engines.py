@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from lmcache_p2p.cli.cluster import free_port as cluster_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PROC = Path(__file__).with_name("engine_proc.py")
@@ -32,23 +33,16 @@ CLEAN_TIMEOUT_S = 30.0  # a shared pair must be clean (every slot free, nothing 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (engines bind theirs only after start-up)."""
+    return cluster_free_port()
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports that were free a moment ago (held together while chosen)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``count`` distinct ports that were free a moment ago, below the ephemeral range."""
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(cluster_free_port())
+    return sorted(ports)
 
 
 def write_config(path: Path, base: str, lmcache_overrides: dict | None = None, **p2p) -> Path:
