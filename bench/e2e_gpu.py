@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -405,14 +405,20 @@ def scrape_proxy_counters(url: str) -> dict[str, dict[str, float]]:
 def parse_counters(text: str, names: Sequence[str]) -> dict[str, dict[str, float]]:
     """{name: {label string: value}} of Prometheus counters (exact sample names)."""
     out: dict[str, dict[str, float]] = {}
+    for metric, labels, value in samples(text):
+        if metric in names:
+            out.setdefault(metric, {})[labels] = value
+    return out
+
+
+def samples(text: str) -> Iterator[tuple[str, str, float]]:
+    """(sample name, label string without braces, value) of every sample line of Prometheus text."""
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         head, _, value = line.rpartition(" ")
         metric, _, labels = head.partition("{")
-        if metric in names:
-            out.setdefault(metric, {})[labels.rstrip("}")] = float(value)
-    return out
+        yield metric, labels.rstrip("}"), float(value)
 
 
 def kv_bytes_fields(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
@@ -466,22 +472,18 @@ def scrape_histograms(port: int) -> dict[str, dict[str, Any]]:
 
 def parse_histograms(text: str, names: Sequence[str]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        metric, _, labels = head.partition("{")
+    for metric, labels, value in samples(text):
         for name in names:
             if not metric.startswith(name) or metric[len(name):] not in ("_bucket", "_sum", "_count"):
                 continue
             h = out.setdefault(name, {"buckets": {}, "sum": 0.0, "count": 0.0})
             kind = metric[len(name) + 1:]
             if kind == "bucket":
-                le = next((part.split("=", 1)[1].strip('"') for part in labels.rstrip("}").split(",")
+                le = next((part.split("=", 1)[1].strip('"') for part in labels.split(",")
                            if part.startswith("le=")), "+Inf")
-                h["buckets"][le] = h["buckets"].get(le, 0.0) + float(value)
+                h["buckets"][le] = h["buckets"].get(le, 0.0) + value
             else:
-                h[kind] += float(value)
+                h[kind] += value
     return out
 
 
