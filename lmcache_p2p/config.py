@@ -124,7 +124,9 @@ class P2PConfig:
 
     role: Role
     transport: TransportKind = TransportKind.NIXL
-    # Receiver: the preallocated buffer and where it listens.
+    # Receiver: the preallocated receive buffer (and, below, where it listens). Sender: with
+    # buffer_device cuda, the VRAM arena LMCache stores chunks in before they are sent (no host
+    # round trip; backend/send_buffer.py); cpu keeps them in LocalCPUBackend's host memory.
     buffer_size_bytes: int = 1 << 30
     buffer_device: str = "cpu"
     # Receiver: keep chunks the engine loaded as an LRU cache in the receive buffer, so a later

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmcache.utils import CacheEngineKey
@@ -20,9 +20,10 @@ from lmcache_p2p import protocol
 from lmcache_p2p.backend.common import build_transport, dtype_name, fingerprint_of, load_config, tp_rank_of, worker_gpu
 from lmcache_p2p.backend.plugin_base import P2PPlugin
 from lmcache_p2p.backend.receiver import chunk_key
+from lmcache_p2p.backend.send_buffer import SendArena, lend, store_stream_of
 from lmcache_p2p.backend.send_service import Chunk, SendService, Target
 from lmcache_p2p.config import Role
-from lmcache_p2p.errors import ClosedError, P2PError
+from lmcache_p2p.errors import ClosedError, ConfigError, P2PError
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +52,15 @@ class SenderBackend(P2PPlugin):
         self.cfg = load_config(config, Role.SENDER)
         self._tp_rank, tp_size = tp_rank_of(metadata)
         self._warned_no_spec = False
+        self._arena: SendArena | None = None
+        self._unlend: Callable[[], None] | None = None
+        self._store_stream: Any = None
         try:
-            self._transport = build_transport(self.cfg, f"p2p-send-{self._tp_rank}-{id(self):x}", self._tp_rank,
-                                              worker_gpu(dst_device))
+            gpu = worker_gpu(dst_device)
+            self._transport = build_transport(self.cfg, f"p2p-send-{self._tp_rank}-{id(self):x}", self._tp_rank, gpu)
             self._register_allocator_memory()
+            if self.cfg.buffer_device != "cpu":
+                self._start_arena(metadata, gpu)
             self._service = SendService(self.cfg, tp_rank=self._tp_rank, tp_size=tp_size, transport=self._transport,
                                         fingerprint=fingerprint_of(metadata))
         except Exception:
@@ -69,6 +75,39 @@ class SenderBackend(P2PPlugin):
         buffer = getattr(allocator, "buffer", None)
         if buffer is not None and buffer.numel() > 0:
             self._transport.register(buffer)
+
+    def _start_arena(self, metadata: Any, gpu: str | None) -> None:
+        """Chunks stored in VRAM on the worker's GPU (p2p.buffer_device: cuda; see send_buffer.py)."""
+        want = self.cfg.buffer_device
+        if gpu is None or (want != "cuda" and want != gpu):
+            raise ConfigError("p2p.buffer_device", (
+                f"is {want} on a sender whose worker runs on {gpu or 'the CPU'}: a prefiller's chunks must live on "
+                f"its own GPU; set buffer_device: cuda (its GPU) or cpu"))
+        if metadata is None or self.local_cpu_backend is None:
+            raise ConfigError("p2p.buffer_device", "cuda needs LMCache's metadata and LocalCPUBackend (the allocator)")
+        get_shapes = getattr(metadata, "get_shapes", None)
+        shapes = get_shapes() if get_shapes else [list(metadata.kv_shape)]
+        dtypes = metadata.get_dtypes() if hasattr(metadata, "get_dtypes") else [metadata.kv_dtype]
+        self._arena = SendArena(self.cfg.buffer_size_bytes, gpu, shapes, dtypes)
+        self._transport.register(self._arena.buffer)
+        self._unlend = lend(self.local_cpu_backend, self._arena)
+
+    def _wait_for_store(self) -> None:
+        """VRAM chunks: LMCache's connector gathered them on its store stream without waiting."""
+        if self._store_stream is None:
+            self._store_stream = store_stream_of(self)
+        if self._store_stream is not None:
+            self._store_stream.synchronize()
+        else:
+            import torch
+
+            torch.cuda.synchronize(self._arena.device if self._arena else None)
+
+    def close(self) -> None:
+        unlend, self._unlend = self._unlend, None
+        if unlend is not None:
+            unlend()
+        super().close()
 
     def __str__(self) -> str:
         return "P2PSenderBackend"
@@ -89,6 +128,8 @@ class SenderBackend(P2PPlugin):
         except ValueError as exc:
             logger.error("request %s: bad transfer_spec, KV not sent: %s", getattr(transfer_spec, "req_id", "?"), exc)
             return None
+        if self._arena is not None and any(obj.tensor.is_cuda for obj in objs):
+            self._wait_for_store()
         chunks = []
         for key, obj in zip(keys, objs):
             obj.ref_count_up()
@@ -117,6 +158,11 @@ class SenderBackend(P2PPlugin):
 
     def unpin(self, key: CacheEngineKey) -> bool:
         return False
+
+    @property
+    def arena(self) -> SendArena | None:
+        """The VRAM arena chunks are stored in (p2p.buffer_device: cuda), else None."""
+        return self._arena
 
     @property
     def service(self) -> SendService:

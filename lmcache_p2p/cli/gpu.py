@@ -1,8 +1,8 @@
 """GPU placement for ``lmcache-p2p launch --device cuda``: one GPU per instance, memory accounted.
 
 A decoder with ``buffer_device: cuda`` allocates its receive buffer (``p2p.buffer_size`` bytes)
-in VRAM next to vLLM, which by itself sizes weights + activations + KV cache to
-``--gpu-memory-utilization`` of the whole GPU. The launcher lowers each decoder's utilization by
+in VRAM next to vLLM, and so does a prefiller its send arena (LMCache stores its chunks there), which by itself sizes weights + activations + KV cache to
+``--gpu-memory-utilization`` of the whole GPU. The launcher lowers each instance's utilization by
 the buffer's share of the GPU (rounded up to 0.01) so both fit, and refuses with a clear error
 when too little would be left for vLLM. Total GPU memory comes from ``nvidia-smi`` (the launcher
 must not create a CUDA context of its own: that costs ~0.5 GiB on every GPU it touches).
@@ -71,15 +71,17 @@ def pick_gpus(count: int, available: Sequence[GpuSlot], wanted: Sequence[int] | 
     return list(available[:count])
 
 
-def decoder_utilization(base: float, buffer_bytes: int, total_bytes: int) -> float:
-    """vLLM's ``--gpu-memory-utilization`` for a decoder whose receive buffer lives on the same GPU."""
+def utilization_with_buffer(base: float, buffer_bytes: int, total_bytes: int, flag: str = "--buffer-size",
+                        buffer: str = "the decoder's receive buffer") -> float:
+    """vLLM's ``--gpu-memory-utilization`` for an instance with a buffer of ours on the same GPU (a
+    decoder's receive buffer; a prefiller's send arena, ``flag`` --send-buffer-size)."""
     share = math.ceil(buffer_bytes / total_bytes * 100) / 100
     util = round(base - share, 2)
     if util < MIN_VLLM_UTILIZATION:
         raise GpuPlanError(
-            f"the decoder's receive buffer (--buffer-size, {buffer_bytes / 2**30:.1f} GiB) takes {share:.2f} of its "
+            f"{buffer} ({flag}, {buffer_bytes / 2**30:.1f} GiB) takes {share:.2f} of its "
             f"GPU ({total_bytes / 2**30:.0f} GiB), leaving vLLM {util:.2f} of --gpu-memory-utilization {base:.2f} "
-            f"(at least {MIN_VLLM_UTILIZATION} needed): lower --buffer-size or raise --gpu-memory-utilization")
+            f"(at least {MIN_VLLM_UTILIZATION} needed): lower {flag} or raise --gpu-memory-utilization")
     return util
 
 

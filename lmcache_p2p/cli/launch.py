@@ -78,6 +78,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu: vLLM-CPU, one core per instance; cuda: one GPU per instance")
     p.add_argument("--buffer-size", default="1GB", help="receive buffer per decoder rank (p2p.buffer_size)")
+    p.add_argument("--send-buffer-size", default="2GB",
+                   help="--device cuda: VRAM arena per prefiller rank that LMCache stores chunks in before they are "
+                        "sent (the sender's p2p.buffer_size with buffer_device cuda: no host round trip); 0 keeps "
+                        "them in host memory (default %(default)s)")
     p.add_argument("--proxy-port", type=int, default=9100)
     p.add_argument("--proxy-control-port", type=int, default=9101, help="where instances announce themselves")
     p.add_argument("--prefill-port", type=int, default=7100, help="first prefiller HTTP port")
@@ -137,6 +141,8 @@ def write_lmcache_config(inst: Instance, args: argparse.Namespace, out_dir: Path
                proxy_url=f"tcp://127.0.0.1:{args.proxy_control_port}")
     if args.shared_secret:
         p2p["shared_secret"] = args.shared_secret
+    if inst.role == "prefiller" and args.device == "cuda" and send_buffer_bytes(args):
+        p2p.update(buffer_size=args.send_buffer_size, buffer_device="cuda")
     if inst.role == "decoder":
         p2p.update(buffer_size=args.buffer_size, buffer_device=args.device, control_ports=inst.control_port,
                    transport_ports=inst.transport_port)
@@ -145,6 +151,12 @@ def write_lmcache_config(inst: Instance, args: argparse.Namespace, out_dir: Path
     path = out_dir / f"{inst.name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def send_buffer_bytes(args: argparse.Namespace) -> int:
+    """The prefillers' VRAM send arena (--send-buffer-size; 0: chunks stay in host memory)."""
+    value = getattr(args, "send_buffer_size", "0")
+    return 0 if str(value).strip() == "0" else parse_size_bytes("--send-buffer-size", value)
 
 
 def slot_of(inst: Instance, args: argparse.Namespace) -> int:
@@ -176,10 +188,17 @@ def plan_gpus(instances: list[Instance], args: argparse.Namespace,
     wanted = [int(i) for i in args.gpus.split(",")] if args.gpus else None
     slots = gpu_plan.pick_gpus(len(instances), gpu_plan.query_gpus() if available is None else available, wanted)
     buffer_bytes = parse_size_bytes("--buffer-size", args.buffer_size)
+    send_bytes = send_buffer_bytes(args)
     plan: dict[str, GpuAssignment] = {}
     for inst in instances:
         slot = slots[slot_of(inst, args)]
-        util = gpu_plan.decoder_utilization(base, buffer_bytes, slot.total_bytes) if inst.role == "decoder" else base
+        if inst.role == "decoder":
+            util = gpu_plan.utilization_with_buffer(base, buffer_bytes, slot.total_bytes)
+        elif send_bytes:
+            util = gpu_plan.utilization_with_buffer(base, send_bytes, slot.total_bytes, "--send-buffer-size",
+                                                "the prefiller's send arena")
+        else:
+            util = base
         plan[inst.name] = GpuAssignment(slot.index, util)
     return plan
 

@@ -20,7 +20,7 @@ Commands (one JSON object per line; each gets one JSON reply line):
       retrieve past the tokens its own prefix cache holds (``vllm_hit``, chunk-aligned), unpin
   {"op": "slots"}                                        -> {"free", "capacity", "cached", "pinned",
                                                              "counters"} | {"sent", "failed", "pending",
-                                                             "bytes_sent", "chunks_skipped"}
+                                                             "bytes_sent", "chunks_skipped"[, "arena_*"]}
   {"op": "buffer"}                                       -> {"slot_bytes", "device"} (receiver)
   {"op": "quit"}
 """
@@ -191,9 +191,13 @@ def handle(cmd: dict, engine, connector, backend) -> dict:
                            counters=dataclasses.asdict(svc.counters))
             return out
         stats = backend.service.stats()
-        return {"sent": stats.requests_done, "failed": stats.requests_failed,
-                "pending": backend.service.pending_requests(), "bytes_sent": stats.bytes_sent,
-                "chunks_skipped": stats.chunks_skipped}
+        out = {"sent": stats.requests_done, "failed": stats.requests_failed,
+               "pending": backend.service.pending_requests(), "bytes_sent": stats.bytes_sent,
+               "chunks_skipped": stats.chunks_skipped}
+        if backend.arena is not None:  # p2p.buffer_device cuda on the sender
+            out.update(arena_pages=backend.arena.pages, arena_free=backend.arena.free_pages(),
+                       arena_spilled=backend.arena.spilled, arena_device=str(backend.arena.buffer.device))
+        return out
     if op == "buffer":
         return {"slot_bytes": backend._slot_bytes, "device": str(backend._buffer.device)}
     return {"error": f"unknown op {op}"}

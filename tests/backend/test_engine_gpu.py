@@ -5,7 +5,8 @@ vLLM) -> decoder engine with the receive buffer on GPU 1; both load the plugin f
 Chunks are [2, 32, 256, 1024] bf16 = 32 MiB. Assertions: every token hits, the KV loaded on
 GPU 1 is bit-exact, every slot is FREE afterwards, nothing failed on the sender.
 Runs with NIXL (host chunks staged through GPU 0, then cuda_ipc) and with NCCL (the pinned ->
-device staging ring). Skipped without two CUDA devices.
+device staging ring), and for each with the prefiller's chunks in a VRAM arena on GPU 0
+(``p2p.buffer_device: cuda`` on the sender: no host round trip). Skipped without two CUDA devices.
 """
 
 from __future__ import annotations
@@ -29,16 +30,17 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NV
            "P2P_ENGINE_SHAPE": "llama8b"}
 
 
-@pytest.fixture(scope="module", params=["nixl", "nccl"])
+@pytest.fixture(scope="module", params=["nixl", "nccl", "nixl-vram", "nccl-vram"])
 def gpu_pair(request, tmp_path_factory):
-    transport = request.param
-    tmp = tmp_path_factory.mktemp(f"gpu-{transport}")
+    transport, _, vram = request.param.partition("-")
+    tmp = tmp_path_factory.mktemp(f"gpu-{request.param}")
     port = free_port()
     rcfg = write_config(tmp / "decoder.yaml", "decoder.yaml", transport=transport, buffer_size="512MB",
                         buffer_device="cuda:1", control_ports=[port], transport_ports=[free_port()])
     # 2 GiB of LMCache host memory on the prefiller: 64 chunks of 32 MiB in flight at most.
+    sender_buffer = {"buffer_device": "cuda", "buffer_size": "1GB"} if vram else {}
     scfg = write_config(tmp / "prefiller.yaml", "prefiller.yaml", {"max_local_cpu_size": 2}, transport=transport,
-                        alloc_timeout_s=10)
+                        alloc_timeout_s=10, **sender_buffer)
     made = []
     try:
         made.append(EngineProc("decoder", rcfg, tmp / "decoder.log", {**GPU_ENV, "P2P_ENGINE_DEVICE": "cuda:1"}))
@@ -60,6 +62,10 @@ def test_llama8b_chunks_from_gpu0_land_bit_exact_in_a_gpu1_buffer(gpu_pair):
     assert all_free(receiver)
     stats = wait_for(lambda: sender.call(op="slots"), lambda s: s["pending"] == 0, 10)
     assert stats["failed"] == 0 and stats["sent"] >= 1
+    if "arena_pages" in stats:  # chunks were stored on GPU 0 and every page came back once written
+        assert stats["arena_device"] == "cuda:0" and stats["arena_spilled"] == 0
+        final = wait_for(lambda: sender.call(op="slots"), lambda s: s["arena_free"] == s["arena_pages"], 10)
+        assert final["arena_free"] == final["arena_pages"], final
     print(f"\n{transport}: lmcache {receiver.lmcache_version}, {n} tokens ({n * CHUNK_BYTES // 256 >> 20} MiB) "
           f"stored on cuda:0 -> loaded on cuda:1 bit-exact in {elapsed_s * 1e3:.0f} ms")
 

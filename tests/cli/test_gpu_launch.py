@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from lmcache_p2p.cli import launch
-from lmcache_p2p.cli.gpu import GpuPlanError, GpuSlot, decoder_utilization, parse_nvidia_smi, split_utilization_arg
+from lmcache_p2p.cli.gpu import GpuPlanError, GpuSlot, utilization_with_buffer, parse_nvidia_smi, split_utilization_arg
 from lmcache_p2p.cli.main import build_parser, split_passthrough
 from lmcache_p2p.cli.vllm_env import vllm_env, write_logging_config
 
@@ -74,12 +74,30 @@ def test_xpyd_layout_and_gpus_flag(tmp_path: Path) -> None:
 
 
 def test_decoder_utilization_leaves_room_for_its_vram_buffer(tmp_path: Path) -> None:
-    args = parse("--device", "cuda", "--buffer-size", "8GB", "--gpu-memory-utilization", "0.9")
+    args = parse("--device", "cuda", "--buffer-size", "8GB", "--send-buffer-size", "0", "--gpu-memory-utilization", "0.9")
     children, plan = children_for(args, tmp_path)
     assert flag(children["prefiller-0"].argv, "--gpu-memory-utilization") == "0.90"
     # 8 GiB of 140.4 GiB = 0.057 -> 0.06 off the decoder's share
     assert flag(children["decoder-0"].argv, "--gpu-memory-utilization") == "0.84"
     assert plan["decoder-0"].memory_utilization == pytest.approx(0.84)
+
+
+def test_prefiller_stores_chunks_in_a_vram_arena_accounted_beside_vllm(tmp_path: Path) -> None:
+    args = parse("--device", "cuda", "--send-buffer-size", "4GB", "--gpu-memory-utilization", "0.9")
+    children, _ = children_for(args, tmp_path)
+    # 4 GiB of 140.4 GiB = 0.028 -> 0.03 off the prefiller's share
+    assert flag(children["prefiller-0"].argv, "--gpu-memory-utilization") == "0.87"
+    p2p = yaml.safe_load(Path(children["prefiller-0"].env["LMCACHE_CONFIG_FILE"]).read_text())["extra_config"]["p2p"]
+    assert (p2p["role"], p2p["buffer_device"], p2p["buffer_size"]) == ("sender", "cuda", "4GB")
+    host = parse("--device", "cuda", "--send-buffer-size", "0")
+    children, _ = children_for(host, tmp_path)
+    p2p = yaml.safe_load(Path(children["prefiller-0"].env["LMCACHE_CONFIG_FILE"]).read_text())["extra_config"]["p2p"]
+    assert "buffer_device" not in p2p and flag(children["prefiller-0"].argv, "--gpu-memory-utilization") == "0.85"
+    cpu = parse("--device", "cpu")
+    path = launch.write_lmcache_config(launch.plan(cpu)[0], cpu, tmp_path)
+    assert "buffer_device" not in yaml.safe_load(path.read_text())["extra_config"]["p2p"]
+    with pytest.raises(GpuPlanError, match=r"prefiller's send arena .*lower --send-buffer-size"):
+        children_for(parse("--device", "cuda", "--send-buffer-size", "130GB"), tmp_path)
 
 
 def test_utilization_among_the_vllm_args_is_the_base_and_not_passed_twice(tmp_path: Path) -> None:
@@ -93,7 +111,7 @@ def test_utilization_among_the_vllm_args_is_the_base_and_not_passed_twice(tmp_pa
 
 def test_a_buffer_that_leaves_vllm_no_room_is_refused() -> None:
     with pytest.raises(GpuPlanError, match=r"lower --buffer-size or raise --gpu-memory-utilization"):
-        decoder_utilization(0.85, 120 * 2**30, H200)
+        utilization_with_buffer(0.85, 120 * 2**30, H200)
 
 
 def test_too_few_gpus_and_bad_gpus_flag_are_refused(tmp_path: Path) -> None:
