@@ -52,7 +52,7 @@ import httpx
 import yaml
 
 from lmcache_p2p.cli.cluster import lookups_in_log
-from lmcache_p2p.cli.gpu import decoder_utilization, query_gpus
+from lmcache_p2p.cli.gpu import utilization_with_buffer, query_gpus
 from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
 from lmcache_p2p.config import parse_size_bytes
@@ -226,7 +226,7 @@ def start_lmcache_pd(cfg: Config) -> Deployment:
         if role == "decoder":
             extra["skip_last_n_tokens"] = 1
         transfer = {"kv_connector": "LMCacheConnectorV1", "kv_role": kv_role, "kv_connector_extra_config": extra}
-        util = decoder_utilization(cfg.gpu_memory_utilization, buffer_bytes, total)  # both hold a VRAM buffer
+        util = utilization_with_buffer(cfg.gpu_memory_utilization, buffer_bytes, total)  # both hold a VRAM buffer
         argv = vllm_argv(cfg.model, PD_PORTS[role], "--no-enable-prefix-caching", "--max-model-len",
                          str(cfg.max_model_len), "--gpu-memory-utilization", f"{util:.2f}",
                          "--kv-transfer-config", json.dumps(transfer), *cfg.vllm_args)
