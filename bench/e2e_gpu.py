@@ -60,8 +60,10 @@ from lmcache_p2p.config import parse_size_bytes
 logger = logging.getLogger("bench.e2e_gpu")
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = ("single", "lmcache_p2p-nixl", "lmcache_p2p-nccl", "lmcache-pd")
-GPUS = {"single": 1, "lmcache_p2p-nixl": 2, "lmcache_p2p-nccl": 2, "lmcache-pd": 2}
+SYSTEMS = ("single", "lmcache_p2p-nixl", "lmcache_p2p-nccl", "lmcache-pd", "lmcache_p2p-nixl-hostsend")
+GPUS = {"single": 1, "lmcache_p2p-nixl": 2, "lmcache_p2p-nccl": 2, "lmcache-pd": 2, "lmcache_p2p-nixl-hostsend": 2}
+# lmcache_p2p-nixl-hostsend: the prefiller's chunks in host memory (launch --send-buffer-size 0), as before the
+# VRAM send arena; the A/B of that arena.
 STARTUP_TIMEOUT_S = 600.0
 STOP_GRACE_S = 30.0
 BENCH_TIMEOUT_S = 1800.0
@@ -109,6 +111,7 @@ class Config:
     proxy_workers: int | None = None  # lmcache_p2p's proxy processes (launch --proxy-workers); None: auto
     run_label: str = ""  # recorded in each row as "measured" (which pass a row came from)
     ceiling: bool = True  # measure the peer-copy ceiling of one request's KV before the systems start
+    one_gpu: bool = False  # 1P1D on GPU 0 alone (launch --gpus 0,0 --share-gpus): a one-GPU machine's pass
 
 
 @dataclasses.dataclass
@@ -145,9 +148,10 @@ def start_single(cfg: Config) -> Deployment:
                       (("single", SINGLE_PORT),))
 
 
-def start_p2p(cfg: Config, transport: str, on_exit: str = "stop", log_name: str | None = None) -> Deployment:
+def start_p2p(cfg: Config, transport: str, on_exit: str = "stop", log_name: str | None = None,
+              send_buffer_size: str | None = None) -> Deployment:
     """``lmcache-p2p launch`` itself, as a user starts it (its own process; stopped with SIGTERM)."""
-    system = f"lmcache_p2p-{transport}"
+    system = f"lmcache_p2p-{transport}" + ("-hostsend" if send_buffer_size == "0" else "")
     log_dir = cfg.log_dir / (log_name or system)
     log_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "launch", "--device", cfg.device, "--prefill", "1",
@@ -157,6 +161,8 @@ def start_p2p(cfg: Config, transport: str, on_exit: str = "stop", log_name: str 
             "--proxy-control-port", str(P2P_PROXY_PORT + 1), "--on-exit", on_exit,
             "--startup-timeout-s", str(int(STARTUP_TIMEOUT_S)),
             *(["--proxy-workers", str(cfg.proxy_workers)] if cfg.proxy_workers and cfg.proxy_workers > 1 else []),
+            *(["--send-buffer-size", send_buffer_size] if send_buffer_size is not None else []),
+            *(["--gpus", "0,0", "--share-gpus"] if cfg.one_gpu else []),
             # explicit, whatever the launcher's default: every system runs with the single instance's flags (random
             # prompts share no prefix); vLLM takes the last of --enable/--no-enable-prefix-caching
             "--", "--no-enable-prefix-caching", *cfg.vllm_args]
@@ -269,6 +275,8 @@ def pd_receive_buffer_bytes(cfg: Config, gpu_total_bytes: int) -> int:
 def start(system: str, cfg: Config) -> Deployment:
     if system == "single":
         return start_single(cfg)
+    if system == "lmcache_p2p-nixl-hostsend":
+        return start_p2p(cfg, "nixl", send_buffer_size="0")
     if system.startswith("lmcache_p2p-"):
         return start_p2p(cfg, system.split("-", 1)[1])
     return start_lmcache_pd(cfg)
@@ -314,7 +322,7 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
     result = json.loads((result_dir / name).read_text())
     stats = httpx.get(f"{dep.url}/stats", timeout=HTTP_TIMEOUT_S).json() if dep.has_stats else None
     lookups = lookups_in_log(dep.decoder_log)[seen:] if dep.decoder_log and dep.decoder_log.exists() else []
-    row = make_row(dep.system, rate, result, stats, lookups, cfg.output_len)
+    row = make_row(dep.system, rate, result, stats, lookups, cfg.output_len, 1 if cfg.one_gpu else None)
     row["vllm_metrics"] = {role: histogram_deltas(before[role], scrape_histograms(port))
                            for role, port in dep.instances}
     try:
@@ -532,7 +540,7 @@ def percentile(values: Sequence[float], pct: float) -> float | None:
 
 
 def make_row(system: str, rate: float, result: dict[str, Any], stats: dict[str, Any] | None,
-             lookups: Sequence[Any], output_len: int) -> dict[str, Any]:
+             lookups: Sequence[Any], output_len: int, gpus: int | None = None) -> dict[str, Any]:
     """One row from ``vllm bench serve``'s detailed result.
 
     Token counts are the requested ``output_len`` (``--ignore-eos``: every successful request
@@ -540,7 +548,7 @@ def make_row(system: str, rate: float, result: dict[str, Any], stats: dict[str, 
     server sends no ``usage`` (LMCache's PD proxy does not): TTFT, TPOT and tok/s are recomputed
     from the per-request times so every system is measured the same way.
     """
-    gpus = GPUS[system]
+    gpus = gpus or GPUS[system]
     errors = [e or "" for e in result.get("errors") or []]
     n = len(result["ttfts"])
     ok = [i for i in range(n) if not (errors[i] if i < len(errors) else "") and result["ttfts"][i]]
@@ -834,6 +842,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                    "when the launcher has the flag, else 1)")
     p.add_argument("--run-label", default="", help="which pass measured a row (each row's \"measured\")")
     p.add_argument("--no-ceiling", action="store_true", help="skip the peer-copy ceiling of one request's KV")
+    p.add_argument("--one-gpu", action="store_true",
+                   help="a one-GPU machine: lmcache_p2p's 1P1D on GPU 0 alone (launch --gpus 0,0 --share-gpus, each "
+                        "instance half of --gpu-memory-utilization), NIXL only; rows count 1 GPU")
     a = p.parse_args(argv)
     systems = tuple(s for s in a.systems.split(",") if s)
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -850,7 +861,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                   lmcache_pd_proxy=a.lmcache_pd_proxy.resolve(), slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
                   force=a.force, deadline=time.monotonic() + budget, estimate_start_s=a.estimate_start_s,
                   device=a.device, proxy_workers=a.proxy_workers, run_label=a.run_label,
-                  ceiling=not a.no_ceiling), a.logs_archive
+                  ceiling=not a.no_ceiling and not a.one_gpu, one_gpu=a.one_gpu), a.logs_archive
 
 
 def _interrupt(_signum: int, _frame: object) -> None:

@@ -54,14 +54,14 @@ def parse_nvidia_smi(text: str) -> list[GpuSlot]:
 
 
 def pick_gpus(count: int, available: Sequence[GpuSlot], wanted: Sequence[int] | None) -> list[GpuSlot]:
-    """``count`` GPUs, one per instance: ``wanted`` (``--gpus``) or the first ``count`` of the host."""
+    """``count`` GPUs, one per instance: ``wanted`` (``--gpus``) or the first ``count`` of the host.
+
+    ``--gpus`` may name a GPU more than once only with ``--share-gpus``: the caller splits its memory."""
     by_index = {slot.index: slot for slot in available}
     if wanted:
         missing = [i for i in wanted if i not in by_index]
         if missing:
             raise GpuPlanError(f"--gpus names GPU(s) {missing} but this host has {sorted(by_index)}")
-        if len(set(wanted)) != len(wanted):
-            raise GpuPlanError(f"--gpus {','.join(map(str, wanted))} repeats a GPU: one GPU per instance")
         if len(wanted) < count:
             raise GpuPlanError(f"{count} instances need {count} GPUs (one each) but --gpus lists {len(wanted)}")
         return [by_index[i] for i in wanted[:count]]
@@ -72,7 +72,7 @@ def pick_gpus(count: int, available: Sequence[GpuSlot], wanted: Sequence[int] | 
 
 
 def utilization_with_buffer(base: float, buffer_bytes: int, total_bytes: int, flag: str = "--buffer-size",
-                        buffer: str = "the decoder's receive buffer") -> float:
+                            buffer: str = "the decoder's receive buffer") -> float:
     """vLLM's ``--gpu-memory-utilization`` for an instance with a buffer of ours on the same GPU (a
     decoder's receive buffer; a prefiller's send arena, ``flag`` --send-buffer-size)."""
     share = math.ceil(buffer_bytes / total_bytes * 100) / 100
@@ -83,6 +83,23 @@ def utilization_with_buffer(base: float, buffer_bytes: int, total_bytes: int, fl
             f"GPU ({total_bytes / 2**30:.0f} GiB), leaving vLLM {util:.2f} of --gpu-memory-utilization {base:.2f} "
             f"(at least {MIN_VLLM_UTILIZATION} needed): lower {flag} or raise --gpu-memory-utilization")
     return util
+
+
+def shared_gpus(slots: Sequence[GpuSlot], names: Sequence[str], share: bool, transport: str) -> dict[int, int]:
+    """How many instances each GPU holds; a GPU named twice needs ``--share-gpus`` and NIXL (NCCL cannot put
+    two ranks of one pair on one GPU)."""
+    counts: dict[int, int] = {}
+    for slot in slots:
+        counts[slot.index] = counts.get(slot.index, 0) + 1
+    crowded = sorted(i for i, n in counts.items() if n > 1)
+    if crowded and not share:
+        raise GpuPlanError(f"--gpus {','.join(str(s.index) for s in slots)} repeats GPU(s) {crowded}: one GPU per "
+                           f"instance, or --share-gpus to split a GPU's memory between its instances")
+    if crowded and transport == "nccl":
+        on = [n for n, s in zip(names, slots) if s.index == crowded[0]]
+        raise GpuPlanError(f"--share-gpus puts {' and '.join(on)} on GPU {crowded[0]}, but NCCL cannot join two ranks "
+                           f"on one GPU: use --transport nixl or one GPU per instance")
+    return counts
 
 
 def split_utilization_arg(vllm_args: Sequence[str]) -> tuple[float | None, list[str]]:

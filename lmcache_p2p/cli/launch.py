@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -107,6 +108,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g = p.add_argument_group("GPUs (--device cuda)")
     g.add_argument("--gpus", default=None,
                    help="comma list of GPU indices, one per instance, prefillers first (default 0,1,...)")
+    g.add_argument("--share-gpus", action="store_true",
+                   help="let --gpus name a GPU more than once (e.g. --gpus 0,0: 1P1D on one GPU, NIXL only): its "
+                        "instances split --gpu-memory-utilization evenly (development and small models)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                    help="vLLM's share of each GPU; a decoder's is lowered by its receive buffer's share "
                         "(default 0.85; a --gpu-memory-utilization among the vLLM args sets it too)")
@@ -189,16 +193,19 @@ def plan_gpus(instances: list[Instance], args: argparse.Namespace,
     slots = gpu_plan.pick_gpus(len(instances), gpu_plan.query_gpus() if available is None else available, wanted)
     buffer_bytes = parse_size_bytes("--buffer-size", args.buffer_size)
     send_bytes = send_buffer_bytes(args)
+    placed = [slots[slot_of(inst, args)] for inst in instances]
+    sharing = gpu_plan.shared_gpus(placed, [i.name for i in instances], getattr(args, "share_gpus", False),
+                                   args.transport)
     plan: dict[str, GpuAssignment] = {}
-    for inst in instances:
-        slot = slots[slot_of(inst, args)]
+    for inst, slot in zip(instances, placed):
+        share = math.floor(base / sharing[slot.index] * 100 + 1e-6) / 100  # the instance's part of its GPU
         if inst.role == "decoder":
-            util = gpu_plan.utilization_with_buffer(base, buffer_bytes, slot.total_bytes)
+            util = gpu_plan.utilization_with_buffer(share, buffer_bytes, slot.total_bytes)
         elif send_bytes:
-            util = gpu_plan.utilization_with_buffer(base, send_bytes, slot.total_bytes, "--send-buffer-size",
-                                                "the prefiller's send arena")
+            util = gpu_plan.utilization_with_buffer(share, send_bytes, slot.total_bytes, "--send-buffer-size",
+                                                    "the prefiller's send arena")
         else:
-            util = base
+            util = share
         plan[inst.name] = GpuAssignment(slot.index, util)
     return plan
 

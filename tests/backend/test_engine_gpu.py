@@ -6,7 +6,8 @@ Chunks are [2, 32, 256, 1024] bf16 = 32 MiB. Assertions: every token hits, the K
 GPU 1 is bit-exact, every slot is FREE afterwards, nothing failed on the sender.
 Runs with NIXL (host chunks staged through GPU 0, then cuda_ipc) and with NCCL (the pinned ->
 device staging ring), and for each with the prefiller's chunks in a VRAM arena on GPU 0
-(``p2p.buffer_device: cuda`` on the sender: no host round trip). Skipped without two CUDA devices.
+(``p2p.buffer_device: cuda`` on the sender: no host round trip). With one CUDA device both engines
+share it (NIXL only); skipped without one.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from test_engine_p2p import all_free, assert_received, store, wait_for
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+# Two GPUs: prefiller on cuda:0, decoder on cuda:1 (peer writes over NVLink). One GPU: both on cuda:0, NIXL
+# only (cuda_ipc between two processes on one device; NCCL cannot pair two ranks on one GPU).
+DECODER_GPU = "cuda:1" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cuda:0"
 
 CHUNK_BYTES = 2 * 32 * 256 * 1024 * 2  # [2, 32, 256, 1024] bf16
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
@@ -33,17 +34,19 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NV
 @pytest.fixture(scope="module", params=["nixl", "nccl", "nixl-vram", "nccl-vram"])
 def gpu_pair(request, tmp_path_factory):
     transport, _, vram = request.param.partition("-")
+    if transport == "nccl" and DECODER_GPU == "cuda:0":
+        pytest.skip("NCCL needs two CUDA devices")
     tmp = tmp_path_factory.mktemp(f"gpu-{request.param}")
     port = free_port()
     rcfg = write_config(tmp / "decoder.yaml", "decoder.yaml", transport=transport, buffer_size="512MB",
-                        buffer_device="cuda:1", control_ports=[port], transport_ports=[free_port()])
+                        buffer_device=DECODER_GPU, control_ports=[port], transport_ports=[free_port()])
     # 2 GiB of LMCache host memory on the prefiller: 64 chunks of 32 MiB in flight at most.
     sender_buffer = {"buffer_device": "cuda", "buffer_size": "1GB"} if vram else {}
     scfg = write_config(tmp / "prefiller.yaml", "prefiller.yaml", {"max_local_cpu_size": 2}, transport=transport,
                         alloc_timeout_s=10, **sender_buffer)
     made = []
     try:
-        made.append(EngineProc("decoder", rcfg, tmp / "decoder.log", {**GPU_ENV, "P2P_ENGINE_DEVICE": "cuda:1"}))
+        made.append(EngineProc("decoder", rcfg, tmp / "decoder.log", {**GPU_ENV, "P2P_ENGINE_DEVICE": DECODER_GPU}))
         made.append(EngineProc("prefiller", scfg, tmp / "prefiller.log", {**GPU_ENV, "P2P_ENGINE_DEVICE": "cuda:0"}))
         yield transport, port, made[0], made[1]
     finally:
@@ -53,7 +56,7 @@ def gpu_pair(request, tmp_path_factory):
 
 def test_llama8b_chunks_from_gpu0_land_bit_exact_in_a_gpu1_buffer(gpu_pair):
     transport, port, receiver, sender = gpu_pair
-    assert receiver.call(op="buffer") == {"slot_bytes": CHUNK_BYTES, "device": "cuda:1"}
+    assert receiver.call(op="buffer") == {"slot_bytes": CHUNK_BYTES, "device": DECODER_GPU}
     n = 6 * 256 + 100  # six full 32 MiB chunks and a partial one
     started = time.monotonic()
     store(sender, port, seed=11, n=n, req_id=f"gpu-{transport}-1")
@@ -67,7 +70,7 @@ def test_llama8b_chunks_from_gpu0_land_bit_exact_in_a_gpu1_buffer(gpu_pair):
         final = wait_for(lambda: sender.call(op="slots"), lambda s: s["arena_free"] == s["arena_pages"], 10)
         assert final["arena_free"] == final["arena_pages"], final
     print(f"\n{transport}: lmcache {receiver.lmcache_version}, {n} tokens ({n * CHUNK_BYTES // 256 >> 20} MiB) "
-          f"stored on cuda:0 -> loaded on cuda:1 bit-exact in {elapsed_s * 1e3:.0f} ms")
+          f"stored on cuda:0 -> loaded on {DECODER_GPU} bit-exact in {elapsed_s * 1e3:.0f} ms")
 
 
 def test_two_requests_back_to_back_then_every_slot_is_free(gpu_pair):

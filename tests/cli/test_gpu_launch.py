@@ -119,8 +119,21 @@ def test_too_few_gpus_and_bad_gpus_flag_are_refused(tmp_path: Path) -> None:
         children_for(parse("--device", "cuda", "--prefill", "1", "--decode", "2"), tmp_path)
     with pytest.raises(GpuPlanError, match=r"--gpus names GPU\(s\) \[5\]"):
         children_for(parse("--device", "cuda", "--gpus", "0,5"), tmp_path)
-    with pytest.raises(GpuPlanError, match=r"repeats a GPU"):
+    with pytest.raises(GpuPlanError, match=r"repeats GPU\(s\) \[1\].*--share-gpus"):
         children_for(parse("--device", "cuda", "--gpus", "1,1"), tmp_path)
+
+
+def test_share_gpus_splits_one_gpu_between_1p1d_over_nixl_only(tmp_path: Path) -> None:
+    args = parse("--device", "cuda", "--gpus", "0,0", "--share-gpus", "--buffer-size", "4GB",
+                 "--send-buffer-size", "2GB", "--gpu-memory-utilization", "0.9")
+    children, plan = children_for(args, tmp_path, [GpuSlot(0, H200)])
+    assert {n: c.env["CUDA_VISIBLE_DEVICES"] for n, c in children.items()} == {"prefiller-0": "0", "decoder-0": "0"}
+    # each gets half of 0.90 less its own buffer: 2 GiB -> 0.02, 4 GiB -> 0.03
+    assert flag(children["prefiller-0"].argv, "--gpu-memory-utilization") == "0.43"
+    assert flag(children["decoder-0"].argv, "--gpu-memory-utilization") == "0.42"
+    with pytest.raises(GpuPlanError, match=r"prefiller-0 and decoder-0 on GPU 0.*NCCL cannot"):
+        children_for(parse("--device", "cuda", "--gpus", "0,0", "--share-gpus", "--transport", "nccl"), tmp_path,
+                     [GpuSlot(0, H200)])
 
 
 def test_ucx_without_cuda_in_the_callers_env_is_refused_for_nixl_only(tmp_path: Path, monkeypatch) -> None:
