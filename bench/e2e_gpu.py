@@ -395,7 +395,9 @@ def transfer_fields(stats: dict[str, Any]) -> dict[str, Any]:
     return {"handover_source": "lmcache_p2p proxy /stats", "handover_samples": (stats.get("handover_ms") or {}).get("count"),
             "kv_transfer_ms_p50": field("transfer", "p50"), "kv_transfer_ms_p99": field("transfer", "p99"),
             "kv_transfer_ms_mean": field("transfer", "mean"), "kv_transfer_samples": field("transfer", "count"),
-            "kv_store_ms_p50": field("store", "p50"), "kv_store_ms_p99": field("store", "p99")}
+            "kv_store_ms_p50": field("store", "p50"), "kv_store_ms_p99": field("store", "p99"),
+            # where the transfer went: the sender thread's pickup, the receiver's Grant round trip, the writes
+            **{f"kv_{part}_ms_p50": field(part, "p50") for part in ("pickup", "grant", "write")}}
 
 
 PROXY_COUNTERS = ("lmcache_p2p_proxy_kv_bytes_total", "lmcache_p2p_proxy_kv_outcomes_total")

@@ -249,6 +249,10 @@ class KvSent(msgspec.Struct, tag="kv_sent", frozen=True):
     transfer_s: float = 0.0  # first chunk submitted -> last chunk written
     chunks: int = 0
     nbytes: int = 0
+    # where transfer_s went (0 when unknown, e.g. from an older sender):
+    pickup_s: float = 0.0  # first chunk submitted -> the sender's thread took it
+    grant_s: float = 0.0  # first Alloc sent -> its Grant back (the receiver's round trip)
+    write_s: float = 0.0  # first write posted -> last write seen complete
 
 
 Message = (

@@ -136,6 +136,11 @@ class _Request:
     last_stored_s: float = 0.0  # perf_counter: the last store call's end
     submit_s: float = 0.0  # summed over the request's store calls
     chunks_sent: int = 0
+    # perf_counter stamps of the request's first pass through each step (KvSent's split of transfer_s)
+    picked_s: float = 0.0  # the service thread took its first batch
+    alloc_s: float = 0.0  # its first Alloc left
+    granted_s: float = 0.0  # its first Grant came back
+    posted_s: float = 0.0  # its first write was posted
 
 
 @dataclasses.dataclass
@@ -350,6 +355,7 @@ class SendService:
             return
         req.queue.append(batch)
         req.last_received = req.last_received or batch.last
+        req.picked_s = req.picked_s or time.perf_counter()
         req.first_called_s = req.first_called_s or batch.called_s
         req.last_stored_s = batch.called_s + batch.submit_s
         req.submit_s += batch.submit_s
@@ -512,6 +518,7 @@ class SendService:
         seq = next(self._seq)
         req.alloc_seq, req.alloc_batch = seq, batch
         req.alloc_sent_at = time.monotonic()
+        req.alloc_s = req.alloc_s or time.perf_counter()
         if not req.alloc_deadline:
             req.alloc_deadline = req.alloc_sent_at + self._cfg.alloc_timeout_s
         self._by_seq[seq] = req.req_id
@@ -523,6 +530,7 @@ class SendService:
         if req is None:
             return
         batch, req.alloc_batch = req.alloc_batch, None
+        req.granted_s = req.granted_s or time.perf_counter()
         req.alloc_deadline = 0.0
         req.retry_delay_s = _RETRY_FIRST_S
         problem = _grant_problem(msg.slots, batch.chunks, peer)
@@ -564,6 +572,7 @@ class SendService:
             self._fail(req.req_id, f"write to {req.target.endpoint} failed: {type(exc).__name__}: {exc}")
             return
         req.writes.append((handle, chunks, time.monotonic() + self._cfg.transfer_timeout_s))
+        req.posted_s = req.posted_s or time.perf_counter()
 
     def _progress_writes(self) -> None:
         for req in list(self._requests.values()):
@@ -737,10 +746,16 @@ class SendService:
 
     def _sent_report(self, req: _Request) -> protocol.KvSent:
         """The request's times for the proxy's timeline (its last write was just seen complete)."""
+        now = time.perf_counter()
+
+        def span(start: float, end: float) -> float:
+            return max(0.0, end - start) if start and end else 0.0
+
         return protocol.KvSent(req.req_id, self.instance_id, self._tp_rank,
                                store_s=req.last_stored_s - req.first_called_s, submit_s=req.submit_s,
-                               transfer_s=time.perf_counter() - req.first_called_s, chunks=req.chunks_sent,
-                               nbytes=req.nbytes)
+                               transfer_s=now - req.first_called_s, chunks=req.chunks_sent, nbytes=req.nbytes,
+                               pickup_s=span(req.first_called_s, req.picked_s),
+                               grant_s=span(req.alloc_s, req.granted_s), write_s=span(req.posted_s, now))
 
     def _fail(self, req_id: str, reason: str, *, cancel: bool = True, expected: bool = False) -> None:
         req = self._requests.pop(req_id, None)

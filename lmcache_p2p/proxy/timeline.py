@@ -18,7 +18,9 @@ TP rank, after its last chunk was written). The phases, in seconds:
   store         prefiller: the request's LMCache store as the plugin sees it (its first store call's
                 start -> its last store call's end; one store per prefill: equals ``submit``)
   submit        prefiller: time spent in ``batched_submit_put_task`` for the request (engine thread)
-  transfer      prefiller: first chunk submitted -> last chunk written (acknowledged by the transport)
+  transfer      prefiller: first chunk submitted -> last chunk written (acknowledged by the transport);
+                within it: pickup (-> the sender's thread took the chunks), grant (its first Alloc -> the
+                receiver's Grant) and write (first write posted -> last write seen complete)
 
 A phase whose stamps are missing (no decode followed, the KV failed, a non-streaming client has no
 first byte) is left out of that request's figures. With several TP ranks the prefiller phases are
@@ -43,11 +45,14 @@ class Phase(str, enum.Enum):
     STORE = "store"
     SUBMIT = "submit"
     TRANSFER = "transfer"
+    PICKUP = "pickup"
+    GRANT = "grant"
+    WRITE = "write"
 
 
 PROXY_PHASES = (Phase.QUEUE, Phase.PREFILL, Phase.FIRST_BYTE, Phase.KV_WAIT, Phase.DECODE_START,
                 Phase.DECODE_FIRST)
-PREFILLER_PHASES = (Phase.STORE, Phase.SUBMIT, Phase.TRANSFER)
+PREFILLER_PHASES = (Phase.STORE, Phase.SUBMIT, Phase.TRANSFER, Phase.PICKUP, Phase.GRANT, Phase.WRITE)
 
 
 @dataclasses.dataclass
@@ -89,4 +94,7 @@ def prefiller_phases(reports: list[KvSent]) -> dict[Phase, float]:
         Phase.STORE: max(r.store_s for r in reports),
         Phase.SUBMIT: max(r.submit_s for r in reports),
         Phase.TRANSFER: max(r.transfer_s for r in reports),
+        Phase.PICKUP: max(r.pickup_s for r in reports),
+        Phase.GRANT: max(r.grant_s for r in reports),
+        Phase.WRITE: max(r.write_s for r in reports),
     }

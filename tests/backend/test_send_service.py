@@ -535,6 +535,9 @@ def test_a_request_written_in_full_reports_its_times_to_the_proxy(make_service, 
     assert (sent.req_id, sent.instance_id, sent.tp_rank, sent.chunks, sent.nbytes) == ("req-1", "prefiller-t", 0, 3,
                                                                                         3 * SHAPE.nbytes)
     assert sent.submit_s >= earlier_s and sent.store_s >= earlier_s and sent.transfer_s >= sent.store_s
+    # transfer_s split: the back-dated store shows in pickup; the Grant round trip and the writes follow it
+    assert sent.pickup_s >= earlier_s and sent.grant_s > 0 and sent.write_s > 0
+    assert sent.pickup_s + sent.grant_s + sent.write_s <= sent.transfer_s
 
 
 def test_a_failed_request_reports_no_times(make_service, receiver, chunks, proxy) -> None:

@@ -202,7 +202,7 @@ def test_1p1d_outputs_equal_single_instance(cluster, reference, tiny_model_dir):
 
 
 TIMELINE_PHASES = ("queue", "prefill", "first_byte", "kv_wait", "decode_start", "decode_first", "store", "submit",
-                   "transfer")
+                   "transfer", "pickup", "grant", "write")
 KV_SENT_WAIT_S = 10.0  # the prefiller's KvSent follows its last write; the proxy matches it when it comes
 
 
@@ -219,6 +219,8 @@ def assert_streamed_requests_fill_every_phase(url: str, streamed: int) -> None:
     for phase in TIMELINE_PHASES:
         assert stats["timeline_ms"][phase]["count"] >= streamed, (phase, stats["timeline_ms"])
     assert all(r["submit"] <= r["transfer"] for r in full), full
+    # the transfer's parts happen inside it, in order: pickup, then the Grant round trip, then the writes
+    assert all(r["pickup"] + r["grant"] + r["write"] <= r["transfer"] + 1e-3 for r in full), full
 
 
 def test_second_turn_of_a_conversation_moves_only_the_new_chunks(cluster, conversation_reference, tiny_model_dir):

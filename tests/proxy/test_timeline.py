@@ -43,9 +43,11 @@ def test_moments_that_did_not_happen_leave_their_phases_out():
 
 
 def test_prefiller_phases_are_the_slowest_ranks():
-    reports = [KvSent("r", "p", 0, store_s=0.003, submit_s=0.001, transfer_s=0.010),
-               KvSent("r", "p", 1, store_s=0.002, submit_s=0.004, transfer_s=0.008)]
-    assert prefiller_phases(reports) == {Phase.STORE: 0.003, Phase.SUBMIT: 0.004, Phase.TRANSFER: 0.010}
+    reports = [KvSent("r", "p", 0, store_s=0.003, submit_s=0.001, transfer_s=0.010, pickup_s=0.001, grant_s=0.002,
+                      write_s=0.005),
+               KvSent("r", "p", 1, store_s=0.002, submit_s=0.004, transfer_s=0.008, grant_s=0.003, write_s=0.004)]
+    assert prefiller_phases(reports) == {Phase.STORE: 0.003, Phase.SUBMIT: 0.004, Phase.TRANSFER: 0.010,
+                                         Phase.PICKUP: 0.001, Phase.GRANT: 0.003, Phase.WRITE: 0.005}
 
 
 def test_stats_has_every_phase_in_the_stats_schema_even_before_any_request():
