@@ -112,6 +112,7 @@ class Config:
     run_label: str = ""  # recorded in each row as "measured" (which pass a row came from)
     ceiling: bool = True  # measure the peer-copy ceiling of one request's KV before the systems start
     one_gpu: bool = False  # 1P1D on GPU 0 alone (launch --gpus 0,0 --share-gpus): a one-GPU machine's pass
+    p2p_args: tuple[str, ...] = ()  # launch --p2p KEY=VALUE for lmcache_p2p's instances (recorded in each row)
 
 
 @dataclasses.dataclass
@@ -163,6 +164,7 @@ def start_p2p(cfg: Config, transport: str, on_exit: str = "stop", log_name: str 
             *(["--proxy-workers", str(cfg.proxy_workers)] if cfg.proxy_workers and cfg.proxy_workers > 1 else []),
             *(["--send-buffer-size", send_buffer_size] if send_buffer_size is not None else []),
             *(["--gpus", "0,0", "--share-gpus"] if cfg.one_gpu else []),
+            *(arg for kv in cfg.p2p_args for arg in ("--p2p", kv)),
             # explicit, whatever the launcher's default: every system runs with the single instance's flags (random
             # prompts share no prefix); vLLM takes the last of --enable/--no-enable-prefix-caching
             "--", "--no-enable-prefix-caching", *cfg.vllm_args]
@@ -334,6 +336,8 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
         1 if dep.system == "lmcache-pd" else None)
     row["num_prompts"] = cfg.num_prompts
     row["measured"] = cfg.run_label or None
+    if cfg.p2p_args and dep.system.startswith("lmcache_p2p-"):
+        row["p2p_args"] = list(cfg.p2p_args)
     return row
 
 
@@ -844,6 +848,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                    "when the launcher has the flag, else 1)")
     p.add_argument("--run-label", default="", help="which pass measured a row (each row's \"measured\")")
     p.add_argument("--no-ceiling", action="store_true", help="skip the peer-copy ceiling of one request's KV")
+    p.add_argument("--p2p-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="launch --p2p KEY=VALUE for lmcache_p2p's instances (an A/B of a p2p setting; use its own "
+                        "--results-dir)")
     p.add_argument("--one-gpu", action="store_true",
                    help="a one-GPU machine: lmcache_p2p's 1P1D on GPU 0 alone (launch --gpus 0,0 --share-gpus, each "
                         "instance half of --gpu-memory-utilization), NIXL only; rows count 1 GPU")
@@ -863,7 +870,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                   lmcache_pd_proxy=a.lmcache_pd_proxy.resolve(), slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
                   force=a.force, deadline=time.monotonic() + budget, estimate_start_s=a.estimate_start_s,
                   device=a.device, proxy_workers=a.proxy_workers, run_label=a.run_label,
-                  ceiling=not a.no_ceiling and not a.one_gpu, one_gpu=a.one_gpu), a.logs_archive
+                  ceiling=not a.no_ceiling and not a.one_gpu, one_gpu=a.one_gpu,
+                  p2p_args=tuple(a.p2p_arg)), a.logs_archive
 
 
 def _interrupt(_signum: int, _frame: object) -> None:

@@ -36,7 +36,7 @@ from lmcache_p2p.cli import gpu as gpu_plan
 from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
 from lmcache_p2p.cli.supervise import OnExit, RestartPolicy, SupervisionError, Supervisor
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
-from lmcache_p2p.config import parse_size_bytes
+from lmcache_p2p.config import P2PConfig, parse_size_bytes
 from lmcache_p2p.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--vllm-arg", action="append", default=[],
                    help="extra argument for every vLLM server (--vllm-arg=--enforce-eager); or put them after --")
     p.add_argument("--proxy-arg", action="append", default=[], help="extra argument for the proxy")
+    p.add_argument("--p2p", action="append", default=[], metavar="KEY=VALUE",
+                   help="set extra_config.p2p.KEY on every instance (VALUE read as YAML; checked at launch), "
+                        "e.g. --p2p alloc_timeout_s=20; repeatable")
     g = p.add_argument_group("GPUs (--device cuda)")
     g.add_argument("--gpus", default=None,
                    help="comma list of GPU indices, one per instance, prefillers first (default 0,1,...)")
@@ -152,9 +155,22 @@ def write_lmcache_config(inst: Instance, args: argparse.Namespace, out_dir: Path
                    transport_ports=inst.transport_port)
         if not getattr(args, "prefix_caching", True):
             p2p["buffer_cache"] = False
+    p2p.update(p2p_overrides(getattr(args, "p2p", [])))
+    P2PConfig.from_mapping(p2p)  # a bad --p2p fails here, naming the key, not in every instance's log
     path = out_dir / f"{inst.name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def p2p_overrides(items: list[str]) -> dict[str, object]:
+    """``--p2p KEY=VALUE`` pairs as a map (VALUE parsed as YAML: numbers, booleans, lists)."""
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError("--p2p", f"expects KEY=VALUE (a key of extra_config.p2p), got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
 
 
 def send_buffer_bytes(args: argparse.Namespace) -> int:

@@ -53,3 +53,20 @@ def test_no_prefix_caching_also_turns_the_decoders_buffer_cache_off(tmp_path: Pa
     decoder = next(i for i in launch.plan(args) if i.role == "decoder")
     p2p = yaml.safe_load(launch.write_lmcache_config(decoder, args, tmp_path).read_text())["extra_config"]["p2p"]
     assert p2p.get("buffer_cache", True) is prefix_caching
+
+
+def test_p2p_flag_sets_keys_on_every_instance_and_a_bad_one_is_refused_at_launch(tmp_path: Path) -> None:
+    import yaml
+
+    from lmcache_p2p.errors import ConfigError
+
+    args = build_parser().parse_args(["launch", "--p2p", "alloc_timeout_s=20", "--p2p", "gil_switch_interval_s=0.0005"])
+    for inst in launch.plan(args):
+        p2p = yaml.safe_load(launch.write_lmcache_config(inst, args, tmp_path).read_text())["extra_config"]["p2p"]
+        assert (p2p["alloc_timeout_s"], p2p["gil_switch_interval_s"]) == (20, 0.0005)
+    bad = build_parser().parse_args(["launch", "--p2p", "alloc_timeout=20"])
+    with pytest.raises(ConfigError, match=r"p2p\.alloc_timeout: unknown key"):
+        launch.write_lmcache_config(launch.plan(bad)[0], bad, tmp_path)
+    malformed = build_parser().parse_args(["launch", "--p2p", "alloc_timeout_s"])
+    with pytest.raises(ConfigError, match=r"--p2p: expects KEY=VALUE"):
+        launch.write_lmcache_config(launch.plan(malformed)[0], malformed, tmp_path)
