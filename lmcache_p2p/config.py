@@ -164,11 +164,6 @@ class P2PConfig:
     sender_idle_timeout_s: float = 600.0
     # NIXL: UCX backend parameters, e.g. {"ucx_error_handling_mode": "none"}.
     nixl_backend_params: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    # Python's thread switch interval for the whole vLLM worker process (sys.setswitchinterval), set
-    # when the plugin starts; None leaves Python's 5 ms. Our sender/receiver threads share the
-    # engine thread's GIL: a control message that arrives while the engine runs Python waits up to
-    # this long to be handled.
-    gil_switch_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         self.check_exposure()
@@ -281,10 +276,6 @@ def _convert(key: str, name: str, value: Any) -> Any:
         return _device(key, value)
     if name in ("control_ports", "transport_ports"):
         return _ports(key, value)
-    if name == "gil_switch_interval_s":
-        if value is not None and (_positive_float(key, value) > 0.1):
-            raise ConfigError(key, f"must be at most 0.1 s (Python's default is 0.005), got {value!r}")
-        return None if value is None else float(value)
     if name.endswith("_s"):
         return _positive_float(key, value)
     if name in ("insecure", "buffer_cache"):

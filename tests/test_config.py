@@ -56,31 +56,12 @@ def test_defaults_and_ports():
     ({"role": "sender", "control_ports": [70000]}, "p2p.control_ports[0]", "1..65535"),
     ({"role": "sender", "proxy_url": "http://x:9"}, "p2p.proxy_url", "tcp://HOST:PORT"),
     ({"role": "sender", "shared_secret": ""}, "p2p.shared_secret", "non-empty"),
-    ({"role": "sender", "gil_switch_interval_s": 0}, "p2p.gil_switch_interval_s", "positive number of seconds"),
-    ({"role": "sender", "gil_switch_interval_s": 0.5}, "p2p.gil_switch_interval_s", "at most 0.1 s"),
 ])
 def test_errors_name_the_key(raw, key, words):
     with pytest.raises(ConfigError) as info:
         P2PConfig.from_mapping(raw)
     assert info.value.key == key
     assert words in str(info.value)
-
-
-def test_gil_switch_interval_is_applied_to_the_process_only_when_set():
-    import sys
-
-    from lmcache_p2p.backend.plugin_base import apply_switch_interval
-
-    assert P2PConfig.from_mapping({"role": "sender"}).gil_switch_interval_s is None
-    cfg = P2PConfig.from_mapping({"role": "sender", "gil_switch_interval_s": 0.0005})
-    before = sys.getswitchinterval()
-    try:
-        apply_switch_interval(None)
-        assert sys.getswitchinterval() == before
-        apply_switch_interval(cfg.gil_switch_interval_s)
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-    finally:
-        sys.setswitchinterval(before)
 
 
 def test_lmcache_settings_that_break_the_plugin():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lmcache_p2p.backend.plugin_base import apply_switch_interval
 from lmcache_p2p.config import P2PConfig, Role, check_lmcache_settings
 from lmcache_p2p.protocol import Fingerprint
 from lmcache_p2p.errors import ConfigError
@@ -15,15 +14,13 @@ logger = logging.getLogger(__name__)
 
 
 def load_config(lmcache_config: Any, role: Role) -> P2PConfig:
-    """Validate our settings for ``role`` and apply the process-wide one (``gil_switch_interval_s``);
-    LMCache only logs plugin errors, so log loudly too."""
+    """Validate our settings for ``role``; LMCache only logs plugin errors, so log loudly too."""
     try:
         check_lmcache_settings(lmcache_config)
         cfg = P2PConfig.from_lmcache(lmcache_config)
         if cfg.role is not role:
             raise ConfigError("p2p.role", f"is {cfg.role.value} but the plugin class is the {role.value} "
                                           f"(storage_plugin.<name>.class_name); make them agree")
-        apply_switch_interval(cfg.gil_switch_interval_s)
         return cfg
     except ConfigError as exc:
         logger.error("lmcache_p2p disabled: invalid configuration in LMCACHE_CONFIG_FILE: %s", exc)

@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-import sys
 from typing import Any
 
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from lmcache_p2p.errors import ClosedError
-
-logger = logging.getLogger(__name__)
-
-
-def apply_switch_interval(interval_s: float | None) -> None:
-    """``p2p.gil_switch_interval_s``: Python's thread switch interval for this whole process (None: leave it)."""
-    if interval_s is None or sys.getswitchinterval() == interval_s:
-        return
-    logger.info("lmcache_p2p: Python thread switch interval %.4f s -> %.4f s (p2p.gil_switch_interval_s)",
-                sys.getswitchinterval(), interval_s)
-    sys.setswitchinterval(interval_s)
 
 
 class P2PPlugin(StoragePluginInterface):

@@ -60,10 +60,10 @@ def test_p2p_flag_sets_keys_on_every_instance_and_a_bad_one_is_refused_at_launch
 
     from lmcache_p2p.errors import ConfigError
 
-    args = build_parser().parse_args(["launch", "--p2p", "alloc_timeout_s=20", "--p2p", "gil_switch_interval_s=0.0005"])
+    args = build_parser().parse_args(["launch", "--p2p", "alloc_timeout_s=20", "--p2p", "connect_timeout_s=2.5"])
     for inst in launch.plan(args):
         p2p = yaml.safe_load(launch.write_lmcache_config(inst, args, tmp_path).read_text())["extra_config"]["p2p"]
-        assert (p2p["alloc_timeout_s"], p2p["gil_switch_interval_s"]) == (20, 0.0005)
+        assert (p2p["alloc_timeout_s"], p2p["connect_timeout_s"]) == (20, 2.5)
     bad = build_parser().parse_args(["launch", "--p2p", "alloc_timeout=20"])
     with pytest.raises(ConfigError, match=r"p2p\.alloc_timeout: unknown key"):
         launch.write_lmcache_config(launch.plan(bad)[0], bad, tmp_path)
