@@ -409,7 +409,7 @@ class ReceiveService:
                     f"chunk dtype {shape.dtype} differs from this decoder's KV dtype {self._dtype}"))
         with self._lock:
             if msg.req_id in self._cancelled:
-                return self._refuse(msg, protocol.RefusalCode.FINISHED, "request was cancelled")
+                return self._refuse(msg, protocol.RefusalCode.FINISHED, "request was cancelled or failed here")
             req = self._requests.get(msg.req_id)
             if req is None:
                 req = self._requests[msg.req_id] = _Request(msg.req_id, sender.sender_id, sender.writer)
@@ -644,11 +644,8 @@ class ReceiveService:
         A cancel may arrive before the request's first Alloc (the proxy cancels as soon as it
         decides); the id is remembered for ``reserve_lease_s`` so a late Alloc is refused.
         """
-        now = time.monotonic()
         with self._lock:
-            self._cancelled[req_id] = now + self._cfg.reserve_lease_s
-            for old in [r for r, until in self._cancelled.items() if until < now]:
-                del self._cancelled[old]
+            self._remember_finished_locked(req_id)
             req = self._requests.get(req_id)
             if req is not None:
                 self._fail_locked(req, f"cancelled: {reason}", expected=True)
@@ -656,11 +653,21 @@ class ReceiveService:
             if pinning is not None:  # KV ready, all of it held: no decode will read it here
                 self._pool.unpin_holder(req_id, pinning[0])
 
+    def _remember_finished_locked(self, req_id: str) -> None:
+        """Refuse ``req_id``'s later Allocs for ``reserve_lease_s`` (a cancelled or failed request
+        is not revived by its next batch: the proxy retries under a fresh id)."""
+        now = time.monotonic()
+        self._cancelled[req_id] = now + self._cfg.reserve_lease_s
+        for old in [r for r, until in self._cancelled.items() if until < now]:
+            del self._cancelled[old]
+
     def _fail_locked(self, req: _Request, reason: str, *, expected: bool = False) -> None:
         """Free every slot of ``req`` that the engine does not hold, and report the failure once.
 
         Slots whose bytes had not landed are quarantined by the pool, not freed (a write may still land).
+        Its later Alloc batches are refused (FINISHED).
         """
+        self._remember_finished_locked(req.req_id)
         quarantined = self._pool.quarantined_slots
         self._pool.release_owner(req.req_id)
         self._pool.unpin_holder(req.req_id, req.held.values())

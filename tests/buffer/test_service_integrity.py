@@ -1,0 +1,27 @@
+"""ReceiveService over the buffer cache: integrity races at the service level (the pool's own
+properties are in test_pool.py). The rig is tests/backend/test_receive_service.py's: a real
+service thread and control socket, senders as DEALER sockets, injected transport notifications
+and the test's clock."""
+
+from __future__ import annotations
+
+from backend.test_receive_service import SHAPE, eventually, load, make_rig  # noqa: F401 (make_rig: fixture)
+
+from lmcache_p2p import protocol
+from lmcache_p2p.buffer import SlotState
+
+
+def test_a_failed_request_is_not_revived_by_its_next_alloc_batch(make_rig) -> None:
+    # Chunked prefill stores a request in several Alloc batches. Once the receiver failed it (lease
+    # expiry here; also a sender replaced, a refusal) and told the proxy KvFailed, a later batch of
+    # the same request must be refused: a revived request holds slots nobody will load, reports
+    # KvReady after KvFailed, and its writer (peer, req_id) is the one of the failed grants.
+    rig = make_rig(num_slots=4, reserve_lease_s=40)
+    a = rig.sender("sender-a", "tx-a")
+    first = a.alloc("req-a", ["k1"], last=False)
+    assert isinstance(first, protocol.Grant)
+    rig.clock.now += 40  # the grant's lease (and write window) passed: the request fails
+    assert eventually(lambda: rig.pool.state(first.slots[0]) is SlotState.FREE)
+    later = a.alloc("req-a", ["k2"], last=True)
+    assert isinstance(later, protocol.Refused) and later.code is protocol.RefusalCode.FINISHED, later
+    assert rig.service.free_slots == 4 and not rig.service._requests
