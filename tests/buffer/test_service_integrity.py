@@ -15,8 +15,10 @@ def test_a_failed_request_is_not_revived_by_its_next_alloc_batch(make_rig) -> No
     # Chunked prefill stores a request in several Alloc batches. Once the receiver failed it (lease
     # expiry here; also a sender replaced, a refusal) and told the proxy KvFailed, a later batch of
     # the same request must be refused: a revived request holds slots nobody will load, reports
-    # KvReady after KvFailed, and its writer (peer, req_id) is the one of the failed grants.
-    rig = make_rig(num_slots=4, reserve_lease_s=40)
+    # KvReady after KvFailed, and its writer (peer, req_id) is the one of the failed grants: before
+    # the fix the revived request was granted the same slot for k2, and the failed grant's late
+    # Written made it READY for k2 holding k1's bytes (wrong KV served).
+    rig = make_rig(num_slots=1, reserve_lease_s=40)
     a = rig.sender("sender-a", "tx-a")
     first = a.alloc("req-a", ["k1"], last=False)
     assert isinstance(first, protocol.Grant)
@@ -24,4 +26,6 @@ def test_a_failed_request_is_not_revived_by_its_next_alloc_batch(make_rig) -> No
     assert eventually(lambda: rig.pool.state(first.slots[0]) is SlotState.FREE)
     later = a.alloc("req-a", ["k2"], last=True)
     assert isinstance(later, protocol.Refused) and later.code is protocol.RefusalCode.FINISHED, later
-    assert rig.service.free_slots == 4 and not rig.service._requests
+    assert rig.service.free_slots == 1 and not rig.service._requests
+    rig.transport.land("tx-a", "sender-a", "req-a", first.slots)  # the failed grant's Written, late
+    assert not eventually(lambda: rig.service.count_ready(["k1"]) or rig.service.count_ready(["k2"]), timeout_s=0.3)
