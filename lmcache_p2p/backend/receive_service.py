@@ -105,7 +105,8 @@ class _Request:
     writer: str  # the sender's transport peer name
     keys: dict[str, int] = dataclasses.field(default_factory=dict)  # key -> slot
     shapes: dict[int, tuple[str, protocol.ChunkShape]] = dataclasses.field(default_factory=dict)  # slot -> key
-    ready: set[int] = dataclasses.field(default_factory=set)
+    ready: set[str] = dataclasses.field(default_factory=set)  # keys landed (by key: a slot of ours that the
+    # engine loaded for another request and that was evicted may be granted to us again for another key)
     held: dict[str, int] = dataclasses.field(default_factory=dict)  # key -> CACHED slot pinned for it
     last: bool = False
     reported: bool = False
@@ -608,7 +609,7 @@ class ReceiveService:
                 if slot in stale:
                     continue
                 key, shape = req.shapes[slot]
-                req.ready.add(slot)
+                req.ready.add(key)
                 self.counters.bytes_received += shape.nbytes
                 self._index.setdefault(key, deque()).append(Chunk(req.req_id, slot, shape))
             self._maybe_ready_locked(req)

@@ -29,3 +29,26 @@ def test_a_failed_request_is_not_revived_by_its_next_alloc_batch(make_rig) -> No
     assert rig.service.free_slots == 1 and not rig.service._requests
     rig.transport.land("tx-a", "sender-a", "req-a", first.slots)  # the failed grant's Written, late
     assert not eventually(lambda: rig.service.count_ready(["k1"]) or rig.service.count_ready(["k2"]), timeout_s=0.3)
+
+
+def test_a_request_whose_chunk_another_request_loaded_and_evicted_still_completes(make_rig) -> None:
+    # Same-prefix requests meet on one decoder (prefix-aware routing): another request's retrieve
+    # may take this request's READY chunk k1 while its later batches are still on their way; k1
+    # then is CACHED, evictable, and this request's next grant may evict it and reuse its slot for
+    # k2. Readiness must count keys, not slots: the request reports KvReady once k2 landed (its
+    # lookup then misses k1 and the decoder recomputes), instead of waiting for its lease.
+    rig = make_rig(num_slots=2)
+    a = rig.sender("sender-a", "tx-a")
+    first = a.alloc("req-a", ["k1"], last=False)
+    assert rig.granted(a, "req-b", ["x1"]) != first.slots  # the other slot, busy meanwhile
+    rig.transport.land("tx-a", "sender-a", "req-a", first.slots)
+    assert eventually(lambda: rig.service.count_ready(["k1"]) == 1)
+    load(rig, ["k1"])  # another request's retrieve
+    assert rig.pool.state(first.slots[0]) is SlotState.CACHED
+    second = a.alloc("req-a", ["k2"], last=True)
+    assert isinstance(second, protocol.Grant) and second.slots == first.slots  # k1 evicted for k2
+    rig.transport.land("tx-a", "sender-a", "req-a", second.slots)
+    assert eventually(lambda: rig.service.count_ready(["k2"]) == 1)
+    assert eventually(lambda: rig.service._requests["req-a"].reported), "KvReady never sent"
+    chunk = rig.service.take("k2")
+    assert chunk is not None and chunk.slot == second.slots[0] and rig.service.count_ready(["k1"]) == 0
