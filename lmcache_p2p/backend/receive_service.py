@@ -98,6 +98,14 @@ class Chunk:
 _LOOKUP = "lookup"  # the pin holder of LMCache's lookups (pin ... unpin around a retrieve)
 
 
+def _dec(counts: dict[str, int], key: str) -> None:
+    """One less of ``key`` (forgotten at 0)."""
+    if counts[key] <= 1:
+        del counts[key]
+    else:
+        counts[key] -= 1
+
+
 @dataclasses.dataclass
 class _Request:
     req_id: str
@@ -134,7 +142,10 @@ class ReceiveService:
         pool.write_window_s = max(pool.write_window_s, cfg.write_window_s)
         pool.cache = cfg.buffer_cache
         self._slot_meta: dict[int, tuple[str, protocol.ChunkShape]] = {}  # slot -> what its last grant holds
-        self._lookup_pins: dict[str, int] = {}  # key -> lookup pins we placed (LMCache unpins each once)
+        self._lookup_pins: dict[str, int] = {}  # key -> lookup pins we placed on its cached slot
+        # key -> hits counted by pinning lookups whose unpin has not come (LMCache unpins every key its
+        # lookup counted, READY or cached): a lookup pin stays while more claims than pins remain.
+        self._lookup_claims: dict[str, int] = {}
         # Reported requests with nothing of their own left, whose Grant pins a Cancel must still drop.
         self._pinning: dict[str, tuple[list[int], float]] = {}  # req_id -> (held slots, until)
         self.counters = Counters()
@@ -182,27 +193,33 @@ class ReceiveService:
             for key in keys:
                 if self._index.get(key):
                     hits += 1
+                    if pin:
+                        self._lookup_claims[key] = self._lookup_claims.get(key, 0) + 1
                     continue
                 slot = self._pool.cached_slot(key)
                 if slot is None:
                     break
                 hits += 1
                 if pin:
+                    self._lookup_claims[key] = self._lookup_claims.get(key, 0) + 1
                     self._pool.pin(key, _LOOKUP, self._cfg.ready_lease_s)
                     self._pool.unpin(slot, not_holder=_LOOKUP)
                     self._lookup_pins[key] = self._lookup_pins.get(key, 0) + 1
         return hits
 
     def unpin(self, key: str) -> None:
-        """LMCache released its lookup pin of ``key`` (after its retrieve)."""
+        """LMCache released one lookup's claim on ``key`` (after its retrieve). Lookup pins are
+        dropped only down to the claims still open: the unpin of a lookup that counted ``key`` as a
+        READY chunk (no pin) never drops the pin of a later lookup that found it cached."""
         with self._lock:
-            count = self._lookup_pins.get(key, 0)
-            if not count:
+            claims = self._lookup_claims.get(key, 0)
+            if not claims:
                 return
-            if count == 1:
-                del self._lookup_pins[key]
-            else:
-                self._lookup_pins[key] = count - 1
+            _dec(self._lookup_claims, key)
+            pins = self._lookup_pins.get(key, 0)
+            if pins <= claims - 1:
+                return
+            _dec(self._lookup_pins, key)
             slot = self._pool.cached_slot(key)
             if slot is not None:
                 self._pool.unpin(slot, _LOOKUP)

@@ -52,3 +52,28 @@ def test_a_request_whose_chunk_another_request_loaded_and_evicted_still_complete
     assert eventually(lambda: rig.service._requests["req-a"].reported), "KvReady never sent"
     chunk = rig.service.take("k2")
     assert chunk is not None and chunk.slot == second.slots[0] and rig.service.count_ready(["k1"]) == 0
+
+
+def test_a_lookup_unpin_never_drops_the_pin_of_a_later_lookup(make_rig) -> None:
+    # LMCache unpins, after its retrieve, every key its lookup counted. Lookup 1 counted k1 while it
+    # was a request's READY chunk (no pin placed); its retrieve loaded it, so k1 is CACHED; lookup 2
+    # pinned the cached k1. Lookup 1's unpin must not drop lookup 2's pin: evicted before lookup 2's
+    # retrieve, k1 would be a miss after a hit (vLLM's default kv_load_failure_policy fails the request).
+    rig = make_rig(num_slots=2)
+    a = rig.sender("sender-a", "tx-a")
+    (slot,) = rig.granted(a, "turn-1", ["k1"])
+    rig.transport.land("tx-a", "sender-a", "turn-1", [slot])
+    assert eventually(lambda: rig.service.count_ready(["k1"]) == 1)
+    assert rig.service.count_ready(["k1"], pin=True) == 1  # lookup 1: the READY chunk
+    load(rig, ["k1"])  # retrieve 1
+    assert rig.pool.state(slot) is SlotState.CACHED
+    assert rig.service.count_ready(["k1"], pin=True) == 1  # lookup 2: the cached chunk, pinned
+    rig.service.unpin("k1")  # lookup 1's unpin
+    assert rig.pool.pins(slot) == ["lookup"], "lookup 2's pin was dropped by lookup 1's unpin"
+    refused = a.alloc("other", ["x1", "x2"])  # buffer pressure: would evict an unpinned k1
+    assert isinstance(refused, protocol.Refused) and rig.pool.state(slot) is SlotState.CACHED
+    chunk = rig.service.take("k1")  # retrieve 2
+    assert chunk is not None and chunk.cached and chunk.slot == slot
+    rig.service.unpin("k1")  # lookup 2's unpin
+    rig.service.release(chunk)
+    assert rig.pool.pins(slot) == [] and rig.service.free_slots == 2
