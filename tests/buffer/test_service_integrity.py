@@ -5,9 +5,15 @@ and the test's clock."""
 
 from __future__ import annotations
 
-from backend.test_receive_service import SHAPE, eventually, load, make_rig  # noqa: F401 (make_rig: fixture)
+import dataclasses
+
+from backend.test_receive_service import FINGERPRINT, SHAPE, Rig, eventually, load, make_rig  # noqa: F401 (fixture)
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lmcache_p2p import protocol
+from lmcache_p2p.backend.receive_service import Chunk
 from lmcache_p2p.buffer import SlotState
 
 
@@ -77,3 +83,138 @@ def test_a_lookup_unpin_never_drops_the_pin_of_a_later_lookup(make_rig) -> None:
     rig.service.unpin("k1")  # lookup 2's unpin
     rig.service.release(chunk)
     assert rig.pool.pins(slot) == [] and rig.service.free_slots == 2
+
+
+# ---- the service under random traffic, against a model of the buffer's bytes ---------------------
+
+DOCS = {d: [f"{d}{i}" for i in range(3)] for d in ("a", "b", "c")}  # chunk keys are prefix-chained
+SENDERS = {b"id-1": ("sender-1", "tx-1"), b"id-2": ("sender-2", "tx-2")}
+
+
+@dataclasses.dataclass
+class _Req:
+    sender: bytes
+    keys: list[str]
+    sent: int = 0  # keys announced in granted Allocs
+    dead: bool = False
+
+
+@dataclasses.dataclass
+class _Write:
+    peer: str
+    sender_id: str
+    req_id: str
+    slot: int
+    key: str
+    until: float
+
+
+class ServiceMachine(RuleBasedStateMachine):
+    """ReceiveService driven on one thread (as its control thread would) with senders that honour
+    the write contract, an engine that looks up, retrieves and lets go, cancels and lease expiry.
+
+    Property: every chunk the engine is handed holds exactly its key's bytes, and keeps them
+    until the engine lets it go; the pool's invariants hold throughout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rig = Rig(num_slots=3)
+        self.rig.service._stop.set()  # its thread stops; this machine is its control thread now
+        self.rig.service._thread.join(5)
+        self.rig.service._stop.clear()  # (a set stop flag refuses every Alloc as "shutting down")
+        self.svc, self.pool, self.clock = self.rig.service, self.rig.pool, self.rig.clock
+        self.memory: list[str | None] = [None] * self.pool.num_slots
+        for identity, (sender_id, writer) in SENDERS.items():
+            info = protocol.TransportInfo(kind="loopback", name=writer)
+            assert isinstance(self.svc._handle(identity, protocol.Hello(protocol.PROTOCOL_VERSION, sender_id, 0, info,
+                                                                        FINGERPRINT)), protocol.Welcome)
+        self.reqs: dict[str, _Req] = {}
+        self.writes: list[_Write] = []
+        self.held: list[tuple[Chunk, str]] = []  # chunks the engine holds, with the key it asked for
+        self.claims: list[str] = []  # keys counted by pinning lookups, not unpinned yet
+        self.seq = 0
+        self.n = 0
+
+    def teardown(self) -> None:
+        self.rig.close()
+
+    @rule(doc=st.sampled_from(sorted(DOCS)), upto=st.integers(1, 3), sender=st.sampled_from(sorted(SENDERS)))
+    def new_request(self, doc, upto, sender):
+        self.n += 1
+        self.reqs[f"r{self.n}"] = _Req(sender, DOCS[doc][:upto])
+
+    @precondition(lambda self: any(not r.dead and r.sent < len(r.keys) for r in self.reqs.values()))
+    @rule(data=st.data(), batch=st.integers(1, 2))
+    def alloc(self, data, batch):
+        req_id = data.draw(st.sampled_from(sorted(r for r, q in self.reqs.items() if not q.dead and q.sent < len(q.keys))))
+        req = self.reqs[req_id]
+        keys = req.keys[req.sent:req.sent + batch]
+        last = req.sent + len(keys) == len(req.keys)
+        self.seq += 1
+        reply = self.svc._handle(req.sender, protocol.Alloc(self.seq, req_id, keys, [SHAPE] * len(keys), last))
+        if isinstance(reply, protocol.Grant):
+            req.sent += len(keys)
+            sender_id, peer = SENDERS[req.sender]
+            until = self.clock.now + self.rig.cfg.write_window_s
+            self.writes += [_Write(peer, sender_id, req_id, s, k, until) for s, k in zip(reply.slots, keys) if s >= 0]
+        elif not (isinstance(reply, protocol.Refused) and reply.code is protocol.RefusalCode.FULL):
+            req.dead = True
+
+    @precondition(lambda self: self.writes)
+    @rule(data=st.data())
+    def land(self, data):
+        """A write lands (inside its window, even after a cancel) and its Written follows."""
+        w = self.writes.pop(data.draw(st.integers(0, len(self.writes) - 1)))
+        if self.clock.now >= w.until:
+            return  # the contract: nothing lands after the window (the sender aborted it)
+        self.memory[w.slot] = w.key
+        self.svc._on_written(w.peer, protocol.Written(w.sender_id, w.req_id, [w.slot]))
+
+    @rule(doc=st.sampled_from(sorted(DOCS)), upto=st.integers(1, 3), pin=st.booleans())
+    def lookup_and_retrieve(self, doc, upto, pin):
+        keys = DOCS[doc][:upto]
+        hits = self.svc.count_ready(keys, pin=pin)
+        if pin:
+            self.claims += keys[:hits]
+        for key in keys[:hits]:
+            chunk = self.svc.take(key)
+            if chunk is None:
+                break  # a miss after a hit (not pinned, or taken meanwhile): recompute, never wrong bytes
+            assert self.memory[chunk.slot] == key, f"served slot {chunk.slot} for {key}: holds {self.memory[chunk.slot]}"
+            assert chunk.shape == SHAPE
+            self.held.append((chunk, key))
+
+    @precondition(lambda self: self.claims)
+    @rule(data=st.data())
+    def unpin(self, data):
+        self.svc.unpin(self.claims.pop(data.draw(st.integers(0, len(self.claims) - 1))))
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def let_go(self, data):
+        chunk, _ = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
+        self.svc.release(chunk)
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def cancel(self, data):
+        req_id = data.draw(st.sampled_from(sorted(self.reqs)))
+        self.svc._cancel(req_id, "test")
+        self.reqs[req_id].dead = True
+
+    @rule(dt=st.sampled_from([1, 10, 30, 50]))
+    def tick(self, dt):
+        self.clock.now += dt
+        self.svc._expire()
+
+    @invariant()
+    def engine_sees_its_bytes(self):
+        self.pool.check_invariants()
+        for chunk, key in self.held:
+            state = self.pool.state(chunk.slot)
+            assert state is (SlotState.CACHED if chunk.cached else SlotState.LOADING), f"held slot {chunk.slot}: {state}"
+            assert self.memory[chunk.slot] == key, f"held slot {chunk.slot} of {key} now holds {self.memory[chunk.slot]}"
+
+
+TestServiceMachine = ServiceMachine.TestCase
+TestServiceMachine.settings = settings(max_examples=600, stateful_step_count=50, deadline=None)
