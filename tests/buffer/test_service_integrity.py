@@ -207,6 +207,24 @@ class ServiceMachine(RuleBasedStateMachine):
         self.clock.now += dt
         self.svc._expire()
 
+    @rule()
+    def end_everything(self):
+        """Every request ends (its writes land or not), the engine lets go, leases pass: nothing
+        stays held, and the service forgets every request, pin and lookup claim."""
+        for req_id in sorted(self.reqs):
+            self.svc._cancel(req_id, "test")
+        self.reqs.clear()
+        while self.held:
+            self.svc.release(self.held.pop()[0])
+        while self.claims:
+            self.svc.unpin(self.claims.pop())
+        self.writes.clear()
+        self.clock.now += 1000
+        self.svc._expire()
+        assert self.svc.free_slots == self.pool.num_slots
+        assert not self.svc._requests and not self.svc._index and not self.svc._pinning
+        assert not self.svc._lookup_pins and not self.svc._lookup_claims
+
     @invariant()
     def engine_sees_its_bytes(self):
         self.pool.check_invariants()
