@@ -85,6 +85,27 @@ def test_a_lookup_unpin_never_drops_the_pin_of_a_later_lookup(make_rig) -> None:
     assert rig.pool.pins(slot) == [] and rig.service.free_slots == 2
 
 
+def test_a_restarted_decoder_never_claims_the_chunks_its_previous_incarnation_cached(make_rig) -> None:
+    # The prefiller's requests, and the proxy's prefix-aware routing, may still expect the old
+    # cache; the new incarnation forgets the sender (UNKNOWN_PEER) and, greeted again, grants every
+    # chunk: nothing is held that its buffer does not hold.
+    old = make_rig(num_slots=2)
+    port = int(old.service.control_endpoint.rsplit(":", 1)[1])
+    a = old.sender("sender-a", "tx-a")
+    (slot,) = old.granted(a, "turn-1", ["k1"])
+    old.transport.land("tx-a", "sender-a", "turn-1", [slot])
+    assert eventually(lambda: old.service.count_ready(["k1"]) == 1)
+    load(old, ["k1"])
+    assert old.granted(a, "turn-2", ["k1"]) == [-1]  # held by the cache
+    old.service.close()
+    new = make_rig(num_slots=2, control_ports=[port])  # restarted on the same port, empty buffer
+    refused = a.alloc("turn-3", ["k1"])
+    assert isinstance(refused, protocol.Refused) and refused.code is protocol.RefusalCode.UNKNOWN_PEER
+    assert isinstance(a.hello(), protocol.Welcome)
+    granted = a.alloc("turn-3", ["k1"])
+    assert isinstance(granted, protocol.Grant) and granted.slots[0] >= 0
+    assert new.service.count_ready(["k1"]) == 0 and new.service.cached_slots == 0
+
 # ---- the service under random traffic, against a model of the buffer's bytes ---------------------
 
 DOCS = {d: [f"{d}{i}" for i in range(3)] for d in ("a", "b", "c")}  # chunk keys are prefix-chained
