@@ -98,6 +98,14 @@ class Chunk:
 _LOOKUP = "lookup"  # the pin holder of LMCache's lookups (pin ... unpin around a retrieve)
 
 
+def _dec(counts: dict[str, int], key: str) -> None:
+    """One less of ``key`` (forgotten at 0)."""
+    if counts[key] <= 1:
+        del counts[key]
+    else:
+        counts[key] -= 1
+
+
 @dataclasses.dataclass
 class _Request:
     req_id: str
@@ -105,7 +113,8 @@ class _Request:
     writer: str  # the sender's transport peer name
     keys: dict[str, int] = dataclasses.field(default_factory=dict)  # key -> slot
     shapes: dict[int, tuple[str, protocol.ChunkShape]] = dataclasses.field(default_factory=dict)  # slot -> key
-    ready: set[int] = dataclasses.field(default_factory=set)
+    ready: set[str] = dataclasses.field(default_factory=set)  # keys landed (by key: a slot of ours that the
+    # engine loaded for another request and that was evicted may be granted to us again for another key)
     held: dict[str, int] = dataclasses.field(default_factory=dict)  # key -> CACHED slot pinned for it
     last: bool = False
     reported: bool = False
@@ -133,7 +142,10 @@ class ReceiveService:
         pool.write_window_s = max(pool.write_window_s, cfg.write_window_s)
         pool.cache = cfg.buffer_cache
         self._slot_meta: dict[int, tuple[str, protocol.ChunkShape]] = {}  # slot -> what its last grant holds
-        self._lookup_pins: dict[str, int] = {}  # key -> lookup pins we placed (LMCache unpins each once)
+        self._lookup_pins: dict[str, int] = {}  # key -> lookup pins we placed on its cached slot
+        # key -> hits counted by pinning lookups whose unpin has not come (LMCache unpins every key its
+        # lookup counted, READY or cached): a lookup pin stays while more claims than pins remain.
+        self._lookup_claims: dict[str, int] = {}
         # Reported requests with nothing of their own left, whose Grant pins a Cancel must still drop.
         self._pinning: dict[str, tuple[list[int], float]] = {}  # req_id -> (held slots, until)
         self.counters = Counters()
@@ -181,27 +193,33 @@ class ReceiveService:
             for key in keys:
                 if self._index.get(key):
                     hits += 1
+                    if pin:
+                        self._lookup_claims[key] = self._lookup_claims.get(key, 0) + 1
                     continue
                 slot = self._pool.cached_slot(key)
                 if slot is None:
                     break
                 hits += 1
                 if pin:
+                    self._lookup_claims[key] = self._lookup_claims.get(key, 0) + 1
                     self._pool.pin(key, _LOOKUP, self._cfg.ready_lease_s)
                     self._pool.unpin(slot, not_holder=_LOOKUP)
                     self._lookup_pins[key] = self._lookup_pins.get(key, 0) + 1
         return hits
 
     def unpin(self, key: str) -> None:
-        """LMCache released its lookup pin of ``key`` (after its retrieve)."""
+        """LMCache released one lookup's claim on ``key`` (after its retrieve). Lookup pins are
+        dropped only down to the claims still open: the unpin of a lookup that counted ``key`` as a
+        READY chunk (no pin) never drops the pin of a later lookup that found it cached."""
         with self._lock:
-            count = self._lookup_pins.get(key, 0)
-            if not count:
+            claims = self._lookup_claims.get(key, 0)
+            if not claims:
                 return
-            if count == 1:
-                del self._lookup_pins[key]
-            else:
-                self._lookup_pins[key] = count - 1
+            _dec(self._lookup_claims, key)
+            pins = self._lookup_pins.get(key, 0)
+            if pins <= claims - 1:
+                return
+            _dec(self._lookup_pins, key)
             slot = self._pool.cached_slot(key)
             if slot is not None:
                 self._pool.unpin(slot, _LOOKUP)
@@ -409,7 +427,7 @@ class ReceiveService:
                     f"chunk dtype {shape.dtype} differs from this decoder's KV dtype {self._dtype}"))
         with self._lock:
             if msg.req_id in self._cancelled:
-                return self._refuse(msg, protocol.RefusalCode.FINISHED, "request was cancelled")
+                return self._refuse(msg, protocol.RefusalCode.FINISHED, "request was cancelled or failed here")
             req = self._requests.get(msg.req_id)
             if req is None:
                 req = self._requests[msg.req_id] = _Request(msg.req_id, sender.sender_id, sender.writer)
@@ -608,7 +626,7 @@ class ReceiveService:
                 if slot in stale:
                     continue
                 key, shape = req.shapes[slot]
-                req.ready.add(slot)
+                req.ready.add(key)
                 self.counters.bytes_received += shape.nbytes
                 self._index.setdefault(key, deque()).append(Chunk(req.req_id, slot, shape))
             self._maybe_ready_locked(req)
@@ -644,11 +662,8 @@ class ReceiveService:
         A cancel may arrive before the request's first Alloc (the proxy cancels as soon as it
         decides); the id is remembered for ``reserve_lease_s`` so a late Alloc is refused.
         """
-        now = time.monotonic()
         with self._lock:
-            self._cancelled[req_id] = now + self._cfg.reserve_lease_s
-            for old in [r for r, until in self._cancelled.items() if until < now]:
-                del self._cancelled[old]
+            self._remember_finished_locked(req_id)
             req = self._requests.get(req_id)
             if req is not None:
                 self._fail_locked(req, f"cancelled: {reason}", expected=True)
@@ -656,11 +671,21 @@ class ReceiveService:
             if pinning is not None:  # KV ready, all of it held: no decode will read it here
                 self._pool.unpin_holder(req_id, pinning[0])
 
+    def _remember_finished_locked(self, req_id: str) -> None:
+        """Refuse ``req_id``'s later Allocs for ``reserve_lease_s`` (a cancelled or failed request
+        is not revived by its next batch: the proxy retries under a fresh id)."""
+        now = time.monotonic()
+        self._cancelled[req_id] = now + self._cfg.reserve_lease_s
+        for old in [r for r, until in self._cancelled.items() if until < now]:
+            del self._cancelled[old]
+
     def _fail_locked(self, req: _Request, reason: str, *, expected: bool = False) -> None:
         """Free every slot of ``req`` that the engine does not hold, and report the failure once.
 
         Slots whose bytes had not landed are quarantined by the pool, not freed (a write may still land).
+        Its later Alloc batches are refused (FINISHED).
         """
+        self._remember_finished_locked(req.req_id)
         quarantined = self._pool.quarantined_slots
         self._pool.release_owner(req.req_id)
         self._pool.unpin_holder(req.req_id, req.held.values())

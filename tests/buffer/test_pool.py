@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -405,3 +407,164 @@ class CachePoolMachine(RuleBasedStateMachine):
 
 TestCachePoolMachine = CachePoolMachine.TestCase
 TestCachePoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# ---- bytes: what a slot holds when the engine reads it ------------------------------------------
+
+
+@dataclasses.dataclass
+class _Grant:
+    """One grant as its writer sees it: it may write ``key`` into ``slot`` until ``until``, once."""
+
+    writer: str
+    slot: int
+    key: str
+    until: float
+    landed: bool = False
+
+
+class IntegrityMachine(RuleBasedStateMachine):
+    """The pool against a model of the buffer's bytes and of writers that honour their contract
+    (a grant's bytes land at most once, at any time before its write window closes, even after the
+    request was cancelled, failed or expired; its Written comes after them).
+
+    Properties: whatever the engine reads (a READY slot it acquires, a CACHED slot it reads) holds
+    exactly its key's bytes, and keeps them while the engine holds it; a slot whose grant may
+    still be written is never granted again; a key is never served from a slot holding another's.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.pool = SlotPool(5, clock=self.clock, write_window_s=2, cache=True)
+        self.memory: list[str | None] = [None] * self.pool.num_slots  # whose bytes each slot holds
+        self.grants: list[_Grant] = []  # grants whose writer may still write or confirm
+        self.loading: dict[int, str] = {}  # LOADING slot -> the key the engine loads from it
+        self.reads: list[tuple[int, str]] = []  # (slot, key) references handed out by read()
+
+    def _open(self, g: _Grant) -> bool:
+        return self.clock.now < g.until
+
+    @rule(owner=st.sampled_from(["a", "b", "c"]), keys=st.lists(st.sampled_from(KEYS), max_size=4))
+    def reserve(self, owner, keys):
+        try:
+            slots = self.pool.reserve(owner, len(keys), 3, writer=f"peer-{owner}", keys=keys)
+        except BufferFull:
+            return
+        live = {g.slot for g in self.grants if not g.landed and self._open(g)}
+        assert not set(slots) & live, f"slots {sorted(set(slots) & live)} granted while a write may land in them"
+        held = set(self.loading) | {s for s, _ in self.reads}
+        assert not set(slots) & held, f"slots {sorted(set(slots) & held)} granted while the engine reads them"
+        self.grants = [g for g in self.grants if g.slot not in slots]  # older grants of these slots are over
+        now = self.clock.now
+        self.grants += [_Grant(f"peer-{owner}", s, k, now + self.pool.write_window_s) for s, k in zip(slots, keys)]
+
+    @rule(owner=st.sampled_from(["a", "b", "c"]), key=st.sampled_from(KEYS))
+    def load_one(self, owner, key):
+        """A whole request of one chunk: granted, landed, Written, loaded and let go (fills the cache)."""
+        before = len(self.grants)
+        self.reserve(owner, [key])
+        if len(self.grants) == before:
+            return  # buffer full
+        g = self.grants[-1]
+        self.land_grant(g)
+        self.written_grant(g)
+        if self.pool.acquire(g.slot, owner):
+            assert self.memory[g.slot] == key
+            self.pool.release([g.slot])
+
+    @precondition(lambda self: self.grants)
+    @rule(data=st.data())
+    def land(self, data):
+        """A writer's bytes land (possibly after its request was given up), inside its window."""
+        self.land_grant(data.draw(st.sampled_from(self.grants)))
+
+    def land_grant(self, g: _Grant) -> None:
+        if g.landed or not self._open(g):
+            return
+        self.memory[g.slot] = g.key
+        g.landed = True
+
+    @precondition(lambda self: self.grants)
+    @rule(data=st.data(), extra=st.floats(0, 3))
+    def admit(self, data, extra):
+        """A two-sided transport admits a write before receiving it: its window may grow."""
+        g = data.draw(st.sampled_from(self.grants))
+        if not g.landed and self.pool.admit_write(g.writer, [g.slot], self.clock.now + extra) == []:
+            g.until = max(g.until, self.clock.now + extra)
+
+    @precondition(lambda self: any(g.landed for g in self.grants))
+    @rule(data=st.data())
+    def written(self, data):
+        """The Written of a landed write: READY if still granted, else confirms a quarantined slot."""
+        self.written_grant(data.draw(st.sampled_from([g for g in self.grants if g.landed])))
+
+    def written_grant(self, g: _Grant) -> None:
+        if not g.landed:
+            return
+        self.grants.remove(g)
+        owner = g.writer.removeprefix("peer-")
+        stale = self.pool.mark_ready(owner, [g.slot], lease_s=3, writer=g.writer)
+        self.pool.confirm(g.writer, stale)
+
+    @rule(owner=st.sampled_from(["a", "b", "c"]), data=st.data())
+    def acquire(self, owner, data):
+        ready = sorted(s for s in self.pool.slots_of(owner) if self.pool.state(s) is SlotState.READY)
+        if ready:
+            s = data.draw(st.sampled_from(ready))
+            assert self.pool.acquire(s, owner)
+            key = self.pool.key(s)
+            assert self.memory[s] == key, f"READY slot {s} of {key} holds {self.memory[s]}'s bytes"
+            self.loading[s] = key
+
+    @precondition(lambda self: self.loading)
+    @rule(data=st.data())
+    def release_loaded(self, data):
+        s = data.draw(st.sampled_from(sorted(self.loading)))
+        del self.loading[s]
+        self.pool.release([s])
+
+    @rule(owner=st.sampled_from(["a", "b", "c"]))
+    def cancel(self, owner):
+        self.pool.release_owner(owner)
+
+    @rule(key=st.sampled_from(KEYS), holder=st.sampled_from(["r1", "lookup"]), lease=st.floats(0.5, 5))
+    def pin(self, key, holder, lease):
+        self.pool.pin(key, holder, lease)
+
+    @rule(holder=st.sampled_from(["r1", "lookup"]))
+    def unpin_holder(self, holder):
+        self.pool.unpin_holder(holder, range(self.pool.num_slots))
+
+    @rule(key=st.sampled_from(KEYS))
+    def read(self, key):
+        s = self.pool.read(key)
+        if s is not None:
+            assert self.memory[s] == key, f"cached slot {s} served for {key} holds {self.memory[s]}'s bytes"
+            self.reads.append((s, key))
+
+    @precondition(lambda self: self.reads)
+    @rule(data=st.data())
+    def unread(self, data):
+        s, _ = self.reads.pop(data.draw(st.integers(0, len(self.reads) - 1)))
+        self.pool.unread(s)
+
+    @rule(dt=st.floats(0, 3))
+    def tick_and_expire(self, dt):
+        self.clock.now += dt
+        self.pool.expire()
+
+    @invariant()
+    def bytes_match_keys(self):
+        self.pool.check_invariants()
+        for s, key in self.loading.items():
+            assert self.pool.state(s) is SlotState.LOADING and self.memory[s] == key, f"LOADING slot {s} changed"
+        for s, key in self.reads:
+            assert self.pool.state(s) is SlotState.CACHED and self.memory[s] == key, f"read slot {s} changed"
+        for s in range(self.pool.num_slots):
+            if self.pool.state(s) in (SlotState.READY, SlotState.LOADING, SlotState.CACHED):
+                assert self.memory[s] == self.pool.key(s), f"{self.pool.state(s).name} slot {s} holds other bytes"
+
+
+TestIntegrityMachine = IntegrityMachine.TestCase
+TestIntegrityMachine.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)

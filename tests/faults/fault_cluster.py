@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import time
 from collections.abc import Mapping, Sequence
@@ -213,6 +214,12 @@ class FaultCluster:
     def kv_stores(self, name: str) -> int:
         """How many store steps the instance's LMCache logged (a chunked prefill stores after each step)."""
         return self._log_count(name, "] Stored ")
+
+    def cache_holds(self, name: str) -> int:
+        """Requests whose KV the decoder's buffer cache held in part (chunks not sent again)."""
+        path = self.children[name].log_path
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return len(re.findall(r", [1-9][0-9]* chunks held in the buffer cache", text))
 
     def _log_count(self, name: str, needle: str) -> int:
         path = self.children[name].log_path

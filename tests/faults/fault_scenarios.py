@@ -61,6 +61,7 @@ class Workload:
     long: list[Prompt]  # 6-7 chunks: one request fills most of an 8-slot buffer
     stream: list[Prompt]  # short prompt, long output: a stream to cut
     model_b: Path | None = None  # same tokenizer, other weights
+    shared: list[Prompt] = dataclasses.field(default_factory=list)  # few 3-chunk prefixes, many suffixes
 
 
 @dataclasses.dataclass
@@ -338,6 +339,38 @@ def different_models(s: Suite) -> Result:
                          "(must be 0)"])
 
 
+def shared_prefix_cache_churn(s: Suite) -> Result:
+    """Prompts sharing 3-chunk prefixes, 8 in flight into one decoder's 8-slot buffer (chunks held
+    and not resent, pinned, evicted, a request's READY chunk loaded by another). Phase 1: the
+    prefiller is killed -9 mid-load (grants cancelled mid-transfer) and restarted; phase 2: the
+    same prefixes again on the restarted prefiller, onto the decoder's cache of phase 1. Every
+    output must equal the plain instance's."""
+    decoder, prefiller = s.c.names("decoder")[0], s.c.names("prefiller")[0]
+    prompts = cycle(s.w.shared, s.cfg.n(32, 64))
+    s.rng.shuffle(prompts)
+    half = len(prompts) // 2
+    held_before, loads_before = s.c.cache_holds(decoder), s.c.kv_loads(decoder)
+    notes: list[str] = []
+
+    def fault(progress: dict) -> None:
+        ok = s.wait_until(lambda: s.c.kv_loads(decoder) - loads_before >= half // 2, timeout_s=FAULT_WAIT_S,
+                          poll_s=0.02)
+        s.c.kill(prefiller)
+        notes.append(f"killed {prefiller} after {s.c.kv_loads(decoder) - loads_before} load(s) on {decoder}"
+                     + ("" if ok else " (moment not reached)"))
+        s.c.restart(prefiller)
+
+    outcomes = s.load(prompts[:half], 8, fault)
+    s.c.wait_up([prefiller], s.cfg.restart_timeout_s)
+    loads_mid = s.c.kv_loads(decoder)
+    outcomes += s.load(prompts[half:], 8)
+    loads_after = s.c.kv_loads(decoder) - loads_mid
+    held = s.c.cache_holds(decoder) - held_before
+    notes.append(f"{decoder}: {loads_mid - loads_before} loads in phase 1, {loads_after} in phase 2 (after the "
+                 f"restart); {held} request(s) were granted fewer chunks because its buffer cache held them")
+    return Result(outcomes, recovered=loads_after > 0, notes=notes)
+
+
 ALL = [
     Scenario("sender_killed_mid_transfer", sender_killed_mid_transfer),
     Scenario("steady_rate_decoder_killed_and_restarted", steady_rate_decoder_killed_and_restarted),
@@ -349,6 +382,7 @@ ALL = [
     Scenario("decoder_restart_then_new_requests", decoder_restart_then_new_requests, down=(VICTIM,)),
     Scenario("every_decoder_gone", every_decoder_gone),
     Scenario("different_models", different_models),
+    Scenario("shared_prefix_cache_churn", shared_prefix_cache_churn, down=(VICTIM,), all_succeed=True),
 ]
 BY_NAME = {s.name: s for s in ALL}
 SHORT = ["decoder_killed_mid_stream", "concurrent_8_into_8_slots", "decoder_restart_then_new_requests",

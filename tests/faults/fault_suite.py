@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from fault_client import make_prompts
+from fault_client import Prompt, make_prompts
 from fault_cluster import ClusterSpec, FaultCluster, build_variant_model, reference_outputs
 from fault_scenarios import BY_NAME, SHORT, Row, Suite, SuiteConfig, Workload
 
@@ -45,7 +46,15 @@ def prompt_vocab(model: Path) -> list[int]:
     return [i for i in range(vocab_size) if i not in special]
 
 
-def build_workload(model: Path, *, with_model_b: bool, models_dir: Path) -> Workload:
+def shared_prefix_prompts(vocab: Sequence[int], prefixes: int, suffixes: int, seed: int) -> list[Prompt]:
+    """``prefixes`` x ``suffixes`` prompts: each prefix is 3 whole chunks (768 tokens), each suffix 60-300."""
+    rng = random.Random(seed)
+    heads = [[rng.choice(vocab) for _ in range(768)] for _ in range(prefixes)]
+    return [Prompt(tuple(head + [rng.choice(vocab) for _ in range(rng.randint(60, 300))]), 16)
+            for head in heads for _ in range(suffixes)]
+
+
+def build_workload(model: Path, *, with_model_b: bool, models_dir: Path, with_shared: bool = False) -> Workload:
     vocab = prompt_vocab(model)
     w = Workload(
         short=make_prompts(vocab, 8, 40, 200, 16, seed=1),
@@ -53,6 +62,8 @@ def build_workload(model: Path, *, with_model_b: bool, models_dir: Path) -> Work
         long=make_prompts(vocab, 8, 1500, 1750, 16, seed=3),
         stream=make_prompts(vocab, 8, 100, 300, 1200, seed=4),
     )
+    if with_shared:
+        w.shared = shared_prefix_prompts(vocab, 4, 4, seed=5)
     if with_model_b:
         w.model_b = build_variant_model(model, models_dir / "tiny-llama-other-weights", weight_seed=1).resolve()
     return w
@@ -64,6 +75,11 @@ def attach_references(w: Workload, model: Path, log_dir: Path, cache_dir: Path |
                              cache_dir)
     for p, ids in zip(everything, refs["a"]):
         p.reference["a"] = tuple(ids)
+    if w.shared:  # its own reference set: the other prompts' cached references stay valid
+        refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in w.shared], log_dir, SPEC,
+                                 cache_dir)
+        for p, ids in zip(w.shared, refs["a"]):
+            p.reference["a"] = tuple(ids)
     if w.model_b is not None:
         targets = [*w.short, *w.mid]
         refs_b = reference_outputs({"b": w.model_b}, [(list(p.ids), p.max_tokens) for p in targets], log_dir, SPEC,
@@ -76,7 +92,8 @@ def run_suite(model: Path, log_dir: Path, names: Sequence[str] = SHORT, *, long:
               cache_dir: Path | None = None) -> list[Row]:
     model = Path(model).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
-    w = build_workload(model, with_model_b="different_models" in names, models_dir=model.parent)
+    w = build_workload(model, with_model_b="different_models" in names, models_dir=model.parent,
+                       with_shared="shared_prefix_cache_churn" in names)
     attach_references(w, model, log_dir / "reference", cache_dir)
     cluster = FaultCluster(model, log_dir / "cluster", SPEC)
     rows: list[Row] = []
