@@ -142,6 +142,10 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     slot_bytes: int
     num_slots: int
     transport: TransportInfo
+    # The receiver's p2p.transfer_timeout_s: a granted slot given up by the receiver is quarantined for
+    # this (plus its margin) after the grant, so a sender must have aborted every write into it by
+    # then: it times each write from its Alloc with the smaller of this and its own timeout. 0: unknown.
+    transfer_timeout_s: float = 0.0
 
 
 class Alloc(msgspec.Struct, tag="alloc", frozen=True):

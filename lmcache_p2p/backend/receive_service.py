@@ -380,6 +380,7 @@ class ReceiveService:
             version=protocol.PROTOCOL_VERSION, receiver_id=self.receiver_id, buffer_addr=self._region_addr,
             slot_bytes=self._slot_bytes,
             num_slots=self._pool.num_slots, transport=self._transport.info(),
+            transfer_timeout_s=self._cfg.transfer_timeout_s,
         )
 
     def _fingerprint_mismatch(self, theirs: protocol.Fingerprint | None) -> str:

@@ -110,6 +110,9 @@ class _Peer:
     buffer_addr: int = 0  # the receiver's slot 0, after Welcome
     slot_bytes: int = 0
     num_slots: int = 0
+    # How long after its Alloc left a write may still be in flight: our p2p.transfer_timeout_s, or the
+    # receiver's when smaller (Welcome): past the receiver's, a slot it gave up may be granted again.
+    write_timeout_s: float = 0.0
     last_heard: float = 0.0  # monotonic time of the last valid message from this receiver
     waiting: list[str] = dataclasses.field(default_factory=list)  # req ids waiting for the handshake
 
@@ -450,6 +453,8 @@ class SendService:
             return
         peer.state = _PeerState.CONNECTING
         peer.buffer_addr, peer.slot_bytes, peer.num_slots = msg.buffer_addr, msg.slot_bytes, msg.num_slots
+        theirs = msg.transfer_timeout_s
+        peer.write_timeout_s = min(self._cfg.transfer_timeout_s, theirs) if theirs > 0 else self._cfg.transfer_timeout_s
         peer.deadline = time.monotonic() + self._cfg.connect_timeout_s + _CONNECT_GRACE_S
         logger.debug("receiver %s at %s welcomed us; pairing its transport", msg.receiver_id, peer.target.endpoint)
         threading.Thread(target=self._pair, args=(peer, msg.transport), daemon=True,
@@ -530,6 +535,7 @@ class SendService:
         if req is None:
             return
         batch, req.alloc_batch = req.alloc_batch, None
+        asked_at = req.alloc_sent_at  # this Grant's Alloc (one is outstanding per request)
         req.granted_s = req.granted_s or time.perf_counter()
         req.alloc_deadline = 0.0
         req.retry_delay_s = _RETRY_FIRST_S
@@ -547,11 +553,13 @@ class SendService:
         req.last_granted = req.last_granted or batch.last
         req.granted_any = req.granted_any or any(s >= 0 for s in msg.slots)
         if to_write:
-            self._write(req, to_write)
+            self._write(req, to_write, asked_at)
         if req.req_id in self._requests:  # the write may have failed the request
             self._advance(req)
 
-    def _write(self, req: _Request, pairs: Sequence[tuple[Chunk, int]]) -> None:
+    def _write(self, req: _Request, pairs: Sequence[tuple[Chunk, int]], asked_at: float) -> None:
+        """Write granted chunks; every write must end (or be aborted) within the write window of its
+        Alloc (``_Peer.write_timeout_s``), so it can never land in a slot the receiver re-granted."""
         peer = self._peers.get(req.target)
         chunks = [c for c, _ in pairs]
         slots = [s for _, s in pairs]
@@ -559,6 +567,14 @@ class SendService:
             for c in chunks:
                 c.done()
             self._fail(req.req_id, "receiver connection lost before writing")
+            return
+        deadline = asked_at + (peer.write_timeout_s or self._cfg.transfer_timeout_s)
+        if time.monotonic() >= deadline:
+            for c in chunks:
+                c.done()  # nothing was posted
+            self._fail(req.req_id, f"grant from {req.target.endpoint} came {time.monotonic() - asked_at:.1f}s after "
+                                   f"its Alloc, past the {deadline - asked_at:.1f}s write window (p2p.transfer_timeout_s): "
+                                   "not written, the receiver may have given those slots up")
             return
         notif = protocol.encode(protocol.Written(self.sender_id, req.req_id, slots))
         try:
@@ -571,7 +587,7 @@ class SendService:
                 c.done()
             self._fail(req.req_id, f"write to {req.target.endpoint} failed: {type(exc).__name__}: {exc}")
             return
-        req.writes.append((handle, chunks, time.monotonic() + self._cfg.transfer_timeout_s))
+        req.writes.append((handle, chunks, deadline))
         req.posted_s = req.posted_s or time.perf_counter()
 
     def _progress_writes(self) -> None:
@@ -593,8 +609,8 @@ class SendService:
             if not done and time.monotonic() > deadline:
                 self._transport.abort(handle)
                 self._release_after(handle, chunks, req.req_id)
-                failed = (f"write of {handle.nbytes} bytes to {req.target.endpoint} not done "
-                          f"after {self._cfg.transfer_timeout_s:.1f}s (p2p.transfer_timeout_s)")
+                failed = (f"write of {handle.nbytes} bytes to {req.target.endpoint} not done within its write "
+                          f"window (p2p.transfer_timeout_s, the smaller of ours and the receiver's, from the Alloc)")
             elif done:
                 for c in chunks:
                     c.done()  # completed: settled by contract

@@ -150,7 +150,10 @@ class Rig:
         sender = Sender(self.ctx, self.service.control_endpoint, sender_id, writer)
         self.senders.append(sender)
         if hello:
-            assert isinstance(sender.hello(), protocol.Welcome)
+            welcome = sender.hello()
+            assert isinstance(welcome, protocol.Welcome)
+            # the sender times its writes against our window (a late write must not land in a re-granted slot)
+            assert welcome.transfer_timeout_s == self.cfg.transfer_timeout_s
         return sender
 
     def granted(self, sender: Sender, req_id: str, keys: list[str]) -> list[int]:

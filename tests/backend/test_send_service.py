@@ -150,10 +150,11 @@ class ScriptedReceiver:
     def send(self, msg: protocol.Message) -> None:
         self._sock.send_multipart([self.identity, *self._codec.pack(msg)])
 
-    def welcome(self) -> None:
+    def welcome(self, transfer_timeout_s: float = 0.0) -> None:
         self.recv(protocol.Hello)
         self.send(protocol.Welcome(protocol.PROTOCOL_VERSION, self.name, BUFFER_ADDR, SLOT_BYTES, self.num_slots,
-                                   protocol.TransportInfo(kind="fake", name=self.name)))
+                                   protocol.TransportInfo(kind="fake", name=self.name),
+                                   transfer_timeout_s=transfer_timeout_s))
 
     def grant(self, slots: list[int] | None = None) -> protocol.Alloc:
         alloc = self.recv(protocol.Alloc)
@@ -231,6 +232,32 @@ def _keys(chunks: list[Chunk]) -> list[str]:
 
 
 # ---- item 1: memory is handed back only once nothing reads it ------------------------------------
+
+
+def test_a_write_is_aborted_within_the_receivers_window_counted_from_its_alloc(
+        make_service, transport, receiver, chunks) -> None:
+    """Our transfer_timeout_s is 5 s, the receiver's 0.4 s: a write still in flight 0.4 s after its Alloc left
+    is aborted, since the receiver may then have given its slots up and granted them again."""
+    transport.auto_complete = False
+    service = make_service()  # transfer_timeout_s 5.0
+    service.submit("req-1", receiver.target, chunks.make(1), last=True)
+    receiver.welcome(transfer_timeout_s=0.4)
+    started = time.monotonic()
+    receiver.grant()
+    wait_for(lambda: service.stats().requests_failed == 1, "the write to pass the receiver's window")
+    assert transport.writes[0].aborted and time.monotonic() - started < 3.0
+
+
+def test_a_grant_that_comes_after_the_write_window_is_not_written(make_service, transport, receiver, chunks) -> None:
+    service = make_service()
+    service.submit("req-1", receiver.target, chunks.make(2), last=True)
+    receiver.welcome(transfer_timeout_s=0.2)
+    alloc = receiver.recv(protocol.Alloc)
+    time.sleep(0.35)  # the receiver answers after its own write window: it may have given the slots up
+    receiver.send(protocol.Grant(alloc.seq, alloc.req_id, [0, 1], free_slots=0))
+    wait_for(lambda: service.stats().requests_failed == 1, "the late grant to fail the request")
+    assert transport.writes == [], "a write was posted into slots the receiver may have re-granted"
+    wait_for(lambda: len(chunks.released) == 2, "the unwritten chunks to go back to LMCache")
 
 
 def test_aborted_write_keeps_its_chunks_until_the_transport_says_reads_ended(
