@@ -256,6 +256,9 @@ def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: P
                 "kv_role": "kv_producer" if inst.role == "prefiller" else "kv_consumer"}
     if inst.role == "decoder":
         transfer["kv_connector_extra_config"] = {"skip_last_n_tokens": 1}
+        # A chunk missing at retrieve after the lookup counted it (cancelled or expired in between) is
+        # computed by vLLM instead of failing the request (vLLM's default policy is "fail").
+        transfer["kv_load_failure_policy"] = "recompute"
     _, passthrough = gpu_plan.split_utilization_arg(args.vllm_arg)
     gpu_args = [] if gpu is None else ["--gpu-memory-utilization", f"{gpu.memory_utilization:.2f}"]
     argv = vllm_argv(model, inst.http_port, *cache_flags(getattr(args, "prefix_caching", True)),

@@ -70,3 +70,17 @@ def test_p2p_flag_sets_keys_on_every_instance_and_a_bad_one_is_refused_at_launch
     malformed = build_parser().parse_args(["launch", "--p2p", "alloc_timeout_s"])
     with pytest.raises(ConfigError, match=r"--p2p: expects KEY=VALUE"):
         launch.write_lmcache_config(launch.plan(malformed)[0], malformed, tmp_path)
+
+
+def test_decoders_recompute_a_chunk_that_fails_to_load_instead_of_failing_the_request(tmp_path: Path) -> None:
+    import json
+
+    made = children(tmp_path)
+
+    def transfer(name: str) -> dict:
+        argv = made[name].argv
+        return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+    assert transfer("decoder-0")["kv_load_failure_policy"] == "recompute"
+    assert transfer("decoder-0")["kv_role"] == "kv_consumer"
+    assert "kv_load_failure_policy" not in transfer("prefiller-0")
