@@ -319,9 +319,15 @@ def _rank_port(key: str, ports: tuple[int, ...] | int, tp_rank: int) -> int:
     return ports[tp_rank]
 
 
-def check_lmcache_settings(lmcache_config: Any) -> None:
+def check_lmcache_settings(lmcache_config: Any, role: Role | None = None) -> None:
     """Reject LMCache settings under which the plugin cannot work (FACTS.md, storage plugins)."""
     if getattr(lmcache_config, "enable_pd", False):
         raise ConfigError("enable_pd", "must be false: lmcache_p2p replaces LMCache's PD backend")
     if not getattr(lmcache_config, "save_unfull_chunk", True):
         raise ConfigError("save_unfull_chunk", "must be true, or a prompt's partial last chunk is never sent")
+    if role is Role.RECEIVER and getattr(lmcache_config, "local_cpu", False):
+        # LMCache writes every chunk a non-CPU backend returned back into LocalCPUBackend's cache,
+        # keeping a reference: each loaded chunk's receive slot would stay taken until LMCache evicts it.
+        raise ConfigError("local_cpu", "must be false on a decoder (receiver): LMCache would keep every received "
+                                       "chunk in its CPU cache, holding its receive-buffer slot, until the buffer "
+                                       "fills; the receive buffer's own cache (p2p.buffer_cache) keeps loaded chunks")

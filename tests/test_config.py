@@ -74,6 +74,10 @@ def test_lmcache_settings_that_break_the_plugin():
     Cfg.enable_pd, Cfg.save_unfull_chunk = False, False
     with pytest.raises(ConfigError, match="^save_unfull_chunk: must be true"):
         check_lmcache_settings(Cfg())
+    Cfg.save_unfull_chunk, Cfg.local_cpu = True, True
+    check_lmcache_settings(Cfg(), Role.SENDER)  # a prefiller may cache (it just never hits)
+    with pytest.raises(ConfigError, match="^local_cpu: must be false on a decoder"):
+        check_lmcache_settings(Cfg(), Role.RECEIVER)
 
 
 # ---- exposure and addresses -----------------------------------------------------------------------

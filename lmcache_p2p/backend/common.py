@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 def load_config(lmcache_config: Any, role: Role) -> P2PConfig:
     """Validate our settings for ``role``; LMCache only logs plugin errors, so log loudly too."""
     try:
-        check_lmcache_settings(lmcache_config)
+        check_lmcache_settings(lmcache_config, role)
         cfg = P2PConfig.from_lmcache(lmcache_config)
         if cfg.role is not role:
             raise ConfigError("p2p.role", f"is {cfg.role.value} but the plugin class is the {role.value} "
