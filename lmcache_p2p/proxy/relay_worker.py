@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from lmcache_p2p.proxy.app import ProxyApp
+from lmcache_p2p.proxy.app import EarlyDecode, ProxyApp
 from lmcache_p2p.proxy.detokenize import OutputText, TextParams
 from lmcache_p2p.proxy.errors import ProxyError, UpstreamConnectError, UpstreamError
 from lmcache_p2p.proxy.flow import context_full, end_of_context, migratable, shape_delta
@@ -369,8 +369,8 @@ class WorkerApp(ProxyApp):
             await flow.closing()
         return response
 
-    async def _stream(self, flow: Any, renderer: Renderer) -> AsyncIterator[bytes]:
-        async for chunk in super()._stream(flow, renderer):
+    async def _stream(self, flow: Any, renderer: Renderer, decode: EarlyDecode | None) -> AsyncIterator[bytes]:
+        async for chunk in super()._stream(flow, renderer, decode):
             if chunk is SSE_DONE:
                 await flow.end()
             yield chunk
