@@ -103,3 +103,26 @@ async def test_a_relay_worker_sends_the_decode_while_a_stalled_client_has_not_ta
             await upstream.aclose()
         assert text == expected_text(tokenize(PROMPT), 6)
         await eventually(lambda: len(c.proxy.coordinator) == 0)  # closed on the coordinator
+
+
+async def test_a_relayed_request_takes_three_calls_on_the_coordinator_and_is_counted():
+    async with make_cluster(workers=2) as c:
+        n = 6
+        for i in range(n):
+            body = {**BODY, "stream": i % 2 == 0}
+            if body["stream"]:
+                events = await c.stream("/v1/completions", body)
+                assert events[-1] == "[DONE]"
+            else:
+                assert (await c.post("/v1/completions", body)).status_code == 200
+        bad = await c.client.post("/v1/completions", content=b"{not json")
+        assert bad.status_code == 400
+        await eventually(lambda: c.proxy.coordinator.calls["closed"] == n)
+        calls = c.proxy.coordinator.calls
+        # open (first token, then the plan on the same answer), started (not awaited), closed (with the counts)
+        assert {step: calls[step] for step in ("open", "started", "closed")} == {"open": n, "started": n, "closed": n}
+        # the malformed body's status and error alone (it has no request to close); they are not awaited
+        await eventually(lambda: calls["count"] == 2)
+        assert c.metric("lmcache_p2p_proxy_requests_total", endpoint="/v1/completions", status="200") == n
+        assert c.metric("lmcache_p2p_proxy_requests_total", endpoint="/v1/completions", status="400") == 1
+        assert len(c.proxy.coordinator) == 0
