@@ -188,10 +188,11 @@ async def measure(proxy: ProxyChild, prefill: StampedVllm, decoder: StampedVllm,
         await asyncio.sleep(args.warmup_s)
         await client.post("/stats/reset")
         clients.measuring = True
-        t0 = time.perf_counter()
+        t0, cpu0, coord0 = time.perf_counter(), proxy.cpu_s(), proxy.coordinator_cpu_s()
         await asyncio.sleep(args.duration_s)
         clients.measuring = False
         wall_s = time.perf_counter() - t0
+        cpu_s, coord_s = proxy.cpu_s() - cpu0, proxy.coordinator_cpu_s() - coord0
         stats = (await client.get("/stats")).json()
         await asyncio.wait(tasks, timeout=_CLIENT_TIMEOUT_S)
     keys = [k for k in clients.measured if k in prefill.answered_s and k in clients.second_s]
@@ -200,6 +201,8 @@ async def measure(proxy: ProxyChild, prefill: StampedVllm, decoder: StampedVllm,
         "streams": streams,
         "requests": len(keys),
         "req_s": round(len(keys) / wall_s, 1),
+        "proxy_cpu_ms_per_req": round(cpu_s / max(len(keys), 1) * 1e3, 3),  # the coordinator's + its workers'
+        "coordinator_cpu_ms_per_req": round(coord_s / max(len(keys), 1) * 1e3, 3),
         "failed": clients.failed,
         "errors": dict(sorted(clients.errors.items(), key=lambda kv: -kv[1])[:3]),
         "answer_to_decode_ms": _ms([decoder.decode_at_s[k] - answered[k] for k in keys if k in decoder.decode_at_s]),
@@ -261,7 +264,8 @@ async def run_variant(name: str, rep: int, pythonpath: str, tokenizer_dir: str, 
 
 
 _HEAD = ("variant", "workers", "rep", "streams", "req_s", "failed", "dec p50", "dec p99", "1st p50", "1st p99",
-         "2nd p50", "2nd p99", "fb p50", "dstart p50", "dfirst p50", "ho p50", "ho p99")
+         "2nd p50", "2nd p99", "fb p50", "dstart p50", "dfirst p50", "ho p50", "ho p99", "cpu ms/req",
+         "coord ms")
 
 
 def _fmt(row: dict[str, Any]) -> str:
@@ -272,7 +276,7 @@ def _fmt(row: dict[str, Any]) -> str:
              row["answer_to_second_ms"]["p50"], row["answer_to_second_ms"]["p99"],
              (t.get("first_byte") or {}).get("p50"), (t.get("decode_start") or {}).get("p50"),
              (t.get("decode_first") or {}).get("p50"), row["proxy_handover_ms"]["p50"],
-             row["proxy_handover_ms"]["p99"]]
+             row["proxy_handover_ms"]["p99"], row["proxy_cpu_ms_per_req"], row["coordinator_cpu_ms_per_req"]]
     return "  ".join(f"{c!s:>10}" for c in cells)
 
 
@@ -285,6 +289,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for name, rs in groups.items():
         entry: dict[str, Any] = {"reps": len(rs), "req_s": statistics.median(r["req_s"] for r in rs),
                                  "failed": sum(r["failed"] for r in rs)}
+        for key in ("proxy_cpu_ms_per_req", "coordinator_cpu_ms_per_req"):
+            entry[key] = round(statistics.median(r[key] for r in rs), 3)
         for fig in ("answer_to_decode_ms", "answer_to_first_ms", "answer_to_second_ms", "proxy_handover_ms"):
             for q in ("p50", "p99"):
                 values = [r[fig][q] for r in rs if r[fig].get(q) is not None]

@@ -23,7 +23,8 @@ from typing import Any
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 from starlette.routing import Route
 
 from lmcache_p2p.proxy.app import ProxyApp, error_name, unless_disconnected
@@ -108,7 +109,7 @@ class RelayCoordinator:
 
     # ---- the steps ---------------------------------------------------------------------------------
 
-    async def _open(self, request: Request) -> Response:
+    async def _open(self, request: Request) -> Response | _JsonLines:
         msg = msgspec.json.decode(await request.body(), type=Open)
         try:
             req = parse_client_request(Endpoint(msg.endpoint), msgspec.json.decode(msg.body), self._chars_per_token)
@@ -127,7 +128,7 @@ class RelayCoordinator:
                 flow.response_id, first, flow.prompt_ids, flow.needs_decode, flow.decoder_regenerates_first,
                 flow.colocated is not None, flow.proxy_text, flow.tokenizer_source,
                 self._o.settings.decode_idle_timeout_s)
-            return StreamingResponse(self._open_answer(msg.handle, relayed, opened), media_type="application/jsonl")
+            return _JsonLines(self._open_answer(msg.handle, relayed, opened))
         except ProxyError as exc:
             return _failed(exc)
         except ClientDisconnected:
@@ -230,6 +231,22 @@ class RelayCoordinator:
         if output_ids is not None:
             relayed.flow.decode_ended(output_ids)  # as one process: close() remembers the output so far
         relayed.flow.close()
+
+
+class _JsonLines:
+    """A chunked answer of JSON lines, each sent as it comes. Unlike Starlette's StreamingResponse it does
+    not watch for a disconnect in a second task (a task group per request): a worker always closes its
+    requests (``closed``), and a dead worker's are closed by ``forget_worker``; both stop the lines."""
+
+    def __init__(self, lines: AsyncIterator[bytes]) -> None:
+        self._lines = lines
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/jsonl")]})
+        async for line in self._lines:
+            await send({"type": "http.response.body", "body": line, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _note_first_byte(flow: RequestFlow, step: Step) -> None:
