@@ -50,6 +50,7 @@ from proxy_relay import (  # noqa: E402  (bench/ is not a package)
     _heartbeat,
     _first_request,
     _pct,
+    _pyspy,
     _wait_routable,
     baseline_tree,
     fixed_model,
@@ -189,7 +190,10 @@ async def measure(proxy: ProxyChild, prefill: StampedVllm, decoder: StampedVllm,
         await client.post("/stats/reset")
         clients.measuring = True
         t0, cpu0, coord0 = time.perf_counter(), proxy.cpu_s(), proxy.coordinator_cpu_s()
+        spy = _pyspy(proxy, args.duration_s, f"/tmp/proxy_handover_{proxy.label}_s{streams}.txt")  # PYSPY=exe
         await asyncio.sleep(args.duration_s)
+        if spy is not None:
+            spy.wait(30)
         clients.measuring = False
         wall_s = time.perf_counter() - t0
         cpu_s, coord_s = proxy.cpu_s() - cpu0, proxy.coordinator_cpu_s() - coord0
@@ -225,6 +229,7 @@ def _pick(summary: dict[str, Any] | None) -> dict[str, Any]:
 async def run_variant(name: str, rep: int, pythonpath: str, tokenizer_dir: str, args: argparse.Namespace,
                       workers: int) -> list[dict[str, Any]]:
     proxy = ProxyChild(pythonpath, tokenizer_dir, workers=workers)
+    proxy.label = f"{name}_w{workers}_r{rep}"
     network = KvNetwork()
     nodes: list[tuple[StampedVllm, FakeAgent]] = []
     heartbeat: asyncio.Task[None] | None = None
