@@ -15,6 +15,10 @@
 (compared in constant time): 401 without the header, 403 with a wrong one. They show the
 registry's internals (control addresses) or change it.
 
+A stream's decode (KV wait, decode request, the decoder's first output) starts as soon as the
+prefill answered, while the first token is written to the client (``EarlyDecode``): a slow client
+delays its own later output only, never the handover.
+
 Errors are OpenAI-style JSON (``errors.py``). Once a stream has started (after the first token),
 a later failure is sent in the stream as ``data: {"error": ...}`` followed by ``data: [DONE]``.
 A client that disconnects cancels the request's upstream calls and drops its KV waiter.

@@ -5,7 +5,8 @@ the KV waiters, the control socket, metrics. For a request a worker received, th
 runs the :class:`RequestFlow` as it would in one process (tokenize, route, admit, prefill, wait
 for the KV), except the decode stream itself: the worker streams it from the decoder and makes
 the client's text, and reports the steps that matter here (first output, a broken stream, the
-end). Each open request is held under the worker's handle until the worker closes it, or the
+end). ``open`` answers the first token at once and, on the same answer, where the decode goes once
+the KV is ready, so the worker's decode waits for no call of its own. Each open request is held under the worker's handle until the worker closes it, or the
 worker dies (then every request it held is closed here: no leaked load).
 
 The public endpoints (``/health``, ``/metrics``, ``/stats``, ``/instances``...) are served here

@@ -6,7 +6,7 @@ until every TP rank of D reports the KV ready, then decode on D.
         first = await flow.prefill()         # the first token (send it to a streaming client now)
         if flow.needs_decode:
             async for delta in flow.decode():  # waits for KV, retries or recomputes, then streams
-                ...
+                ...                            # (app.py starts it before the first byte is written)
     finally:
         flow.close()                         # never awaits: safe in a cancelled task
 
