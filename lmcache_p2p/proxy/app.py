@@ -15,6 +15,10 @@
 (compared in constant time): 401 without the header, 403 with a wrong one. They show the
 registry's internals (control addresses) or change it.
 
+A stream's decode (KV wait, decode request, the decoder's first output) starts as soon as the
+prefill answered, while the first token is written to the client (``EarlyDecode``): a slow client
+delays its own later output only, never the handover.
+
 Errors are OpenAI-style JSON (``errors.py``). Once a stream has started (after the first token),
 a later failure is sent in the stream as ``data: {"error": ...}`` followed by ``data: [DONE]``.
 A client that disconnects cancels the request's upstream calls and drops its KV waiter.
@@ -40,7 +44,7 @@ from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.errors import BadRequest, ClientDisconnected, NoInstanceAvailable, ProxyError
 from lmcache_p2p.proxy.flow import Orchestrator, RequestFlow
 from lmcache_p2p.proxy.registry import Instance
-from lmcache_p2p.proxy.responses import SSE_DONE, Renderer, renderer_for, sse
+from lmcache_p2p.proxy.responses import SSE_DONE, Delta, Renderer, renderer_for, sse
 from lmcache_p2p.proxy.shaping import ClientRequest, Endpoint, parse_client_request
 from lmcache_p2p.proxy.upstream import forwarded_headers
 
@@ -113,7 +117,8 @@ class ProxyApp:
             if req.stream:
                 streaming = True
                 self._count(endpoint, 200)
-                return _FlowStreamingResponse(flow, self._stream(flow, renderer))
+                decode = EarlyDecode(flow.decode()) if flow.needs_decode else None  # before the first byte
+                return _FlowStreamingResponse(flow, self._stream(flow, renderer, decode), decode)
             answer = await unless_disconnected(request, _collect(flow, renderer))
             self._count(endpoint, 200)
             return Response(msgspec.json.encode(answer), media_type="application/json")
@@ -131,14 +136,16 @@ class ProxyApp:
             if not streaming:
                 flow.close()
 
-    async def _stream(self, flow: RequestFlow, renderer: Renderer) -> AsyncIterator[bytes]:
+    async def _stream(self, flow: RequestFlow, renderer: Renderer, decode: EarlyDecode | None
+                      ) -> AsyncIterator[bytes]:
+        """The client's events; ``decode`` (started before the first byte) gives the output after the first token."""
         req = flow.req
         try:
             for chunk in renderer.first_chunks():
                 yield sse(chunk)
             flow.first_byte_written()  # resumed: the server has handed the first token to the client
-            if flow.needs_decode:
-                async for delta in flow.decode():
+            if decode is not None:
+                async for delta in decode:
                     yield sse(renderer.delta_chunk(delta))
             if req.include_usage:
                 yield sse(renderer.usage_chunk(flow.usage()))
@@ -224,17 +231,55 @@ class ProxyApp:
         self._o.metrics.errors.labels(endpoint.value, name).inc()
 
 
+class EarlyDecode:
+    """A flow's decode (its ``decode()`` iterator), started now: the KV wait, the decode request and the
+    decoder's first output run in a task while the first token is written to the client, so nothing
+    on the handover waits for the client (a slow client holds back the later output alone: one delta
+    is read ahead, the rest as the client takes them). Iterate it once; ``cancel`` never awaits."""
+
+    def __init__(self, deltas: AsyncIterator[Delta]) -> None:
+        self._deltas = deltas
+        self._ahead: asyncio.Task[Delta | None] | None = asyncio.get_running_loop().create_task(
+            self._next(), name="proxy-early-decode")
+
+    async def _next(self) -> Delta | None:
+        try:
+            return await self._deltas.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    def __aiter__(self) -> EarlyDecode:
+        return self
+
+    async def __anext__(self) -> Delta:
+        ahead, self._ahead = self._ahead, None
+        delta = await ahead if ahead is not None else await self._next()
+        if delta is None:
+            raise StopAsyncIteration
+        return delta
+
+    def cancel(self) -> None:
+        """The stream ended before its output was read (client gone): stop the decode's first step."""
+        if self._ahead is not None and not self._ahead.done():
+            self._ahead.cancel()
+        elif self._ahead is not None and not self._ahead.cancelled() and self._ahead.exception() is not None:
+            logger.debug("the early decode failed before the stream read it: %r", self._ahead.exception())
+
+
 class _FlowStreamingResponse(StreamingResponse):
     """Closes the flow however the stream ends, even if it never started (early disconnect)."""
 
-    def __init__(self, flow: RequestFlow, content: AsyncIterator[bytes]) -> None:
+    def __init__(self, flow: RequestFlow, content: AsyncIterator[bytes], decode: EarlyDecode | None) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"cache-control": "no-cache"})
         self._flow = flow
+        self._decode = decode
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if self._decode is not None:
+                self._decode.cancel()
             self._flow.close()
 
 

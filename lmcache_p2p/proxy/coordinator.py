@@ -5,7 +5,8 @@ the KV waiters, the control socket, metrics. For a request a worker received, th
 runs the :class:`RequestFlow` as it would in one process (tokenize, route, admit, prefill, wait
 for the KV), except the decode stream itself: the worker streams it from the decoder and makes
 the client's text, and reports the steps that matter here (first output, a broken stream, the
-end). Each open request is held under the worker's handle until the worker closes it, or the
+end). ``open`` answers the first token at once and, on the same answer, where the decode goes once
+the KV is ready, so the worker's decode waits for no call of its own. Each open request is held under the worker's handle until the worker closes it, or the
 worker dies (then every request it held is closed here: no leaked load).
 
 The public endpoints (``/health``, ``/metrics``, ``/stats``, ``/instances``...) are served here
@@ -14,15 +15,17 @@ too, on the same socket: workers pass them through.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 from starlette.routing import Route
 
 from lmcache_p2p.proxy.app import ProxyApp, error_name, unless_disconnected
@@ -35,6 +38,7 @@ from lmcache_p2p.proxy.relay_messages import (
     Hello,
     Open,
     Opened,
+    PlanFailed,
     Planned,
     Step,
     Target,
@@ -54,6 +58,7 @@ class _Relayed:
     connect_failed: set[str] = dataclasses.field(default_factory=set)  # decoders refused, this stream
     migrated_from: set[str] = dataclasses.field(default_factory=set)
     migrations: int = 0
+    planning: asyncio.Task[DecodeTarget] | None = None  # the KV wait and choice of decoder after the open
 
 
 class RelayCoordinator:
@@ -66,13 +71,22 @@ class RelayCoordinator:
         self._flows: dict[str, _Relayed] = {}
         self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.opened_by_worker: collections.Counter[int] = collections.Counter()  # requests each worker opened
+        self.calls: collections.Counter[str] = collections.Counter()  # the calls taken, per step
 
     def routes(self) -> list[Route]:
         steps: dict[str, Callable[[Request], Any]] = {
-            "open": self._open, "plan": self._plan, "started": self._started, "unreachable": self._unreachable,
+            "open": self._open, "started": self._started, "unreachable": self._unreachable,
             "broken": self._broken, "closed": self._closed_step, "count": self._count,
             "hello": self._hello, "tokenizer": self._tokenizer}
-        return [Route(f"{PREFIX}/{name}", handler, methods=["POST"]) for name, handler in steps.items()]
+        return [Route(f"{PREFIX}/{name}", self._counted(name, handler), methods=["POST"])
+                for name, handler in steps.items()]
+
+    def _counted(self, name: str, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        async def counted(request: Request) -> Any:
+            self.calls[name] += 1
+            return await handler(request)
+
+        return counted
 
     def __len__(self) -> int:
         """Requests open on workers."""
@@ -96,7 +110,7 @@ class RelayCoordinator:
 
     # ---- the steps ---------------------------------------------------------------------------------
 
-    async def _open(self, request: Request) -> Response:
+    async def _open(self, request: Request) -> Response | _JsonLines:
         msg = msgspec.json.decode(await request.body(), type=Open)
         try:
             req = parse_client_request(Endpoint(msg.endpoint), msgspec.json.decode(msg.body), self._chars_per_token)
@@ -108,13 +122,14 @@ class RelayCoordinator:
             first = await unless_disconnected(request, flow.prefill())
             if msg.handle in self._closed:
                 return Response(status_code=499)
-            self._flows[msg.handle] = _Relayed(flow, msg.worker)
+            relayed = self._flows[msg.handle] = _Relayed(flow, msg.worker)
             self.opened_by_worker[msg.worker] += 1
             kept = True
-            return _answer(Opened(
+            opened = Opened(
                 flow.response_id, first, flow.prompt_ids, flow.needs_decode, flow.decoder_regenerates_first,
                 flow.colocated is not None, flow.proxy_text, flow.tokenizer_source,
-                self._o.settings.decode_idle_timeout_s))
+                self._o.settings.decode_idle_timeout_s)
+            return _JsonLines(self._open_answer(msg.handle, relayed, opened))
         except ProxyError as exc:
             return _failed(exc)
         except ClientDisconnected:
@@ -128,18 +143,22 @@ class RelayCoordinator:
             if not kept:
                 flow.close()
 
-    async def _plan(self, request: Request) -> Response:
-        step, relayed = await self._step(request)
-        if relayed is None:
-            return _gone(step)
-        _note_first_byte(relayed.flow, step)
+    async def _open_answer(self, handle: str, relayed: _Relayed, opened: Opened) -> AsyncIterator[bytes]:
+        """``open``'s answer: the first token at once, then (no call from the worker needed) where the decode
+        goes once the KV is ready. A request closed meanwhile stops its KV wait (``_close``)."""
+        yield msgspec.json.encode(opened) + b"\n"
+        if not opened.needs_decode or self._flows.get(handle) is not relayed:
+            return
+        task = relayed.planning = asyncio.get_running_loop().create_task(relayed.flow.plan_decode(),
+                                                                        name="relay-plan")
         try:
-            target = await unless_disconnected(request, relayed.flow.plan_decode())
-        except ProxyError as exc:
-            return _failed(exc)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        return _planned(target)
+            await asyncio.wait({task})
+        finally:
+            if not task.done():
+                task.cancel()
+        if task.cancelled():
+            return
+        yield msgspec.json.encode(_plan_line(relayed, task)) + b"\n"
 
     async def _unreachable(self, request: Request) -> Response:
         step, relayed = await self._step(request)
@@ -162,7 +181,7 @@ class RelayCoordinator:
     async def _started(self, request: Request) -> Response:
         step, relayed = await self._step(request)
         if relayed is not None:
-            relayed.flow.decode_started()
+            relayed.flow.decode_started(step.decode_sent_s, step.first_decoded_s)
         return Response(status_code=204)
 
     async def _closed_step(self, request: Request) -> Response:
@@ -170,18 +189,22 @@ class RelayCoordinator:
         relayed = self._flows.get(step.handle)
         if relayed is not None:
             _note_first_byte(relayed.flow, step)
+        for count in step.counts:
+            self._apply_count(count)
         self._close(step.handle, step.output_ids)
         return Response(status_code=204)
 
     async def _count(self, request: Request) -> Response:
-        count = msgspec.json.decode(await request.body(), type=Count)
+        self._apply_count(msgspec.json.decode(await request.body(), type=Count))
+        return Response(status_code=204)
+
+    def _apply_count(self, count: Count) -> None:
         endpoint = Endpoint(count.endpoint)
         metrics = self._o.metrics
         if count.status is not None:
             metrics.requests.labels(endpoint.value, str(count.status)).inc()
         if count.error is not None:
             metrics.errors.labels(endpoint.value, count.error).inc()
-        return Response(status_code=204)
 
     async def _tokenizer(self, request: Request) -> Response:
         tokenizers = self._o.tokenizers
@@ -204,14 +227,43 @@ class RelayCoordinator:
             while len(self._closed) > _CLOSED_REMEMBERED:
                 self._closed.popitem(last=False)
             return
+        if relayed.planning is not None and not relayed.planning.done():
+            relayed.planning.cancel()  # its KV wait: the request is over
         if output_ids is not None:
             relayed.flow.decode_ended(output_ids)  # as one process: close() remembers the output so far
         relayed.flow.close()
 
 
+class _JsonLines:
+    """A chunked answer of JSON lines, each sent as it comes. Unlike Starlette's StreamingResponse it does
+    not watch for a disconnect in a second task (a task group per request): a worker always closes its
+    requests (``closed``), and a dead worker's are closed by ``forget_worker``; both stop the lines."""
+
+    def __init__(self, lines: AsyncIterator[bytes]) -> None:
+        self._lines = lines
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/jsonl")]})
+        async for line in self._lines:
+            await send({"type": "http.response.body", "body": line, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 def _note_first_byte(flow: RequestFlow, step: Step) -> None:
     if step.first_byte_s is not None and flow.timeline.first_byte_s is None:
         flow.timeline.first_byte_s = step.first_byte_s
+
+
+def _plan_line(relayed: _Relayed, task: asyncio.Task[DecodeTarget]) -> Planned | PlanFailed:
+    exc = task.exception()
+    if exc is None:
+        target = task.result()
+        return Planned(Target(target.url, target.body))
+    if not isinstance(exc, ProxyError):  # a bug: still answer, and say where
+        logger.error("request %s: planning its decode failed unexpectedly", relayed.flow.response_id, exc_info=exc)
+        exc = ProxyError(f"internal proxy error: {type(exc).__name__}: {exc}")
+    return PlanFailed(exc.status_code, Failed(error_name(exc), exc.to_body()))
 
 
 def _answer(msg: msgspec.Struct, status: int = 200) -> Response:

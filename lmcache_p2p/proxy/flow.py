@@ -6,7 +6,7 @@ until every TP rank of D reports the KV ready, then decode on D.
         first = await flow.prefill()         # the first token (send it to a streaming client now)
         if flow.needs_decode:
             async for delta in flow.decode():  # waits for KV, retries or recomputes, then streams
-                ...
+                ...                            # (app.py starts it before the first byte is written)
     finally:
         flow.close()                         # never awaits: safe in a cancelled task
 
@@ -343,13 +343,16 @@ class RequestFlow:
             return None
         return self._target()
 
-    def decode_started(self) -> None:
-        """The target sent its first output: it has loaded the request's KV."""
+    def decode_started(self, decode_sent_s: float | None = None, first_decoded_s: float | None = None) -> None:
+        """The target sent its first output: it has loaded the request's KV. The worker's stamps (same
+        machine, same monotonic clock) of its decode request and that first output, when it sent them."""
         if self._handover_observed:
             return
         self._handover_observed = True
+        if decode_sent_s is not None:
+            self.timeline.decode_sent_s = decode_sent_s  # the worker sent it (this one planned it earlier)
         self._o.registry.note_connected(self._lease().instance)
-        self._on_first_output()
+        self._on_first_output(first_decoded_s)
         self._free_taken_kv()
 
     def decode_broken(self, output_ids: list[int], finished: bool, failed: set[str], migrations: int,
@@ -666,11 +669,11 @@ class RequestFlow:
         logger.info("request %s: prefilling on %s instead", self.response_id, prefiller.instance_id)
         return prefiller
 
-    def _on_first_output(self) -> None:
-        """The decoding instance sent its first output, so it has loaded the request's KV: its receive
-        slots are free again (the buffer credit returns now, not at the next heartbeat)."""
+    def _on_first_output(self, at_s: float | None = None) -> None:
+        """The decoding instance sent its first output (now, or at ``at_s``), so it has loaded the request's
+        KV: its receive slots are free again (the buffer credit returns now, not at the next heartbeat)."""
         o = self._o
-        now_s = self.timeline.first_decoded_s = o.clock()
+        now_s = self.timeline.first_decoded_s = o.clock() if at_s is None else at_s
         if self.colocated is not None:
             o.metrics.observe_ttft(self.req.endpoint.value, now_s - self._received_s)
         else:

@@ -1,21 +1,28 @@
 """The messages between the coordinator and its relay workers (``--workers N``, see ``workers.py``).
 
 JSON (msgspec) over HTTP on the coordinator's Unix socket, in a 0700 temporary folder; never
-pickle. One request, as a worker sees it:
+pickle. One request, as a worker sees it (3 calls; nothing on the client's path waits for a reply
+but the first line of ``open``):
 
-    POST /_relay/open     Open   -> Opened          prefill done (routed, admitted) on the coordinator
-    POST /_relay/plan     Step   -> Planned         after the KV wait: where the decode goes
-    POST /_relay/started  Step                      the decoder's first output (its KV is loaded)
+    POST /_relay/open     Open   -> Opened, Planned|PlanFailed   (JSON lines)
+                                 the answer is two JSON lines on one response: ``Opened`` once the
+                                 prefill is done (routed, admitted): the first token; then, after the
+                                 KV wait, where the decode goes (only when ``Opened.needs_decode``)
+    POST /_relay/started  Step                      the decoder's first output (its KV is loaded), not awaited
     POST /_relay/unreachable / broken  Step -> Planned   the decode could not connect / broke: go on where?
-    POST /_relay/closed   Step                      the request is over, however it ended (idempotent); a
+    POST /_relay/closed   Step                      the request is over, however it ended (idempotent), with the
+                                                    requests_total / errors_total counts of its answer; a
                                                     complete answer is closed before its last bytes go out
-    POST /_relay/count    Count                     requests_total / errors_total of a worker's answer
+    POST /_relay/count    Count                     a count of an answer that had no request (a malformed body)
     POST /_relay/hello    Hello                     a worker serves the HTTP port
     POST /_relay/tokenizer        -> TokenizerSource  which tokenizer to load (polled until settled)
 
-A coordinator error answers with its HTTP status and a ``Failed`` body.
+A coordinator error answers with its HTTP status and a ``Failed`` body (``open``: before its first line;
+after it, a ``PlanFailed`` line). The coordinator counts the calls it takes per step
+(``RelayCoordinator.calls``).
 
-Version history: 1: first.
+Version history: 1: first. 2: ``plan`` folded into ``open``'s answer, ``count`` into ``closed``;
+``started`` carries the worker's decode-sent / first-output stamps.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import msgspec
 
 from lmcache_p2p.proxy.responses import FirstToken
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 VERSION_HEADER = "x-lmcache-relay-version"
 PREFIX = "/_relay"
 
@@ -57,8 +64,14 @@ class Target(msgspec.Struct, frozen=True):
     body: dict[str, Any]
 
 
-class Planned(msgspec.Struct, frozen=True):
+class Planned(msgspec.Struct, frozen=True, tag="planned"):
     target: Target | None  # None: the decode may not go on (the worker raises the error it saw)
+
+
+class Count(msgspec.Struct, frozen=True):
+    endpoint: str
+    status: int | None = None  # requests_total{status}
+    error: str | None = None  # errors_total{type}
 
 
 class Step(msgspec.Struct, frozen=True):
@@ -67,13 +80,11 @@ class Step(msgspec.Struct, frozen=True):
     finished: bool = False
     connect_failed: bool = False  # broken: the connection was never made (nothing was sent)
     message: str = ""
-    first_byte_s: float | None = None  # time.perf_counter() when the first token reached the client
-
-
-class Count(msgspec.Struct, frozen=True):
-    endpoint: str
-    status: int | None = None  # requests_total{status}
-    error: str | None = None  # errors_total{type}
+    # time.perf_counter() stamps on the worker (one monotonic clock per machine), for the timeline
+    first_byte_s: float | None = None  # the first token reached the client
+    decode_sent_s: float | None = None  # started: the decode request was sent to the decoder
+    first_decoded_s: float | None = None  # started: the decoder's first output arrived
+    counts: list[Count] = []  # closed: the answer's requests_total / errors_total
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -90,3 +101,13 @@ class TokenizerSource(msgspec.Struct, frozen=True):
 class Failed(msgspec.Struct, frozen=True):
     name: str  # the error's class name (errors_total{type})
     body: dict[str, Any]  # what the client receives
+
+
+class PlanFailed(msgspec.Struct, frozen=True, tag="plan_failed"):
+    """``open``'s second line when the KV wait or the choice of a decoder failed: the error the client gets."""
+
+    status: int
+    failed: Failed
+
+
+PlanLine = Planned | PlanFailed

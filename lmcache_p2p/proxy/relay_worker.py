@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping
 from typing import Any, TypeVar
 
 import httpx
@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from lmcache_p2p.proxy.app import ProxyApp
+from lmcache_p2p.proxy.app import EarlyDecode, ProxyApp
 from lmcache_p2p.proxy.detokenize import OutputText, TextParams
 from lmcache_p2p.proxy.errors import ProxyError, UpstreamConnectError, UpstreamError
 from lmcache_p2p.proxy.flow import context_full, end_of_context, migratable, shape_delta
@@ -49,7 +49,9 @@ from lmcache_p2p.proxy.relay_messages import (
     Hello,
     Open,
     Opened,
+    PlanFailed,
     Planned,
+    PlanLine,
     Step,
     Target,
     TokenizerSource,
@@ -99,6 +101,33 @@ class CoordinatorLink:
             raise _relayed(resp)
         return msgspec.json.decode(resp.content, type=answer)
 
+    async def open(self, msg: Open) -> tuple[Opened, OpenAnswer]:
+        """``open``: its first line (the prefill's first token) now; the rest of the answer (where the decode
+        goes) stays to be read from the returned ``OpenAnswer``, which the caller closes."""
+        request = self._client.build_request("POST", f"{PREFIX}/open", content=msgspec.json.encode(msg))
+        try:
+            resp = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._unanswered("open", exc) from exc
+        if resp.status_code != 200:
+            try:
+                await resp.aread()
+            except httpx.HTTPError as exc:
+                raise self._unanswered("open", exc) from exc
+            finally:
+                await resp.aclose()
+            raise _relayed(resp)
+        answer = OpenAnswer(self, resp)
+        try:
+            return await answer.opened(), answer
+        except BaseException:
+            await answer.aclose()
+            raise
+
+    def _unanswered(self, step: str, exc: Exception) -> ProxyError:
+        return ProxyError(f"relay worker {self.worker}: the coordinator did not answer {step} "
+                          f"({type(exc).__name__}: {exc})", status_code=503)
+
     async def tell(self, step: str, msg: msgspec.Struct) -> None:
         """A report nothing waits on the answer of; a coordinator that does not take it is logged."""
         try:
@@ -110,18 +139,23 @@ class CoordinatorLink:
         if resp.status_code >= 400:
             logger.warning("the coordinator refused %s: %d %s", step, resp.status_code, resp.content[:300])
 
-    def tell_later(self, step: str, msg: msgspec.Struct, after: Collection[asyncio.Task[Any]] = ()
-                   ) -> asyncio.Task[Any]:
-        """Send in a task (never awaits here: safe in a cancelled task); after the tasks ``after``."""
-        task = asyncio.get_running_loop().create_task(self._tell_after(step, msg, after), name=f"relay-{step}")
+    def tell_later(self, step: str, msg: msgspec.Struct | Callable[[], msgspec.Struct],
+                   after: Collection[asyncio.Task[Any]] = (), answer: OpenAnswer | None = None) -> asyncio.Task[Any]:
+        """Send in a task (never awaits here: safe in a cancelled task); after the tasks ``after`` (and
+        after closing ``answer``); ``msg`` may be made when it goes."""
+        task = asyncio.get_running_loop().create_task(self._tell_after(step, msg, after, answer),
+                                                      name=f"relay-{step}")
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task
 
-    async def _tell_after(self, step: str, msg: msgspec.Struct, after: Collection[asyncio.Task[Any]]) -> None:
+    async def _tell_after(self, step: str, msg: msgspec.Struct | Callable[[], msgspec.Struct],
+                          after: Collection[asyncio.Task[Any]], answer: OpenAnswer | None) -> None:
+        if answer is not None:
+            await answer.aclose()
         if after:
             await asyncio.wait(after)
-        await self.tell(step, msg)
+        await self.tell(step, msg if isinstance(msg, msgspec.Struct) else msg())
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
@@ -139,6 +173,50 @@ class CoordinatorLink:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=5.0)
         await self._client.aclose()
+
+
+class OpenAnswer:
+    """The rest of an ``open`` answer (JSON lines): after ``Opened``, where the decode goes."""
+
+    def __init__(self, link: CoordinatorLink, resp: httpx.Response) -> None:
+        self._link = link
+        self._resp = resp
+        self._chunks = resp.aiter_raw()
+        self._buffer = b""
+        self._closed = False
+
+    async def opened(self) -> Opened:
+        return msgspec.json.decode(await self._line("open"), type=Opened)
+
+    async def plan(self) -> Target:
+        """Where the first decode goes (the coordinator sends it once the KV is ready); raises its error."""
+        try:
+            line = msgspec.json.decode(await self._line("the decode's plan"), type=PlanLine)
+        finally:
+            await self.aclose()
+        if isinstance(line, PlanFailed):
+            raise RelayedError(line.failed, line.status)
+        if line.target is None:
+            raise ProxyError("the coordinator named no decoder")
+        return line.target
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._resp.aclose()
+
+    async def _line(self, what: str) -> bytes:
+        while b"\n" not in self._buffer:
+            try:
+                chunk = await self._chunks.__anext__()
+            except StopAsyncIteration:
+                raise ProxyError(f"relay worker {self._link.worker}: the coordinator ended its answer before "
+                                 f"{what} (the request was closed there)", status_code=503) from None
+            except httpx.HTTPError as exc:
+                raise self._link._unanswered(what, exc) from exc
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
 
 
 def _relayed(resp: httpx.Response) -> ProxyError:
@@ -196,6 +274,9 @@ class RemoteFlow:
         self._headers = dict(headers)
         self._received_s = received_s
         self._opened: Opened | None = None
+        self._answer: OpenAnswer | None = None  # the rest of open's answer: where the decode goes
+        self._counts: list[Count] = []  # this answer's requests_total / errors_total: they go with "closed"
+        self._decode_sent_s: float | None = None
         self.prompt_ids: list[int] = []
         self._output_ids: list[int] = []
         self._text: OutputText | None = None
@@ -208,9 +289,12 @@ class RemoteFlow:
 
     async def prefill(self) -> FirstToken:
         link = self._w.link
-        opened = self._opened = await link.call("open", Open(
+        opened, self._answer = await link.open(Open(
             self.handle, link.worker, self.req.endpoint.value, msgspec.Raw(msgspec.json.encode(self.req.body)),
-            self._headers, self._received_s), Opened)
+            self._headers, self._received_s))
+        self._opened = opened
+        if not opened.needs_decode:
+            await self._answer.aclose()
         self.response_id, self.prompt_ids = opened.response_id, opened.prompt_ids
         first = opened.first
         self._output_ids = [] if opened.colocated else [first.token_id]
@@ -230,9 +314,9 @@ class RemoteFlow:
     def needs_decode(self) -> bool:
         return self._open().needs_decode
 
-    def count_sent(self, task: asyncio.Task[Any]) -> None:
-        """A count of this request's answer is on its way: "closed" goes after it."""
-        self._before_close.append(task)
+    def add_count(self, count: Count) -> None:
+        """A count of this request's answer: it goes to the coordinator with "closed"."""
+        self._counts.append(count)
 
     def first_byte_written(self) -> None:
         if self._first_byte_s is None:
@@ -242,9 +326,9 @@ class RemoteFlow:
         return usage(len(self.prompt_ids), len(self._output_ids) or 1)
 
     async def decode(self) -> AsyncIterator[Delta]:
-        target = await self._call("plan", Planned)
-        if target is None:
-            raise ProxyError("the coordinator named no decoder")
+        if self._answer is None:
+            raise RuntimeError("prefill() first")
+        target = await self._answer.plan()  # the coordinator sends it once the KV is ready: no call from here
         if self.decoder_regenerates_first:
             self._output_ids = []
         while True:
@@ -270,16 +354,19 @@ class RemoteFlow:
         if self._closed:
             return
         self._closed = True
+        if self._answer is not None:
+            await self._answer.aclose()
         if self._before_close:
-            await asyncio.wait(self._before_close)  # the coordinator learns the steps (and counts) in order
-        await self._w.link.tell("closed", self._step())
+            await asyncio.wait(self._before_close)  # the coordinator learns the steps in order
+        await self._w.link.tell("closed", self._closed_step())
 
     def close(self) -> None:
         """Tell the coordinator the request is over (in a task: never awaits); idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._closing = self._w.link.tell_later("closed", self._step(), after=self._before_close)
+        self._closing = self._w.link.tell_later("closed", self._closed_step, after=self._before_close,
+                                                answer=self._answer)
 
     async def closing(self) -> None:
         """Until the coordinator has closed the request (after ``close``)."""
@@ -296,6 +383,9 @@ class RemoteFlow:
     def _step(self, **fields: Any) -> Step:
         return Step(self.handle, list(self._output_ids), self._finished, first_byte_s=self._first_byte_s, **fields)
 
+    def _closed_step(self) -> Step:
+        return self._step(counts=list(self._counts))
+
     async def _call(self, step: str, answer: type[Planned], **fields: Any) -> Target | None:
         if self._started is not None:
             await asyncio.wait({self._started})  # the coordinator learns the steps in order
@@ -307,6 +397,8 @@ class RemoteFlow:
         async with contextlib.AsyncExitStack() as stack:
             while True:
                 try:
+                    if self._decode_sent_s is None:
+                        self._decode_sent_s = time.perf_counter()
                     events = await stack.enter_async_context(self._w.upstream.stream_events(
                         target.url, Endpoint.COMPLETIONS.value, target.body,
                         idle_timeout_s=self._open().decode_idle_timeout_s, headers=self._headers))
@@ -318,7 +410,8 @@ class RemoteFlow:
                     target = moved
             async for event in events:
                 if self._started is None:
-                    self._started = self._w.link.tell_later("started", self._step())
+                    self._started = self._w.link.tell_later("started", self._step(
+                        decode_sent_s=self._decode_sent_s, first_decoded_s=time.perf_counter()))
                     self._before_close.append(self._started)
                 raw = decode_delta(event)
                 if raw is None:
@@ -369,8 +462,8 @@ class WorkerApp(ProxyApp):
             await flow.closing()
         return response
 
-    async def _stream(self, flow: Any, renderer: Renderer) -> AsyncIterator[bytes]:
-        async for chunk in super()._stream(flow, renderer):
+    async def _stream(self, flow: Any, renderer: Renderer, decode: EarlyDecode | None) -> AsyncIterator[bytes]:
+        async for chunk in super()._stream(flow, renderer, decode):
             if chunk is SSE_DONE:
                 await flow.end()
             yield chunk
@@ -382,10 +475,11 @@ class WorkerApp(ProxyApp):
         self._tell_count(Count(endpoint.value, error=name))
 
     def _tell_count(self, count: Count) -> None:
-        task = self.link.tell_later("count", count)
         flow = _current.get()
         if flow is not None:
-            flow.count_sent(task)
+            flow.add_count(count)  # with its "closed"
+        else:
+            self.link.tell_later("count", count)
 
 
 # ---- the process -------------------------------------------------------------------------------------

@@ -22,6 +22,11 @@ TP rank, after its last chunk was written). The phases, in seconds:
                 within it: pickup (-> the sender's thread took the chunks), grant (its first Alloc -> the
                 receiver's Grant) and write (first write posted -> last write seen complete)
 
+With ``--workers N`` the first byte, decode sent and first decoded byte are the relay worker's own
+stamps (same machine, same monotonic clock), reported to the coordinator with ``started`` / ``closed``.
+The decode starts when the prefill answered, not after the first byte: first_byte and kv_wait +
+decode_start overlap.
+
 A phase whose stamps are missing (no decode followed, the KV failed, a non-streaming client has no
 first byte) is left out of that request's figures. With several TP ranks the prefiller phases are
 the slowest rank's.

@@ -163,6 +163,28 @@ async def test_a_killed_worker_is_restarted_and_its_requests_are_closed():
         assert_idle(c)
 
 
+async def test_a_worker_killed_while_its_requests_wait_for_their_kv_has_them_closed_and_their_kv_wait_stopped():
+    async with make_cluster(workers=2, kv_timeout_s=60.0) as c:
+        c.decoders[0].agent.kv_mode = "silent"  # the KV never comes: the coordinator plans on, for a minute
+        pool = c.proxy.workers
+        before = dict(pool.pids)
+        streams = [asyncio.ensure_future(_stream_until_cut(str(c.client.base_url))) for _ in range(4)]
+        await eventually(lambda: len(c.proxy.coordinator) == 4 and len(c.proxy.waiters) == 4)
+        victim = max(before, key=c.proxy.coordinator.open_on)
+        held = c.proxy.coordinator.open_on(victim)
+        os.kill(before[victim], signal.SIGKILL)
+        await eventually(lambda: pool.pids.get(victim) not in (None, before[victim]), timeout_s=60)
+        assert c.proxy.coordinator.open_on(victim) == 0
+        assert len(c.proxy.waiters) == 4 - held  # the dead worker's KV waits stopped with their requests
+        c.decoders[0].agent.kv_mode = "ready"
+        for stream in streams:
+            if not stream.done():
+                stream.cancel()  # the others' clients leave: their workers close them
+        await asyncio.gather(*streams, return_exceptions=True)
+        await eventually(lambda: len(c.proxy.coordinator) == 0)
+        assert_idle(c)
+
+
 async def _stream_until_cut(url: str) -> int:
     """A long stream on its own connection; 1 when it broke (the worker serving it died), 0 when it ended."""
     try:
