@@ -193,6 +193,31 @@ def proxy_relay_table(rows: Sequence[Mapping[str, Any]]) -> str:
                      "coordinator CPU (cores)", "token gap p99 ms", "failed"], lines)
 
 
+def proxy_handover_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Per (variant, workers, streams): each rep's p50 / p99, averaged over the reps (as the bench's summary)."""
+    groups: dict[tuple[str, int, int], list[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["variant"], r.get("workers") or 1, r["streams"]), []).append(r)
+
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    def avg(rs: Sequence[Mapping[str, Any]], key: str, field: str) -> float | None:
+        return mean([v for r in rs if (v := (r.get(key) or {}).get(field)) is not None])
+
+    def phase(rs: Sequence[Mapping[str, Any]], name: str) -> float | None:
+        return mean([v for r in rs if (v := ((r.get("proxy_timeline_ms") or {}).get(name) or {}).get("p50")) is not None])
+
+    lines = [[variant, str(workers), str(streams), str(len(rs)),
+              f"{cell(avg(rs, 'proxy_handover_ms', 'p50'))} / {cell(avg(rs, 'proxy_handover_ms', 'p99'))}",
+              cell(avg(rs, "answer_to_decode_ms", "p50")), cell(phase(rs, "first_byte")),
+              cell(phase(rs, "decode_start")), str(sum(r.get("failed") or 0 for r in rs))]
+             for (variant, workers, streams), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0]))]
+    return markdown(["variant", "workers", "streams", "reps", "proxy handover p50 / p99 ms",
+                     "prefill answer -> decode request at the decoder p50 ms", "first_byte p50 ms",
+                     "decode_start p50 ms", "failed"], lines)
+
+
 def faults_table(rows: Sequence[Mapping[str, Any]]) -> str:
     cols = ["scenario", "requests", "succeeded", "clean_errors", "unclean_errors", "hung", "leaked_slots",
             "held_slots_after_settle", "wrong_outputs", "recovered"]
@@ -207,6 +232,7 @@ TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
     "faults": faults_table,
     "multiturn_cpu": multiturn_table,
     "proxy_relay": proxy_relay_table,
+    "proxy_handover": proxy_handover_table,
 }
 
 
