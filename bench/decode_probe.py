@@ -265,7 +265,8 @@ def main() -> None:
                     row.update(round=rnd, variant=name, env=env, concurrency=c, load_1m_before_start=load_before_start)
                     result["runs"].append(row)
                     print(f"r{rnd} {name:10s} c{c}: ttft {row['ttft_ms_p50']:.2f} decode_first "
-                          f"{row['timeline_p50_ms'].get('decode_first')} vllm {row['decoder_vllm_mean_ms']} "
+                          f"{row['timeline_p50_ms'].get('decode_first')} kv_wait {row['timeline_p50_ms'].get('kv_wait')} transfer "
+                          f"{row['timeline_p50_ms'].get('transfer')} vllm {row['decoder_vllm_mean_ms']} "
                           f"retrieve {row['retrieve_ms']} load {row['load_1m_before']:.2f}\n    cpu/req "
                           f"{list(row['decoder_cpu_ms_per_request'].items())[:8]}", flush=True)
                     args.out.write_text(json.dumps(result, indent=1))
