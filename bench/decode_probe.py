@@ -87,9 +87,13 @@ class Pair:
                 "--log-dir", str(log_dir), "--no-prefix-caching",
                 *[f"--vllm-arg={a}" for a in ("--max-num-seqs", "256", "--max-num-batched-tokens", "16384",
                                               "--dtype", "bfloat16")], *extra_args]
+        # The code a variant runs is the one on its PYTHONPATH (default: this checkout). The launcher
+        # and vLLM run with ``python -m``, which puts the working directory first on sys.path: run
+        # them in the log folder, or every variant would import the checkout it was started from.
+        env = {**os.environ, "PYTHONPATH": str(REPO), **env}
         with open(log_dir / "launch.log", "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env={**os.environ, **env})
+                                         start_new_session=True, env=env, cwd=log_dir)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
