@@ -59,8 +59,8 @@ _SPIN_AFTER_ACTIVITY_S = 1.0  # poll fast this long after a grant or a landed wr
 # Between those fast polls the thread sleeps this long instead of yielding: it runs in the decoder's
 # engine worker process, on the core of its forward passes, and a yield-spin (poll(0) + sleep(0))
 # took a CPU share from every decode step while another request's KV was on the wire (py-spy at
-# concurrency 4: a fifth of the worker's samples). 0.2 ms left transfers as fast (UCX tcp progresses
-# on each poll) and cut decode_first (bench/results/ttft_ab/README.md, "Decoder side").
+# concurrency 4: a fifth of the worker's samples). With 0.2 ms transfers were not slower (UCX tcp
+# progresses on each poll): bench/results/ttft_ab/README.md, "Decoder side".
 _EXPECTING_POLL_S = 0.0002
 _IDLE_CHECK_EVERY_S = 1.0
 
