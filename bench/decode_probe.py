@@ -223,6 +223,7 @@ def measure(pair: Pair, model: str, prompts: list[str], concurrency: int, spy: P
         "load_1m_before": load, "wall_s": round(wall, 3),
         "ttft_ms_p50": statistics.median(r["ttft_ms"] for r in records),
         "timeline_p50_ms": timeline,
+        "timeline_ms": {k: v for k, v in (stats.get("timeline_ms") or {}).items() if isinstance(v, dict)},
         "decoder_vllm_mean_ms": metric_means_ms(before, after),
         "retrieve_ms": {"n": len(retrieved), "p50": statistics.median(retrieved) if retrieved else None,
                         "mean": round(statistics.fmean(retrieved), 3) if retrieved else None},

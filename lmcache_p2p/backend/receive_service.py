@@ -55,13 +55,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 5
 _EXPIRE_EVERY_S = 0.05
-_SPIN_AFTER_ACTIVITY_S = 1.0  # poll fast this long after a grant or a landed write, not for a dead sender
-# Between those fast polls the thread sleeps this long instead of yielding: it runs in the decoder's
-# engine worker process, on the core of its forward passes, and a yield-spin (poll(0) + sleep(0))
-# took a CPU share from every decode step while another request's KV was on the wire (py-spy at
-# concurrency 4: a fifth of the worker's samples). With 0.2 ms transfers were not slower (UCX tcp
-# progresses on each poll): bench/results/ttft_ab/README.md, "Decoder side".
-_EXPECTING_POLL_S = 0.0002
+_SPIN_AFTER_ACTIVITY_S = 1.0  # spin-poll this long after a grant or a landed write, not for a dead sender
 _IDLE_CHECK_EVERY_S = 1.0
 
 
@@ -277,13 +271,13 @@ class ReceiveService:
         next_expire = next_idle_check = 0.0
         try:
             while not self._stop.is_set():
-                # While granted slots await their bytes, poll every _EXPECTING_POLL_S: with NIXL's
-                # progress thread off, UCX tcp moves a receiver's bytes only while it polls notifications.
+                # While granted slots await their bytes, poll without sleeping: with NIXL's progress
+                # thread off, UCX tcp moves a receiver's bytes only while it polls notifications.
                 expecting = (self._pool.reserved_slots > 0
                              and time.monotonic() - self._last_activity < _SPIN_AFTER_ACTIVITY_S)
                 events = dict(poller.poll(0 if expecting else _POLL_MS))
                 if expecting and not events:
-                    time.sleep(_EXPECTING_POLL_S)
+                    time.sleep(0)
                 if self._sock in events:
                     self._drain_socket()
                 self._drain_notifications()

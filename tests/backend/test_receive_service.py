@@ -626,34 +626,3 @@ def test_cancel_after_kv_ready_of_a_request_made_only_of_held_chunks_drops_its_p
     assert rig.pool.pins(slot) == ["repeat"] and rig.service.free_slots == 0
     assert isinstance(a.cancel("repeat"), protocol.Ack)
     assert rig.pool.pins(slot) == [] and rig.service.free_slots == 1
-
-
-# ---- the service thread shares the decoder's engine core: it must not spin ---------------------
-
-
-class CountingTransport(FakeTransport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.polls = 0
-
-    def get_notifications(self) -> list[Notification]:
-        self.polls += 1
-        return super().get_notifications()
-
-
-def test_awaiting_bytes_polls_the_transport_without_spinning(make_rig) -> None:
-    """While a grant awaits its bytes the thread polls the transport often (UCX tcp moves bytes
-    only then) but sleeps between polls: it runs on the decoder engine's core, and a yield-spin
-    took CPU from every decode step. At most one poll per _EXPECTING_POLL_S (0.2 ms)."""
-    rig = make_rig(num_slots=2)
-    rig.transport = CountingTransport()
-    rig.service._transport = rig.transport
-    a = rig.sender("sender-a", "tx-a")
-    (slot,) = rig.granted(a, "req-a", ["k1"])
-    assert rig.pool.reserved_slots == 1
-    before = rig.transport.polls
-    time.sleep(0.3)
-    polls = rig.transport.polls - before
-    assert 100 < polls <= 0.3 / 0.0002, polls  # fast polling, but not a spin (tens of thousands)
-    rig.transport.land("tx-a", "sender-a", "req-a", [slot])
-    assert eventually(lambda: rig.service.count_ready(["k1"]) == 1)
