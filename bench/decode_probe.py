@@ -15,7 +15,11 @@ load reads:
 
 Variants are run round-robin (``--rounds``: A B A B ...) in one sitting so drift hits each alike;
 every start and load holds ``/tmp/lmcache_p2p_vllm.lock`` (take it outside: ``flock ... python
-bench/decode_probe.py``). ``--spy`` records the decoder's processes with py-spy during the last load.
+bench/decode_probe.py``). ``--spy`` records the decoder's processes with py-spy (``$PY_SPY``, default
+``py-spy`` on PATH) during the last load. A variant runs the code on its ``PYTHONPATH`` (default:
+this checkout); to compare commits, extract each (``git archive REV lmcache_p2p configs | tar -x -C
+DIR``) and give ``--variant NAME=PYTHONPATH=DIR``. Writes ``--out`` JSON (per load: the rows printed,
+the proxy timeline, per-request decode_first, per-thread CPU ms per request, output token ids).
 
     flock /tmp/lmcache_p2p_vllm.lock timeout 1800 .venv/bin/python bench/decode_probe.py \\
         --model runs/anchor/tiny-llama --workload runs/anchor/workload.json \\
@@ -45,6 +49,7 @@ DECODER_URL = "http://127.0.0.1:7200"
 STARTUP_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 60
 REQUEST_TIMEOUT_S = 60
+PY_SPY = os.environ.get("PY_SPY", "py-spy")  # --spy: py-spy is not a dependency; install it in a scratch venv
 RETRIEVED_RE = re.compile(r"Retrieved (\d+) out of (\d+) required tokens .*?cost ([0-9.]+) ms")
 METRICS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
            "vllm:request_prefill_time_seconds", "vllm:e2e_request_latency_seconds")
@@ -196,7 +201,7 @@ def measure(pair: Pair, model: str, prompts: list[str], concurrency: int, spy: P
     spies = []
     if spy is not None:
         for pid in pids:
-            spies.append(subprocess.Popen(["/tmp/pyspy/bin/py-spy", "record", "-r", "250", "--nonblocking", "-f", "raw",
+            spies.append(subprocess.Popen([PY_SPY, "record", "-r", "250", "--nonblocking", "-f", "raw",
                                            "-p", str(pid), "-o", f"{spy}_{pid}.txt", "-d", "60"],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(1.0)
@@ -269,9 +274,10 @@ def main() -> None:
                     row = measure(pair, model, prompts, c, spy)
                     row.update(round=rnd, variant=name, env=env, concurrency=c, load_1m_before_start=load_before_start)
                     result["runs"].append(row)
+                    tl = row["timeline_p50_ms"]
                     print(f"r{rnd} {name:10s} c{c}: ttft {row['ttft_ms_p50']:.2f} decode_first "
-                          f"{row['timeline_p50_ms'].get('decode_first')} kv_wait {row['timeline_p50_ms'].get('kv_wait')} transfer "
-                          f"{row['timeline_p50_ms'].get('transfer')} vllm {row['decoder_vllm_mean_ms']} "
+                          f"{tl.get('decode_first')} kv_wait {tl.get('kv_wait')} transfer "
+                          f"{tl.get('transfer')} vllm {row['decoder_vllm_mean_ms']} "
                           f"retrieve {row['retrieve_ms']} load {row['load_1m_before']:.2f}\n    cpu/req "
                           f"{list(row['decoder_cpu_ms_per_request'].items())[:8]}", flush=True)
                     args.out.write_text(json.dumps(result, indent=1))
