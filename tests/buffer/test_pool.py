@@ -46,6 +46,38 @@ def test_lifecycle_and_expiry():
     pool.check_invariants()
 
 
+class CountingList(list):
+    """A list that counts element reads (how many slots an operation looked at)."""
+
+    reads = 0
+
+    def __getitem__(self, index):
+        CountingList.reads += 1
+        return super().__getitem__(index)
+
+
+def test_expire_looks_only_at_slots_in_use():
+    """The receiver expires leases every 50 ms on the decoder's engine process: with a few slots
+    in use, expire must not walk the whole pool (8192 slots took ~5 ms, holding the GIL and the
+    pool lock against the engine's lookups and loads); it must still expire what is due."""
+    clock = Clock()
+    pool = SlotPool(100_000, clock=clock, write_window_s=1.0, cache=True)
+    a = pool.reserve("a", 2, lease_s=5)
+    b = pool.reserve("b", 1, lease_s=50, keys=["k"])
+    pool.mark_ready("b", b, lease_s=50)
+    pool.acquire(b[0], "b")
+    pool.release(b)  # loaded: CACHED
+    pool.pin("k", "h", lease_s=5)
+    pool._state = CountingList(pool._state)
+    CountingList.reads = 0
+    clock.now = 10
+    assert pool.expire() == {"a": a}
+    assert CountingList.reads < 100
+    assert pool.pins(b[0]) == []
+    assert all(pool.state(s) is SlotState.FREE for s in a)  # their write window (1 s) had passed
+    pool.check_invariants()
+
+
 def test_stale_ready_marks_are_reported():
     pool = SlotPool(1)  # no write window: a given-up slot is FREE at once
     (s,) = pool.reserve("a", 1, lease_s=5)

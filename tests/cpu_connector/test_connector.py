@@ -211,6 +211,20 @@ def test_rejects_slots_outside_the_cache():
         connector.from_gpu(obj, 0, 64, kvcaches=case.caches, slot_mapping=bad_slots)
 
 
+@pytest.mark.parametrize("bad_slot", [NUM_BLOCKS * 32, -1])
+def test_load_rejects_slots_outside_the_cache_and_writes_nothing(bad_slot):
+    """vLLM's writer (the load path) does not check slots: the connector must, before any write."""
+    case = make_case(torch.bfloat16, 32, 32, 64)
+    connector = make_connector(case)
+    objs, starts, ends = store_chunks(connector, case)
+    bad_slots = case.slot_mapping.clone()
+    bad_slots[5] = bad_slot
+    target = case.empty_caches()
+    with pytest.raises(ValueError, match="outside"):
+        connector.batched_to_gpu(objs, starts, ends, kvcaches=target, slot_mapping=bad_slots)
+    assert all(not t.any() for t in target)
+
+
 def test_rejects_a_cache_that_is_not_vllm_cpu_shaped():
     connector = CPUPagedKVConnector(
         num_layers=NUM_LAYERS, num_kv_heads=NUM_KV_HEADS, head_size=32, dtype=torch.bfloat16
