@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -52,10 +51,10 @@ from proxy_relay import (  # noqa: E402  (bench/ is not a package)
     _pct,
     _pyspy,
     _wait_routable,
-    baseline_tree,
     fixed_model,
     metadata,
-    tokenizer_folder,
+    variant_trees,
+    write_result,
 )
 
 from proxy.fakes import FakeAgent, KvNetwork  # noqa: E402  (tests/ is on the path: proxy_relay put it there)
@@ -329,22 +328,13 @@ async def main() -> None:
     load_before = os.getloadavg()[0]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="proxy_handover_") as tmp:
-        tmp_path = Path(tmp)
-        (tmp_path / "tok").mkdir()
-        (tmp_path / "base").mkdir()
-        tok = tokenizer_folder(tmp_path / "tok")
-        paths = {"current": str(REPO)}
-        if "baseline" in args.variants:
-            paths["baseline"] = baseline_tree(args.baseline_ref, tmp_path / "base")
+        tok, paths = variant_trees(Path(tmp), args.variants, args.baseline_ref)
         print("  ".join(f"{c:>10}" for c in _HEAD), flush=True)
         for rep in range(args.reps):  # interleaved: the machine's load drifts
             for workers in args.workers:
                 for name in args.variants.split(","):
                     rows += await run_variant(name, rep, paths[name], tok, args, workers)
-    result = {"meta": metadata(args, load_before), "rows": rows, "summary": summarize(rows)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["summary"], indent=1))
+    write_result(args.out, {"meta": metadata(args, load_before), "rows": rows, "summary": summarize(rows)})
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -396,6 +397,26 @@ def baseline_tree(ref: str, into: Path) -> str:
     return str(into)
 
 
+def variant_trees(tmp_path: Path, variants: str, baseline_ref: str,
+                  current: Sequence[str] = ("current",)) -> tuple[str, dict[str, str]]:
+    """The tokenizer folder and each variant's PYTHONPATH: this checkout for ``current`` names, and
+    ``baseline_ref`` extracted under ``tmp_path`` when ``variants`` lists the baseline."""
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "base").mkdir()
+    tok = tokenizer_folder(tmp_path / "tok")
+    paths = {name: str(REPO) for name in current}
+    if "baseline" in variants:
+        paths["baseline"] = baseline_tree(baseline_ref, tmp_path / "base")
+    return tok, paths
+
+
+def write_result(out: str, result: dict[str, Any]) -> None:
+    """Write a bench's ``{"meta", "rows", "summary"}`` to ``out`` and print its summary."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["summary"], indent=1))
+
+
 def tokenizer_folder(into: Path) -> str:
     """The tiny model's byte-level BPE tokenizer (what the proxy detokenizes with)."""
     from lmcache_p2p.cli.tiny_model import _train_tokenizer
@@ -441,22 +462,13 @@ async def main() -> None:
     load_before = os.getloadavg()[0]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="proxy_relay_") as tmp:
-        tmp_path = Path(tmp)
-        (tmp_path / "tok").mkdir()
-        (tmp_path / "base").mkdir()
-        tok = tokenizer_folder(tmp_path / "tok")
-        paths = {"current": str(REPO), "current-asyncio": str(REPO)}
-        if "baseline" in args.variants:
-            paths["baseline"] = baseline_tree(args.baseline_ref, tmp_path / "base")
+        tok, paths = variant_trees(Path(tmp), args.variants, args.baseline_ref, ("current", "current-asyncio"))
         print("  ".join(f"{c:>14}" for c in _COLS), flush=True)
         for rep in range(args.reps):  # variants interleaved: the machine's load drifts
             for name in args.variants.split(","):
                 for workers in ([1] if name == "baseline" else args.workers):
                     rows += await run_variant(name, rep, paths[name], tok, args, workers)
-    result = {"meta": metadata(args, load_before), "rows": rows, "summary": _summary(rows)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["summary"], indent=1))
+    write_result(args.out, {"meta": metadata(args, load_before), "rows": rows, "summary": _summary(rows)})
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
