@@ -148,12 +148,7 @@ def store_stream_of(storage_backend: Any) -> Any:
 
 
 def _page_bytes(shapes: list[Any], dtypes: list[Any]) -> int:
+    """One full chunk's bytes (what LMCache's paged allocator calls align_bytes)."""
     import torch
 
-    total = 0
-    for shape, dtype in zip(shapes, dtypes):
-        n = 1
-        for dim in shape:
-            n *= int(dim)
-        total += n * torch.empty(0, dtype=dtype).element_size()
-    return total
+    return sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in zip(shapes, dtypes))

@@ -54,7 +54,7 @@ class SenderBackend(P2PPlugin):
         self._warned_no_spec = False
         self._arena: SendArena | None = None
         self._unlend: Callable[[], None] | None = None
-        self._store_stream: Any = None
+        self._store_stream: Any = None  # LMCache's store stream, once looked up (False: none found)
         try:
             gpu = worker_gpu(dst_device)
             self._transport = build_transport(self.cfg, f"p2p-send-{self._tp_rank}-{id(self):x}", self._tp_rank, gpu)
@@ -92,16 +92,16 @@ class SenderBackend(P2PPlugin):
         self._transport.register(self._arena.buffer)
         self._unlend = lend(self.local_cpu_backend, self._arena)
 
-    def _wait_for_store(self) -> None:
+    def _wait_for_store(self, device: str) -> None:
         """VRAM chunks: LMCache's connector gathered them on its store stream without waiting."""
-        if self._store_stream is None:
-            self._store_stream = store_stream_of(self)
-        if self._store_stream is not None:
+        if self._store_stream is None:  # looked up once: the engine exists by the first store
+            self._store_stream = store_stream_of(self) or False
+        if self._store_stream:
             self._store_stream.synchronize()
         else:
             import torch
 
-            torch.cuda.synchronize(self._arena.device if self._arena else None)
+            torch.cuda.synchronize(device)
 
     def close(self) -> None:
         unlend, self._unlend = self._unlend, None
@@ -129,7 +129,7 @@ class SenderBackend(P2PPlugin):
             logger.error("request %s: bad transfer_spec, KV not sent: %s", getattr(transfer_spec, "req_id", "?"), exc)
             return None
         if self._arena is not None and any(obj.tensor.is_cuda for obj in objs):
-            self._wait_for_store()
+            self._wait_for_store(self._arena.device)
         chunks = []
         for key, obj in zip(keys, objs):
             obj.ref_count_up()
