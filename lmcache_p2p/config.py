@@ -118,6 +118,9 @@ def _device(key: str, value: Any) -> str:
     raise ConfigError(key, f"must be one of cpu, cuda, cuda:N; got {value!r}")
 
 
+_IDLE_POLL_MAX_S = 0.05  # the sender's idle poll; a write poll slower than it makes no sense
+
+
 @dataclasses.dataclass(frozen=True)
 class P2PConfig:
     """All lmcache_p2p settings; see the module docstring for where they live."""
@@ -153,6 +156,11 @@ class P2PConfig:
     # Sender: how long a failed write's chunks stay referenced until the transport confirms that
     # nothing reads them any more; past it they are never handed back to LMCache (logged leak).
     settle_timeout_s: float = 60.0
+    # Sender: how often the service thread checks its writes in flight for completion. Unset: 0.1 ms
+    # when chunks are in VRAM (buffer_device cuda: a 128 MiB peer copy takes ~0.4 ms, so a 1 ms poll
+    # would more than double it), 1 ms with host chunks (the thread shares the engine's core and GIL
+    # on vLLM-CPU, where a finer poll slows the prefill; see send_service._step).
+    write_poll_interval_s: float | None = None
     # A granted slot given up before its bytes landed stays quarantined for transfer_timeout_s plus
     # this margin after its grant (a late write may still land in it); the reserve lease must be longer.
     quarantine_margin_s: float = 5.0
@@ -167,6 +175,10 @@ class P2PConfig:
 
     def __post_init__(self) -> None:
         self.check_exposure()
+        if self.write_poll_interval_s is not None and self.write_poll_interval_s > _IDLE_POLL_MAX_S:
+            raise ConfigError(f"{SECTION}.write_poll_interval_s",
+                              f"is {self.write_poll_interval_s:g}s; at most {_IDLE_POLL_MAX_S:g}s (a write's "
+                              "completion is seen no sooner than this after it lands)")
         if self.reserve_lease_s <= self.write_window_s:
             raise ConfigError(
                 f"{SECTION}.reserve_lease_s",
@@ -175,6 +187,13 @@ class P2PConfig:
                 "a granted slot's lease must outlive every write that may still land in it; raise "
                 f"{SECTION}.reserve_lease_s or lower {SECTION}.transfer_timeout_s",
             )
+
+    @property
+    def write_poll_s(self) -> float:
+        """``write_poll_interval_s``, or its default for ``buffer_device``."""
+        if self.write_poll_interval_s is not None:
+            return self.write_poll_interval_s
+        return 0.0001 if self.buffer_device.startswith("cuda") else 0.001
 
     @property
     def write_window_s(self) -> float:

@@ -182,3 +182,14 @@ def test_buffer_cache_is_on_by_default_and_must_be_a_boolean():
     assert P2PConfig.from_mapping({"role": "receiver", "buffer_cache": False}).buffer_cache is False
     with pytest.raises(ConfigError, match=r"^p2p\.buffer_cache: must be true or false, got 'no'"):
         P2PConfig.from_mapping({"role": "receiver", "buffer_cache": "no"})
+
+
+def test_write_poll_interval_defaults_by_where_chunks_live_and_is_bounded() -> None:
+    assert P2PConfig.from_mapping({"role": "sender"}).write_poll_s == 0.001
+    assert P2PConfig.from_mapping({"role": "sender", "buffer_device": "cuda"}).write_poll_s == 0.0001
+    assert P2PConfig.from_mapping({"role": "sender", "buffer_device": "cuda",
+                                   "write_poll_interval_s": 0.002}).write_poll_s == 0.002
+    with pytest.raises(ConfigError, match=r"p2p\.write_poll_interval_s.*at most 0\.05s"):
+        P2PConfig.from_mapping({"role": "sender", "write_poll_interval_s": 1})
+    with pytest.raises(ConfigError, match=r"p2p\.write_poll_interval_s"):
+        P2PConfig.from_mapping({"role": "sender", "write_poll_interval_s": 0})

@@ -52,11 +52,13 @@ from lmcache_p2p.transport import Transport, WriteHandle
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 50
-# While writes are in flight the thread polls them every millisecond, sleeping in between (never
-# spinning): it runs in the engine's process, on the engine's core and under its GIL, and a spin
-# there slowed the prefill's sampling and answer right after the store (issue 9: store -> answer
-# p90 19 -> 11 ms on 2 CPU cores) while the transfer itself took no longer (p50 1.5 ms both ways).
-_BUSY_POLL_MS = 1
+# While writes are in flight the thread polls them every p2p.write_poll_interval_s, sleeping in
+# between (never spinning): it runs in the engine's process, on the engine's core and under its GIL,
+# and a spin there slowed the prefill's sampling and answer right after the store (issue 9: store ->
+# answer p90 19 -> 11 ms on 2 CPU cores) while the transfer itself took no longer (p50 1.5 ms both
+# ways). With chunks in VRAM the default is 0.1 ms: a 2-GPU peer copy of 128 MiB takes ~0.45 ms, and a
+# 1 ms poll saw it complete 1.35 ms after posting (p50, 2x H200).
+_RETRY_POLL_MS = 1  # while only refused Allocs wait for their retry
 _RETRY_FIRST_S = 0.002
 _RETRY_MAX_S = 0.05
 _CONNECT_GRACE_S = 1.0  # past the transport's own connect timeout, before a pairing is given up
@@ -181,6 +183,7 @@ class SendService:
     def __init__(self, cfg: P2PConfig, *, tp_rank: int, tp_size: int, transport: Transport,
                  fingerprint: protocol.Fingerprint | None = None) -> None:
         self._cfg = cfg
+        self._write_poll_s = cfg.write_poll_s
         self._fingerprint = fingerprint  # what our KV means; receivers refuse a mismatch at Hello
         self._tp_rank = tp_rank
         self._tp_size = tp_size
@@ -289,9 +292,7 @@ class SendService:
             self._shutdown()
 
     def _step(self) -> None:
-        # Unsettled writes (a failure path) are checked at the idle pace: no spinning for them.
-        busy = any(r.writes or r.retry_at is not None for r in self._requests.values())
-        events = dict(self._poller.poll(_BUSY_POLL_MS if busy else _IDLE_POLL_MS))
+        events = self._wait()
         if self._wake_r in events:
             self._drain_wake()
         self._take_connected()
@@ -304,6 +305,21 @@ class SendService:
         self._check_deadlines()
         if self._announcer.heartbeat_due():
             self._announcer.heartbeat(self._announce())
+
+    def _wait(self) -> dict[Any, int]:
+        """Sockets with input, waiting at most until the next check of writes in flight or retries.
+        Unsettled writes (a failure path) are checked at the idle pace: no spinning for them."""
+        writing = any(r.writes for r in self._requests.values())
+        if writing and self._write_poll_s < 0.001:  # zmq's poll counts whole milliseconds
+            events = dict(self._poller.poll(0))
+            if not events:
+                time.sleep(self._write_poll_s)
+                events = dict(self._poller.poll(0))
+            return events
+        if writing:
+            return dict(self._poller.poll(self._write_poll_s * 1000))
+        retrying = any(r.retry_at is not None for r in self._requests.values())
+        return dict(self._poller.poll(_RETRY_POLL_MS if retrying else _IDLE_POLL_MS))
 
     def _guarded(self, req_id: str, peer: str, what: str, step: Callable[[], None]) -> None:
         """Run one request's step; an unexpected error fails that request only."""
