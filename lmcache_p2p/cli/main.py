@@ -43,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.vllm_arg = [*args.vllm_arg, *passthrough]
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore"):  # a line per prefill request or health probe: plumbing, not news
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(args.log_level)))
     return int(args.func(args) or 0)
 
 
