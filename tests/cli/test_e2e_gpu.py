@@ -179,6 +179,8 @@ def test_transfer_fields_and_ratio_to_the_ceiling(e2e_gpu) -> None:
     got = e2e_gpu.transfer_vs_ceiling(row, ceilings)  # the last ceiling measured for the same bytes
     assert got == {"kv_transfer_ceiling_ms": 0.4, "kv_transfer_vs_ceiling_p50": 0.2, "kv_transfer_vs_ceiling_p99": 0.1,
                    "kv_transfer_vs_host_path_p50": 0.5}
+    row["kv_write_ms_p50"] = 0.5
+    assert e2e_gpu.transfer_vs_ceiling(row, ceilings)["kv_write_vs_ceiling_p50"] == 0.8
     assert e2e_gpu.transfer_vs_ceiling({"kv_transfer_ms_p50": None}, ceilings) == {}
     assert e2e_gpu.transfer_vs_ceiling(row, []) == {}
 
