@@ -111,16 +111,25 @@ class Fingerprint(msgspec.Struct, frozen=True):
     tp_size: int
     tp_rank: int
     kv_format: str  # LMCache's KV layout, e.g. "KV_2LTD" (MLA models differ)
+    # Which weights (lmcache_p2p.weights_id): two fine-tunes served under the same path differ here.
+    # "" = unknown (an older peer, an unreadable model): not compared.
+    weights: str = ""
+
+    def differing_fields(self, other: Fingerprint, *, ignore: tuple[str, ...] = ()) -> list[str]:
+        """The names of the fields that differ (empty: compatible); an unknown ``weights`` matches any."""
+        out = []
+        for name in self.__struct_fields__:
+            if name in ignore or (name == "weights" and not (self.weights and other.weights)):
+                continue
+            if getattr(self, name) != getattr(other, name):
+                out.append(name)
+        return out
 
     def differences(self, other: Fingerprint, *, ignore: tuple[str, ...] = ()) -> list[str]:
         """``field: ours != theirs`` for every field that differs (empty: compatible)."""
         out = []
-        for name in self.__struct_fields__:
-            if name in ignore:
-                continue
-            ours, theirs = getattr(self, name), getattr(other, name)
-            if ours != theirs:
-                out.append(f"{name}: {ours!r} != {theirs!r}")
+        for name in self.differing_fields(other, ignore=ignore):
+            out.append(f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}")
         return out
 
 

@@ -9,6 +9,7 @@ from lmcache_p2p.config import P2PConfig, Role, check_lmcache_settings
 from lmcache_p2p.protocol import Fingerprint
 from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.transport import Transport, create_transport
+from lmcache_p2p.weights_id import weights_identity
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,10 @@ def fingerprint_of(metadata: Any) -> Fingerprint | None:
         return None
     layers, _, chunk_tokens, kv_heads, head_size = (int(x) for x in metadata.kv_shape)
     rank, size = tp_rank_of(metadata)
+    model = str(getattr(metadata, "model_name", "") or "")
     return Fingerprint(
-        model=str(getattr(metadata, "model_name", "") or ""), num_layers=layers, kv_heads=kv_heads,
+        model=model, num_layers=layers, kv_heads=kv_heads,
         head_size=head_size, dtype=dtype_name(metadata.kv_dtype), chunk_tokens=chunk_tokens, tp_size=size,
         tp_rank=rank, kv_format="KV_MLA_FMT" if getattr(metadata, "use_mla", False) else "KV_2LTD",
+        weights=weights_identity(model),
     )

@@ -391,13 +391,13 @@ class ReceiveService:
         if theirs is None:
             return (f"KV fingerprint mismatch: the sender sent none, this decoder serves {ours}; "
                     "a decoder loads KV only from a prefiller of the same model and layout")
-        fields = [name for name in ours.__struct_fields__ if getattr(ours, name) != getattr(theirs, name)]
+        fields = ours.differing_fields(theirs)
         if not fields:
             return ""
         sides = "; ".join(f"{name}: decoder {getattr(ours, name)!r}, prefiller {getattr(theirs, name)!r}"
                           for name in fields)
         return (f"KV fingerprint mismatch in {', '.join(fields)} ({sides}): this decoder cannot load that "
-                "prefiller's KV; serve the same model, dtype, chunk_size and tensor-parallel layout on both")
+                "prefiller's KV; serve the same model (same weights), dtype, chunk_size and tensor-parallel layout on both")
 
     def _register_sender(self, identity: bytes, sender: _Sender) -> None:
         """Record a Hello. An older incarnation on this identity is gone (its requests fail); another

@@ -28,7 +28,8 @@ REGION_ADDR = 1 << 20
 REPLY_TIMEOUT_MS = 5000
 SHAPE = protocol.ChunkShape([2, 2, 16, 64], "bfloat16", SLOT_BYTES)
 FINGERPRINT = protocol.Fingerprint(model="tiny", num_layers=2, kv_heads=2, head_size=32, dtype="bfloat16",
-                                   chunk_tokens=16, tp_size=1, tp_rank=0, kv_format="KV_2LTD")
+                                   chunk_tokens=16, tp_size=1, tp_rank=0, kv_format="KV_2LTD",
+                                   weights="files:0123")
 
 
 def free_port() -> int:
@@ -323,7 +324,8 @@ def test_write_admitted_into_a_slot_keeps_it_quarantined_until_its_receive_deadl
 
 
 @pytest.mark.parametrize(("field", "value"), [("dtype", "float16"), ("model", "other-model"), ("chunk_tokens", 256),
-                                              ("tp_size", 2), ("kv_format", "KV_MLA_FMT")])
+                                              ("tp_size", 2), ("kv_format", "KV_MLA_FMT"),
+                                              ("weights", "files:4567")])
 def test_hello_with_another_fingerprint_is_refused_naming_the_field(make_rig, field, value) -> None:
     import msgspec
 
@@ -338,6 +340,14 @@ def test_hello_with_another_fingerprint_is_refused_naming_the_field(make_rig, fi
     refused = s.alloc("req-x", ["k1"])  # nothing registered, nothing reserved
     assert isinstance(refused, protocol.Refused) and refused.code is protocol.RefusalCode.UNKNOWN_PEER
     assert rig.pool.free_slots == 2
+
+
+def test_a_sender_that_does_not_know_its_weights_is_judged_by_the_other_fields(make_rig) -> None:
+    import msgspec
+
+    rig = make_rig(num_slots=2)
+    s = rig.sender("sender-x", "tx-x", hello=False)
+    assert isinstance(s.hello(msgspec.structs.replace(FINGERPRINT, weights="")), protocol.Welcome)
 
 
 def test_hello_without_a_fingerprint_is_refused_when_we_have_one(make_rig) -> None:

@@ -224,6 +224,20 @@ def test_fingerprint_is_kept_and_mismatched_pairs_are_logged_once(registry, capl
     assert "model: 'n' != 'm'" in mismatch.getMessage() and "dtype: 'float16' != 'bfloat16'" in mismatch.getMessage()
 
 
+def test_other_weights_under_the_same_model_name_are_never_paired(registry, caplog):
+    fp = Fingerprint(model="/models/llama", num_layers=2, kv_heads=2, head_size=32, dtype="bfloat16",
+                     chunk_tokens=256, tp_size=1, tp_rank=0, kv_format="KV_2LTD", weights="files:aa")
+    decoder = registry.announce(announce("d1", fingerprint=fp))
+    tuned = registry.announce(announce("p1", role="sender", url="http://p1:1",
+                                       fingerprint=msgspec.structs.replace(fp, weights="files:bb")))
+    older = registry.announce(announce("p2", role="sender", url="http://p2:1",
+                                       fingerprint=msgspec.structs.replace(fp, weights="")))
+    with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.registry"):
+        assert not registry.compatible(tuned, decoder)
+    assert "weights: 'files:bb' != 'files:aa'" in caplog.text
+    assert registry.compatible(older, decoder)  # a peer that cannot tell its weights: the other fields decide
+
+
 def test_a_tp_rank_alone_is_no_mismatch(registry):
     fp = Fingerprint(model="m", num_layers=2, kv_heads=2, head_size=32, dtype="bfloat16", chunk_tokens=256,
                      tp_size=2, tp_rank=0, kv_format="KV_2LTD")
