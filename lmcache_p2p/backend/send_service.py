@@ -203,6 +203,9 @@ class SendService:
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, str] = {}
         self._unsettled: list[_Unsettled] = []
+        # Chunks given up on (never settled): held for the process's life. Dropping the last reference
+        # would not leak them: LMCache's TensorMemoryObj frees itself into its allocator when collected.
+        self._leaked_chunks: list[Chunk] = []
         self._done = self._failed = self._bytes = self._leaked = self._skipped = 0
         self._stop = threading.Event()
         self._closed = False
@@ -660,6 +663,7 @@ class SendService:
                     c.done()
             elif final or now >= item.give_up_at:
                 self._leaked += len(item.chunks)
+                self._leaked_chunks.extend(item.chunks)
                 logger.log(logging.WARNING if final else logging.ERROR,
                            "request %s: a failed write of %d bytes to %s did not confirm that its reads ended %s; "
                            "its %d chunk(s) stay referenced (leaked) so that LMCache never reuses memory a "

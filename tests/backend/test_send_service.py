@@ -581,3 +581,35 @@ def test_a_failed_request_reports_no_times(make_service, receiver, chunks, proxy
     assert failed.req_id == "req-1"
     with pytest.raises(AssertionError, match="no KvSent"):
         proxy.recv(protocol.KvSent, timeout_s=0.3)
+
+
+
+def test_a_leaked_chunk_keeps_its_arena_page_once_the_service_lets_go_of_it(
+        make_service, transport, receiver) -> None:
+    """'Leaked' must mean the page stays taken: LMCache's TensorMemoryObj frees itself into its
+    allocator when garbage collected (``__del__``, lmcache 0.5.3 and 0.5.6), so dropping the last
+    Python reference to a chunk whose write never settled would hand its page to the next store
+    while the transfer may still read it."""
+    import gc
+
+    from lmcache_p2p.backend.send_buffer import SendArena
+
+    arena = SendArena(4 * torch.Size(SHAPE.shape).numel(), "cpu", [torch.Size(SHAPE.shape)], [torch.uint8])
+    batch = []
+    for i in range(2):
+        obj = arena.allocate([torch.Size(SHAPE.shape)], [torch.uint8])
+        obj.ref_count_up()  # the sender's reference (SenderBackend.batched_submit_put_task)
+        batch.append(Chunk(f"page-{i}", SHAPE, obj.tensor, obj.ref_count_down))
+        obj.ref_count_down()  # LMCache's own, dropped once every backend took the batch (batched_put)
+    del obj  # from here on only the service holds the chunks, as in the engine
+    transport.auto_complete = False
+    service = make_service(settle_timeout_s=0.3)
+    service.submit("req-1", receiver.target, batch, last=True)
+    del batch
+    receiver.welcome()
+    receiver.grant()
+    wait_for(lambda: transport.writes, "the write")
+    transport.writes[0].error = "peer reset"  # failed, and never says its reads ended
+    wait_for(lambda: service.stats().chunks_leaked == 2, "the unsettled chunks to be given up")
+    gc.collect()
+    assert arena.free_pages() == 2, "a page whose transfer never settled went back to the arena"
