@@ -616,31 +616,33 @@ class SendService:
                               lambda r=req: self._progress_request_writes(r))
 
     def _progress_request_writes(self, req: _Request) -> None:
-        still: list[tuple[WriteHandle, list[Chunk], float]] = []
         failed: str | None = None
-        for handle, chunks, deadline in req.writes:
+        # A write leaves req.writes before its chunks are released: should a later poll raise, _fail
+        # then handles only the writes not yet released (a second done would free a reused page).
+        for write in list(req.writes):
+            handle, chunks, deadline = write
             try:
                 done = self._transport.poll(handle)
             except TransportError as exc:
+                _drop(req, write)
                 self._release_after(handle, chunks, req.req_id)
                 failed = f"write to {req.target.endpoint} failed: {exc}"
                 continue
             if not done and time.monotonic() > deadline:
+                _drop(req, write)
                 self._transport.abort(handle)
                 self._release_after(handle, chunks, req.req_id)
                 failed = (f"write of {handle.nbytes} bytes to {req.target.endpoint} not done within its write "
                           f"window (p2p.transfer_timeout_s, the smaller of ours and the receiver's, from the Alloc)")
             elif done:
+                _drop(req, write)
                 for c in chunks:
                     c.done()  # completed: settled by contract
                 req.nbytes += handle.nbytes
                 req.chunks_sent += len(chunks)
-            else:
-                still.append((handle, chunks, deadline))
-        req.writes = still
         if failed:
             self._fail(req.req_id, failed)
-        elif not still:
+        elif not req.writes:
             self._advance(req)
 
     def _release_after(self, handle: WriteHandle, chunks: list[Chunk], req_id: str) -> None:
@@ -819,6 +821,11 @@ class SendService:
             http_url=self._cfg.http_url or "", tp_rank=self._tp_rank, tp_size=self._tp_size,
             fingerprint=self._fingerprint,
         )
+
+
+def _drop(req: _Request, write: tuple[WriteHandle, list[Chunk], float]) -> None:
+    """Take one write out of ``req.writes`` (by identity: handles may compare equal)."""
+    req.writes = [w for w in req.writes if w is not write]
 
 
 def _grant_problem(slots: Sequence[int], chunks: Sequence[Chunk], peer: _Peer) -> str:

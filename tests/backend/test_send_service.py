@@ -51,6 +51,7 @@ class FakeWrite:
     error: str = ""
     aborted: bool = False
     reads_ended: bool = False  # what settled() reports for a failed/aborted write
+    crash_after: FakeWrite | None = None  # poll raises an unexpected error once that write is done
 
 
 class FakeTransport(Transport):
@@ -91,6 +92,8 @@ class FakeTransport(Transport):
     def poll(self, handle: WriteHandle) -> bool:
         self.polls += 1
         write: FakeWrite = handle.token
+        if write.crash_after is not None and write.crash_after.done:
+            raise RuntimeError("unexpected error polling a write")
         if write.error:
             raise TransportError(write.error)
         return write.done
@@ -613,3 +616,26 @@ def test_a_leaked_chunk_keeps_its_arena_page_once_the_service_lets_go_of_it(
     wait_for(lambda: service.stats().chunks_leaked == 2, "the unsettled chunks to be given up")
     gc.collect()
     assert arena.free_pages() == 2, "a page whose transfer never settled went back to the arena"
+
+
+def test_an_unexpected_error_polling_one_write_releases_no_chunk_twice(
+        make_service, transport, receiver, chunks) -> None:
+    """A chunk's reference goes back exactly once: with the VRAM arena LMCache reuses the same
+    MemoryObj for the page's next store, so a second ``done`` frees another request's chunk."""
+    transport.auto_complete = False
+    service = make_service()
+    first, second = chunks.make(2), chunks.make(2)
+    service.submit("req-1", receiver.target, first, last=False)
+    receiver.welcome()
+    receiver.grant([0, 1])
+    wait_for(lambda: len(transport.writes) == 1, "the first write")
+    service.submit("req-1", receiver.target, second, last=True)
+    receiver.grant([2, 3])
+    wait_for(lambda: len(transport.writes) == 2, "the second write")
+    transport.writes[1].crash_after = transport.writes[0]
+    transport.writes[0].done = True  # seen complete in the same pass that hits the error
+    wait_for(lambda: service.stats().requests_failed == 1, "the request to fail")
+    transport.writes[1].reads_ended = True
+    wait_for(lambda: len(set(chunks.released)) == 4, "every chunk to be released")
+    time.sleep(0.1)  # the loop goes on: a late second release would show here
+    assert sorted(chunks.released) == sorted(_keys(first + second)), "a chunk was released twice"
