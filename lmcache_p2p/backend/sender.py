@@ -133,7 +133,8 @@ class SenderBackend(P2PPlugin):
         chunks = []
         for key, obj in zip(keys, objs):
             obj.ref_count_up()
-            chunks.append(Chunk(chunk_key(key), _shape_of(obj), obj.tensor, obj.ref_count_down))
+            tensor = obj.tensor
+            chunks.append(Chunk(chunk_key(key), _shape_of(obj, tensor), tensor, obj.ref_count_down))
         # One write moves sources of one device: a store that found the arena full midway (some chunks
         # in VRAM, the rest in host memory) goes as consecutive batches, ``last`` on the final one.
         runs = _runs_by_device(chunks) or [chunks]  # an empty store still carries its last flag
@@ -188,6 +189,8 @@ def _runs_by_device(chunks: list[Chunk]) -> list[list[Chunk]]:
     return runs
 
 
-def _shape_of(obj: MemoryObj) -> protocol.ChunkShape:
+def _shape_of(obj: MemoryObj, tensor: Any) -> protocol.ChunkShape:
+    """``nbytes``: what the write moves. Not get_size(): a page of LMCache's paged allocator (the
+    send arena) keeps the size of its first, full shape, so a partial last chunk would name a page."""
     return protocol.ChunkShape(shape=list(obj.get_shape()), dtype=dtype_name(obj.get_dtype()),
-                               nbytes=obj.get_size(), fmt=int(obj.get_memory_format().value))
+                               nbytes=int(tensor.nbytes), fmt=int(obj.get_memory_format().value))

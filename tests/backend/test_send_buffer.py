@@ -146,3 +146,25 @@ def test_a_store_whose_chunks_are_partly_spilled_is_submitted_as_one_batch_per_d
     assert [[c.key for c in chunks] for chunks, _ in batches] == [["1", "2"], ["3"], ["4"]]
     assert all(len({c.tensor.device for c in chunks}) == 1 for chunks, _ in batches)
     assert [last for _, last in batches] == [False, False, True]
+
+
+def test_a_partial_chunk_in_an_arena_page_names_its_own_bytes_not_the_page(arena):
+    """LMCache's paged allocator keeps a page object's size from its first (full) shape: get_size()
+    of a partial last chunk is the whole page. The Alloc must name the bytes the write moves (the
+    receiver counts them, and compares shapes before reusing a cached chunk of the same key)."""
+    from types import SimpleNamespace
+
+    from lmcache.utils import CacheEngineKey
+
+    from lmcache_p2p.backend.sender import SenderBackend
+
+    backend = object.__new__(SenderBackend)
+    backend._service, backend._arena, backend._tp_rank, backend._warned_no_spec = _Submits(), None, 0, False
+    part = arena.allocate(shape_of(5), DTYPES)
+    key = CacheEngineKey(model_name="m", world_size=1, worker_id=0, chunk_hash=7, dtype=torch.bfloat16)
+    spec = SimpleNamespace(receiver_host="127.0.0.1", receiver_alloc_port=[7300], req_id="req-1",
+                           is_last_prefill=True)
+    backend.batched_submit_put_task([key], [part], transfer_spec=spec)
+    [chunk] = backend._service.batches[0][0]
+    assert chunk.shape.shape == [2, LAYERS, 5, HIDDEN]
+    assert chunk.shape.nbytes == chunk.tensor.nbytes == 2 * LAYERS * 5 * HIDDEN * 2
