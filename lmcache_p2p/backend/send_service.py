@@ -203,6 +203,9 @@ class SendService:
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, str] = {}
         self._unsettled: list[_Unsettled] = []
+        # Chunks given up on (never settled): held for the process's life. Dropping the last reference
+        # would not leak them: LMCache's TensorMemoryObj frees itself into its allocator when collected.
+        self._leaked_chunks: list[Chunk] = []
         self._done = self._failed = self._bytes = self._leaked = self._skipped = 0
         self._stop = threading.Event()
         self._closed = False
@@ -613,31 +616,33 @@ class SendService:
                               lambda r=req: self._progress_request_writes(r))
 
     def _progress_request_writes(self, req: _Request) -> None:
-        still: list[tuple[WriteHandle, list[Chunk], float]] = []
         failed: str | None = None
-        for handle, chunks, deadline in req.writes:
+        # A write leaves req.writes before its chunks are released: should a later poll raise, _fail
+        # then handles only the writes not yet released (a second done would free a reused page).
+        for write in list(req.writes):
+            handle, chunks, deadline = write
             try:
                 done = self._transport.poll(handle)
             except TransportError as exc:
+                _drop(req, write)
                 self._release_after(handle, chunks, req.req_id)
                 failed = f"write to {req.target.endpoint} failed: {exc}"
                 continue
             if not done and time.monotonic() > deadline:
+                _drop(req, write)
                 self._transport.abort(handle)
                 self._release_after(handle, chunks, req.req_id)
                 failed = (f"write of {handle.nbytes} bytes to {req.target.endpoint} not done within its write "
                           f"window (p2p.transfer_timeout_s, the smaller of ours and the receiver's, from the Alloc)")
             elif done:
+                _drop(req, write)
                 for c in chunks:
                     c.done()  # completed: settled by contract
                 req.nbytes += handle.nbytes
                 req.chunks_sent += len(chunks)
-            else:
-                still.append((handle, chunks, deadline))
-        req.writes = still
         if failed:
             self._fail(req.req_id, failed)
-        elif not still:
+        elif not req.writes:
             self._advance(req)
 
     def _release_after(self, handle: WriteHandle, chunks: list[Chunk], req_id: str) -> None:
@@ -660,6 +665,7 @@ class SendService:
                     c.done()
             elif final or now >= item.give_up_at:
                 self._leaked += len(item.chunks)
+                self._leaked_chunks.extend(item.chunks)
                 logger.log(logging.WARNING if final else logging.ERROR,
                            "request %s: a failed write of %d bytes to %s did not confirm that its reads ended %s; "
                            "its %d chunk(s) stay referenced (leaked) so that LMCache never reuses memory a "
@@ -815,6 +821,11 @@ class SendService:
             http_url=self._cfg.http_url or "", tp_rank=self._tp_rank, tp_size=self._tp_size,
             fingerprint=self._fingerprint,
         )
+
+
+def _drop(req: _Request, write: tuple[WriteHandle, list[Chunk], float]) -> None:
+    """Take one write out of ``req.writes`` (by identity: handles may compare equal)."""
+    req.writes = [w for w in req.writes if w is not write]
 
 
 def _grant_problem(slots: Sequence[int], chunks: Sequence[Chunk], peer: _Peer) -> str:

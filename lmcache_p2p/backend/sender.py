@@ -133,11 +133,20 @@ class SenderBackend(P2PPlugin):
         chunks = []
         for key, obj in zip(keys, objs):
             obj.ref_count_up()
-            chunks.append(Chunk(chunk_key(key), _shape_of(obj), obj.tensor, obj.ref_count_down))
-        try:
-            service.submit(str(transfer_spec.req_id), target, chunks, bool(transfer_spec.is_last_prefill), called_s)
-        except P2PError as exc:
-            logger.error("request %s: KV not sent: %s", transfer_spec.req_id, exc)
+            tensor = obj.tensor
+            chunks.append(Chunk(chunk_key(key), _shape_of(obj, tensor), tensor, obj.ref_count_down))
+        # One write moves sources of one device: a store that found the arena full midway (some chunks
+        # in VRAM, the rest in host memory) goes as consecutive batches, ``last`` on the final one.
+        runs = _runs_by_device(chunks) or [chunks]  # an empty store still carries its last flag
+        for i, run in enumerate(runs):
+            try:
+                service.submit(str(transfer_spec.req_id), target, run,
+                               bool(transfer_spec.is_last_prefill) and i == len(runs) - 1, called_s)
+            except P2PError as exc:
+                logger.error("request %s: KV not sent: %s", transfer_spec.req_id, exc)
+                for c in (c for later in runs[i + 1:] for c in later):
+                    c.done()  # submit released its own batch's chunks
+                break
         return None
 
     # ---- the sender serves no lookups ----
@@ -169,6 +178,19 @@ class SenderBackend(P2PPlugin):
         return self._svc()
 
 
-def _shape_of(obj: MemoryObj) -> protocol.ChunkShape:
+def _runs_by_device(chunks: list[Chunk]) -> list[list[Chunk]]:
+    """``chunks`` in order, cut wherever the device of their bytes changes."""
+    runs: list[list[Chunk]] = []
+    for c in chunks:
+        if runs and runs[-1][-1].tensor.device == c.tensor.device:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return runs
+
+
+def _shape_of(obj: MemoryObj, tensor: Any) -> protocol.ChunkShape:
+    """``nbytes``: what the write moves. Not get_size(): a page of LMCache's paged allocator (the
+    send arena) keeps the size of its first, full shape, so a partial last chunk would name a page."""
     return protocol.ChunkShape(shape=list(obj.get_shape()), dtype=dtype_name(obj.get_dtype()),
-                               nbytes=obj.get_size(), fmt=int(obj.get_memory_format().value))
+                               nbytes=int(tensor.nbytes), fmt=int(obj.get_memory_format().value))

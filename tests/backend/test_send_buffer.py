@@ -108,3 +108,63 @@ def test_a_sender_asking_for_a_vram_buffer_without_a_gpu_names_the_key(tmp_path)
                                                            "buffer_device": "cuda", "buffer_size": "1MB"}})
     with pytest.raises(ConfigError, match=r"p2p\.buffer_device.*worker runs on the CPU"):
         SenderBackend(config=config, dst_device="cpu", local_cpu_backend=host_backend())
+
+
+class _Submits:
+    """Stands in for SendService: records each submitted batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[list, bool]] = []
+
+    def submit(self, req_id, target, chunks, last, called_s=0.0) -> None:
+        self.batches.append((chunks, last))
+
+
+def test_a_store_whose_chunks_are_partly_spilled_is_submitted_as_one_batch_per_device():
+    """With the arena full midway through a store (LMCache 0.5.3 allocates chunk by chunk), some of
+    its chunks are on the GPU and the rest in host memory; one write moves sources of one device
+    (NIXL refuses a mix: "the sources of one write must be ... on one device", failing the request),
+    so the sender hands them over as consecutive batches, in order, ``last`` on the final one."""
+    from types import SimpleNamespace
+
+    from lmcache.utils import CacheEngineKey
+
+    from lmcache_p2p.backend.sender import SenderBackend
+
+    backend = object.__new__(SenderBackend)
+    backend._service, backend._arena, backend._tp_rank, backend._warned_no_spec = _Submits(), None, 0, False
+    host = PagedTensorMemoryAllocator(torch.empty(4 * PAGE, dtype=torch.uint8), FULL, DTYPES)
+    other = PagedTensorMemoryAllocator(torch.empty(4 * PAGE, dtype=torch.uint8, device="meta"), FULL, DTYPES)
+    objs = [other.allocate(FULL, DTYPES), other.allocate(FULL, DTYPES), host.allocate(FULL, DTYPES),
+            other.allocate(FULL, DTYPES)]
+    keys = [CacheEngineKey(model_name="m", world_size=1, worker_id=0, chunk_hash=i + 1, dtype=torch.bfloat16)
+            for i in range(4)]
+    spec = SimpleNamespace(receiver_host="127.0.0.1", receiver_alloc_port=[7300], req_id="req-1",
+                           is_last_prefill=True)
+    backend.batched_submit_put_task(keys, objs, transfer_spec=spec)
+    batches = backend._service.batches
+    assert [[c.key for c in chunks] for chunks, _ in batches] == [["1", "2"], ["3"], ["4"]]
+    assert all(len({c.tensor.device for c in chunks}) == 1 for chunks, _ in batches)
+    assert [last for _, last in batches] == [False, False, True]
+
+
+def test_a_partial_chunk_in_an_arena_page_names_its_own_bytes_not_the_page(arena):
+    """LMCache's paged allocator keeps a page object's size from its first (full) shape: get_size()
+    of a partial last chunk is the whole page. The Alloc must name the bytes the write moves (the
+    receiver counts them, and compares shapes before reusing a cached chunk of the same key)."""
+    from types import SimpleNamespace
+
+    from lmcache.utils import CacheEngineKey
+
+    from lmcache_p2p.backend.sender import SenderBackend
+
+    backend = object.__new__(SenderBackend)
+    backend._service, backend._arena, backend._tp_rank, backend._warned_no_spec = _Submits(), None, 0, False
+    part = arena.allocate(shape_of(5), DTYPES)
+    key = CacheEngineKey(model_name="m", world_size=1, worker_id=0, chunk_hash=7, dtype=torch.bfloat16)
+    spec = SimpleNamespace(receiver_host="127.0.0.1", receiver_alloc_port=[7300], req_id="req-1",
+                           is_last_prefill=True)
+    backend.batched_submit_put_task([key], [part], transfer_spec=spec)
+    [chunk] = backend._service.batches[0][0]
+    assert chunk.shape.shape == [2, LAYERS, 5, HIDDEN]
+    assert chunk.shape.nbytes == chunk.tensor.nbytes == 2 * LAYERS * 5 * HIDDEN * 2

@@ -51,6 +51,7 @@ class FakeWrite:
     error: str = ""
     aborted: bool = False
     reads_ended: bool = False  # what settled() reports for a failed/aborted write
+    crash_after: FakeWrite | None = None  # poll raises an unexpected error once that write is done
 
 
 class FakeTransport(Transport):
@@ -91,6 +92,8 @@ class FakeTransport(Transport):
     def poll(self, handle: WriteHandle) -> bool:
         self.polls += 1
         write: FakeWrite = handle.token
+        if write.crash_after is not None and write.crash_after.done:
+            raise RuntimeError("unexpected error polling a write")
         if write.error:
             raise TransportError(write.error)
         return write.done
@@ -581,3 +584,58 @@ def test_a_failed_request_reports_no_times(make_service, receiver, chunks, proxy
     assert failed.req_id == "req-1"
     with pytest.raises(AssertionError, match="no KvSent"):
         proxy.recv(protocol.KvSent, timeout_s=0.3)
+
+
+
+def test_a_leaked_chunk_keeps_its_arena_page_once_the_service_lets_go_of_it(
+        make_service, transport, receiver) -> None:
+    """'Leaked' must mean the page stays taken: LMCache's TensorMemoryObj frees itself into its
+    allocator when garbage collected (``__del__``, lmcache 0.5.3 and 0.5.6), so dropping the last
+    Python reference to a chunk whose write never settled would hand its page to the next store
+    while the transfer may still read it."""
+    import gc
+
+    from lmcache_p2p.backend.send_buffer import SendArena
+
+    arena = SendArena(4 * torch.Size(SHAPE.shape).numel(), "cpu", [torch.Size(SHAPE.shape)], [torch.uint8])
+    batch = []
+    for i in range(2):
+        obj = arena.allocate([torch.Size(SHAPE.shape)], [torch.uint8])
+        obj.ref_count_up()  # the sender's reference (SenderBackend.batched_submit_put_task)
+        batch.append(Chunk(f"page-{i}", SHAPE, obj.tensor, obj.ref_count_down))
+        obj.ref_count_down()  # LMCache's own, dropped once every backend took the batch (batched_put)
+    del obj  # from here on only the service holds the chunks, as in the engine
+    transport.auto_complete = False
+    service = make_service(settle_timeout_s=0.3)
+    service.submit("req-1", receiver.target, batch, last=True)
+    del batch
+    receiver.welcome()
+    receiver.grant()
+    wait_for(lambda: transport.writes, "the write")
+    transport.writes[0].error = "peer reset"  # failed, and never says its reads ended
+    wait_for(lambda: service.stats().chunks_leaked == 2, "the unsettled chunks to be given up")
+    gc.collect()
+    assert arena.free_pages() == 2, "a page whose transfer never settled went back to the arena"
+
+
+def test_an_unexpected_error_polling_one_write_releases_no_chunk_twice(
+        make_service, transport, receiver, chunks) -> None:
+    """A chunk's reference goes back exactly once: with the VRAM arena LMCache reuses the same
+    MemoryObj for the page's next store, so a second ``done`` frees another request's chunk."""
+    transport.auto_complete = False
+    service = make_service()
+    first, second = chunks.make(2), chunks.make(2)
+    service.submit("req-1", receiver.target, first, last=False)
+    receiver.welcome()
+    receiver.grant([0, 1])
+    wait_for(lambda: len(transport.writes) == 1, "the first write")
+    service.submit("req-1", receiver.target, second, last=True)
+    receiver.grant([2, 3])
+    wait_for(lambda: len(transport.writes) == 2, "the second write")
+    transport.writes[1].crash_after = transport.writes[0]
+    transport.writes[0].done = True  # seen complete in the same pass that hits the error
+    wait_for(lambda: service.stats().requests_failed == 1, "the request to fail")
+    transport.writes[1].reads_ended = True
+    wait_for(lambda: len(set(chunks.released)) == 4, "every chunk to be released")
+    time.sleep(0.1)  # the loop goes on: a late second release would show here
+    assert sorted(chunks.released) == sorted(_keys(first + second)), "a chunk was released twice"
