@@ -27,8 +27,8 @@ client's, else ``/tokenize`` on that instance) and the instance generates the wh
 
 A prefill or decode whose connection failed (refused / connect timeout: the instance got nothing)
 goes to another routable instance of that role, each tried once; a decode that moves to another
-decoder recomputes there. A prefill whose connection broke after it was sent (the prefiller died:
-ReadError, RemoteProtocolError) is retried once, invisibly (the client has received nothing yet):
+decoder recomputes there. A prefill whose connection broke after it was sent (the prefiller died
+with the request in hand: ``UpstreamUnreachable``, not a connect error) is retried once, invisibly (the client has received nothing yet):
 its KV on the decoder is cancelled, then it goes to another compatible prefiller, or the decoder
 computes the prompt itself (``colocated{reason=prefill_failed}``); a second break fails the request
 (a request that kills every engine it reaches must not go round the cluster). Every failed or broken

@@ -1,0 +1,145 @@
+"""The proxy's JSON calls to instances: answers decoded, every failure mapped to the error its caller
+acts on (a connection never made may go elsewhere; a broken one may not be resent blindly)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import msgspec
+import pytest
+
+from lmcache_p2p.proxy.errors import (
+    UpstreamConnectError,
+    UpstreamMalformed,
+    UpstreamStatus,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
+from lmcache_p2p.proxy.upstream import Upstream
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")),
+                  0)
+    return await reader.readexactly(length)
+
+
+def _answer(status: int, body: bytes) -> bytes:
+    return (f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body)
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(handler: Handler) -> str:
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        servers.append(server)
+        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    up = Upstream(connect_timeout_s=2.0)
+    yield up
+    await up.aclose()
+
+
+async def test_an_answer_comes_back_decoded_and_the_body_went_out_as_json(serve, upstream) -> None:
+    seen: list[bytes] = []
+
+    async def handler(reader, writer) -> None:
+        while True:  # one connection, reused by the second call
+            try:
+                seen.append(await _read_request(reader))
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(_answer(200, b'{"choices": [{"token_ids": [7]}]}'))
+            await writer.drain()
+
+    url = await serve(handler)
+    for _ in range(2):
+        got = await upstream.post_json(url, "/v1/completions", {"prompt": [1, 2, 3]}, timeout_s=5)
+        assert got == {"choices": [{"token_ids": [7]}]}
+    assert [msgspec.json.decode(b) for b in seen] == [{"prompt": [1, 2, 3]}] * 2
+
+
+async def test_a_refused_connection_is_a_connect_error(upstream) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(UpstreamConnectError, match=f"POST http://127.0.0.1:{port}/v1/completions"):
+        await upstream.post_json(f"http://127.0.0.1:{port}", "/v1/completions", {}, timeout_s=5)
+
+
+async def test_a_connection_that_breaks_after_the_request_is_not_a_connect_error(serve, upstream) -> None:
+    async def handler(reader, writer) -> None:
+        await _read_request(reader)
+        writer.close()  # the instance died with the request in hand
+
+    url = await serve(handler)
+    with pytest.raises(UpstreamUnreachable) as caught:
+        await upstream.post_json(url, "/v1/completions", {}, timeout_s=5)
+    assert not isinstance(caught.value, UpstreamConnectError)  # it may have been received: never resent blindly
+
+
+async def test_no_answer_within_the_deadline_is_a_timeout(serve, upstream) -> None:
+    async def handler(reader, writer) -> None:
+        await _read_request(reader)
+        await asyncio.sleep(10)
+
+    url = await serve(handler)
+    with pytest.raises(UpstreamTimeout, match="no answer within 0.3 s"):
+        await upstream.post_json(url, "/v1/completions", {}, timeout_s=0.3)
+
+
+@pytest.mark.parametrize("status, error_status", [(400, 400), (404, 404), (500, 502), (503, 502)])
+async def test_an_http_error_keeps_a_4xx_and_makes_a_5xx_a_502(serve, upstream, status, error_status) -> None:
+    async def handler(reader, writer) -> None:
+        await _read_request(reader)
+        writer.write(_answer(status, b'{"error": {"message": "max_tokens is too large"}}'))
+        await writer.drain()
+
+    url = await serve(handler)
+    with pytest.raises(UpstreamStatus, match="max_tokens is too large") as caught:
+        await upstream.post_json(url, "/v1/completions", {}, timeout_s=5)
+    assert caught.value.status_code == error_status
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1, 2]"])
+async def test_an_answer_that_is_not_a_json_object_is_malformed(serve, upstream, body) -> None:
+    async def handler(reader, writer) -> None:
+        await _read_request(reader)
+        writer.write(_answer(200, body))
+        await writer.drain()
+
+    url = await serve(handler)
+    with pytest.raises(UpstreamMalformed):
+        await upstream.post_json(url, "/v1/completions", {}, timeout_s=5)
+
+
+async def test_a_cancelled_call_closes_its_connection(serve, upstream) -> None:
+    """A client that leaves mid-prefill: the instance sees the connection close (vLLM aborts the request)."""
+    closed = asyncio.Event()
+
+    async def handler(reader, writer) -> None:
+        await _read_request(reader)
+        if await reader.read(1) == b"":
+            closed.set()
+
+    url = await serve(handler)
+    call = asyncio.ensure_future(upstream.post_json(url, "/v1/completions", {}, timeout_s=30))
+    await asyncio.sleep(0.2)
+    call.cancel()
+    await asyncio.wait_for(closed.wait(), 5)
