@@ -101,9 +101,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="relay processes of the proxy (its --workers): each streams its clients' decodes, one "
                         "coordinator routes; 1 = one process (default %(default)s)")
     p.add_argument("--cpu-placement", choices=[c.value for c in CpuPlacement], default=CpuPlacement.ROLES.value,
-                   help="vLLM-CPU: roles (default): besides its worker (pinned to its core by vLLM), each instance's "
-                        "API server and engine core, and the proxy, stay off the other role's worker cores (decode "
-                        "steps and token streaming never take a prefiller's core, which sets time to first token); "
+                   help="vLLM-CPU: roles (default): besides its worker (pinned to its core by vLLM), a decoder's "
+                        "API server and engine core stay off the prefillers' worker cores (decode steps and token "
+                        "streaming never take the core a prefill, and so time to first token, waits for); "
                         "workers: only the workers are pinned, everything else runs anywhere")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -213,30 +213,30 @@ def cpu_core_of(inst: Instance, args: argparse.Namespace, cores: int | None = No
 
 
 def cpu_sets(args: argparse.Namespace, cores: int | None = None) -> dict[str, frozenset[int]]:
-    """The CPUs each child may use (by child name: instances and ``proxy``); empty: no restriction.
+    """The CPUs a child may use, by child name; a child not named runs anywhere.
 
     vLLM pins only an instance's worker (its model steps) to the instance's core; its API server and
-    engine core run anywhere, as does the proxy. A decoder's engine core schedules a step every few
-    milliseconds and busy-waits for its worker in between, and its API server and the proxy stream
-    every token: left free, the kernel moves that work onto the prefillers' cores, where the prefills
-    that set time to first token then wait for it. With ``--cpu-placement roles`` a decoder's
-    processes and the proxy use every core but the prefillers' worker cores, a prefiller's every core
-    but the decoders'. Nothing is restricted when the roles share their cores (fewer than 2 cores).
+    engine core run anywhere. A decoder's engine core schedules a step every few milliseconds and
+    busy-waits for its worker in between, and its API server streams every token: left free, the
+    kernel puts that work on the prefillers' cores, where the prefills that set time to first token
+    wait for it (perf sched at concurrency 4 on 2 cores: the prefiller's worker waited, runnable, as
+    long as it ran). With ``--cpu-placement roles`` a decoder's processes use every core but the
+    prefillers' worker cores. The proxy and the prefillers' other processes stay free: their work
+    comes in short bursts per request and goes to whichever core is idle (keeping the proxy on the
+    decoders' cores too made decode steps and handovers slower). Nothing is restricted when the
+    roles share their cores (fewer than 2 cores).
     """
     if args.device != "cpu" or CpuPlacement(getattr(args, "cpu_placement", CpuPlacement.ROLES.value)) \
             is not CpuPlacement.ROLES:
         return {}
     cores = cores or os.cpu_count() or 1
     instances = plan(args)
-    worker_cores = {role: {cpu_core_of(i, args, cores) for i in instances if i.role == role}
-                    for role in ("prefiller", "decoder")}
-    if worker_cores["prefiller"] & worker_cores["decoder"]:
+    prefill_cores = {cpu_core_of(i, args, cores) for i in instances if i.role == "prefiller"}
+    decode_cores = {cpu_core_of(i, args, cores) for i in instances if i.role == "decoder"}
+    if prefill_cores & decode_cores:
         return {}
-    every = frozenset(range(cores))
-    off = {"prefiller": every - worker_cores["decoder"], "decoder": every - worker_cores["prefiller"]}
-    sets = {i.name: off[i.role] for i in instances}
-    sets["proxy"] = off["decoder"]
-    return sets
+    allowed = frozenset(range(cores)) - prefill_cores
+    return {i.name: allowed for i in instances if i.role == "decoder"}
 
 
 def plan_gpus(instances: list[Instance], args: argparse.Namespace,
@@ -327,8 +327,7 @@ def proxy_child(args: argparse.Namespace, log_dir: Path) -> Child:
     env = dict(os.environ)
     if args.shared_secret:
         env["LMCACHE_P2P_SECRET"] = args.shared_secret
-    return Child("proxy", argv, env, log_dir / "proxy.log", f"http://127.0.0.1:{args.proxy_port}/health",
-                 cpus=cpu_sets(args).get("proxy"))
+    return Child("proxy", argv, env, log_dir / "proxy.log", f"http://127.0.0.1:{args.proxy_port}/health")
 
 
 def resolve_model(args: argparse.Namespace) -> Path:
