@@ -212,7 +212,8 @@ def cpu_core_of(inst: Instance, args: argparse.Namespace, cores: int | None = No
     return prefill_cores + inst.index % (cores - prefill_cores)
 
 
-def cpu_sets(args: argparse.Namespace, cores: int | None = None) -> dict[str, frozenset[int]]:
+def cpu_sets(args: argparse.Namespace, cores: int | None = None,
+             usable: set[int] | frozenset[int] | None = None) -> dict[str, frozenset[int]]:
     """The CPUs a child may use, by child name; a child not named runs anywhere.
 
     vLLM pins only an instance's worker (its model steps) to the instance's core; its API server and
@@ -224,7 +225,8 @@ def cpu_sets(args: argparse.Namespace, cores: int | None = None) -> dict[str, fr
     prefillers' worker cores. The proxy and the prefillers' other processes stay free: their work
     comes in short bursts per request and goes to whichever core is idle (keeping the proxy on the
     decoders' cores too made decode steps and handovers slower). Nothing is restricted when the
-    roles share their cores (fewer than 2 cores).
+    roles share their cores (fewer than 2 cores). ``usable``: the CPUs the launcher may use
+    (default its own affinity); a set is cut to them.
     """
     if args.device != "cpu" or CpuPlacement(getattr(args, "cpu_placement", CpuPlacement.ROLES.value)) \
             is not CpuPlacement.ROLES:
@@ -235,7 +237,10 @@ def cpu_sets(args: argparse.Namespace, cores: int | None = None) -> dict[str, fr
     decode_cores = {cpu_core_of(i, args, cores) for i in instances if i.role == "decoder"}
     if prefill_cores & decode_cores:
         return {}
-    allowed = frozenset(range(cores)) - prefill_cores
+    mine = frozenset(os.sched_getaffinity(0) if usable is None else usable)
+    allowed = (frozenset(range(cores)) - prefill_cores) & mine
+    if not allowed:  # the launcher itself may not use any of them (taskset / cpuset): leave the decoders free
+        return {}
     return {i.name: allowed for i in instances if i.role == "decoder"}
 
 

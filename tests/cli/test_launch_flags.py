@@ -98,7 +98,14 @@ def test_decoders_recompute_a_chunk_that_fails_to_load_instead_of_failing_the_re
 def test_cpu_placement_keeps_decoder_processes_off_the_prefillers_cores(prefill: int, decode: int, cores: int,
                                                                         want: dict[str, set[int]]) -> None:
     args = build_parser().parse_args(["launch", "--prefill", str(prefill), "--decode", str(decode)])
-    assert launch.cpu_sets(args, cores) == {name: frozenset(cpus) for name, cpus in want.items()}
+    assert launch.cpu_sets(args, cores, usable=set(range(cores))) == {name: frozenset(cpus)
+                                                                      for name, cpus in want.items()}
+
+
+def test_cpu_placement_stays_inside_the_cpus_the_launcher_may_use() -> None:
+    args = build_parser().parse_args(["launch", "--prefill", "1", "--decode", "1"])
+    assert launch.cpu_sets(args, 4, usable={0, 1, 2}) == {"decoder-0": frozenset({1, 2})}
+    assert launch.cpu_sets(args, 4, usable={0}) == {}  # nothing left for the decoder: no restriction
 
 
 @pytest.mark.parametrize("argv", [["--cpu-placement", "workers"], ["--device", "cuda"]])
@@ -109,6 +116,7 @@ def test_cpu_placement_workers_or_gpus_restrict_nothing(argv: list[str]) -> None
 
 def test_launched_children_carry_their_cpu_sets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: {0, 1})
     args = build_parser().parse_args(["launch", "--prefill", "1", "--decode", "1"])
     made = {i.name: launch.vllm_child(i, tmp_path / "model", args, tmp_path) for i in launch.plan(args)}
     made["proxy"] = launch.proxy_child(args, tmp_path)
