@@ -37,5 +37,5 @@ for line in txt.splitlines():
     m = wk.search(line)
     if m and int(m[3]) == worker and t0 <= float(m[2]) <= t1:
         runnable_since = float(m[2])  # woken: runnable from now until switched in
-print(f"run wall {(t1-t0)*1000:.0f} ms; prefiller worker ran {run_total*1000:.0f} ms, runnable but waiting {waited*1000:.0f} ms")
-print("on cpu0 while it waited runnable:", ", ".join(f"{k} {v*1000:.0f}" for k, v in sorted(ran_while.items(), key=lambda kv: -kv[1])[:10]))
+print(f"run wall {(t1-t0)*1000:.0f} ms; {ROLE} worker ran {run_total*1000:.0f} ms, runnable but waiting {waited*1000:.0f} ms")
+print(f"on cpu{CPU} while it waited runnable:", ", ".join(f"{k} {v*1000:.0f}" for k, v in sorted(ran_while.items(), key=lambda kv: -kv[1])[:10]))
