@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import logging
 import math
@@ -45,6 +46,13 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_MODEL_DIR = Path("models/tiny-llama")
 SUPERVISE_EVERY_S = 1.0
 REGISTER_TIMEOUT_S = 60.0
+
+
+class CpuPlacement(str, enum.Enum):
+    """Where the launcher lets the processes around the vLLM-CPU workers run (``--cpu-placement``)."""
+
+    ROLES = "roles"
+    WORKERS = "workers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +100,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--proxy-workers", type=int, default=1,
                    help="relay processes of the proxy (its --workers): each streams its clients' decodes, one "
                         "coordinator routes; 1 = one process (default %(default)s)")
+    p.add_argument("--cpu-placement", choices=[c.value for c in CpuPlacement], default=CpuPlacement.ROLES.value,
+                   help="vLLM-CPU: roles (default): besides its worker (pinned to its core by vLLM), a decoder's "
+                        "API server and engine core stay off the prefillers' worker cores (decode steps and token "
+                        "streaming never take the core a prefill, and so time to first token, waits for); "
+                        "workers: only the workers are pinned, everything else runs anywhere")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="no KV reuse across requests: vLLM's automatic prefix caching off on every instance and "
@@ -199,6 +212,38 @@ def cpu_core_of(inst: Instance, args: argparse.Namespace, cores: int | None = No
     return prefill_cores + inst.index % (cores - prefill_cores)
 
 
+def cpu_sets(args: argparse.Namespace, cores: int | None = None,
+             usable: set[int] | frozenset[int] | None = None) -> dict[str, frozenset[int]]:
+    """The CPUs a child may use, by child name; a child not named runs anywhere.
+
+    vLLM pins only an instance's worker (its model steps) to the instance's core; its API server and
+    engine core run anywhere. A decoder's engine core schedules a step every few milliseconds and
+    busy-waits for its worker in between, and its API server streams every token: left free, the
+    kernel puts that work on the prefillers' cores, where the prefills that set time to first token
+    wait for it (perf sched at concurrency 4 on 2 cores: the prefiller's worker waited, runnable, as
+    long as it ran). With ``--cpu-placement roles`` a decoder's processes use every core but the
+    prefillers' worker cores. The proxy and the prefillers' other processes stay free: their work
+    comes in short bursts per request and goes to whichever core is idle (keeping the proxy on the
+    decoders' cores too made decode steps and handovers slower). Nothing is restricted when the
+    roles share their cores (fewer than 2 cores). ``usable``: the CPUs the launcher may use
+    (default its own affinity); a set is cut to them.
+    """
+    if args.device != "cpu" or CpuPlacement(getattr(args, "cpu_placement", CpuPlacement.ROLES.value)) \
+            is not CpuPlacement.ROLES:
+        return {}
+    cores = cores or os.cpu_count() or 1
+    instances = plan(args)
+    prefill_cores = {cpu_core_of(i, args, cores) for i in instances if i.role == "prefiller"}
+    decode_cores = {cpu_core_of(i, args, cores) for i in instances if i.role == "decoder"}
+    if prefill_cores & decode_cores:
+        return {}
+    mine = frozenset(os.sched_getaffinity(0) if usable is None else usable)
+    allowed = (frozenset(range(cores)) - prefill_cores) & mine
+    if not allowed:  # the launcher itself may not use any of them (taskset / cpuset): leave the decoders free
+        return {}
+    return {i.name: allowed for i in instances if i.role == "decoder"}
+
+
 def plan_gpus(instances: list[Instance], args: argparse.Namespace,
               available: list[gpu_plan.GpuSlot] | None = None) -> dict[str, GpuAssignment]:
     """One GPU per instance and each one's vLLM memory share (``available`` from nvidia-smi if None)."""
@@ -271,7 +316,8 @@ def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: P
                    lmcache_config=write_lmcache_config(inst, args, log_dir),
                    logging_config=log_dir / "logging.json",
                    extra={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})  # a failed NCCL op must not kill the server
-    return Child(inst.name, argv, env, log_dir / f"{inst.name}.log", f"http://127.0.0.1:{inst.http_port}/health")
+    return Child(inst.name, argv, env, log_dir / f"{inst.name}.log", f"http://127.0.0.1:{inst.http_port}/health",
+                 cpus=cpu_sets(args).get(inst.name))
 
 
 def proxy_child(args: argparse.Namespace, log_dir: Path) -> Child:

@@ -8,6 +8,7 @@ whole group, so nothing outlives the launcher.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -33,13 +34,17 @@ class Child:
     log_path: Path
     health_url: str
     proc: subprocess.Popen | None = None
+    # CPUs the child and everything it spawns may run on (set before it execs; None: the launcher's own)
+    cpus: frozenset[int] | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        pin = None if self.cpus is None else functools.partial(os.sched_setaffinity, 0, sorted(self.cpus))
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(list(self.argv), env=dict(self.env), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        logger.info("started %s (pid %d), log %s", self.name, self.proc.pid, self.log_path)
+                                         stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=pin)
+        logger.info("started %s (pid %d)%s, log %s", self.name, self.proc.pid,
+                    "" if self.cpus is None else f" on CPUs {sorted(self.cpus)}", self.log_path)
 
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()

@@ -84,3 +84,46 @@ def test_decoders_recompute_a_chunk_that_fails_to_load_instead_of_failing_the_re
     assert transfer("decoder-0")["kv_load_failure_policy"] == "recompute"
     assert transfer("decoder-0")["kv_role"] == "kv_consumer"
     assert "kv_load_failure_policy" not in transfer("prefiller-0")
+
+
+@pytest.mark.parametrize(("prefill", "decode", "cores", "want"), [
+    # 2 cores: the decoder's API server and engine core on its worker's core 1, never the prefiller's core 0
+    (1, 1, 2, {"decoder-0": {1}}),
+    (1, 2, 2, {"decoder-0": {1}, "decoder-1": {1}}),
+    # spare cores stay open; only the prefillers' worker cores are left out
+    (1, 1, 4, {"decoder-0": {1, 2, 3}}),
+    (2, 2, 4, {"decoder-0": {2, 3}, "decoder-1": {2, 3}}),
+    (1, 1, 1, {}),  # one core: the roles share it, nothing to keep apart
+])
+def test_cpu_placement_keeps_decoder_processes_off_the_prefillers_cores(prefill: int, decode: int, cores: int,
+                                                                        want: dict[str, set[int]]) -> None:
+    args = build_parser().parse_args(["launch", "--prefill", str(prefill), "--decode", str(decode)])
+    assert launch.cpu_sets(args, cores, usable=set(range(cores))) == {name: frozenset(cpus)
+                                                                      for name, cpus in want.items()}
+
+
+def test_cpu_placement_stays_inside_the_cpus_the_launcher_may_use() -> None:
+    args = build_parser().parse_args(["launch", "--prefill", "1", "--decode", "1"])
+    assert launch.cpu_sets(args, 4, usable={0, 1, 2}) == {"decoder-0": frozenset({1, 2})}
+    assert launch.cpu_sets(args, 4, usable={0}) == {}  # nothing left for the decoder: no restriction
+
+
+@pytest.mark.parametrize("argv", [["--cpu-placement", "workers"], ["--device", "cuda"]])
+def test_cpu_placement_workers_or_gpus_restrict_nothing(argv: list[str]) -> None:
+    args = build_parser().parse_args(["launch", "--prefill", "1", "--decode", "1", *argv])
+    assert launch.cpu_sets(args, 2) == {}
+
+
+def test_launched_children_carry_their_cpu_sets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: {0, 1})
+    args = build_parser().parse_args(["launch", "--prefill", "1", "--decode", "1"])
+    made = {i.name: launch.vllm_child(i, tmp_path / "model", args, tmp_path) for i in launch.plan(args)}
+    made["proxy"] = launch.proxy_child(args, tmp_path)
+    # the proxy and the prefiller's API server / engine core go wherever a core is free
+    assert {name: c.cpus for name, c in made.items()} == {"prefiller-0": None, "decoder-0": {1}, "proxy": None}
+    # vLLM still pins each worker to the instance's core (the decoder's inside its set)
+    assert (made["prefiller-0"].env["VLLM_CPU_OMP_THREADS_BIND"], made["decoder-0"].env["VLLM_CPU_OMP_THREADS_BIND"]) \
+        == ("0", "1")
+    off = build_parser().parse_args(["launch", "--prefill", "1", "--decode", "1", "--cpu-placement", "workers"])
+    assert all(launch.vllm_child(i, tmp_path / "model", off, tmp_path).cpus is None for i in launch.plan(off))
