@@ -111,6 +111,7 @@ class Settings:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
     dtype: str = "bfloat16"
+    launch_args: tuple[str, ...] = ()  # extra `lmcache-p2p launch` flags (an A/B of a launcher setting)
 
     @property
     def vllm_args(self) -> list[str]:
@@ -532,7 +533,7 @@ class P2PSystem(System):
                 # like the anchor's instances: no KV reuse across requests (the loads repeat the same
                 # 48 prompts, which vLLM's prefix cache and the decoder's buffer cache would serve)
                 "--no-prefix-caching",
-                *[f"--vllm-arg={a}" for a in self.cfg.vllm_args]]
+                *[f"--vllm-arg={a}" for a in self.cfg.vllm_args], *self.cfg.launch_args]
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -687,6 +688,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
                    help="wait up to this long for a quiet machine before each system and load (default 300)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--launch-arg", action="append", default=[], metavar="FLAG",
+                   help="an extra `lmcache-p2p launch` flag for lmcache_p2p (repeat; e.g. "
+                        "--launch-arg=--cpu-placement=workers for an A/B); recorded in the result's metadata")
     args = p.parse_args(argv)
     systems = tuple(s for s in args.systems.split(",") if s)
     if set(systems) - set(SYSTEMS):
@@ -710,7 +714,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     ordered = tuple(sorted(systems, key=SYSTEMS.index))
     return Settings(args.anchor.resolve(), args.work.resolve(), out, log_dir, ordered, loads, n,
                     args.quiet_wait_s, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens)
+                    max_num_batched_tokens=args.max_num_batched_tokens, launch_args=tuple(args.launch_arg))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -723,6 +727,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["settings"] = {
         "systems": list(cfg.systems), "loads": list(cfg.loads), "prompts": prompt_count(cfg),
         "max_tokens": MAX_TOKENS, "max_model_len": cfg.max_model_len, "vllm_args": cfg.vllm_args,
+        "launch_args": list(cfg.launch_args),
         "compiled": True, "cores": {"single": "0", "prefiller": "0", "decoder": "1"},
         "client": "../shared/anchor/bench.py --mode single (streamed; TTFT = first SSE data line)",
         "handover": {"lmcache_p2p": "proxy GET /stats handover_ms", "lmcache-pd": "pd_timing of a non-streamed pass"},

@@ -185,3 +185,10 @@ def test_descendants_and_their_cpu_time(anchor, e2e):
         child.wait()
     assert e2e._jiffies([child.pid]) == 0  # gone: contributes nothing
     assert e2e._jiffies([os.getpid()]) >= 0
+
+
+def test_launch_args_reach_lmcache_p2p_launch_and_default_to_none(anchor, tmp_path):
+    plain = anchor.P2PSystem(anchor.parse_args(["--log-dir", str(tmp_path)]))
+    assert not any(a.startswith("--cpu-placement") for a in plain.argv())
+    ab = anchor.P2PSystem(anchor.parse_args(["--log-dir", str(tmp_path), "--launch-arg=--cpu-placement=workers"]))
+    assert ab.argv()[-1] == "--cpu-placement=workers" and ab.argv()[:-1] == plain.argv()
