@@ -113,6 +113,7 @@ class Config:
     ceiling: bool = True  # measure the peer-copy ceiling of one request's KV before the systems start
     one_gpu: bool = False  # 1P1D on GPU 0 alone (launch --gpus 0,0 --share-gpus): a one-GPU machine's pass
     p2p_args: tuple[str, ...] = ()  # launch --p2p KEY=VALUE for lmcache_p2p's instances (recorded in each row)
+    send_buffer_size: str | None = None  # launch --send-buffer-size for lmcache_p2p (None: the launcher's default)
 
 
 @dataclasses.dataclass
@@ -280,7 +281,7 @@ def start(system: str, cfg: Config) -> Deployment:
     if system == "lmcache_p2p-nixl-hostsend":
         return start_p2p(cfg, "nixl", send_buffer_size="0")
     if system.startswith("lmcache_p2p-"):
-        return start_p2p(cfg, system.split("-", 1)[1])
+        return start_p2p(cfg, system.split("-", 1)[1], send_buffer_size=cfg.send_buffer_size)
     return start_lmcache_pd(cfg)
 
 
@@ -338,6 +339,8 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
     row["measured"] = cfg.run_label or None
     if cfg.p2p_args and dep.system.startswith("lmcache_p2p-"):
         row["p2p_args"] = list(cfg.p2p_args)
+    if cfg.send_buffer_size is not None and dep.system.startswith("lmcache_p2p-") and not dep.system.endswith("hostsend"):
+        row["send_buffer_size"] = cfg.send_buffer_size
     return row
 
 
@@ -854,6 +857,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
     p.add_argument("--p2p-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="launch --p2p KEY=VALUE for lmcache_p2p's instances (an A/B of a p2p setting; use its own "
                         "--results-dir)")
+    p.add_argument("--send-buffer-size", default=None,
+                   help="lmcache_p2p's VRAM send arena per prefiller (launch --send-buffer-size; default the "
+                        "launcher's): a small one makes stores spill to host memory midway (the spill path under load)")
     p.add_argument("--one-gpu", action="store_true",
                    help="a one-GPU machine: lmcache_p2p's 1P1D on GPU 0 alone (launch --gpus 0,0 --share-gpus, each "
                         "instance half of --gpu-memory-utilization), NIXL only; rows count 1 GPU")
@@ -874,7 +880,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                   force=a.force, deadline=time.monotonic() + budget, estimate_start_s=a.estimate_start_s,
                   device=a.device, proxy_workers=a.proxy_workers, run_label=a.run_label,
                   ceiling=not a.no_ceiling and not a.one_gpu, one_gpu=a.one_gpu,
-                  p2p_args=tuple(a.p2p_arg)), a.logs_archive
+                  p2p_args=tuple(a.p2p_arg), send_buffer_size=a.send_buffer_size), a.logs_archive
 
 
 def _interrupt(_signum: int, _frame: object) -> None:

@@ -314,3 +314,16 @@ def test_each_rate_has_its_own_prompts_and_lmcache_pd_s_buffer_holds_them_all(e2
     assert e2e_gpu.pd_receive_buffer_bytes(cfg, 100 << 30) == 50 << 30  # at most half the GPU
     fixed = dataclasses.replace(cfg, lmcache_pd_receive_buffer_size="8GB")
     assert e2e_gpu.pd_receive_buffer_bytes(fixed, gpu) == 8 << 30
+
+
+def test_send_buffer_size_goes_to_lmcache_p2p_but_not_to_its_hostsend_variant(e2e_gpu, tmp_path, monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(e2e_gpu, "start_p2p", lambda cfg, transport, **kw: calls.append((transport, kw)))
+    base = ["--model", str(tmp_path), "--log-dir", str(tmp_path / "logs")]
+    small, _ = e2e_gpu.parse_args([*base, "--send-buffer-size", "64MB"])
+    default, _ = e2e_gpu.parse_args(base)
+    e2e_gpu.start("lmcache_p2p-nixl", small)
+    e2e_gpu.start("lmcache_p2p-nixl-hostsend", small)
+    e2e_gpu.start("lmcache_p2p-nccl", default)
+    assert calls == [("nixl", {"send_buffer_size": "64MB"}), ("nixl", {"send_buffer_size": "0"}),
+                     ("nccl", {"send_buffer_size": None})]
