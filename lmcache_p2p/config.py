@@ -118,7 +118,7 @@ def _device(key: str, value: Any) -> str:
     raise ConfigError(key, f"must be one of cpu, cuda, cuda:N; got {value!r}")
 
 
-_IDLE_POLL_MAX_S = 0.05  # the sender's idle poll; a write poll slower than it makes no sense
+SENDER_IDLE_POLL_S = 0.05  # the sender thread's poll with nothing in flight; a write poll slower makes no sense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,9 +175,9 @@ class P2PConfig:
 
     def __post_init__(self) -> None:
         self.check_exposure()
-        if self.write_poll_interval_s is not None and self.write_poll_interval_s > _IDLE_POLL_MAX_S:
+        if self.write_poll_interval_s is not None and self.write_poll_interval_s > SENDER_IDLE_POLL_S:
             raise ConfigError(f"{SECTION}.write_poll_interval_s",
-                              f"is {self.write_poll_interval_s:g}s; at most {_IDLE_POLL_MAX_S:g}s (a write's "
+                              f"is {self.write_poll_interval_s:g}s; at most {SENDER_IDLE_POLL_S:g}s (a write's "
                               "completion is seen no sooner than this after it lands)")
         if self.reserve_lease_s <= self.write_window_s:
             raise ConfigError(

@@ -45,13 +45,13 @@ import zmq
 
 from lmcache_p2p import protocol
 from lmcache_p2p.backend.announcer import Announcer
-from lmcache_p2p.config import P2PConfig
+from lmcache_p2p.config import SENDER_IDLE_POLL_S, P2PConfig
 from lmcache_p2p.errors import ClosedError, P2PError, ProtocolError, RequestFailed, TransportError
 from lmcache_p2p.transport import Transport, WriteHandle
 
 logger = logging.getLogger(__name__)
 
-_IDLE_POLL_MS = 50
+_IDLE_POLL_MS = round(SENDER_IDLE_POLL_S * 1000)
 # While writes are in flight the thread polls them every p2p.write_poll_interval_s, sleeping in
 # between (never spinning): it runs in the engine's process, on the engine's core and under its GIL,
 # and a spin there slowed the prefill's sampling and answer right after the store (issue 9: store ->

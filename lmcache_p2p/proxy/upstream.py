@@ -17,7 +17,6 @@ event yields that event at once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -92,11 +91,10 @@ class Upstream:
         content = msgspec.json.encode(body) if body is not None else None
         c = min(self._connect_timeout_s, timeout_s)
         timeout = aiohttp.ClientTimeout(total=timeout_s, connect=c, sock_connect=c)
-        try:
-            async with asyncio.timeout(timeout_s):
-                async with self._streams().request(method, url, data=content, headers=_json_headers(headers),
-                                                   timeout=timeout) as resp:
-                    status, answer = resp.status, await resp.read()
+        try:  # ``total`` bounds the whole call, the answer's body included
+            async with self._streams().request(method, url, data=content, headers=_json_headers(headers),
+                                               timeout=timeout) as resp:
+                status, answer = resp.status, await resp.read()
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             raise UpstreamConnectError(f"{method} {url}: {_describe(exc)}") from exc
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
