@@ -213,15 +213,19 @@ def lmcache_pd_config(role: str, buffer_bytes: int) -> dict[str, Any]:
 
 
 def start_lmcache_pd(cfg: Config) -> Deployment:
-    """LMCache's own PD: prefiller (GPU 0, kv_producer) -> decoder (GPU 1, kv_consumer), its PD proxy."""
+    """LMCache's own PD: prefiller (GPU 0, kv_producer) -> decoder (GPU 1, kv_consumer), its PD proxy; with
+    ``--one-gpu`` both on GPU 0, each half of ``--gpu-memory-utilization`` less its buffer (as ``launch
+    --share-gpus`` places ours)."""
     if not cfg.lmcache_pd_proxy.is_file():
         raise StartupError(f"LMCache PD proxy not found at {cfg.lmcache_pd_proxy}: pass --lmcache-pd-proxy")
     log_dir = cfg.log_dir / "lmcache-pd"
     log_dir.mkdir(parents=True, exist_ok=True)
     logging_config = write_logging_config(log_dir / "logging.json")
-    total = query_gpus()[1].total_bytes
+    decoder_gpu = 0 if cfg.one_gpu else 1
+    total = query_gpus()[decoder_gpu].total_bytes
+    base_util = math.floor(cfg.gpu_memory_utilization / 2 * 100 + 1e-6) / 100 if cfg.one_gpu else cfg.gpu_memory_utilization
     children = []
-    for role, kv_role, gpu in (("decoder", "kv_consumer", 1), ("prefiller", "kv_producer", 0)):
+    for role, kv_role, gpu in (("decoder", "kv_consumer", decoder_gpu), ("prefiller", "kv_producer", 0)):
         # LMCache 0.5.3's PD receiver keeps every chunk it was sent in its pd buffer (a cache: a prompt sent again
         # is not re-allocated) and never frees one: once full, every later distinct prompt hangs the sender (seen
         # on 2x H200: 8 GB held the first 61 of 128 prompts, the rest failed). Its buffer must hold every
@@ -235,7 +239,7 @@ def start_lmcache_pd(cfg: Config) -> Deployment:
         if role == "decoder":
             extra["skip_last_n_tokens"] = 1
         transfer = {"kv_connector": "LMCacheConnectorV1", "kv_role": kv_role, "kv_connector_extra_config": extra}
-        util = utilization_with_buffer(cfg.gpu_memory_utilization, buffer_bytes, total)  # both hold a VRAM buffer
+        util = utilization_with_buffer(base_util, buffer_bytes, total)  # both hold a VRAM buffer
         argv = vllm_argv(cfg.model, PD_PORTS[role], "--no-enable-prefix-caching", "--max-model-len",
                          str(cfg.max_model_len), "--gpu-memory-utilization", f"{util:.2f}",
                          "--kv-transfer-config", json.dumps(transfer), *cfg.vllm_args)
@@ -861,8 +865,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                    help="lmcache_p2p's VRAM send arena per prefiller (launch --send-buffer-size; default the "
                         "launcher's): a small one makes stores spill to host memory midway (the spill path under load)")
     p.add_argument("--one-gpu", action="store_true",
-                   help="a one-GPU machine: lmcache_p2p's 1P1D on GPU 0 alone (launch --gpus 0,0 --share-gpus, each "
-                        "instance half of --gpu-memory-utilization), NIXL only; rows count 1 GPU")
+                   help="a one-GPU machine: the 1P1D systems on GPU 0 alone (lmcache_p2p: launch --gpus 0,0 "
+                        "--share-gpus; LMCache PD placed the same way), each instance half of "
+                        "--gpu-memory-utilization, NIXL only; rows count 1 GPU")
     a = p.parse_args(argv)
     systems = tuple(s for s in a.systems.split(",") if s)
     unknown = [s for s in systems if s not in SYSTEMS]

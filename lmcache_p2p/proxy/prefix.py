@@ -186,22 +186,6 @@ class PrefixIndex:
         return list(self._held)
 
 
-# ---- the prompt's ids ----------------------------------------------------------------------------
-
-
-def prompt_token_ids(tokenizer: Any, req: Any) -> list[int] | None:
-    """The prompt's token ids as vLLM makes them (a ``ProxyTokenizer`` and a ``ClientRequest``);
-    None when the proxy cannot tell (blocking: call it in a thread)."""
-    if req.prompt_ids is not None:
-        return list(req.prompt_ids)
-    if tokenizer is None:
-        return None
-    try:
-        return tokenizer.chat_prompt_ids(req.body) if req.is_chat else tokenizer.text_prompt_ids(req.body)
-    except Exception:  # a template or content the proxy cannot render: no prefix for routing
-        return None
-
-
 @dataclasses.dataclass(frozen=True)
 class PrefixSettings:
     """The knobs of ``--policy prefix`` (see ``routing.py``)."""

@@ -49,6 +49,8 @@ class ClientRequest:
     return_token_ids: bool
     top_logprobs: int | None  # None: no logprobs
     exact_prompt_tokens: int | None = None  # counted with the model's tokenizer (None: not known)
+    # a text completion prompt as the proxy's tokenizer (the model's) makes it: the prefiller gets these
+    tokenized_ids: tuple[int, ...] | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -120,8 +122,10 @@ def prefill_body(req: ClientRequest, kv_params: dict[str, Any] | None) -> dict[s
         body["kv_transfer_params"] = kv_params
     if req.is_chat:
         body["max_completion_tokens"] = 1
-    if req.prompt_ids is not None:
-        body["prompt"] = list(req.prompt_ids)
+    ids = req.prompt_ids if req.prompt_ids is not None else req.tokenized_ids
+    if ids is not None:
+        body["prompt"] = list(ids)
+        body.pop("add_special_tokens", None)  # the ids have them (or not) already
     if body.get("min_tokens"):
         body["min_tokens"] = 1
     return body

@@ -49,12 +49,17 @@ class ProxyTokenizer:
 
     def prompt_tokens(self, req: ClientRequest) -> int | None:
         """The prompt's exact token count as vLLM would tokenize it (None: cannot tell here)."""
+        ids = self.prompt_ids(req)
+        return None if ids is None else len(ids)
+
+    def prompt_ids(self, req: ClientRequest) -> list[int] | None:
+        """The prompt's token ids as vLLM would make them (None: a prompt this proxy cannot render)."""
         if req.prompt_ids is not None:
-            return len(req.prompt_ids)
+            return list(req.prompt_ids)
         try:
-            return len(self.chat_prompt_ids(req.body) if req.is_chat else self.text_prompt_ids(req.body))
+            return self.chat_prompt_ids(req.body) if req.is_chat else self.text_prompt_ids(req.body)
         except Exception as exc:  # a template or content this proxy cannot render: the estimate stands
-            logger.debug("cannot count the prompt's tokens in the proxy (%s: %s): using the estimate",
+            logger.debug("cannot tokenize the prompt in the proxy (%s: %s): using the estimate",
                          type(exc).__name__, exc)
             return None
 

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from lmcache_p2p.config import Role
+from lmcache_p2p.proxy import flow as flow_module
 
 from .conftest import eventually, make_cluster
 from .fakes import MESSAGES, MODEL, PROMPT, chat_prompt, expected_text, generate, token_text, tokenize
@@ -442,6 +443,24 @@ async def test_the_router_gets_the_exact_prompt_token_count(tokenizer_dir):
         await c.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 3})
         rendered = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
         assert seen == [len(hf.encode(PROMPT)), len(hf.encode(rendered, add_special_tokens=False))]
+
+
+@pytest.mark.parametrize("inline_max_tokens", [2048, 0], ids=["on-the-event-loop", "in-a-thread"])
+async def test_a_text_completion_reaches_the_prefiller_as_the_tokenizers_ids(tokenizer_dir, monkeypatch,
+                                                                             inline_max_tokens):
+    """The proxy tokenizes the prompt anyway (count, prefix): the prefiller gets the ids, not the text again."""
+    path, hf = tokenizer_dir
+    monkeypatch.setattr(flow_module, "_INLINE_TOKENIZE_MAX_TOKENS", inline_max_tokens)
+    async with make_cluster(tokenizer=str(path)) as c:
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
+                                                "add_special_tokens": True, "return_token_ids": True})
+        ids = hf.encode(PROMPT)
+        prefill, = c.prefillers[0].vllm.calls("/v1/completions")
+        assert prefill["prompt"] == ids and "add_special_tokens" not in prefill
+        assert resp.json()["choices"][0]["token_ids"] == generate(ids, 3)
+        await c.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 3})
+        chat_prefill, = c.prefillers[0].vllm.calls("/v1/chat/completions")
+        assert chat_prefill["messages"] == MESSAGES and "prompt" not in chat_prefill  # vLLM renders chat itself
 
 
 async def test_token_id_prompts_without_a_tokenizer_send_prompt_plus_first():
