@@ -34,7 +34,7 @@ from pathlib import Path
 import yaml
 
 from lmcache_p2p.cli import gpu as gpu_plan
-from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
+from lmcache_p2p.cli.processes import Child, StartupError, startup_waves, stop_all, wait_healthy
 from lmcache_p2p.cli.supervise import OnExit, RestartPolicy, SupervisionError, Supervisor
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
 from lmcache_p2p.config import P2PConfig, parse_size_bytes
@@ -317,7 +317,7 @@ def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: P
                    logging_config=log_dir / "logging.json",
                    extra={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})  # a failed NCCL op must not kill the server
     return Child(inst.name, argv, env, log_dir / f"{inst.name}.log", f"http://127.0.0.1:{inst.http_port}/health",
-                 cpus=cpu_sets(args).get(inst.name))
+                 cpus=cpu_sets(args).get(inst.name), gpu=None if gpu is None else gpu.index)
 
 
 def proxy_child(args: argparse.Namespace, log_dir: Path) -> Child:
@@ -448,9 +448,10 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     proxy_url = f"http://127.0.0.1:{args.proxy_port}"
     try:
-        for child in children:
-            child.start()
-        wait_healthy(children, args.startup_timeout_s)
+        for wave in startup_waves(children):  # instances sharing a GPU one after another
+            for child in wave:
+                child.start()
+            wait_healthy(wave, args.startup_timeout_s)
         wait_registered(proxy_url, args.prefill, args.decode, timeout_s=REGISTER_TIMEOUT_S)
         print(f"\nlmcache_p2p is serving {args.prefill}P{args.decode}D: {proxy_url}/v1  (model {model})", flush=True)
         print(f"logs: {log_dir}\nCtrl-C stops everything.", flush=True)

@@ -36,6 +36,7 @@ class Child:
     proc: subprocess.Popen | None = None
     # CPUs the child and everything it spawns may run on (set before it execs; None: the launcher's own)
     cpus: frozenset[int] | None = None
+    gpu: int | None = None  # the GPU it runs on (children sharing one start one after another)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,6 +112,27 @@ def wait_healthy(children: Sequence[Child], timeout_s: float, progress_every_s: 
             logger.info("waiting for %s ... %.0fs", ", ".join(c.name for c in pending), now - started)
             next_progress = now + progress_every_s
         time.sleep(0.5)
+
+
+def startup_waves(children: Sequence[Child]) -> list[list[Child]]:
+    """The children in the groups they start in, in order: every child without a GPU and the first on
+    each GPU at once, then the next on each GPU once those are healthy, and so on.
+
+    vLLM sizes its KV cache from what its memory profiling sees: a second instance starting on the
+    same GPU at the same moment counts the first one's allocations as its own and fails ("No
+    available memory for the cache blocks", seen with ``--share-gpus`` on one H200).
+    """
+    waves: list[list[Child]] = []
+    seen: dict[int, int] = {}
+    for child in children:
+        at = 0
+        if child.gpu is not None:
+            at = seen.get(child.gpu, 0)
+            seen[child.gpu] = at + 1
+        while len(waves) <= at:
+            waves.append([])
+        waves[at].append(child)
+    return waves
 
 
 def stop_all(children: Sequence[Child], grace_s: float = 15.0) -> None:

@@ -12,6 +12,7 @@ import yaml
 from lmcache_p2p.cli import launch
 from lmcache_p2p.cli.gpu import GpuPlanError, GpuSlot, utilization_with_buffer, parse_nvidia_smi, split_utilization_arg
 from lmcache_p2p.cli.main import build_parser, split_passthrough
+from lmcache_p2p.cli.processes import startup_waves
 from lmcache_p2p.cli.vllm_env import vllm_env, write_logging_config
 
 H200 = 143771 * 2**20  # memory.total nvidia-smi reports for an H200, in bytes
@@ -134,6 +135,17 @@ def test_share_gpus_splits_one_gpu_between_1p1d_over_nixl_only(tmp_path: Path) -
     with pytest.raises(GpuPlanError, match=r"prefiller-0 and decoder-0 on GPU 0.*NCCL cannot"):
         children_for(parse("--device", "cuda", "--gpus", "0,0", "--share-gpus", "--transport", "nccl"), tmp_path,
                      [GpuSlot(0, H200)])
+
+
+def test_instances_sharing_a_gpu_start_one_after_another(tmp_path: Path) -> None:
+    """vLLM's memory profiling would count a neighbour starting at the same moment as its own use."""
+    shared, _ = children_for(parse("--device", "cuda", "--gpus", "0,0", "--share-gpus"), tmp_path, [GpuSlot(0, H200)])
+    proxy = launch.proxy_child(parse("--device", "cuda"), tmp_path)
+    waves = startup_waves([proxy, shared["prefiller-0"], shared["decoder-0"]])
+    assert [[c.name for c in wave] for wave in waves] == [["proxy", "prefiller-0"], ["decoder-0"]]
+    apart, _ = children_for(parse("--device", "cuda", "--prefill", "1", "--decode", "1"), tmp_path)
+    waves = startup_waves([proxy, apart["prefiller-0"], apart["decoder-0"]])
+    assert [[c.name for c in wave] for wave in waves] == [["proxy", "prefiller-0", "decoder-0"]]
 
 
 def test_ucx_without_cuda_in_the_callers_env_is_refused_for_nixl_only(tmp_path: Path, monkeypatch) -> None:
