@@ -581,13 +581,21 @@ class NixlTransport(Transport):
         return xfer
 
     def staged_done(self, xfer: _Xfer) -> bool:
-        if not xfer.done and not xfer.error and self._agent is not None:
+        """True once the transfer completed; TransportError once it failed AND NIXL finished it.
+
+        A transfer failed for its caller while still on the wire (its peer disconnected) keeps
+        reading its ring slot until NIXL reports DONE/ERR: False until then, so the ring does not
+        refill the slot under it. One given up unsettled (close, a reconnect) keeps its slot.
+        """
+        if not xfer.settled and xfer.xfer is not None and self._agent is not None:
             try:
                 self._advance(self._agent, xfer)
             except self._errors as exc:
                 error = PeerUnreachable if isinstance(exc, self._disconnected) else TransportError
                 raise error(f"staged write to {xfer.peer} failed: {exc}") from exc
         if xfer.error:
+            if not xfer.settled:
+                return False
             raise TransportError(f"staged write to {xfer.peer} failed: {xfer.error}")
         return xfer.done
 
