@@ -45,10 +45,11 @@ decoder, else on a prefiller serving colocated, prompted with prompt ids + every
 already has (remaining ``max_tokens``, same sampling params: with greedy sampling the output
 equals one instance's), at most ``--migration-limit`` times per request; nothing is sent twice.
 
-Except under presence / frequency penalties: vLLM applies them to the request's OUTPUT tokens only,
-so an instance prompted with tokens already output does not penalize them and its output differs
-from one instance's, even at temperature 0. Such a request is served whole by one instance
-(``colocated{reason=output_penalties}``), and a stream of it that breaks after its first output
+Except under sampling that reads the request's own OUTPUT tokens (vLLM 0.32: presence and frequency
+penalties count output tokens only; ``bad_words`` match their prefix against output tokens only): an
+instance prompted with tokens already output does not see them as output, so its output differs from
+one instance's, even at temperature 0. Such a request is served whole by one instance
+(``colocated{reason=output_aware_sampling}``), and a stream of it that breaks after its first output
 token ends with an error rather than continue elsewhere (a wrong answer is worse than an error).
 
 A request's KV handover (its ``req_id`` on decoder D) ends in one of two ways: the decode request
@@ -448,8 +449,8 @@ class RequestFlow:
         """Disaggregated when a compatible pair has room (after waiting for it), else colocated."""
         o = self._o
         _, reason = self._pairable()
-        if reason is None and counts_output_tokens(self.req):
-            reason = ColocatedReason.OUTPUT_PENALTIES
+        if reason is None and reads_output_tokens(self.req):
+            reason = ColocatedReason.OUTPUT_AWARE_SAMPLING
         if reason is not None:
             return await self._colocate(cost, reason)
         admission = await o.admission.admit(lambda: self._grant_decoder(cost))
@@ -874,10 +875,10 @@ class RequestFlow:
 
     def _may_continue_elsewhere(self) -> bool:
         """Another instance prompted with prompt + output so far would decode as this one did."""
-        if self._output_ids and counts_output_tokens(self.req):
-            logger.warning("request %s: its presence/frequency penalties count the %d output token(s) so far, which "
-                           "another instance would not: the output ends here with an error", self.response_id,
-                           len(self._output_ids))
+        if self._output_ids and reads_output_tokens(self.req):
+            logger.warning("request %s: its sampling (penalties / bad_words) reads the %d output token(s) so far, "
+                           "which another instance would take as prompt: the output ends here with an error",
+                           self.response_id, len(self._output_ids))
             return False
         return True
 
@@ -992,11 +993,12 @@ def _cached_tokens(answer: dict[str, Any]) -> int | None:
     return cached if isinstance(cached, int) and cached >= 0 else None
 
 
-def counts_output_tokens(req: ClientRequest) -> bool:
-    """A presence or frequency penalty: vLLM applies them to the output's tokens only (not the prompt's),
-    so only the instance that output a token penalizes it."""
-    return any(isinstance(v, (int, float)) and v != 0
-               for v in (req.body.get("presence_penalty"), req.body.get("frequency_penalty")))
+def reads_output_tokens(req: ClientRequest) -> bool:
+    """Sampling that reads the request's own output tokens, not its prompt's (vLLM 0.32: presence and
+    frequency penalties, ``apply_penalties``; multi-token ``bad_words``, ``apply_bad_words``), so only
+    the instance that output a token takes it into account."""
+    penalties = (req.body.get("presence_penalty"), req.body.get("frequency_penalty"))
+    return any(isinstance(v, (int, float)) and v != 0 for v in penalties) or bool(req.body.get("bad_words"))
 
 
 def migratable(exc: UpstreamError) -> bool:

@@ -78,9 +78,9 @@ def generate(prompt_ids: list[int], n: int, penalized: bool = False) -> list[int
 
 
 def penalized_token(ids: list[int], output: list[int]) -> int:
-    """The next token under a presence / frequency penalty. As in vLLM, the penalty counts the OUTPUT's
-    tokens only (the request's prompt, whatever it holds, is not penalized): the fake's greedy choice
-    moves off any token this request already output."""
+    """The next token under sampling that reads the request's own output (presence / frequency penalties,
+    bad_words). As in vLLM, only the OUTPUT's tokens count (the request's prompt, whatever it holds, does
+    not): the fake's greedy choice moves off any token this request already output."""
     token = next_token(ids)
     while token in output:
         token = token + 1 if token < 99 else 10
@@ -88,7 +88,7 @@ def penalized_token(ids: list[int], output: list[int]) -> int:
 
 
 def penalized(body: dict[str, Any]) -> bool:
-    return any(body.get(k) for k in ("presence_penalty", "frequency_penalty"))
+    return any(body.get(k) for k in ("presence_penalty", "frequency_penalty", "bad_words"))
 
 
 PROMPT = "The quick brown fox jumps over the lazy dog"

@@ -550,15 +550,16 @@ async def test_a_decoder_answering_5xx_moves_the_decode_and_a_4xx_does_not():
 # ---- sampling that counts the output's tokens --------------------------------------------------------
 
 
-@pytest.mark.parametrize("penalty", ["frequency_penalty", "presence_penalty"])
+@pytest.mark.parametrize("sampling", [{"frequency_penalty": 0.5}, {"presence_penalty": 0.5},
+                                      {"bad_words": ["fox jumps"]}])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_output_penalties_are_served_by_one_instance_and_equal_its_output(penalty, stream):
-    """vLLM applies presence / frequency penalties to the request's OUTPUT tokens only: a decoder
-    prompted with prompt + first token does not penalize that token, so its output differs from
-    one instance's even at temperature 0. Such a request is served whole by one instance."""
+async def test_output_aware_sampling_is_served_by_one_instance_and_equals_its_output(sampling, stream):
+    """vLLM applies presence / frequency penalties and bad_words to the request's OUTPUT tokens only:
+    a decoder prompted with prompt + first token does not count that token, so its output differs
+    from one instance's even at temperature 0. Such a request is served whole by one instance."""
     async with make_cluster() as c:
         ids = tokenize(PROMPT)
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, penalty: 0.5,
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, **sampling,
                 "return_token_ids": True, "stream": stream}
         if stream:
             events = await c.stream("/v1/completions", body)
@@ -573,7 +574,7 @@ async def test_output_penalties_are_served_by_one_instance_and_equal_its_output(
         assert token_ids == generate(ids, 12, penalized=True)
         assert not any("kv_transfer_params" in b for n in [*c.prefillers, *c.decoders]
                        for b in n.vllm.calls("/v1/completions"))
-        assert c.metric("lmcache_p2p_proxy_colocated_total", reason="output_penalties", role="receiver") == 1
+        assert c.metric("lmcache_p2p_proxy_colocated_total", reason="output_aware_sampling", role="receiver") == 1
         assert_idle(c)
 
 
