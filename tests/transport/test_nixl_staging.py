@@ -171,15 +171,17 @@ class _Agent:
 
     def __init__(self) -> None:
         self.xfers: list[_Xfer] = []
+        self.registered: list[tuple[int, int]] = []  # (address, bytes) of each live registration
 
     def get_reg_descs(self, rows, mem):
         return rows
 
     def register_memory(self, descs, backends) -> None:
-        pass
+        self.registered += [(addr, n) for addr, n, *_ in descs]
 
     def deregister_memory(self, descs, backends) -> None:
-        pass
+        for addr, n, *_ in descs:
+            self.registered.remove((addr, n))
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
         return metadata
@@ -262,5 +264,25 @@ def test_a_slot_on_the_wire_to_a_disconnected_peer_is_not_refilled_before_nixl_f
         assert transport.poll(h2) and agent.xfers[-1].read == [second.numpy().tobytes()]
         assert agent.xfers[-1].notif == b"n2"
         assert transport.settled(h1) and transport.settled(h2)
+    finally:
+        transport.close()
+
+
+def test_a_write_refused_for_its_destination_leaves_no_source_registered(host_cuda, monkeypatch):
+    """A source outside every registered region is registered for its write only; a write refused
+    before it is posted (a destination outside the peer's regions) must not leave it registered."""
+    from lmcache_p2p.protocol import Region, TransportInfo
+    from lmcache_p2p.transport.nixl.transport import NixlTransport
+
+    agent = _Agent()
+    monkeypatch.setattr(NixlTransport, "_create_agent", lambda self, name, params: agent)
+    transport = NixlTransport("tx")  # no staging ring: host sources go straight out
+    try:
+        host = Region(addr=1 << 40, length=SLOT_BYTES, device_id=0, device="cpu")
+        transport.connect(TransportInfo(kind="nixl", name="h", metadata=b"h", regions=[host]), 1.0)
+        before = list(agent.registered)
+        with pytest.raises(ValueError, match="outside"):
+            transport.write("h", [torch.ones(100, dtype=torch.uint8)], [host.addr + SLOT_BYTES - 10], b"")
+        assert agent.registered == before
     finally:
         transport.close()

@@ -409,8 +409,9 @@ class NixlTransport(Transport):
                 staged = self._write_staged(target, srcs, dst_addrs, notif)
                 if staged is not None:
                     return staged
+            # Destinations first: a refused one must not leave a source registered for nothing.
+            dst_rows, dst_mem = self._dest_rows(target, [(0, src.nbytes, 0) for src in srcs], dst_addrs)
             src_rows, src_mem, temp = self._source_rows(agent, srcs)
-            dst_rows, dst_mem = self._dest_rows(target, src_rows, dst_addrs)
             xfer = _Xfer(peer, None, temp)
             try:
                 self._post(agent, xfer, src_rows, src_mem, dst_rows, dst_mem, notif)
