@@ -45,6 +45,13 @@ decoder, else on a prefiller serving colocated, prompted with prompt ids + every
 already has (remaining ``max_tokens``, same sampling params: with greedy sampling the output
 equals one instance's), at most ``--migration-limit`` times per request; nothing is sent twice.
 
+Except under sampling that reads the request's own OUTPUT tokens (vLLM 0.32: presence and frequency
+penalties count output tokens only; ``bad_words`` match their prefix against output tokens only): an
+instance prompted with tokens already output does not see them as output, so its output differs from
+one instance's, even at temperature 0. Such a request is served whole by one instance
+(``colocated{reason=output_aware_sampling}``), and a stream of it that breaks after its first output
+token ends with an error rather than continue elsewhere (a wrong answer is worse than an error).
+
 A request's KV handover (its ``req_id`` on decoder D) ends in one of two ways: the decode request
 reaches D (once D produced its first token the proxy cancels the ``req_id``, so that slots the
 engine did not load, e.g. an unused partial last chunk, are freed now rather than at lease
@@ -283,7 +290,8 @@ class RequestFlow:
                     yield self._end_of_context()
                     return
                 decoder = self._lease().instance
-                if not migratable(exc) or self._finished or migrations >= self._o.settings.migration_limit:
+                if (not migratable(exc) or self._finished or migrations >= self._o.settings.migration_limit
+                        or not self._may_continue_elsewhere()):
                     raise
                 migrations += 1
                 failed.add(decoder.instance_id)
@@ -361,7 +369,7 @@ class RequestFlow:
         """The stream broke after ``output_ids``: where it continues; None when it may not (the limit)."""
         self._output_ids = list(output_ids)
         self._finished = finished
-        if finished or migrations >= self._o.settings.migration_limit:
+        if finished or migrations >= self._o.settings.migration_limit or not self._may_continue_elsewhere():
             return None
         decoder = self._lease().instance
         failed.add(decoder.instance_id)
@@ -442,6 +450,8 @@ class RequestFlow:
         """Disaggregated when a compatible pair has room (after waiting for it), else colocated."""
         o = self._o
         _, reason = self._pairable()
+        if reason is None and reads_output_tokens(self.req):
+            reason = ColocatedReason.OUTPUT_AWARE_SAMPLING
         if reason is not None:
             return await self._colocate(cost, reason)
         admission = await o.admission.admit(lambda: self._grant_decoder(cost))
@@ -869,6 +879,15 @@ class RequestFlow:
         logger.info("request %s: decoding continues on %s %s (it recomputes the prompt)", self.response_id,
                     target.role_name, target.instance_id)
 
+    def _may_continue_elsewhere(self) -> bool:
+        """Another instance prompted with prompt + output so far would decode as this one did."""
+        if self._output_ids and reads_output_tokens(self.req):
+            logger.warning("request %s: its sampling (penalties / bad_words) reads the %d output token(s) so far, "
+                           "which another instance would take as prompt: the output ends here with an error",
+                           self.response_id, len(self._output_ids))
+            return False
+        return True
+
     def _connect_failed(self, inst: Instance, exc: UpstreamUnreachable) -> None:
         refused = isinstance(exc, UpstreamConnectError)
         logger.info("request %s: %s %s %s: %s", self.response_id, "cannot connect to" if refused else "lost",
@@ -978,6 +997,14 @@ def _cached_tokens(answer: dict[str, Any]) -> int | None:
     details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return cached if isinstance(cached, int) and cached >= 0 else None
+
+
+def reads_output_tokens(req: ClientRequest) -> bool:
+    """Sampling that reads the request's own output tokens, not its prompt's (vLLM 0.32: presence and
+    frequency penalties, ``apply_penalties``; multi-token ``bad_words``, ``apply_bad_words``), so only
+    the instance that output a token takes it into account."""
+    penalties = (req.body.get("presence_penalty"), req.body.get("frequency_penalty"))
+    return any(isinstance(v, (int, float)) and v != 0 for v in penalties) or bool(req.body.get("bad_words"))
 
 
 def migratable(exc: UpstreamError) -> bool:

@@ -80,6 +80,7 @@ class ColocatedReason(str, enum.Enum):
     ADMISSION_TIMEOUT = "admission_timeout"  # no decoder buffer credit within --admission-timeout-s
     ADMISSION_QUEUE_FULL = "admission_queue_full"  # --admission-queue-max requests already wait
     TOO_LARGE = "too_large"  # the prompt's KV is larger than every decoder buffer
+    OUTPUT_AWARE_SAMPLING = "output_aware_sampling"  # penalties / bad_words read output tokens: one instance (flow.py)
 
 
 @dataclasses.dataclass(frozen=True)

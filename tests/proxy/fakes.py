@@ -69,12 +69,26 @@ def token_text(token: int) -> str:
     return f" t{token}"
 
 
-def generate(prompt_ids: list[int], n: int) -> list[int]:
-    """What a single instance outputs (greedy)."""
+def generate(prompt_ids: list[int], n: int, penalized: bool = False) -> list[int]:
+    """What a single instance outputs (greedy); ``penalized``: with a presence / frequency penalty."""
     ids = list(prompt_ids)
     for _ in range(n):
-        ids.append(next_token(ids))
+        ids.append(penalized_token(ids, ids[len(prompt_ids):]) if penalized else next_token(ids))
     return ids[len(prompt_ids):]
+
+
+def penalized_token(ids: list[int], output: list[int]) -> int:
+    """The next token under sampling that reads the request's own output (presence / frequency penalties,
+    bad_words). As in vLLM, only the OUTPUT's tokens count (the request's prompt, whatever it holds, does
+    not): the fake's greedy choice moves off any token this request already output."""
+    token = next_token(ids)
+    while token in output:
+        token = token + 1 if token < 99 else 10
+    return token
+
+
+def penalized(body: dict[str, Any]) -> bool:
+    return any(body.get(k) for k in ("presence_penalty", "frequency_penalty", "bad_words"))
 
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -191,7 +205,7 @@ class FakeVllm:
         refused = self._context_refusal(ids, body.get("max_tokens", 16))
         if refused is not None:
             return refused
-        tokens, finish = self._generate(ids, body.get("max_tokens", 16))
+        tokens, finish = self._generate(ids, body.get("max_tokens", 16), penalized(body))
         if body.get("stream"):
             return StreamingResponse(self._stream(body, ids, tokens, finish), media_type="text/event-stream")
         choice = {"index": 0, "text": self._text(tokens), "logprobs": self._logprobs(body, tokens, 0),
@@ -212,7 +226,8 @@ class FakeVllm:
         await self._maybe_send_kv(body)
         if self.break_next:
             return self._broken()
-        tokens, finish = self._generate(ids, body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        tokens, finish = self._generate(ids, body.get("max_completion_tokens") or body.get("max_tokens") or 16,
+                                        penalized(body))
         choice = {"index": 0, "message": {"role": "assistant", "content": self._text(tokens)},
                   "logprobs": None, "finish_reason": finish}
         answer = self._answer("chat.completion", [choice], ids, tokens, body)
@@ -263,13 +278,13 @@ class FakeVllm:
         return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": "max_tokens",
                                        "code": 400}}, status_code=400)
 
-    def _generate(self, ids: list[int], max_tokens: int | None) -> tuple[list[int], str]:
+    def _generate(self, ids: list[int], max_tokens: int | None, penalize: bool = False) -> tuple[list[int], str]:
         n = 20 if max_tokens is None else max_tokens
         if self.max_model_len is not None:
             n = min(n, self.max_model_len - len(ids))
         tokens = list(ids)
         for _ in range(n):
-            tokens.append(self.model(tokens))
+            tokens.append(penalized_token(tokens, tokens[len(ids):]) if penalize else self.model(tokens))
         tokens = tokens[len(ids):]
         if self.eos_at is not None and self.eos_at < len(tokens):
             return tokens[: self.eos_at] + [EOS], "stop"

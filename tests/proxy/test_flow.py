@@ -564,3 +564,50 @@ async def test_a_decoder_answering_5xx_moves_the_decode_and_a_4xx_does_not():
         assert resp.status_code == 400 and resp.json() == error
         assert sum(len(n.vllm.errors) for n in c.decoders) == 1  # one decoder was asked, once
         assert_idle(c)
+
+
+# ---- sampling that counts the output's tokens --------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling", [{"frequency_penalty": 0.5}, {"presence_penalty": 0.5},
+                                      {"bad_words": ["fox jumps"]}])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_output_aware_sampling_is_served_by_one_instance_and_equals_its_output(sampling, stream):
+    """vLLM applies presence / frequency penalties and bad_words to the request's OUTPUT tokens only:
+    a decoder prompted with prompt + first token does not count that token, so its output differs
+    from one instance's even at temperature 0. Such a request is served whole by one instance."""
+    async with make_cluster() as c:
+        ids = tokenize(PROMPT)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, **sampling,
+                "return_token_ids": True, "stream": stream}
+        if stream:
+            events = await c.stream("/v1/completions", body)
+            chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+            token_ids = [t for ch in chunks for t in ch["token_ids"]]
+        else:
+            resp = await c.post("/v1/completions", body)
+            assert resp.status_code == 200, resp.text
+            token_ids = resp.json()["choices"][0]["token_ids"]
+        assert generate(ids, 12, penalized=True) != generate(ids, 1) + generate(ids + generate(ids, 1), 11,
+                                                                                 penalized=True)  # it matters here
+        assert token_ids == generate(ids, 12, penalized=True)
+        assert not any("kv_transfer_params" in b for n in [*c.prefillers, *c.decoders]
+                       for b in n.vllm.calls("/v1/completions"))
+        assert c.metric("lmcache_p2p_proxy_colocated_total", reason="output_aware_sampling", role="receiver") == 1
+        assert_idle(c)
+
+
+async def test_a_penalized_stream_that_breaks_after_output_ends_with_an_error_not_another_output():
+    """Continuing it elsewhere (prompt + the output so far) would lose the penalty on that output."""
+    async with make_cluster(n_decode=2) as c:
+        for node in c.decoders:
+            node.vllm.die_after = 3
+        events = await c.stream("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 12,
+                                                    "frequency_penalty": 0.5, "return_token_ids": True,
+                                                    "stream": True})
+        assert "error" in events[-2] and events[-1] == "[DONE]"
+        chunks = [e["choices"][0] for e in events[:-2] if e.get("choices")]
+        assert [t for ch in chunks for t in ch["token_ids"]] == generate(tokenize(PROMPT), 3, penalized=True)
+        calls = [b for n in [*c.prefillers, *c.decoders] for b in n.vllm.calls("/v1/completions")]
+        assert len(calls) == 1, "the stream was continued on another instance"
+        assert_idle(c)

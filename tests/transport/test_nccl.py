@@ -233,6 +233,73 @@ def test_disconnect_returns_at_once_while_a_posted_write_is_still_on_the_wire(ma
     assert _collect(rx, 1) in ([("tx", b"held")], [])
 
 
+class _DoorbellStore:
+    """A sender pair's store client: doorbell 0 waits until ``go`` is set, doorbell 1 fails."""
+
+    def __init__(self, store, go: threading.Event) -> None:
+        self._store, self._go, self._rung = store, go, 0
+
+    def set(self, key, value) -> None:
+        self._rung += 1
+        if self._rung == 2:
+            raise RuntimeError("store lost (test)")
+        self._go.wait(WAIT_S)
+        self._store.set(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_write_left_on_a_broken_pair_settles_only_once_it_can_no_longer_read_its_source(make) -> None:
+    """The pair breaks (a doorbell fails) while an earlier write's send still waits for its
+    receiver. A posted Gloo send reads its source whenever the receiver posts its receive, even
+    after abort() and with its group deleted, until its Work is destroyed (seen with torch 2.13):
+    a write may be reported settled (its memory reused) only once its Works are gone, so the
+    receiver never gets reused bytes under that write's notification. The pair thread is held
+    right after settling (its group still alive), as a loaded machine may deschedule it there.
+    A regression guard: with the Works kept past settling, the reused bytes arrive."""
+    rx, tx = make("rx"), make("tx")
+    buf = _recv_buffer(rx, MIB)
+    base = rx.info().regions[0].addr
+    gate = threading.Event()
+    real_view = rx._hooks.slot_view
+
+    def held_view(chunk):  # the receiver posts its receive only once the gate opens
+        gate.wait(WAIT_S)
+        return real_view(chunk)
+
+    rx._hooks = dataclasses.replace(rx._hooks, slot_view=held_view)
+    peer = _connect(rx, tx)
+    pair = tx._senders[peer]
+    both_queued, resume = threading.Event(), threading.Event()
+    pair._store = _DoorbellStore(pair._store, both_queued)
+    settle = pair._settle_broken
+
+    def settle_then_pause() -> None:
+        settle()
+        resume.wait(WAIT_S)
+
+    pair._settle_broken = settle_then_pause
+    data = _random(64 * KIB, 1)
+    original = data.clone()
+    held = tx.write(peer, [data], [base], b"held")
+    failing = tx.write(peer, [_random(KIB, 2)], [base + 128 * KIB], b"second")
+    both_queued.set()
+    try:
+        with pytest.raises(TransportError):
+            tx.wait(failing, WAIT_S)
+        assert _eventually(lambda: tx.settled(held)), "the broken pair's write never settled"
+        data.fill_(0xEE)  # its caller reuses the memory of a settled write
+        gate.set()
+        got = _collect(rx, 1, timeout_s=3.0)
+    finally:
+        gate.set()
+        resume.set()
+    assert got in ([], [("tx", b"held")])
+    if got:
+        assert torch.equal(buf[: 64 * KIB], original), "a notification came with bytes written after its write settled"
+
+
 def test_write_guard_refuses_a_write_before_any_byte_of_it_is_received(make) -> None:
     rx, tx = make("rx"), make("tx")
     buf = _recv_buffer(rx, MIB)

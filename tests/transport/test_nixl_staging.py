@@ -10,6 +10,7 @@ each posted transfer into a host "remote" buffer and completes it after a few po
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import random
 
 import pytest
@@ -144,3 +145,144 @@ def test_empty_sources_are_refused(host_cuda) -> None:
     ring, _ = _ring(1 << 20)
     with pytest.raises(ValueError):
         ring.submit("peer", [torch.empty(0, dtype=torch.uint8)], [(0, 0, 1)], b"x")
+
+
+# ---- the ring inside NixlTransport: a disconnect while a slot is on the wire ----------------------
+
+
+class _Xfer:
+    """A fake NIXL transfer: like a UCX put, it may read its source until it reports DONE."""
+
+    def __init__(self, local, remote, peer, notif) -> None:
+        self.local, self.remote, self.peer, self.notif = local, remote, peer, notif
+        self.state = "PROC"
+        self.read: list[bytes] = []  # what the put read from its sources, once it finished
+
+    def finish(self) -> None:
+        self.read = [ctypes.string_at(addr, n) for addr, n, _ in self.local]
+        self.state = "DONE"
+
+    def release(self) -> None:
+        pass
+
+
+class _Agent:
+    """The NIXL agent calls NixlTransport makes, in host memory; transfers finish when told."""
+
+    def __init__(self) -> None:
+        self.xfers: list[_Xfer] = []
+        self.registered: list[tuple[int, int]] = []  # (address, bytes) of each live registration
+
+    def get_reg_descs(self, rows, mem):
+        return rows
+
+    def register_memory(self, descs, backends) -> None:
+        self.registered += [(addr, n) for addr, n, *_ in descs]
+
+    def deregister_memory(self, descs, backends) -> None:
+        for addr, n, *_ in descs:
+            self.registered.remove((addr, n))
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        return metadata
+
+    def remove_remote_agent(self, name) -> None:
+        pass
+
+    def get_xfer_descs(self, rows, mem):
+        return list(rows)
+
+    def initialize_xfer(self, op, local, remote, peer, notif):
+        xfer = _Xfer(local, remote, peer, notif)
+        self.xfers.append(xfer)
+        return xfer
+
+    def transfer(self, xfer) -> str:
+        return xfer.state
+
+    def check_xfer_state(self, xfer) -> str:
+        return xfer.state
+
+
+def _nixl_with_ring(monkeypatch: pytest.MonkeyPatch, slots: int):
+    from lmcache_p2p.transport.nixl.transport import NixlTransport
+
+    agent = _Agent()
+    monkeypatch.setattr(NixlTransport, "_create_agent", lambda self, name, params: agent)
+    transport = NixlTransport("tx")
+    ring = StagingRing(torch.device("cpu"), SLOT_BYTES, slots, transport)
+    transport._ring = ring
+    transport.register(ring.buffer)
+    return transport, agent
+
+
+def _gpu_peer(name: str):
+    from lmcache_p2p.protocol import Region, TransportInfo
+
+    region = Region(addr=1 << 40, length=8 * SLOT_BYTES, device_id=0, device="cuda")
+    return TransportInfo(kind="nixl", name=name, metadata=name.encode(), regions=[region]), region.addr
+
+
+class _LandedEvent:
+    def record(self, _stream) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def test_a_slot_on_the_wire_to_a_disconnected_peer_is_not_refilled_before_nixl_finishes_it(host_cuda, monkeypatch):
+    """A disconnect fails the peer's writes for their callers, but a put already posted out of a
+    ring slot goes on reading that slot until NIXL reports it finished: the ring must not copy
+    another write into the slot meanwhile (the put, and its notification, would carry the other
+    write's bytes to a receiver that may still be alive)."""
+    monkeypatch.setattr(torch.cuda, "Event", _LandedEvent)
+    transport, agent = _nixl_with_ring(monkeypatch, slots=1)
+    try:
+        info_b, dst_b = _gpu_peer("b")
+        info_c, dst_c = _gpu_peer("c")
+        first = torch.full((1000,), 0xAA, dtype=torch.uint8)
+        second = torch.full((1000,), 0xBB, dtype=torch.uint8)
+        transport.connect(info_b, 1.0)
+        h1 = transport.write("b", [first], [dst_b], b"n1")
+        assert not transport.poll(h1)
+        assert [x.peer for x in agent.xfers] == ["b"]  # copied into the slot and posted
+        transport.disconnect("b")
+        with pytest.raises(PeerUnreachable):
+            transport.poll(h1)
+        transport.connect(info_c, 1.0)
+        h2 = transport.write("c", [second], [dst_c], b"n2")
+        for _ in range(5):
+            assert not transport.poll(h2)
+        agent.xfers[0].finish()  # the put to b ends only now, reading the slot as it is now
+        for _ in range(5):
+            if transport.poll(h2):
+                break
+            for xfer in agent.xfers[1:]:
+                xfer.finish()
+        assert agent.xfers[0].read == [first.numpy().tobytes()], "the put to b read another write's bytes"
+        assert transport.poll(h2) and agent.xfers[-1].read == [second.numpy().tobytes()]
+        assert agent.xfers[-1].notif == b"n2"
+        assert transport.settled(h1) and transport.settled(h2)
+    finally:
+        transport.close()
+
+
+def test_a_write_refused_for_its_destination_leaves_no_source_registered(host_cuda, monkeypatch):
+    """A source outside every registered region is registered for its write only; a write refused
+    before it is posted (a destination outside the peer's regions) must not leave it registered."""
+    from lmcache_p2p.protocol import Region, TransportInfo
+    from lmcache_p2p.transport.nixl.transport import NixlTransport
+
+    agent = _Agent()
+    monkeypatch.setattr(NixlTransport, "_create_agent", lambda self, name, params: agent)
+    transport = NixlTransport("tx")  # no staging ring: host sources go straight out
+    try:
+        host = Region(addr=1 << 40, length=SLOT_BYTES, device_id=0, device="cpu")
+        transport.connect(TransportInfo(kind="nixl", name="h", metadata=b"h", regions=[host]), 1.0)
+        before = list(agent.registered)
+        with pytest.raises(ValueError, match="outside"):
+            transport.write("h", [torch.ones(100, dtype=torch.uint8)], [host.addr + SLOT_BYTES - 10], b"")
+        assert agent.registered == before
+    finally:
+        transport.close()

@@ -8,7 +8,10 @@ mapped to :mod:`lmcache_p2p.errors` here. No global world is ever initialised: e
 Facts this code relies on (seen with torch 2.13 Gloo on the CPU machines, 2026-11-30):
   * a Gloo op that passes its timeout CLOSES the pair ("Application timeout caused pair
     closure"): a timed-out group is dead, never waited on again;
-  * ``abort()`` does not interrupt a Gloo wait; deleting the group closes its sockets;
+  * ``abort()`` does not interrupt a Gloo wait; deleting the group closes its sockets, but only
+    once no Work of it is alive: a posted send still waiting for its receiver reads its source
+    whenever the receiver posts, after abort() and with the group deleted, until its Work is
+    destroyed (destroying the Work cancels it);
   * Gloo ``Work.is_completed()`` stays False until someone calls ``wait``;
   * a plain master TCPStore listens on every interface: we bind the socket ourselves (to the
     configured host) and hand it over with ``master_listen_fd``.

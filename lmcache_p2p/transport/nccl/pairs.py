@@ -62,6 +62,9 @@ class PendingWrite:
         self.finished.set()
 
     def release(self) -> None:
+        # Dropping the Works is what ends a posted Gloo send still waiting for its receiver: it
+        # reads the source whenever the receiver posts, even after abort() or with its group gone,
+        # until its Work is destroyed (torch 2.13; tests/transport/test_nccl.py). So before settled.
         self.srcs = []
         self.works = []
 

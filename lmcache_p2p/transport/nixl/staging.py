@@ -51,7 +51,8 @@ class XferPort(Protocol):
         """Post one VRAM -> VRAM transfer; return its token. PeerUnreachable / TransportError."""
 
     def staged_done(self, xfer: Any) -> bool:
-        """True once the transfer completed; TransportError if it failed (it is released then)."""
+        """True once the transfer completed; TransportError once it failed and ended (released then).
+        A transfer failed while NIXL still runs it answers False: its slot is still being read."""
 
     def drop_staged(self, xfer: Any) -> None:
         """Release an unfinished transfer (abort); never raises."""

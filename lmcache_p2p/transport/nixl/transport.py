@@ -409,8 +409,9 @@ class NixlTransport(Transport):
                 staged = self._write_staged(target, srcs, dst_addrs, notif)
                 if staged is not None:
                     return staged
+            # Destinations first: a refused one must not leave a source registered for nothing.
+            dst_rows, dst_mem = self._dest_rows(target, [(0, src.nbytes, 0) for src in srcs], dst_addrs)
             src_rows, src_mem, temp = self._source_rows(agent, srcs)
-            dst_rows, dst_mem = self._dest_rows(target, src_rows, dst_addrs)
             xfer = _Xfer(peer, None, temp)
             try:
                 self._post(agent, xfer, src_rows, src_mem, dst_rows, dst_mem, notif)
@@ -581,13 +582,21 @@ class NixlTransport(Transport):
         return xfer
 
     def staged_done(self, xfer: _Xfer) -> bool:
-        if not xfer.done and not xfer.error and self._agent is not None:
+        """True once the transfer completed; TransportError once it failed AND NIXL finished it.
+
+        A transfer failed for its caller while still on the wire (its peer disconnected) keeps
+        reading its ring slot until NIXL reports DONE/ERR: False until then, so the ring does not
+        refill the slot under it. One given up unsettled (close, a reconnect) keeps its slot.
+        """
+        if not xfer.settled and xfer.xfer is not None and self._agent is not None:
             try:
                 self._advance(self._agent, xfer)
             except self._errors as exc:
                 error = PeerUnreachable if isinstance(exc, self._disconnected) else TransportError
                 raise error(f"staged write to {xfer.peer} failed: {exc}") from exc
         if xfer.error:
+            if not xfer.settled:
+                return False
             raise TransportError(f"staged write to {xfer.peer} failed: {xfer.error}")
         return xfer.done
 
