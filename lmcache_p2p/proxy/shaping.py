@@ -13,8 +13,9 @@
   stop strings: the proxy applies them to its own text (``detokenize.py``).
 
 What cannot be split between two instances is refused with 400: ``n``/``best_of`` > 1, beam
-search, ``echo``, batched prompts, prompt embeddings, ``prompt_logprobs``, structured outputs (the decoder's grammar
-would restart after the prefiller's first token).
+search, ``echo``, batched prompts, prompt embeddings, ``prompt_logprobs``, structured outputs and a forced
+``tool_choice`` ("required" or a named tool: the decoder's grammar would restart after the prefiller's
+first token).
 """
 
 from __future__ import annotations
@@ -220,6 +221,11 @@ def _refuse_unsplittable(endpoint: Endpoint, body: dict[str, Any]) -> None:
     if body.get("structured_outputs") or (isinstance(response_format, dict) and response_format.get("type") != "text"):
         raise BadRequest("structured outputs (response_format, structured_outputs) are not supported by the "
                          "disaggregated proxy: the decoder's grammar would restart after the first token")
+    tool_choice = body.get("tool_choice")
+    if endpoint is Endpoint.CHAT and body.get("tools") and (tool_choice == "required" or isinstance(tool_choice, dict)):
+        raise BadRequest("tool_choice 'required' or a named tool is not supported by the disaggregated proxy: vLLM "
+                         "enforces it with a grammar, which the decoder would restart after the first token "
+                         "('auto' and 'none' are)")
     if endpoint is Endpoint.CHAT and (not isinstance(body.get("messages"), list) or not body["messages"]):
         raise BadRequest("messages must be a non-empty list")
 

@@ -43,12 +43,22 @@ def test_completion_defaults_and_token_prompts():
     (Endpoint.CHAT, {"messages": []}, "messages"),
     (Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
      "structured outputs"),
+    (Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
+                     "tool_choice": "required"}, "tool_choice 'required' or a named tool"),
+    (Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
+                     "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     (Endpoint.CHAT, ["not", "an", "object"], "JSON object"),
 ])
 def test_unsplittable_or_invalid_requests_are_400(endpoint, body, message):
     with pytest.raises(BadRequest, match=message) as info:
         parse_client_request(endpoint, body, 4)
     assert info.value.status_code == 400
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none", None])
+def test_unforced_tool_choice_is_split(tool_choice):
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}], "tool_choice": tool_choice}
+    assert parse_client_request(Endpoint.CHAT, body, 4).is_chat
 
 
 def test_first_token_needs_a_token_id():
