@@ -119,7 +119,7 @@ class RelayCoordinator:
         flow = self._o.open(req, msg.headers, msg.received_s)
         kept = False
         try:
-            first = await unless_disconnected(request, flow.prefill())
+            first = await unless_disconnected(request, flow.prefill(), flow.close)
             if msg.handle in self._closed:
                 return Response(status_code=499)
             relayed = self._flows[msg.handle] = _Relayed(flow, msg.worker)
