@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 
 from lmcache_p2p.config import Role
+from lmcache_p2p.proxy import app as app_module
+from lmcache_p2p.proxy.flow import RequestFlow
 from lmcache_p2p.proxy.registry import StaticInstance
 
 from .conftest import eventually, make_cluster
 from .fakes import MODEL, FakeAgent, FakeVllm, generate, token_text, tokenize
+from .test_routing import assert_idle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -165,15 +167,12 @@ async def test_stats_summarizes_every_request_since_start_or_reset():
 async def test_a_prefill_that_ends_after_its_client_left_and_the_handler_gave_up_releases_what_it_took(monkeypatch):
     """A cancelled prefill that does not stop within ``_CANCEL_WAIT_S`` goes on to lease a decoder and register
     its KV waiter after the handler answered: both are released when it ends."""
-    from lmcache_p2p.proxy import app as app_module
-    from lmcache_p2p.proxy.flow import RequestFlow
-
-    from .test_routing import assert_idle
-
     monkeypatch.setattr(app_module, "_CANCEL_WAIT_S", 0.01)
     measure = RequestFlow._measure
+    entered = asyncio.Event()
 
     async def slow_to_stop(self, req):
+        entered.set()
         try:
             await asyncio.sleep(20)  # the client leaves meanwhile
         except asyncio.CancelledError:  # does not stop at its cancel: the handler gives up waiting first
@@ -183,10 +182,13 @@ async def test_a_prefill_that_ends_after_its_client_left_and_the_handler_gave_up
 
     monkeypatch.setattr(RequestFlow, "_measure", slow_to_stop)
     async with make_cluster() as c:
-        with pytest.raises(httpx.TimeoutException):
-            await c.client.post("/v1/completions", json=BODY, timeout=0.2)
+        post = asyncio.ensure_future(c.post("/v1/completions", BODY))
+        await eventually(entered.is_set)
+        post.cancel()  # the client leaves
+        await asyncio.gather(post, return_exceptions=True)
         await eventually(lambda: c.prefillers[0].vllm.calls("/v1/completions"))  # the late prefill ran
         await eventually(lambda: len(c.proxy.waiters) == 0 and all(
             i.inflight_requests == 0 for i in c.proxy.registry.instances()))
         assert_idle(c)
-        assert c.metric("lmcache_p2p_proxy_requests_total", endpoint="/v1/completions", status="499") == 1
+        await eventually(lambda: c.metric("lmcache_p2p_proxy_requests_total", endpoint="/v1/completions",
+                                          status="499") == 1)

@@ -18,6 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from lmcache_p2p.proxy.coordinator import RelayCoordinator
+
 from .conftest import ProxyProcess, eventually, make_cluster
 from .fakes import MESSAGES, MODEL, PROMPT, expected_text, generate, tokenize
 from .test_flow import assert_idle, cycling_model, use_model
@@ -198,8 +200,6 @@ async def test_a_closed_report_whose_answer_is_lost_is_sent_again_and_counted_on
     """The first "closed" of the request gets no answer: lost before the coordinator took it (its lease stays),
     or taken and then its answer lost. Either way the worker sends it again: the lease is returned, the
     answer counted once."""
-    from lmcache_p2p.proxy.coordinator import RelayCoordinator
-
     closed_step = RelayCoordinator._closed_step
     cut: list[bool] = []
 
