@@ -7,7 +7,8 @@ for the KV), except the decode stream itself: the worker streams it from the dec
 the client's text, and reports the steps that matter here (first output, a broken stream, the
 end). ``open`` answers the first token at once and, on the same answer, where the decode goes once
 the KV is ready, so the worker's decode waits for no call of its own. Each open request is held under the worker's handle until the worker closes it, or the
-worker dies (then every request it held is closed here: no leaked load).
+worker dies (then every request it held is closed here: no leaked load). A "closed" whose answer the
+worker did not get is sent again (``relay_worker.CoordinatorLink.tell``); a second one is ignored here.
 
 The public endpoints (``/health``, ``/metrics``, ``/stats``, ``/instances``...) are served here
 too, on the same socket: workers pass them through.
