@@ -111,7 +111,7 @@ class ProxyApp:
         flow = self._open_flow(req, forwarded_headers(request.headers), received_s)
         streaming = False
         try:
-            first = await unless_disconnected(request, flow.prefill())
+            first = await unless_disconnected(request, flow.prefill(), flow.close)
             renderer = renderer_for(req, _response_id(req, flow), first, flow.prompt_ids,
                                     include_first=not flow.decoder_regenerates_first)
             if req.stream:
@@ -119,7 +119,7 @@ class ProxyApp:
                 self._count(endpoint, 200)
                 decode = EarlyDecode(flow.decode()) if flow.needs_decode else None  # before the first byte
                 return _FlowStreamingResponse(flow, self._stream(flow, renderer, decode), decode)
-            answer = await unless_disconnected(request, _collect(flow, renderer))
+            answer = await unless_disconnected(request, _collect(flow, renderer), flow.close)
             self._count(endpoint, 200)
             return Response(msgspec.json.encode(answer), media_type="application/json")
         except ProxyError as exc:
@@ -297,8 +297,13 @@ async def _read_json(request: Request) -> Any:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work`` unless the client disconnects first (then cancel it and raise ClientDisconnected)."""
+async def unless_disconnected(request: Request, work: Awaitable[T], on_late_end: Callable[[], None]) -> T:
+    """Run ``work`` unless the client disconnects first (then cancel it and raise ClientDisconnected).
+
+    A cancelled ``work`` gets ``_CANCEL_WAIT_S`` to stop. One still running then (it did not stop at its
+    cancel) is left to end on its own and the handler answers now; ``on_late_end`` runs when it ends,
+    so what it took after the caller's clean-up (a lease, a KV waiter) is released then (the caller's
+    ``flow.close``: idempotent)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnect(request))
     try:
@@ -307,10 +312,26 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         watch.cancel()
         if not task.done():
             task.cancel()
-            await asyncio.wait({task}, timeout=_CANCEL_WAIT_S)
-    if task.cancelled():
+            await _wait_cancelled(task, on_late_end)
+    if task.cancelled() or not task.done():
         raise ClientDisconnected()
     return task.result()
+
+
+async def _wait_cancelled(task: asyncio.Future[Any], on_late_end: Callable[[], None]) -> None:
+    try:
+        await asyncio.wait({task}, timeout=_CANCEL_WAIT_S)
+    finally:  # also when this wait itself is cancelled (server shutdown)
+        if not task.done():
+            logger.warning("cancelled work %r did not stop within %.1f s: what it takes is released when it ends",
+                           task, _CANCEL_WAIT_S)
+            task.add_done_callback(functools.partial(_ended_late, on_late_end))
+
+
+def _ended_late(on_late_end: Callable[[], None], task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:  # retrieved: nobody awaits it any more
+        logger.debug("cancelled work ended late with %r", task.exception())
+    on_late_end()
 
 
 async def _disconnect(request: Request) -> None:

@@ -7,7 +7,8 @@ for the KV), except the decode stream itself: the worker streams it from the dec
 the client's text, and reports the steps that matter here (first output, a broken stream, the
 end). ``open`` answers the first token at once and, on the same answer, where the decode goes once
 the KV is ready, so the worker's decode waits for no call of its own. Each open request is held under the worker's handle until the worker closes it, or the
-worker dies (then every request it held is closed here: no leaked load).
+worker dies (then every request it held is closed here: no leaked load). A "closed" whose answer the
+worker did not get is sent again (``relay_worker.CoordinatorLink.tell``); a second one is ignored here.
 
 The public endpoints (``/health``, ``/metrics``, ``/stats``, ``/instances``...) are served here
 too, on the same socket: workers pass them through.
@@ -48,7 +49,7 @@ from lmcache_p2p.proxy.shaping import Endpoint, parse_client_request
 
 logger = logging.getLogger(__name__)
 
-_CLOSED_REMEMBERED = 4096  # handles closed before their open answered (a client gone meanwhile)
+_CLOSED_REMEMBERED = 4096  # handles closed here lately: an open still running, a "closed" sent again
 
 
 @dataclasses.dataclass(eq=False)
@@ -119,7 +120,7 @@ class RelayCoordinator:
         flow = self._o.open(req, msg.headers, msg.received_s)
         kept = False
         try:
-            first = await unless_disconnected(request, flow.prefill())
+            first = await unless_disconnected(request, flow.prefill(), flow.close)
             if msg.handle in self._closed:
                 return Response(status_code=499)
             relayed = self._flows[msg.handle] = _Relayed(flow, msg.worker)
@@ -185,7 +186,12 @@ class RelayCoordinator:
         return Response(status_code=204)
 
     async def _closed_step(self, request: Request) -> Response:
+        """The request is over: its counts, then close it. A worker that lost the answer sends "closed" again
+        (relay_worker ``_CLOSED_ATTEMPTS``); one for a handle closed here already is ignored, so the
+        counts of a first send that did arrive are not applied twice."""
         step = msgspec.json.decode(await request.body(), type=Step)
+        if step.handle in self._closed:
+            return Response(status_code=204)
         relayed = self._flows.get(step.handle)
         if relayed is not None:
             _note_first_byte(relayed.flow, step)
@@ -221,11 +227,11 @@ class RelayCoordinator:
         return step, self._flows.get(step.handle)
 
     def _close(self, handle: str, output_ids: list[int] | None) -> None:
+        self._closed[handle] = None  # an open still running answers 499 and closes; a "closed" again is ignored
+        while len(self._closed) > _CLOSED_REMEMBERED:
+            self._closed.popitem(last=False)
         relayed = self._flows.pop(handle, None)
         if relayed is None:
-            self._closed[handle] = None  # its open may still be running: it answers 499 and closes
-            while len(self._closed) > _CLOSED_REMEMBERED:
-                self._closed.popitem(last=False)
             return
         if relayed.planning is not None and not relayed.planning.done():
             relayed.planning.cancel()  # its KV wait: the request is over

@@ -70,6 +70,8 @@ _TOKENIZER_POLL_S = 0.5
 _PASSED_HEADERS = ("authorization", "content-type")
 _ANSWER_HEADERS = ("content-type", "www-authenticate")
 _LINK_ERRORS = (aiohttp.ClientError, TimeoutError)
+_CLOSED_ATTEMPTS = 5  # "closed" returns the request's lease on the coordinator: sent again after a link error
+_RETRY_BACKOFF_S = 0.1  # before the second attempt; doubled before each next one
 
 
 class RelayedError(ProxyError):
@@ -144,34 +146,49 @@ class CoordinatorLink:
         return ProxyError(f"relay worker {self.worker}: the coordinator did not answer {step} "
                           f"({type(exc).__name__}: {exc})", status_code=503)
 
-    async def tell(self, step: str, msg: msgspec.Struct) -> None:
-        """A report nothing waits on the answer of; a coordinator that does not take it is logged."""
-        try:
-            status, content = await self._post(step, msg)
-        except _LINK_ERRORS as exc:
-            logger.error("relay worker %d: the coordinator did not take %s (%s: %s)", self.worker, step,
-                         type(exc).__name__, exc)
+    async def tell(self, step: str, msg: msgspec.Struct, attempts: int = 1) -> None:
+        """A report nothing waits on the answer of; a coordinator that does not take it is logged.
+
+        A link error (no answer within --coordinator-timeout-s, a connection dropped) is sent again, up
+        to ``attempts`` sends, after ``_RETRY_BACKOFF_S`` doubled each time: "closed" goes with
+        ``_CLOSED_ATTEMPTS``, since until the coordinator takes it the request's lease (load, decoder
+        credit) stays there. A send that did arrive (only its answer was lost) is harmless: the
+        coordinator ignores a "closed" of a handle it already closed. A refusal (status >= 400) is
+        final. After the last failed send the lease is returned when this worker exits (the coordinator
+        closes a dead worker's requests): the coordinator has then not answered ``attempts`` times in a
+        row, the judgement by which open fails requests with 503."""
+        for attempt in range(1, attempts + 1):
+            try:
+                status, content = await self._post(step, msg)
+            except _LINK_ERRORS as exc:
+                logger.log(logging.ERROR if attempt == attempts else logging.WARNING,
+                           "relay worker %d: the coordinator did not take %s (send %d of %d; %s: %s)",
+                           self.worker, step, attempt, attempts, type(exc).__name__, exc)
+                if attempt < attempts:
+                    await asyncio.sleep(_RETRY_BACKOFF_S * 2 ** (attempt - 1))
+                continue
+            if status >= 400:
+                logger.warning("the coordinator refused %s: %d %s", step, status, content[:300])
             return
-        if status >= 400:
-            logger.warning("the coordinator refused %s: %d %s", step, status, content[:300])
 
     def tell_later(self, step: str, msg: msgspec.Struct | Callable[[], msgspec.Struct],
-                   after: Collection[asyncio.Task[Any]] = (), answer: OpenAnswer | None = None) -> asyncio.Task[Any]:
+                   after: Collection[asyncio.Task[Any]] = (), answer: OpenAnswer | None = None,
+                   attempts: int = 1) -> asyncio.Task[Any]:
         """Send in a task (never awaits here: safe in a cancelled task); after the tasks ``after`` (and
-        after closing ``answer``); ``msg`` may be made when it goes."""
-        task = asyncio.get_running_loop().create_task(self._tell_after(step, msg, after, answer),
+        after closing ``answer``); ``msg`` may be made when it goes; ``attempts``: as ``tell``."""
+        task = asyncio.get_running_loop().create_task(self._tell_after(step, msg, after, answer, attempts),
                                                       name=f"relay-{step}")
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task
 
     async def _tell_after(self, step: str, msg: msgspec.Struct | Callable[[], msgspec.Struct],
-                          after: Collection[asyncio.Task[Any]], answer: OpenAnswer | None) -> None:
+                          after: Collection[asyncio.Task[Any]], answer: OpenAnswer | None, attempts: int) -> None:
         if answer is not None:
             await answer.aclose()
         if after:
             await asyncio.wait(after)
-        await self.tell(step, msg if isinstance(msg, msgspec.Struct) else msg())
+        await self.tell(step, msg if isinstance(msg, msgspec.Struct) else msg(), attempts)
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
@@ -383,7 +400,7 @@ class RemoteFlow:
             await self._answer.aclose()
         if self._before_close:
             await asyncio.wait(self._before_close)  # the coordinator learns the steps in order
-        await self._w.link.tell("closed", self._closed_step())
+        await self._w.link.tell("closed", self._closed_step(), _CLOSED_ATTEMPTS)
 
     def close(self) -> None:
         """Tell the coordinator the request is over (in a task: never awaits); idempotent."""
@@ -391,7 +408,7 @@ class RemoteFlow:
             return
         self._closed = True
         self._closing = self._w.link.tell_later("closed", self._closed_step, after=self._before_close,
-                                                answer=self._answer)
+                                                answer=self._answer, attempts=_CLOSED_ATTEMPTS)
 
     async def closing(self) -> None:
         """Until the coordinator has closed the request (after ``close``)."""

@@ -7,10 +7,13 @@ import asyncio
 import pytest
 
 from lmcache_p2p.config import Role
+from lmcache_p2p.proxy import app as app_module
+from lmcache_p2p.proxy.flow import RequestFlow
 from lmcache_p2p.proxy.registry import StaticInstance
 
 from .conftest import eventually, make_cluster
 from .fakes import MODEL, FakeAgent, FakeVllm, generate, token_text, tokenize
+from .test_routing import assert_idle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -159,3 +162,33 @@ async def test_stats_summarizes_every_request_since_start_or_reset():
         await c.post("/v1/completions", {**BODY, "max_tokens": 1})  # no decode: a TTFT, no handover
         after = (await c.client.get("/stats")).json()
         assert (after["ttft_ms"]["count"], after["handover_ms"]["count"], after["kv_wait_ms"]["count"]) == (1, 0, 0)
+
+
+async def test_a_prefill_that_ends_after_its_client_left_and_the_handler_gave_up_releases_what_it_took(monkeypatch):
+    """A cancelled prefill that does not stop within ``_CANCEL_WAIT_S`` goes on to lease a decoder and register
+    its KV waiter after the handler answered: both are released when it ends."""
+    monkeypatch.setattr(app_module, "_CANCEL_WAIT_S", 0.01)
+    measure = RequestFlow._measure
+    entered = asyncio.Event()
+
+    async def slow_to_stop(self, req):
+        entered.set()
+        try:
+            await asyncio.sleep(20)  # the client leaves meanwhile
+        except asyncio.CancelledError:  # does not stop at its cancel: the handler gives up waiting first
+            asyncio.current_task().uncancel()
+            await asyncio.sleep(0.5)
+        return await measure(self, req)
+
+    monkeypatch.setattr(RequestFlow, "_measure", slow_to_stop)
+    async with make_cluster() as c:
+        post = asyncio.ensure_future(c.post("/v1/completions", BODY))
+        await eventually(entered.is_set)
+        post.cancel()  # the client leaves
+        await asyncio.gather(post, return_exceptions=True)
+        await eventually(lambda: c.prefillers[0].vllm.calls("/v1/completions"))  # the late prefill ran
+        await eventually(lambda: len(c.proxy.waiters) == 0 and all(
+            i.inflight_requests == 0 for i in c.proxy.registry.instances()))
+        assert_idle(c)
+        await eventually(lambda: c.metric("lmcache_p2p_proxy_requests_total", endpoint="/v1/completions",
+                                          status="499") == 1)

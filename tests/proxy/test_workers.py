@@ -18,6 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from lmcache_p2p.proxy.coordinator import RelayCoordinator
+
 from .conftest import ProxyProcess, eventually, make_cluster
 from .fakes import MESSAGES, MODEL, PROMPT, expected_text, generate, tokenize
 from .test_flow import assert_idle, cycling_model, use_model
@@ -183,6 +185,44 @@ async def test_a_worker_killed_while_its_requests_wait_for_their_kv_has_them_clo
         await asyncio.gather(*streams, return_exceptions=True)
         await eventually(lambda: len(c.proxy.coordinator) == 0)
         assert_idle(c)
+
+
+class _CutAnswer:
+    """An answer cut after its status line: the worker's read fails (a link error, as a dropped connection)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("arrived", [False, True])
+async def test_a_closed_report_whose_answer_is_lost_is_sent_again_and_counted_once(monkeypatch, arrived, stream):
+    """The first "closed" of the request gets no answer: lost before the coordinator took it (its lease stays),
+    or taken and then its answer lost. Either way the worker sends it again: the lease is returned, the
+    answer counted once."""
+    closed_step = RelayCoordinator._closed_step
+    cut: list[bool] = []
+
+    async def first_answer_cut(self: RelayCoordinator, request: Any) -> Any:
+        if cut:
+            return await closed_step(self, request)
+        cut.append(True)
+        if arrived:
+            await closed_step(self, request)
+        return _CutAnswer()
+
+    monkeypatch.setattr(RelayCoordinator, "_closed_step", first_answer_cut)  # before the routes are made
+    async with make_cluster(workers=2) as c:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": stream}
+        if stream:
+            assert (await c.stream("/v1/completions", body))[-1] == "[DONE]"
+        else:
+            assert (await c.post("/v1/completions", body)).json()["choices"][0]["text"] == expected_text(
+                tokenize(PROMPT), 5)
+        await eventually(lambda: len(c.proxy.coordinator) == 0)
+        assert_idle(c)
+        assert c.proxy.coordinator.calls["closed"] == 2
+        assert c.metric("lmcache_p2p_proxy_requests_total", endpoint="/v1/completions", status="200") == 1
 
 
 async def _stream_until_cut(url: str) -> int:
