@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 NONE = "none"
+# mixed scripts, digits, whitespace runs, punctuation and markup: where two tokenizers of one vocabulary differ
+_PROBE_TEXT = "Hello, world!  12 345.6 ünïcödé 中文 ½ <b>x</b>\n\tEnd"
 
 
 class ProxyTokenizer:
@@ -208,9 +210,42 @@ class TokenizerProvider:
             logger.warning("cannot load the tokenizer from %s (%s: %s): prompt counts are estimates and text comes "
                            "from the instances; pass --tokenizer DIR", path, type(exc).__name__, exc)
             return None
-        if tokenizer is not None:
-            logger.info("tokenizer loaded from %s: exact prompt counts, output text made in the proxy", path)
+        if tokenizer is None or not await self._agrees_with_instances(tokenizer, instances):
+            return None
+        logger.info("tokenizer loaded from %s: exact prompt counts, prompt ids to the prefillers, output text made "
+                    "in the proxy", path)
         return tokenizer
+
+    async def _agrees_with_instances(self, tokenizer: ProxyTokenizer, instances: Sequence[Instance]) -> bool:
+        """The instances tokenize a probe text as ``tokenizer`` does (one ``/tokenize``).
+
+        The proxy sends the prefillers the prompt ids it made and makes the client's text from ids, so a
+        tokenizer other than the instances' (vLLM started with its own ``--tokenizer`` or
+        ``--tokenizer-mode``) would give wrong answers, not only wrong text: such a tokenizer is not
+        used. An instance that cannot tokenize (``--skip-tokenizer-init``) or does not answer leaves it
+        unchecked.
+        """
+        if self._upstream is None:
+            return True
+        ours = tokenizer.hf.encode(_PROBE_TEXT, add_special_tokens=True)
+        for inst in instances:
+            try:
+                answer = await self._upstream.post_json(inst.http_url, "/tokenize",
+                                                        {"prompt": _PROBE_TEXT, "add_special_tokens": True},
+                                                        timeout_s=self._timeout_s)
+            except ProxyError as exc:
+                logger.debug("%s cannot check the tokenizer (%s)", inst.instance_id, exc)
+                continue
+            theirs = answer.get("tokens")
+            if theirs == ours:
+                return True
+            logger.warning("the tokenizer in %s makes %d ids of a probe text, %s's vLLM makes %s: not used (prompt "
+                           "counts are estimates, prompts go to the instances as text and text comes from them); "
+                           "pass --tokenizer DIR naming the tokenizer the instances use", tokenizer.source, len(ours),
+                           inst.instance_id, f"{len(theirs)} other ones" if isinstance(theirs, list) else "none")
+            return False
+        logger.info("no instance could tokenize a probe text: the tokenizer in %s is used unchecked", tokenizer.source)
+        return True
 
     async def _served_model(self, instances: Sequence[Instance]) -> str | None:
         """``root`` of an instance's /v1/models (and its ``max_model_len``). Raises when no instance answers."""

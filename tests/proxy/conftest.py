@@ -61,6 +61,7 @@ class Cluster:
     prefillers: list[Node]
     decoders: list[Node]
     secret: str | None
+    encode: Callable[[str], list[int]] | None = None  # the fakes' tokenizer (None: fakes.tokenize)
 
     @property
     def control_address(self) -> str:
@@ -72,6 +73,8 @@ class Cluster:
         """A fake instance; announced (then routable) unless ``announce`` is False. ``serve_http=False``:
         its HTTP port refuses connections until ``node.vllm.server.start()`` (a vLLM still loading)."""
         vllm = FakeVllm(f"{role.value}-{len(self.prefillers) + len(self.decoders)}")
+        if self.encode is not None:
+            vllm.encode = self.encode
         if serve_http:
             await vllm.server.start()
         else:
@@ -124,7 +127,7 @@ async def make_cluster(n_prefill: int = 1, n_decode: int = 1, *, tp_size: int = 
     await proxy.start()
     await proxy.start_http()
     client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy.port}", timeout=10, trust_env=False)
-    cluster = Cluster(proxy, client, KvNetwork(), [], [], secret)
+    cluster = Cluster(proxy, client, KvNetwork(), [], [], secret, encode=_hf_encode(settings.get("tokenizer")))
     try:
         for _ in range(n_prefill):
             await cluster.add_node(Role.SENDER)
@@ -137,6 +140,17 @@ async def make_cluster(n_prefill: int = 1, n_decode: int = 1, *, tp_size: int = 
         for node in nodes:
             node.agent.close()
         await asyncio.gather(proxy.close(), *(node.vllm.server.stop() for node in nodes))
+
+
+def _hf_encode(tokenizer: Any) -> Callable[[str], list[int]] | None:
+    """With ``tokenizer=DIR`` the fakes tokenize as that tokenizer does, as vLLM serving its model would
+    (the proxy checks that its tokenizer and the instances' agree before it uses it)."""
+    if not isinstance(tokenizer, str) or not os.path.isdir(tokenizer):
+        return None
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tokenizer)
+    return lambda text: list(hf.encode(text))
 
 
 _PROXY_MAIN = """

@@ -241,7 +241,7 @@ class FakeVllm:
         body = await request.json()
         self.requests.append(("/tokenize", body))
         text = chat_prompt(body["messages"]) if "messages" in body else body["prompt"]
-        ids = tokenize(text)
+        ids = self.encode(text)
         return JSONResponse({"count": len(ids), "max_model_len": 4096, "tokens": ids})
 
     async def _models(self, request: Request) -> Any:

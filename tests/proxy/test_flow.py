@@ -611,3 +611,25 @@ async def test_a_penalized_stream_that_breaks_after_output_ends_with_an_error_no
         calls = [b for n in [*c.prefillers, *c.decoders] for b in n.vllm.calls("/v1/completions")]
         assert len(calls) == 1, "the stream was continued on another instance"
         assert_idle(c)
+
+
+# ---- the proxy's tokenizer must be the instances' -----------------------------------------------------
+
+
+async def test_a_tokenizer_other_than_the_instances_is_not_used(tokenizer_dir):
+    """vLLM started with its own --tokenizer: the proxy's prompt ids and text would be wrong, so it goes without."""
+    path, hf = tokenizer_dir
+    async with make_cluster(tokenizer=str(path)) as c:
+        agreeing = await c.proxy.orchestrator.tokenizers.get(
+            c.proxy.registry.routable(Role.SENDER), wait_s=None)
+        assert agreeing is not None  # the fakes tokenize as the folder's tokenizer does
+    async with make_cluster(tokenizer="none") as ref:  # the fakes' own tokenizer, no proxy tokenizer
+        expected = (await ref.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})).json()
+    async with make_cluster() as c:  # the fakes keep fakes.tokenize: another tokenizer than the folder's
+        c.proxy.orchestrator.tokenizers = type(c.proxy.orchestrator.tokenizers)(
+            str(path), c.proxy.orchestrator.upstream, timeout_s=2.0)
+        assert await c.proxy.orchestrator.tokenizers.get(c.proxy.registry.routable(Role.SENDER), wait_s=None) is None
+        answer = (await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})).json()
+        prefill, = c.prefillers[0].vllm.calls("/v1/completions")
+        assert prefill["prompt"] == PROMPT  # the text, which the instance tokenizes itself
+        assert answer["choices"][0]["text"] == expected["choices"][0]["text"] == expected_text(tokenize(PROMPT), 4)
