@@ -127,10 +127,8 @@ class Fingerprint(msgspec.Struct, frozen=True):
 
     def differences(self, other: Fingerprint, *, ignore: tuple[str, ...] = ()) -> list[str]:
         """``field: ours != theirs`` for every field that differs (empty: compatible)."""
-        out = []
-        for name in self.differing_fields(other, ignore=ignore):
-            out.append(f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}")
-        return out
+        return [f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
+                for name in self.differing_fields(other, ignore=ignore)]
 
 
 # ---- sender <-> receiver -----------------------------------------------------------------------
