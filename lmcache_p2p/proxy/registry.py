@@ -32,9 +32,16 @@ receiver then refuses with ``full`` and the sender retries (``alloc_timeout_s``)
 Every change that may free credit (a returned commit, a released lease, a heartbeat, an instance
 coming up) is told to the ``on_credit`` listeners (the admission queue, ``admission.py``).
 
+Plugin proof: only an instance whose LMCache plugin runs may send or receive KV, and the plugin's
+announcement (one per TP rank, renewed every heartbeat) is the proof. :meth:`Registry.plugin_running`
+holds for an instance with a live announcement (within ``ttl_s``) from every rank; never for a
+static instance (it has no announcement of its own: an announced one takes its place while alive).
+An instance without one may still serve a request alone (colocated); it is logged once.
+
 Fingerprints: an instance announces its KV :class:`~lmcache_p2p.protocol.Fingerprint` (model, layers,
 heads, dtype, chunk size, TP split, layout). :meth:`Registry.compatible` says whether a prefiller's KV
-may go to a decoder; unknown (None, old or test peers) counts as compatible. A mismatched pair is
+may go to a decoder: both plugins run and, when both fingerprints are known, they agree (an
+announcement without one, from old or test peers, counts as agreeing). A mismatched pair is
 logged once with the fields that differ.
 
 Single-threaded (the event loop); nothing here awaits, listeners included.
@@ -267,6 +274,7 @@ class Registry:
         self.on_forgotten: list[InstanceCallback] = []  # an instance was dropped from the registry
         self.on_credit: list[CreditCallback] = []  # decoder credit or load may have freed: admit waiters
         self._mismatches: set[tuple[str, str, Fingerprint, Fingerprint]] = set()  # logged once each
+        self._unplugged: set[str] = set()  # instance ids logged as running no plugin, once each
 
     def now(self) -> float:
         return self._clock()
@@ -410,11 +418,34 @@ class Registry:
     def lease(self, instance: Instance, tokens: int, chunks: int = 0) -> Lease:
         return Lease(self, instance, tokens, chunks)
 
+    def plugin_running(self, inst: Instance) -> bool:
+        """Does its LMCache plugin run? A live announcement (within the TTL) from each rank it announced
+        proves it (that every TP rank announced is ``routable``'s part, see :attr:`Instance.complete`).
+
+        Logged once per instance when it does not (again after it was seen running).
+        """
+        deadline = self.now() - self._ttl_s
+        running = not inst.static and bool(inst.ranks) and all(
+            r.last_seen_s >= deadline for r in inst.ranks.values())
+        if running:
+            self._unplugged.discard(inst.instance_id)
+        elif inst.instance_id not in self._unplugged:
+            self._unplugged.add(inst.instance_id)
+            logger.warning(
+                "%s %s (%s) has no live announcement from its LMCache plugin on every TP rank (%s): it is never "
+                "paired for disaggregated serving and serves requests alone; check that its server started the "
+                "p2p backend and that p2p.proxy_url points at this proxy's --control-port", inst.role_name,
+                inst.instance_id, inst.http_url, "a static instance from flags" if inst.static else "ranks silent")
+        return running
+
     def compatible(self, prefiller: Instance, decoder: Instance) -> bool:
-        """May ``prefiller``'s KV go to ``decoder``? Unknown fingerprints count as compatible.
+        """May ``prefiller``'s KV go to ``decoder``? Both plugins must run (:meth:`plugin_running`);
+        unknown fingerprints count as compatible.
 
         A mismatch is logged once per pair (and fingerprints) with the fields that differ.
         """
+        if not (self.plugin_running(prefiller) and self.plugin_running(decoder)):
+            return False
         ours, theirs = prefiller.fingerprint, decoder.fingerprint
         if ours is None or theirs is None:
             return True
@@ -474,6 +505,7 @@ class Registry:
         logger.log(level, "%s %s (%s) forgotten: %s; %d request(s) in flight", _role_name(inst.role),
                    inst.instance_id, inst.http_url, why, inst.inflight_requests)
         self._mismatches = {k for k in self._mismatches if inst.instance_id not in k[:2]}
+        self._unplugged.discard(inst.instance_id)
         self._notify(self.on_forgotten, inst)
 
     @staticmethod

@@ -52,7 +52,7 @@ from typing import Any
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.errors import NoCapacity, NoInstanceAvailable
 from lmcache_p2p.proxy.prefix import PrefixIndex, PrefixSettings, PromptPrefix, none_hash
-from lmcache_p2p.proxy.registry import Instance
+from lmcache_p2p.proxy.registry import Instance, Registry
 
 
 class Policy(str, enum.Enum):
@@ -80,6 +80,7 @@ class ColocatedReason(str, enum.Enum):
     ADMISSION_TIMEOUT = "admission_timeout"  # no decoder buffer credit within --admission-timeout-s
     ADMISSION_QUEUE_FULL = "admission_queue_full"  # --admission-queue-max requests already wait
     TOO_LARGE = "too_large"  # the prompt's KV is larger than every decoder buffer
+    PLUGIN_NOT_RUNNING = "plugin_not_running"  # no prefiller or no decoder announces a running LMCache plugin
     OUTPUT_AWARE_SAMPLING = "output_aware_sampling"  # penalties / bad_words read output tokens: one instance (flow.py)
 
 
@@ -200,6 +201,23 @@ class Router:
         most, least = max(loads), min(loads)
         s = self.prefix_settings
         return most - least > s.balance_abs_requests and most > s.balance_rel * least
+
+
+def pairable(registry: Registry) -> tuple[list[Instance], ColocatedReason | None]:
+    """Routable decoders that may take KV from a routable prefiller (both plugins run, fingerprints
+    agree, ``Registry.compatible``); else none and why."""
+    prefillers, decoders = registry.routable(Role.SENDER), registry.routable(Role.RECEIVER)
+    if not decoders:
+        return [], ColocatedReason.NO_DECODER
+    if not prefillers:
+        return [], ColocatedReason.NO_PREFILLER
+    # Every instance is asked, so that each one without a plugin is logged, not only the first.
+    prefillers = [p for p in prefillers if registry.plugin_running(p)]
+    decoders = [d for d in decoders if registry.plugin_running(d)]
+    if not prefillers or not decoders:
+        return [], ColocatedReason.PLUGIN_NOT_RUNNING
+    paired = [d for d in decoders if any([registry.compatible(p, d) for p in prefillers])]  # logs every pair
+    return paired, None if paired else ColocatedReason.NO_COMPATIBLE_DECODER
 
 
 def exceeds_every_buffer(decoders: list[Instance], prompt_tokens: int) -> bool:
