@@ -127,8 +127,8 @@ class Upstream:
             import aiohttp
 
             self._aio = aiohttp.ClientSession(
-                # An idle connection is let go before vLLM's server (uvicorn: 5 s) closes its end, so a
-                # call never goes out on a connection the instance is closing.
+                # An idle connection is let go before vLLM's server (uvicorn's keep-alive timeout) closes
+                # its end, so a call never goes out on a connection the instance is closing.
                 connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S),
                 trust_env=False, auto_decompress=False)  # never through an environment proxy; SSE is not compressed
         return self._aio

@@ -87,7 +87,8 @@ async def test_static_instances_from_flags_pair_once_their_plugins_announce():
             await sender.announce()
             try:
                 await eventually(lambda: c.proxy.registry.routable(Role.SENDER) and c.proxy.registry.routable(
-                    Role.RECEIVER))  # both /health probes answered 200
+                    Role.RECEIVER) and not any(i.static for i in c.proxy.registry.routable(Role.SENDER)
+                                               + c.proxy.registry.routable(Role.RECEIVER)))  # announced, probed
                 resp = await c.post("/v1/completions", BODY)
                 assert resp.json()["choices"][0]["text"] == EXPECTED
                 assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 1
