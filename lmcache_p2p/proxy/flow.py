@@ -97,6 +97,7 @@ from lmcache_p2p.proxy.routing import (
     chunks_needed,
     exceeds_every_buffer,
     no_capacity,
+    pairable,
 )
 from lmcache_p2p.proxy.settings import KvFailurePolicy
 from lmcache_p2p.proxy.shaping import (
@@ -507,14 +508,7 @@ class RequestFlow:
 
     def _pairable(self) -> tuple[list[Instance], ColocatedReason | None]:
         """Routable decoders whose KV fingerprint matches a routable prefiller's; else why none."""
-        o = self._o
-        prefillers, decoders = o.registry.routable(Role.SENDER), o.registry.routable(Role.RECEIVER)
-        if not decoders:
-            return [], ColocatedReason.NO_DECODER
-        if not prefillers:
-            return [], ColocatedReason.NO_PREFILLER
-        pairable = [d for d in decoders if any([o.registry.compatible(p, d) for p in prefillers])]  # logs every pair
-        return pairable, None if pairable else ColocatedReason.NO_COMPATIBLE_DECODER
+        return pairable(self._o.registry)
 
     def _grant_decoder(self, cost: RequestCost) -> Lease | None:
         """Admission's grant: a lease with credit for the KV on a pairable decoder, None while none has
