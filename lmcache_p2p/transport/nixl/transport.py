@@ -30,10 +30,18 @@ NIXL/UCX behaviour this module relies on or works around (nixl 1.5.1; see shared
     left to tell when it stops. And once a remote agent is removed, ``check_xfer_state`` on a
     transfer to it only answers NOT_FOUND. So ``abort`` never releases an active transfer: it
     fails the handle for the caller and keeps polling it; the write is ``settled`` once NIXL
-    reports it DONE or ERR (UCX completed every request). ``disconnect`` keeps the peer's agent
-    loaded until its writes in flight settled (then removes it). Only ``close`` (or a reconnect
+    reports it DONE (UCX completed every request). ``disconnect`` keeps the peer's agent
+    loaded until its writes in flight settled (then removes it). ``close`` (or a reconnect
     under the same name) gives up on an unsettled write: it never settles, so its caller keeps
     the memory.
+  * ERR does not mean the transfer ended: the UCX backend's handle status returns the first
+    failed request's error without looking at the transfer's other puts, and keeps answering
+    ERR while they run. Nothing in NIXL tells when they stop, so a write that NIXL failed (at
+    post, on a state check, or a state check that raised) is given up like one at ``close``:
+    failed for its caller, never settled (its sources and temporary registrations stay in use,
+    a staging ring slot it read stays busy for the process's life), counted in ``given_up``
+    and logged. A write that raises was never posted; once ``transfer`` was called it returns
+    a handle, failed or not.
 
 Host sources into a peer's GPU memory go through a :class:`~lmcache_p2p.transport.nixl.staging.StagingRing`
 on the sender's own GPU when the transport is built with ``stage_device`` (UCX alone moves them at
@@ -126,7 +134,9 @@ class _Xfer:
     temp: list[_Registration]  # sources registered for this write only
     done: bool = False
     error: str = ""
-    settled: bool = False  # NIXL reported the transfer finished (DONE/ERR): nothing reads the sources
+    unreachable: bool = False  # the failure was the peer going away
+    settled: bool = False  # NIXL reported the transfer DONE, or it was never posted: nothing reads the sources
+    given_up: bool = False  # failed while its puts may still read: it never settles
 
 
 def _nixl_error_types(bindings: Any) -> tuple[type[BaseException], ...]:
@@ -167,6 +177,7 @@ class NixlTransport(Transport):
         self._inflight: dict[int, _Xfer] = {}  # posted and not yet settled (aborted ones included)
         self._retiring: set[str] = set()  # disconnected peers whose agents stay until their writes settled
         self._leaked: list[_Registration] = []  # temp sources of writes NIXL refused to cancel
+        self.given_up = 0  # writes NIXL failed while their puts may still read: never settled
         self._ring: StagingRing | None = None
         params = dict(DEFAULT_BACKEND_PARAMS if backend_params is None else backend_params)
         try:
@@ -361,10 +372,7 @@ class NixlTransport(Transport):
         """Advance writes to disconnected peers; unload each peer whose writes all settled."""
         for peer in list(self._retiring):
             for xfer in [x for x in self._inflight.values() if x.peer == peer and x.xfer is not None]:
-                try:
-                    self._advance(agent, xfer)
-                except self._errors:
-                    pass  # the transfer ended with an error: it is settled (released in _advance)
+                self._advance(agent, xfer)
             if not any(x.peer == peer for x in self._inflight.values()):
                 self._retiring.discard(peer)
                 self._remove_remote(agent, peer)
@@ -405,7 +413,8 @@ class NixlTransport(Transport):
             target = self._peers.get(peer)
             if target is None:
                 raise PeerUnreachable(f"not connected to peer {peer!r}: connect() it first")
-            if self._ring is not None and srcs[0].get_device() < 0:
+            # A ring whose every slot was given up (read for good by failed puts) is bypassed.
+            if self._ring is not None and self._ring.usable and srcs[0].get_device() < 0:
                 staged = self._write_staged(target, srcs, dst_addrs, notif)
                 if staged is not None:
                     return staged
@@ -416,10 +425,10 @@ class NixlTransport(Transport):
             try:
                 self._post(agent, xfer, src_rows, src_mem, dst_rows, dst_mem, notif)
             except BaseException:
-                self._release(agent, xfer, "post failed", ended=True)  # UCX completed what it had started
+                self._release(agent, xfer, "post failed", ended=True)  # raised before anything was posted
                 raise
             nbytes = sum(row[1] for row in src_rows)
-            if not xfer.done:
+            if xfer.xfer is not None:  # posted, neither DONE nor given up yet
                 self._inflight[id(xfer)] = xfer
         return WriteHandle(peer=peer, nbytes=nbytes, token=xfer)
 
@@ -480,18 +489,25 @@ class NixlTransport(Transport):
 
     def _post(self, agent: Any, xfer: _Xfer, src_rows: list, src_mem: str, dst_rows: list, dst_mem: str,
               notif: bytes) -> None:
+        """Post ``xfer``; raises only before anything was posted. A failure from ``transfer`` on
+        gives the write up (some of its puts may have started)."""
+        what = f"a write of {len(src_rows)} chunk(s) to {xfer.peer}"
         try:
             local = agent.get_xfer_descs(src_rows, src_mem)
             remote = agent.get_xfer_descs(dst_rows, dst_mem)
             xfer.xfer = agent.initialize_xfer("WRITE", local, remote, xfer.peer, notif)
-            status = _Status(agent.transfer(xfer.xfer))
         except self._disconnected as exc:
-            raise PeerUnreachable(f"peer {xfer.peer} disconnected; write of {len(src_rows)} chunk(s) not posted") from exc
+            raise PeerUnreachable(f"peer {xfer.peer} disconnected; {what} not posted") from exc
         except self._errors as exc:
-            raise TransportError(f"NIXL could not post a write of {len(src_rows)} chunk(s) to {xfer.peer}: {exc}") from exc
+            raise TransportError(f"NIXL could not prepare {what}: {exc}") from exc
+        try:
+            status = _Status(agent.transfer(xfer.xfer))
+        except self._errors as exc:
+            self._give_up(agent, xfer, f"NIXL failed to post {what}: {exc}", isinstance(exc, self._disconnected))
+            return
         if status is _Status.ERR:
-            raise TransportError(f"NIXL failed to post a write of {len(src_rows)} chunk(s) to {xfer.peer}")
-        if status is _Status.DONE:
+            self._give_up(agent, xfer, f"NIXL reported ERR posting {what}")
+        elif status is _Status.DONE:
             self._finish(agent, xfer)
 
     def poll(self, handle: WriteHandle) -> bool:
@@ -502,26 +518,23 @@ class NixlTransport(Transport):
         with self._lock:
             agent = self._check_open()
             if not xfer.done and not xfer.error:
-                try:
-                    self._advance(agent, xfer)
-                except self._errors as exc:
-                    error = PeerUnreachable if isinstance(exc, self._disconnected) else TransportError
-                    raise error(f"write of {handle.nbytes} bytes to {handle.peer} failed: {exc}") from exc
+                self._advance(agent, xfer)
         if xfer.error:
-            raise TransportError(f"write of {handle.nbytes} bytes to {handle.peer} failed: {xfer.error}")
+            error = PeerUnreachable if xfer.unreachable else TransportError
+            raise error(f"write of {handle.nbytes} bytes to {handle.peer} failed: {xfer.error}")
         return xfer.done
 
     def _advance(self, agent: Any, xfer: _Xfer) -> None:
-        """Ask NIXL for the state of ``xfer``; finish or release it. Raises NIXL's own errors (released)."""
+        """Ask NIXL for the state of ``xfer``; finish it on DONE, give it up on ERR or a failed check."""
         try:
             status = _Status(agent.check_xfer_state(xfer.xfer))
         except self._errors as exc:
-            self._release(agent, xfer, f"state check failed: {exc}", ended=True)
-            raise
+            self._give_up(agent, xfer, f"state check failed: {exc}", isinstance(exc, self._disconnected))
+            return
         if status is _Status.DONE:
             self._finish(agent, xfer)
         elif status is _Status.ERR:
-            self._release(agent, xfer, "NIXL reported ERR", ended=True)
+            self._give_up(agent, xfer, "NIXL reported ERR")
 
     def _poll_staged(self, handle: WriteHandle, write: StagedWrite) -> bool:
         with self._lock:
@@ -556,10 +569,7 @@ class NixlTransport(Transport):
                 return write.settled
             xfer: _Xfer = handle.token
             if agent is not None and not xfer.settled and xfer.xfer is not None:
-                try:
-                    self._advance(agent, xfer)
-                except self._errors:
-                    pass  # it ended with an error: released (and settled) in _advance
+                self._advance(agent, xfer)
             if agent is not None and self._retiring:
                 self._reap_retiring(agent)
             return xfer.settled
@@ -575,35 +585,45 @@ class NixlTransport(Transport):
         try:
             self._post(agent, xfer, src_rows, "VRAM", dst_rows, "VRAM", notif)
         except BaseException:
-            self._release(agent, xfer, "post failed", ended=True)
+            self._release(agent, xfer, "post failed", ended=True)  # raised before anything was posted
             raise
-        if not xfer.done:
+        if xfer.xfer is not None:
             self._inflight[id(xfer)] = xfer
         return xfer
 
     def staged_done(self, xfer: _Xfer) -> bool:
-        """True once the transfer completed; TransportError once it failed AND NIXL finished it.
+        """True once the transfer completed; TransportError once it failed AND nothing reads its slot.
 
         A transfer failed for its caller while still on the wire (its peer disconnected) keeps
-        reading its ring slot until NIXL reports DONE/ERR: False until then, so the ring does not
-        refill the slot under it. One given up unsettled (close, a reconnect) keeps its slot.
+        reading its ring slot until NIXL reports DONE: False until then, so the ring does not
+        refill the slot under it. One given up (ERR, close, a reconnect) never ends: see
+        ``staged_given_up``.
         """
         if not xfer.settled and xfer.xfer is not None and self._agent is not None:
-            try:
-                self._advance(self._agent, xfer)
-            except self._errors as exc:
-                error = PeerUnreachable if isinstance(exc, self._disconnected) else TransportError
-                raise error(f"staged write to {xfer.peer} failed: {exc}") from exc
+            self._advance(self._agent, xfer)
         if xfer.error:
             if not xfer.settled:
                 return False
             raise TransportError(f"staged write to {xfer.peer} failed: {xfer.error}")
         return xfer.done
 
+    def staged_given_up(self, xfer: _Xfer) -> tuple[str, bool] | None:
+        """(why, peer unreachable) once ``xfer`` was given up (its slot may be read for good), else None."""
+        return (xfer.error, xfer.unreachable) if xfer.given_up else None
+
     def drop_staged(self, xfer: _Xfer) -> None:
         """The ring closes with ``xfer`` reading one of its slots (ring memory, not a caller's)."""
         if not xfer.settled and xfer.xfer is not None and self._agent is not None:
             self._release(self._agent, xfer, "aborted", ended=False)
+
+    def _give_up(self, agent: Any, xfer: _Xfer, error: str, unreachable: bool = False) -> None:
+        """NIXL failed ``xfer`` but may still run its other puts: fail it, never settle it."""
+        if not xfer.done and not xfer.error:
+            xfer.unreachable = unreachable
+        self._release(agent, xfer, error, ended=False)
+        self.given_up += 1
+        logger.warning("%s: a write to %s failed (%s) while NIXL may still read its sources: it never settles, its "
+                       "memory stays in use (%d write(s) given up so far)", self._name, xfer.peer, error, self.given_up)
 
     def _finish(self, agent: Any, xfer: _Xfer) -> None:
         self._release(agent, xfer, "", ended=True)
@@ -612,10 +632,10 @@ class NixlTransport(Transport):
     def _release(self, agent: Any, xfer: _Xfer, error: str, *, ended: bool) -> None:
         """Free the NIXL handle and the write's temporary registrations; record ``error`` if any.
 
-        ``ended``: NIXL reported the transfer finished (DONE/ERR), so nothing reads its sources and
-        the write is settled. Otherwise (close, a reconnect) NIXL only attempts a cancel: the
-        sources may still be read, the write never settles and its temporary registrations stay
-        until close.
+        ``ended``: NIXL reported the transfer DONE (or it was never posted), so nothing reads its
+        sources and the write is settled. Otherwise (ERR, close, a reconnect) NIXL only attempts a
+        cancel: the sources may still be read, the write never settles and its temporary
+        registrations stay until close.
         """
         self._inflight.pop(id(xfer), None)
         if error and not xfer.done and not xfer.error:
@@ -635,6 +655,7 @@ class NixlTransport(Transport):
                 self._leaked.append(reg)
         xfer.temp = []
         xfer.settled = ended
+        xfer.given_up = not ended
 
     # ---- notifications ------------------------------------------------------------------------
 
