@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 300.0  # an idle pair thread re-arms its wait this often (it is woken to stop)
+IDLE_WAIT_S = 300.0  # an idle sender thread re-arms its wait this often (it is woken to stop)
+STOP_CHECK_S = 1.0  # an idle serving receiver re-checks its stop flag this often (in case a wake missed)
 RECV_AHEAD = 8  # writes whose receives a receiver posts before the oldest of them completes
 _STOP = object()  # queue sentinel of a sender thread
 
@@ -401,6 +402,8 @@ class RecvHooks:
     region_bytes: Callable[[], list[int]]  # the length of each registered region
     admit: Callable[[str, wire.Header], None]  # ProtocolError: the receiver refuses this write
     on_report: Callable[[PairingReport], None] = lambda _report: None  # a pairing's timings
+    # (sender, payload, why) of an admitted write that will not land whole; called once nothing more of it lands
+    write_failed: Callable[[str, bytes, str], None] = lambda _sender, _payload, _why: None
 
 
 # ---- the receiving side of one pair --------------------------------------------------------------
@@ -422,6 +425,7 @@ class RecvPair:
         self._deadline = 0.0  # of the pairing: offer, group, handshake, warm-up and ready
         self._laps: list[float] = []  # group, handshake and warm-up milliseconds
         self._warmup_bytes = 0
+        self._posted: collections.deque[_PostedRecv] = collections.deque()  # admitted, not yet notified
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"nccl-recv:{settings.name}<-{sender}", daemon=True)
 
@@ -437,7 +441,10 @@ class RecvPair:
 
         Pairing, it waits on its claim key: retracting the offer wakes it (and no sender can join
         afterwards). Serving, it waits on its doorbell: a BYE there wakes it, placed only where
-        no header is (a write already announced is still received).
+        no header is. Writes announced before it stopped are still received, each by its own
+        deadline; one that does not land is reported through ``RecvHooks.write_failed`` once the
+        pair is torn down. A wake that misses (the doorbell moved on meanwhile) costs at most
+        ``STOP_CHECK_S``: an idle serving thread re-checks the flag that often.
         """
         self._stopping.set()
         if not self.pair_id or store is None:
@@ -456,21 +463,42 @@ class RecvPair:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        why = "the pair stopped"
         try:
             enter_device(self._s)
             if self._pair() and self._hooks.on_paired(self):
                 self._ready()
                 self._serve()
         except (TransportError, ProtocolError) as exc:
+            why = f"the pair broke: {exc}"
             logger.warning(
                 "%s: pair %s with %s ended: %s", self._s.name, self.pair_id or "(unpaired)", self.sender, exc
             )
-        except Exception:  # a thread must not die silently
+        except Exception as exc:  # a thread must not die silently
+            why = f"the pair's thread failed: {exc}"
             logger.exception("%s: receiver thread of pair %s with %s failed", self._s.name, self.pair_id, self.sender)
         finally:
-            group_ops.drop_group(self._group)
+            self._teardown()
+            self._report_unfinished(why)
             self._group = self._store = self._ring = None
             self._hooks.on_ended(self)
+
+    def _teardown(self) -> None:
+        """Abort the group and drop the receives' Works: after this no byte of the pair lands."""
+        group_ops.drop_group(self._group)
+        for posted in self._posted:
+            posted.works.clear()  # a Gloo op reads or writes its buffer until its Work is gone
+            posted.finishers.clear()
+
+    def _report_unfinished(self, why: str) -> None:
+        """Every admitted write not notified failed: say so (after teardown: nothing more of it lands)."""
+        posted, self._posted = self._posted, collections.deque()
+        for write in posted:
+            if write.header.notif:
+                self._hooks.write_failed(self.sender, write.header.notif, why)
+        if posted:
+            logger.warning("%s: %d write(s) from %s on pair %s did not land: %s", self._s.name, len(posted),
+                           self.sender, self.pair_id, why)
 
     def _pair(self) -> bool:
         """Offer a fresh pair id; once the sender claims it, join the group as rank 0.
@@ -533,32 +561,38 @@ class RecvPair:
 
         Posting the next write's receives before the previous one completed keeps the GPU busy
         between writes (NCCL runs the ops of one pair in order); a notification still goes out
-        only once its own write's bytes all landed, in doorbell order.
+        only once its own write's bytes all landed, in doorbell order. Stopped or told BYE, the
+        writes already announced are still received (each by its deadline) before it returns.
         """
         regions = self._hooks.region_bytes
-        posted: collections.deque[_PostedRecv] = collections.deque()
+        posted = self._posted
         while not self._stopping.is_set():
             if posted and self._done(posted[0]):
-                self._complete(posted.popleft())
+                self._complete_oldest()
                 continue
             header = self._next_header(block=not posted) if len(posted) < RECV_AHEAD else None
             if header is None:
                 if posted and self._s.cuda and time.monotonic() < posted[0].deadline:
                     time.sleep(group_ops.POLL_S)  # NCCL: poll the oldest while looking for doorbells
                 elif posted:
-                    self._complete(posted.popleft())  # Gloo learns completion only by waiting
+                    self._complete_oldest()  # Gloo learns completion only by waiting
                 continue
             if header.kind is wire.HeaderKind.BYE:
-                while posted:  # writes announced before the BYE are still received
-                    self._complete(posted.popleft())
-                why = "stopped" if self._stopping.is_set() else "closed by the sender"
-                logger.info("%s: pair %s with %s %s", self._s.name, self.pair_id, self.sender, why)
-                return
+                break
             header.check_fits(regions())
             self._hooks.admit(self.sender, header)  # before any byte of it is received
-            posted.append(self._post_receives(header))
+            self._post_receives(header)
             if len(posted) >= RECV_AHEAD and not self._s.cuda:
-                self._complete(posted.popleft())
+                self._complete_oldest()
+        while posted:  # writes announced before the stop or the BYE are still received
+            self._complete_oldest()
+        why = "stopped" if self._stopping.is_set() else "closed by the sender"
+        logger.info("%s: pair %s with %s %s", self._s.name, self.pair_id, self.sender, why)
+
+    def _complete_oldest(self) -> None:
+        """Complete the oldest posted write; it leaves ``_posted`` only once notified."""
+        self._complete(self._posted[0])
+        self._posted.popleft()
 
     def _done(self, posted: _PostedRecv) -> bool:
         """NCCL: every receive of this write completed (no wait). Gloo: never known before a wait."""
@@ -573,7 +607,7 @@ class RecvPair:
                 if not self._store.check([key]):
                     return None
             else:
-                self._store.wait([key], group_ops.timedelta_s(IDLE_WAIT_S))
+                self._store.wait([key], group_ops.timedelta_s(STOP_CHECK_S))
         except group_ops.dist_errors() as exc:
             if group_ops.is_store_timeout(exc):
                 return None
@@ -586,16 +620,18 @@ class RecvPair:
         self.seq += 1
         return wire.Header.decode(raw)
 
-    def _post_receives(self, header: wire.Header) -> _PostedRecv:
-        """Post a receive for every chunk straight into its slot view (or through a bounce)."""
+    def _post_receives(self, header: wire.Header) -> None:
+        """Post a receive for every chunk straight into its slot view (or through a bounce).
+
+        The write joins ``_posted`` first: one whose receives were only partly posted is reported too."""
         posted = _PostedRecv(header, time.monotonic() + self._s.timeout_s)
+        self._posted.append(posted)
         try:
             for chunk in header.chunks:
                 view = self._hooks.slot_view(chunk)
                 posted.works.extend(self._recv_into(view, header.piece_bytes, posted.deadline, posted.finishers))
         except group_ops.dist_errors() as exc:
             raise TransportError(f"posting receives for {header.nbytes} bytes failed: {exc}") from exc
-        return posted
 
     def _complete(self, posted: _PostedRecv) -> None:
         """Wait (deadline: transfer timeout) until every byte of a write landed; then notify."""

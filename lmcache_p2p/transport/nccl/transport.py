@@ -94,6 +94,7 @@ logger = logging.getLogger(__name__)
 
 OFFER_POLL_S = 0.01  # a sender that found an already-claimed offer looks again this often
 PAIRING_REPORTS_KEPT = 64  # the latest pairings' timings that ``pairings()`` returns
+FAILED_WRITES_KEPT = 4096  # failed writes kept for get_failed_writes() when nobody drains them
 
 
 def _parse_device(device: str) -> Any:
@@ -168,6 +169,7 @@ class NcclTransport(Transport):
         self._recv_threads: set[RecvPair] = set()  # every live receiver pair, pairing ones included
         self._stopped: list[SendPair | RecvPair] = []  # disconnected pairs whose threads close() joins
         self._notifs: collections.deque[Notification] = collections.deque()
+        self._failed: collections.deque[Notification] = collections.deque(maxlen=FAILED_WRITES_KEPT)
         self._pairings: collections.deque[PairingReport] = collections.deque(maxlen=PAIRING_REPORTS_KEPT)
         self._guard: WriteGuard | None = None
         if timeout_s <= 0 or close_timeout_s <= 0 or stage_slot_bytes <= 0 or stage_slots <= 0:
@@ -182,7 +184,7 @@ class NcclTransport(Transport):
             )
             self._hooks = RecvHooks(
                 self._on_paired, self._on_pair_ended, self._notify, self._slot_view, self._region_bytes, self._admit,
-                self._pairings.append,
+                self._pairings.append, self._write_failed,
             )
         except BaseException:
             self.close()
@@ -212,6 +214,7 @@ class NcclTransport(Transport):
         with self._lock:
             store, self._store = self._store, None  # dropping it stops the server; stragglers' waits fail
             self._notifs.clear()
+            self._failed.clear()
         del store
         logger.debug("NCCL transport %s closed", self._name)
 
@@ -324,6 +327,20 @@ class NcclTransport(Transport):
         with self._notified:
             self._notifs.append(Notification(peer=sender, payload=payload))
             self._notified.notify_all()
+
+    def _write_failed(self, sender: str, payload: bytes, why: str) -> None:
+        with self._notified:
+            self._failed.append(Notification(peer=sender, payload=payload))
+            self._notified.notify_all()
+        logger.debug("%s: a write from %s failed: %s", self._name, sender, why)
+
+    def get_failed_writes(self) -> list[Notification]:
+        """Writes whose receives failed or never completed, reported once their pair was torn down."""
+        with self._lock:
+            self._check_open()
+            out = list(self._failed)
+            self._failed.clear()
+        return out
 
     def get_notifications(self) -> list[Notification]:
         with self._lock:
