@@ -304,7 +304,7 @@ def test_a_write_left_on_a_broken_pair_settles_only_once_it_can_no_longer_read_i
 
 def _two_writes_announced_before_the_first_is_received(rx: NcclTransport, tx: NcclTransport, peer: str) -> None:
     """Hold the receiver's admission of doorbell 0 until the sender rang doorbell 1: both writes'
-    receives are then posted before the first completes."""
+    receives are then posted before the first completes. Before pairing: a pair keeps its hooks."""
     real_admit = rx._hooks.admit
     admitted = []
 
@@ -332,8 +332,8 @@ def test_a_receiver_stopped_with_receives_posted_still_receives_the_announced_wr
             rx.disconnect(sender)  # the receive service drops the sender right after its first write
 
     rx._hooks = dataclasses.replace(rx._hooks, notify=notify_then_stop)
+    _two_writes_announced_before_the_first_is_received(rx, tx, "rx")
     peer = _connect(rx, tx)
-    _two_writes_announced_before_the_first_is_received(rx, tx, peer)
     data = [_random(64 * KIB, 1), _random(64 * KIB, 2)]
     for i, src in enumerate(data):
         tx.write(peer, [src], [base + i * 128 * KIB], b"w%d" % i)

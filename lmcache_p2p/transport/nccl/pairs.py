@@ -478,17 +478,23 @@ class RecvPair:
             why = f"the pair's thread failed: {exc}"
             logger.exception("%s: receiver thread of pair %s with %s failed", self._s.name, self.pair_id, self.sender)
         finally:
-            self._teardown()
-            self._report_unfinished(why)
+            if self._teardown():
+                self._report_unfinished(why)
             self._group = self._store = self._ring = None
             self._hooks.on_ended(self)
 
-    def _teardown(self) -> None:
-        """Abort the group and drop the receives' Works: after this no byte of the pair lands."""
+    def _teardown(self) -> bool:
+        """Abort the group, drop the receives' Works, drain the staging copies: after this no byte
+        of the pair lands. False if the copies did not drain by ``timeout_s``."""
         group_ops.drop_group(self._group)
         for posted in self._posted:
             posted.works.clear()  # a Gloo op reads or writes its buffer until its Work is gone
             posted.finishers.clear()
+        if self._ring is None or self._ring.quiesce(time.monotonic() + self._s.timeout_s):
+            return True
+        logger.error("%s: staging copies of pair %s did not drain; its %d failed write(s) are left to the "
+                     "receiver's write window", self._s.name, self.pair_id, len(self._posted))
+        return False
 
     def _report_unfinished(self, why: str) -> None:
         """Every admitted write not notified failed: say so (after teardown: nothing more of it lands)."""
@@ -653,10 +659,16 @@ class RecvPair:
             finishers.append(lambda _deadline, dst=view, src=bounce: dst.copy_(src))
             view = bounce
         if self._s.cuda and view.device.type == "cpu":
+            from lmcache_p2p.transport.nccl.staging import CopyOut
+
             ring = self._recv_ring()
-            if ring.finish not in finishers:
-                finishers.append(ring.finish)
-            return ring.recv(self._group, view, piece_bytes, deadline)
+            works = ring.recv(self._group, view, piece_bytes, deadline)
+            copy_out = next((f for f in finishers if isinstance(f, CopyOut)), None)
+            if copy_out is None:
+                copy_out = CopyOut(ring)
+                finishers.append(copy_out)
+            copy_out.upto = works[-1]
+            return works
         return [self._group.recv([view[off : off + n]], 1, 0) for off, n in spans]
 
     def _recv_ring(self) -> Any:
