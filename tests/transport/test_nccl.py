@@ -302,6 +302,20 @@ def test_a_write_left_on_a_broken_pair_settles_only_once_it_can_no_longer_read_i
         assert torch.equal(buf[: 64 * KIB], original), "a notification came with bytes written after its write settled"
 
 
+class _GatedStore:
+    """A sender pair's store client whose doorbells ring only once ``go`` is set."""
+
+    def __init__(self, store, go: threading.Event) -> None:
+        self._store, self._go = store, go
+
+    def set(self, key, value) -> None:
+        self._go.wait(WAIT_S)
+        self._store.set(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
 def _two_writes_announced_before_the_first_is_received(rx: NcclTransport, tx: NcclTransport, peer: str) -> None:
     """Hold the receiver's admission of doorbell 0 until the sender rang doorbell 1: both writes'
     receives are then posted before the first completes. Before pairing: a pair keeps its hooks."""
@@ -334,9 +348,13 @@ def test_a_receiver_stopped_with_receives_posted_still_receives_the_announced_wr
     rx._hooks = dataclasses.replace(rx._hooks, notify=notify_then_stop)
     _two_writes_announced_before_the_first_is_received(rx, tx, "rx")
     peer = _connect(rx, tx)
+    pair = tx._senders[peer]
+    queued = threading.Event()
+    pair._store = _GatedStore(pair._store, queued)  # both writes are queued before the first is posted
     data = [_random(64 * KIB, 1), _random(64 * KIB, 2)]
     for i, src in enumerate(data):
         tx.write(peer, [src], [base + i * 128 * KIB], b"w%d" % i)
+    queued.set()
     assert _collect(rx, 2) == [("tx", b"w0"), ("tx", b"w1")], "a write announced before the stop was dropped"
     assert torch.equal(buf[: 64 * KIB], data[0]) and torch.equal(buf[128 * KIB : 192 * KIB], data[1])
     assert _eventually(lambda: _recv_threads("rx") == []), "the stopped pair's thread did not end"
@@ -700,3 +718,34 @@ def test_importing_and_building_gloo_transports_leaves_the_environment_alone() -
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_gpu_host_receive_buffer_gets_nothing_of_a_failed_receive(make, nccl_env) -> None:
+    """A GPU pair receiving into pinned host memory (the receive ring): the sender sends only the
+    first piece of a write, so the receive of the second fails at its deadline and the pair is
+    aborted. No byte of the failed pieces may reach the host buffer, before or after the write
+    is reported failed (a copy-out queued behind a receive would land after the abort)."""
+    rx = make("rx", device="cuda:1", timeout_s=3.0, stage_slot_bytes=MIB)
+    tx = make("tx", device="cuda:0")
+    buf = torch.full((8 * MIB,), 0x11, dtype=torch.uint8, pin_memory=True)
+    rx.register(buf)
+    base = rx.info().regions[0].addr
+    peer = _connect(rx, tx)
+    pair = tx._senders[peer]
+    real_send = pair._send
+    pair._send = lambda src, piece_bytes, deadline: real_send(src[:MIB], piece_bytes, deadline)
+    src = _random(4 * MIB, 1, device="cuda:0")
+    tx.write(peer, [src], [base], b"partial")
+    failed: list = []
+
+    def reported() -> bool:
+        failed.extend(rx.get_failed_writes())
+        return bool(failed)
+
+    assert _eventually(reported, timeout_s=WAIT_S), "the failed write was never reported"
+    assert [(n.peer, n.payload) for n in failed] == [("tx", b"partial")]
+    time.sleep(1.0)  # a copy-out queued behind the failed receive would have landed by now
+    assert bool((buf[MIB : 4 * MIB] == 0x11).all()), "bytes of a failed receive reached the host buffer"
+    assert _collect(rx, 1, timeout_s=0.5) == []

@@ -47,7 +47,10 @@ Emulating a one-sided write on a two-sided library:
     fail; posted ones finish or fail at their own deadline (their memory stays referenced
     until then). A pair ends with ``abort`` of its group, never a collective (the peer may be
     dead). The sender rings a BYE doorbell so the receiver's thread ends at once; a stopped
-    receiver thread is woken through its doorbell (serving) or its claim key (pairing). Threads
+    receiver thread is woken through its doorbell (serving) or its claim key (pairing), and
+    still receives the writes announced before (each by its deadline). A write the receiver
+    admitted but could not receive whole is reported by ``get_failed_writes`` once its pair
+    was torn down (group aborted, staging copies drained): nothing more of it lands. Threads
     are joined with ``close_timeout_s``; one stuck in a Gloo/NCCL wait (which cannot be
     interrupted) ends by itself at that wait's deadline.
 
