@@ -9,7 +9,7 @@ Ordering is kept on the GPU where possible: NCCL ops are issued with the ring's 
 so ProcessGroupNCCL makes its stream wait for our copies. The CPU waits (always with a deadline)
 before it overwrites a pinned buffer, and before it copies a received piece out to host memory:
 a copy-out is issued only once its receive is known to have succeeded (see ``RecvRing``).
-Runs only with CUDA: tested on the GPU machine (2x H200; tests/transport contract cases
+Runs only with CUDA: tested on the GPU machine (tests/transport contract cases
 "nccl-cuda-staged", tests/transport/test_nccl.py gpu tests, bench/transfer.py "nccl host->vram").
 """
 

@@ -1,10 +1,10 @@
 """Host -> remote-GPU writes for the NIXL transport, staged through the sender's own GPU.
 
-Why: UCX moves pinned host memory into a peer's GPU slowly (0.6 GB/s measured on 2x H200 with
-``cuda_ipc,cuda_copy,tcp``: cuda_ipc only copies device memory, so UCX falls back to a pipeline
-through host bounce buffers), while a local pinned host->device copy runs at the PCIe limit
-(~55 GB/s) and cuda_ipc between two GPUs at NVLink speed (~390 GB/s). LMCache keeps a
-prefiller's chunks in host memory, so this is the path that matters.
+Why: UCX moves pinned host memory into a peer's GPU slowly (with ``cuda_ipc,cuda_copy,tcp``,
+cuda_ipc only copies device memory, so UCX falls back to a pipeline through host bounce buffers),
+while a local pinned host->device copy runs at the bus limit and cuda_ipc between two GPUs at
+the GPU link's speed (figures: bench/transfer.py, shared/FACTS.md). LMCache keeps a prefiller's
+chunks in host memory, so this is the path that matters.
 
 How: a small ring of device slots on the sender's GPU, allocated and registered with NIXL (VRAM)
 once. Each host piece is copied into a slot on a side stream; a slot whose copy finished goes out

@@ -44,8 +44,8 @@ class WriteSubmission:
 
         A source outside every registered region is registered for this write only and
         deregistered when the write completes or is aborted. That costs a NIXL/UCX
-        registration and deregistration per such tensor per write: ~5 us for host memory
-        on tcp/sm (measured; nothing is pinned), far more where UCX pins pages (RDMA, CUDA).
+        registration and deregistration per such tensor per write: little for host memory
+        on tcp/sm (nothing is pinned), far more where UCX pins pages (RDMA, CUDA).
         Register long-lived sources (the allocator's pool) once instead.
         Host sources into the peer's GPU memory go through the staging ring when there is one.
         An empty ``notif`` sends no notification.

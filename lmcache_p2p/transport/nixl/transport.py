@@ -14,7 +14,7 @@ NIXL/UCX behaviour this module relies on or works around (nixl 1.5.1; see shared
   * ``UCX_TLS=sm,self`` fails to create the backend unless ``ucx_error_handling_mode`` is
     ``none``; ``none`` also works for tcp, so it is the default. Even so, a peer that died is
     seen (NIXL_ERR_REMOTE_DISCONNECT -> :class:`PeerUnreachable`): at post, or by ``poll`` for
-    a write already in flight (seen within ~30 ms on tcp and sm here).
+    a write already in flight (on tcp and sm alike).
   * UCX sm moves host bytes with CMA (process_vm_writev) INSIDE ``write``: the caller's thread
     does the copy (the GIL is released meanwhile) and the handle is usually done at once.
     CMA throughput roughly doubles when the receiver's buffer (and the sources) are backed by
@@ -45,7 +45,7 @@ NIXL/UCX behaviour this module relies on or works around (nixl 1.5.1; see shared
 
 Host sources into a peer's GPU memory go through a :class:`~lmcache_p2p.transport.nixl.staging.StagingRing`
 on the sender's own GPU when the transport is built with ``stage_device`` (UCX alone moves them at
-~0.6 GB/s; staged, they move at PCIe speed): see staging.py. Every other combination (device
+a fraction of the speed of a local copy; staged, they move at copy-engine speed): see staging.py. Every other combination (device
 or host sources, host or device destinations) is one NIXL transfer with one descriptor per chunk.
 
 Threads: every call into the agent holds one lock (the agent is created without NIXL's own
