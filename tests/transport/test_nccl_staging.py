@@ -121,3 +121,18 @@ def test_a_write_is_copied_out_without_waiting_for_the_next_writes_receives(host
     group.works[0].land(_payload(0))
     finisher(time.monotonic() + 0.5)  # the second write's receive has not completed: not waited for
     assert torch.equal(first, _payload(0)) and bool((second == 0x11).all())
+
+
+def test_a_write_whose_pieces_left_through_slot_reuse_waits_for_no_later_receive(host_cuda) -> None:
+    """The next write's receives reused this write's slots (so its pieces were copied out then):
+    finishing this write must not wait for, nor fail with, the next write's receives."""
+    ring = RecvRing(torch.device("cpu"), PIECE, 1)
+    payloads = [_payload(0)]
+    group = _Group(payloads)
+    first, second = torch.zeros(PIECE, dtype=torch.uint8), torch.full((PIECE,), 0x11, dtype=torch.uint8)
+    finisher = CopyOut(ring)
+    finisher.upto = ring.recv(group, first, PIECE, time.monotonic() + WAIT_S)[-1]
+    group.payloads = None  # the next write's receive stays in flight
+    ring.recv(group, second, PIECE, time.monotonic() + WAIT_S)  # reuses the only slot: copies out the first
+    finisher(time.monotonic() + 0.5)
+    assert torch.equal(first, _payload(0)) and bool((second == 0x11).all())

@@ -133,6 +133,7 @@ class RecvPair:
         """Abort the group, drop the receives' Works, drain the staging copies: after this no byte
         of the pair lands. False if the copies did not drain by ``timeout_s``."""
         group_ops.drop_group(self._group)
+        self._group = None  # Gloo's abort is a no-op: its sockets close when the group is dropped
         for posted in self._posted:
             posted.works.clear()  # a Gloo op reads or writes its buffer until its Work is gone
             posted.finishers.clear()

@@ -138,7 +138,11 @@ class RecvRing:
         import torch
 
         ahead = [p[0] for p in self._pending]
-        self._copy_out(deadline, ahead.index(upto) + 1 if upto is not None and upto in ahead else len(ahead))
+        if upto is None:
+            count = len(ahead)
+        else:  # pieces leave in receive order: ``upto`` gone means this write's pieces all left already
+            count = next((i + 1 for i, work in enumerate(ahead) if work is upto), 0)
+        self._copy_out(deadline, count)
         event = torch.cuda.Event()
         event.record(self._stream)
         _wait_until(event.query, deadline, "staged copy to host")
