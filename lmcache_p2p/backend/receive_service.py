@@ -596,6 +596,23 @@ class ReceiveService:
                 logger.warning("unexpected notification %s from %s", type(msg).__name__, notif.peer)
                 continue
             self._on_written(notif.peer, msg)
+        for notif in self._transport.get_failed_writes():
+            self._on_write_failed(notif.peer, notif.payload)
+
+    def _on_write_failed(self, peer: str, payload: bytes) -> None:
+        """The transport says this Written's write will not land whole, and nothing more of it lands:
+        fail its request now (not at its lease) and free its slots at once."""
+        try:
+            msg = protocol.decode(payload)
+        except ProtocolError:
+            return
+        if not isinstance(msg, protocol.Written):
+            return
+        with self._lock:
+            req = self._requests.get(msg.req_id)
+            if req is not None and (req.sender_id, req.writer) == (msg.sender_id, peer):
+                self._fail_locked(req, f"its write of slots {msg.slots} from {peer} did not land")
+            self.counters.slots_confirmed += len(self._pool.confirm((peer, msg.req_id), msg.slots))
 
     def _on_written(self, peer: str, msg: protocol.Written) -> None:
         """Bytes landed. Counted only from the peer and sender owning the request, for its slots."""

@@ -62,6 +62,7 @@ class FakeTransport(Transport):
 
     def __init__(self) -> None:
         self.notifs: collections.deque[Notification] = collections.deque()
+        self.failed: collections.deque[Notification] = collections.deque()
         self.disconnected: list[str] = []
         self.disconnect_gate = threading.Event()
         self.disconnect_gate.set()
@@ -91,6 +92,14 @@ class FakeTransport(Transport):
             out.append(self.notifs.popleft())
         return out
 
+
+
+    def get_failed_writes(self) -> list[Notification]:
+        out = []
+        while self.failed:
+            out.append(self.failed.popleft())
+        return out
+
     def disconnect(self, peer: str) -> None:
         self.disconnect_gate.wait(30)  # a test may hold this to show the control thread is not blocked
         self.disconnected.append(peer)
@@ -100,6 +109,10 @@ class FakeTransport(Transport):
 
     def land(self, peer: str, sender_id: str, req_id: str, slots: Sequence[int]) -> None:
         self.notifs.append(Notification(peer, protocol.encode(protocol.Written(sender_id, req_id, list(slots)))))
+
+
+    def fail_write(self, peer: str, sender_id: str, req_id: str, slots: Sequence[int]) -> None:
+        self.failed.append(Notification(peer, protocol.encode(protocol.Written(sender_id, req_id, list(slots)))))
 
 
 class Sender:
@@ -202,6 +215,23 @@ def test_cancelled_slot_is_not_granted_again_until_its_writer_confirms(make_rig)
     assert eventually(lambda: rig.pool.state(slot_a) is SlotState.FREE)
     assert rig.service.count_ready(["k1"]) == 0 and rig.service.counters.slots_confirmed == 1
     assert rig.granted(a, "req-d", ["k4"]) == [slot_a]
+
+
+def test_a_write_the_transport_reports_failed_fails_its_request_and_frees_its_slots_at_once(make_rig) -> None:
+    """A two-sided transport reports a write whose receive failed once nothing more of it lands:
+    the request fails now (its next batch is refused FINISHED) and its slots are free again,
+    without waiting for its lease or its write window."""
+    rig = make_rig(num_slots=2)
+    a = rig.sender("sender-a", "tx-a")
+    slots = rig.granted(a, "req-a", ["k1", "k2"])
+    rig.transport.fail_write("tx-b", "sender-a", "req-a", slots)  # another peer's report changes nothing
+    time.sleep(0.2)
+    assert [rig.pool.state(s) for s in slots] == [SlotState.RESERVED] * 2
+    rig.transport.fail_write("tx-a", "sender-a", "req-a", slots)
+    assert eventually(lambda: all(rig.pool.state(s) is SlotState.FREE for s in slots))
+    refused = a.alloc("req-a", ["k3"])
+    assert isinstance(refused, protocol.Refused) and refused.code is protocol.RefusalCode.FINISHED
+    assert sorted(rig.granted(a, "req-b", ["k4", "k5"])) == sorted(slots)
 
 
 def test_cancelled_slot_returns_after_the_write_window_without_confirmation(make_rig) -> None:
