@@ -11,7 +11,8 @@
 #                                          single vs lmcache_p2p 1P1D (--one-gpu on a one-GPU machine), 8k-64k tokens
 #                                          in, 2 out, the engines traced; ARGS (e.g. --systems, --results-dir) are
 #                                          added to its defaults; LONG_POINTS replaces its --long points,
-#                                          LONG_VLLM_ARGS adds vLLM flags for every server
+#                                          LONG_VLLM_ARGS adds vLLM flags for every server, LONG_DIRECT=0 drops
+#                                          --direct-prefiller
 #   bash scripts/gpu_pass.sh equal ARGS    the same set-up, then bench/e2e_gpu_equal.py --mode equal ARGS (greedy
 #                                          equality through 1P1D against a single instance)
 #   bash scripts/gpu_pass.sh kill ARGS     ... --mode kill ARGS (NCCL: the prefiller killed under load)
@@ -80,7 +81,7 @@ PY
       ngpu=$(nvidia-smi -L | wc -l)
       set -- --model /tmp/models/llama8b-long --max-model-len 65600 --output-len 2 --no-ceiling \
         --long "${LONG_POINTS:-8000:seq:8,16000:seq:8,32000:seq:6,64000:seq:3,16000:0.5:12}" \
-        --systems single,lmcache_p2p-nixl --buffer-size 4GB --trace --direct-prefiller \
+        --systems single,lmcache_p2p-nixl --buffer-size 4GB --trace $([ "${LONG_DIRECT:-1}" = 1 ] && echo --direct-prefiller) \
         --single-gpu-memory-utilization prefiller --budget-s 560 --estimate-start-s 120 \
         $([ "$ngpu" -lt 2 ] && echo --one-gpu) "$@" -- --load-format dummy ${LONG_VLLM_ARGS:-}
     elif [ $# -eq 0 ]; then  # the full pass; a call of the device tool runs 10 minutes at most: --budget-s

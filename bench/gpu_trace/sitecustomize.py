@@ -50,6 +50,8 @@ def _emit(record: dict) -> None:
 
 def _resolve_pending() -> None:
     """Emit the event pairs whose end the GPU has reached (never waits)."""
+    if _capturing():
+        return
     keep = []
     for kind, fields, start, end, extra in _pending:
         try:
@@ -69,11 +71,11 @@ def _timed(ev: str, details=None):
     def wrap(fn):
         @functools.wraps(fn)
         def inner(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                record = {"ev": ev, "t0": t0, "t1": time.perf_counter()}
+                record = {"ev": ev, "t0": t0, "t1": time.perf_counter(), "cpu_ms": round((time.thread_time() - c0) * 1e3, 3)}
                 if details is not None:
                     try:
                         record.update(details(*args, **kwargs))
@@ -82,6 +84,15 @@ def _timed(ev: str, details=None):
                 _emit(record)
         return inner
     return wrap
+
+
+def _capturing() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # noqa: BLE001
+        return True
 
 
 def _event():
@@ -96,6 +107,8 @@ def _patch_runner(module) -> None:
 
     @functools.wraps(orig)
     def execute_model(self, scheduler_output, *args, **kwargs):
+        if kwargs.get("dummy_run") or _capturing():  # profiling and CUDA graph capture: no events there
+            return orig(self, scheduler_output, *args, **kwargs)
         t0 = time.perf_counter()
         start = end = None
         try:
@@ -175,7 +188,7 @@ def _patch_gpu_connectors(module) -> None:
         orig = cls.batched_from_gpu
 
         def batched_from_gpu(self, memory_objs, *args, _orig=orig, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             start = end = None
             stream = getattr(self, "store_stream", None)
             try:
@@ -187,7 +200,8 @@ def _patch_gpu_connectors(module) -> None:
             try:
                 return _orig(self, memory_objs, *args, **kwargs)
             finally:
-                fields = {"ev": "gather", "t0": t0, "t1": time.perf_counter(), "chunks": len(memory_objs)}
+                fields = {"ev": "gather", "t0": t0, "t1": time.perf_counter(), "chunks": len(memory_objs),
+                          "cpu_ms": round((time.thread_time() - c0) * 1e3, 3)}
                 try:
                     if start is not None:
                         end = _event()
@@ -221,8 +235,18 @@ def _patch_sender(module) -> None:
     cls._wait_for_store = wait_then_resolve
 
 
+def _patch_receive_service(module) -> None:
+    """E2E_GPU_RECEIVER_SPIN_S: the receiver thread's spin window after activity (an A/B knob)."""
+    value = os.environ.get("E2E_GPU_RECEIVER_SPIN_S")
+    if value is not None and hasattr(module, "_SPIN_AFTER_ACTIVITY_S"):
+        module._SPIN_AFTER_ACTIVITY_S = float(value)
+        _emit({"ev": "knob", "name": "receiver_spin_s", "value": float(value), "t": time.perf_counter()})
+
+
 _PATCHES = {
+    "lmcache_p2p.backend.receive_service": _patch_receive_service,
     "vllm.v1.worker.gpu_model_runner": _patch_runner,
+    "vllm.v1.worker.gpu.model_runner": _patch_runner,  # vLLM's model runner v2 (the default where it applies)
     "vllm.v1.core.sched.scheduler": _patch_scheduler,
     "lmcache.integration.vllm.vllm_v1_adapter": _patch_adapter,
     "lmcache.v1.cache_engine": _patch_engine,
