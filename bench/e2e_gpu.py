@@ -366,7 +366,8 @@ def run_rate(cfg: Config, dep: Deployment, rate: float, key: str | None = None) 
     if cfg.long_points:
         row.update(input_len=cfg.input_len, point=key, sequential=rate == 0)
     if cfg.trace:
-        row["prefill_trace"] = trace_rows(cfg, dep, traced_from, time.perf_counter())
+        row["trace_window"] = [traced_from, time.perf_counter()]
+        row["prefill_trace"] = trace_rows(cfg, dep, *row["trace_window"])
     row["vllm_metrics"] = {role: histogram_deltas(before[role], scrape_histograms(port))
                            for role, port in dep.instances}
     try:
@@ -406,7 +407,8 @@ def run_direct(cfg: Config, dep: Deployment, rate: float, key: str | None) -> di
     out: dict[str, Any] = {k: row[k] for k in keep}
     out["vllm_metrics"] = histogram_deltas(before, scrape_histograms(port))
     if cfg.trace:
-        out["prefill_trace"] = trace_rows(cfg, dep, traced_from, time.perf_counter())
+        out["trace_window"] = [traced_from, time.perf_counter()]
+        out["prefill_trace"] = trace_rows(cfg, dep, *out["trace_window"])
     return out
 
 
@@ -800,8 +802,8 @@ def assemble(cfg: Config, notes: Sequence[str]) -> dict[str, Any]:
 # ---- the engine's per-step trace (bench/gpu_trace/sitecustomize.py) ---------------------------------
 
 TRACE_SITE = REPO / "bench" / "gpu_trace"
-TRACE_SUMS = ("exec_ms", "between_ms", "tail_ms", "save_ms", "store_ms", "gather_ms", "gather_gpu_ms", "sync_ms",
-              "submit_ms", "gpu_step_ms", "gpu_gap_ms", "other_engine_busy_ms", "host_chunks")
+TRACE_SUMS = ("exec_ms", "between_ms", "tail_ms", "save_ms", "store_ms", "stores", "gather_ms", "gather_gpu_ms",
+              "gather_cpu_ms", "sync_ms", "submit_ms", "gpu_step_ms", "gpu_gap_ms", "other_engine_busy_ms", "host_chunks")
 
 
 def trace_dir(cfg: Config, system: str) -> Path:
@@ -828,7 +830,11 @@ def read_traces(directory: Path) -> dict[int | None, list[dict[str, Any]]]:
 def request_timelines(events: Sequence[dict[str, Any]], t_from: float, t_to: float,
                       others: Sequence[tuple[float, float]] = ()) -> list[dict[str, Any]]:
     """Per request whose prompt was scheduled and answered within [t_from, t_to]: its engine time (first
-    scheduled step -> the scheduler holding its first token), its steps and what they spent (ms)."""
+    scheduled step -> the scheduler holding its first token), its steps and what they spent (ms).
+
+    Stores, gathers, syncs and submits count for the request whose engine window holds them: with async
+    scheduling a step's stores run after its execute_model returned (exact with one prompt in flight, as
+    in a sequential point; with several, each one's window also holds its neighbours' stores)."""
     execs = sorted((e for e in events if e.get("ev") == "exec"), key=lambda e: e["t0"])
     inner = {kind: [e for e in events if e.get("ev") == kind] for kind in ("save", "store", "gather", "sync", "submit")}
     gpu_steps = {e["t0"]: e for e in events if e.get("ev") == "gpu_step"}
@@ -843,19 +849,22 @@ def request_timelines(events: Sequence[dict[str, Any]], t_from: float, t_to: flo
         if not mine or mine[0]["t0"] < t_from or t_first > t_to:
             continue
 
+        start, end = mine[0]["t0"], t_first
+
         def within(kind: str, field: str | None = None) -> float:
-            hits = [i for i in inner[kind] if any(x["t0"] <= i["t0"] <= x["t1"] for x in mine)]
+            hits = [i for i in inner[kind] if start <= i["t0"] <= end and i.get("req", req) in (req, "None")]
             return sum(i.get(field, 0) or 0 for i in hits) if field else sum((i["t1"] - i["t0"]) * 1e3 for i in hits)
 
         steps_gpu = [gpu_steps.get(x["t0"]) for x in mine]
-        start, end = mine[0]["t0"], t_first
         out.append({
             "req": req, "tokens": sum(x["reqs"][req] for x in mine), "steps": len(mine),
             "engine_ms": (end - start) * 1e3, "exec_ms": sum((x["t1"] - x["t0"]) * 1e3 for x in mine),
             "between_ms": sum((b["t0"] - a["t1"]) * 1e3 for a, b in zip(mine, mine[1:])),
             "tail_ms": (end - mine[-1]["t1"]) * 1e3,
             "save_ms": within("save"), "store_ms": within("store"), "gather_ms": within("gather"),
-            "gather_gpu_ms": within("gather", "gpu_ms"), "sync_ms": within("sync"), "submit_ms": within("submit"),
+            "gather_gpu_ms": within("gather", "gpu_ms"), "gather_cpu_ms": within("gather", "cpu_ms"),
+            "stores": sum(1 for i in inner["store"] if start <= i["t0"] <= end and i.get("req") == req),
+            "sync_ms": within("sync"), "submit_ms": within("submit"),
             "host_chunks": within("submit", "host_chunks"),
             "gpu_step_ms": sum(g.get("gpu_ms", 0) for g in steps_gpu if g),
             "gpu_gap_ms": sum(g.get("gap_ms", 0) or 0 for g in steps_gpu[1:] if g),

@@ -371,6 +371,7 @@ def test_request_timelines_attribute_each_step_s_stores_to_its_request(e2e_gpu) 
         {"ev": "gather", "t0": 10.165, "t1": 10.166, "gpu_ms": 14.0},
         {"ev": "gpu_step", "t0": 10.0, "gpu_ms": 190.0, "gap_ms": 50.0},
         {"ev": "exec", "t0": 10.21, "t1": 10.4, "reqs": {"a": 7808}},
+        {"ev": "store", "t0": 10.41, "t1": 10.42, "req": "other"},  # another request's: not a's
         {"ev": "gpu_step", "t0": 10.21, "gpu_ms": 180.0, "gap_ms": 9.0},
         {"ev": "first", "t": 10.45, "reqs": ["a"]},
         {"ev": "exec", "t0": 20.0, "t1": 20.1, "reqs": {"late": 100}}, {"ev": "first", "t": 20.2, "reqs": ["late"]},
@@ -379,8 +380,8 @@ def test_request_timelines_attribute_each_step_s_stores_to_its_request(e2e_gpu) 
     assert (a["req"], a["tokens"], a["steps"]) == ("a", 16000, 2)
     assert a["engine_ms"] == pytest.approx(450.0) and a["between_ms"] == pytest.approx(10.0)
     assert a["tail_ms"] == pytest.approx(50.0) and a["exec_ms"] == pytest.approx(390.0)
-    assert (a["store_ms"], a["sync_ms"], a["gather_gpu_ms"], a["host_chunks"]) == (
-        pytest.approx(30.0), pytest.approx(15.0), 14.0, 2)
+    assert (a["store_ms"], a["sync_ms"], a["gather_gpu_ms"], a["host_chunks"], a["stores"]) == (
+        pytest.approx(30.0), pytest.approx(15.0), 14.0, 2, 1)
     assert a["gpu_step_ms"] == 370.0 and a["gpu_gap_ms"] == 9.0  # the gap before its first step is not its own
     assert a["other_engine_busy_ms"] == pytest.approx(150.0)  # 10.3 -> 10.45
     summary = e2e_gpu.summarise_timelines([a])
