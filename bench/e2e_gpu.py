@@ -724,7 +724,7 @@ def time_left_s(cfg: Config) -> float:
 def estimate_rate_s(cfg: Config, rate: float) -> float:
     """Arrivals plus one request's generation at 20 ms per token, plus the bench's warm-up request (seen on
     2x H200, 8B, 1024 out: 128 prompts at 8 req/s 41 s, at 32 req/s 34 s; 256 at 32 54 s, at 96 50 s)."""
-    prefill_s = cfg.input_len * 4e-5  # a long prompt's prefill (8B body, one H200, pessimistic)
+    prefill_s = cfg.input_len * 4e-5  # a long prompt's prefill, pessimistic for an 8B body
     arrivals_s = cfg.num_prompts * prefill_s if rate == 0 else cfg.num_prompts / rate
     return arrivals_s + 3 * prefill_s + cfg.output_len * 0.02 + 15
 
