@@ -15,7 +15,7 @@ Every system gets the same vLLM flags (``--vllm-arg``/after ``--``: e.g. ``--loa
 ``--input-len`` in / ``--output-len`` out, ``--ignore-eos``, seed rate*100, Poisson arrivals at each
 ``--rates`` value, ``--num-prompts`` per rate).
 
-Per (system, rate) row (``bench/results/e2e_gpu.json``, issue 7's schema): output tok/s per GPU,
+Per (system, rate) row (``bench/results/e2e_gpu.json``): output tok/s per GPU,
 TTFT / TPOT p50 and p99, ITL p99, handover and KV wait p50/p99 (lmcache_p2p's proxy ``/stats``,
 reset before each rate), the decoder's KV hit ratio (LMCache's "hit tokens" over the tokens it
 looked up, from the decoder's log), failed requests, and whether every generated text equals the
@@ -257,10 +257,9 @@ def start_lmcache_pd(cfg: Config) -> Deployment:
     base_util = math.floor(cfg.gpu_memory_utilization / 2 * 100 + 1e-6) / 100 if cfg.one_gpu else cfg.gpu_memory_utilization
     children = []
     for role, kv_role, gpu in (("decoder", "kv_consumer", decoder_gpu), ("prefiller", "kv_producer", 0)):
-        # LMCache 0.5.3's PD receiver keeps every chunk it was sent in its pd buffer (a cache: a prompt sent again
-        # is not re-allocated) and never frees one: once full, every later distinct prompt hangs the sender (seen
-        # on 2x H200: 8 GB held the first 61 of 128 prompts, the rest failed). Its buffer must hold every
-        # distinct prompt of the pass; the sender's is freed after each send.
+        # LMCache's PD receiver keeps every chunk it was sent in its pd buffer (a cache: a prompt sent again is
+        # not re-allocated) and never frees one: once full, every later distinct prompt hangs the sender. Its
+        # buffer must hold every distinct prompt of the pass; the sender's is freed after each send.
         buffer_bytes = (pd_receive_buffer_bytes(cfg, total) if role == "decoder"
                         else parse_size_bytes("--buffer-size", cfg.buffer_size))
         yaml_path = log_dir / f"{role}.yaml"
