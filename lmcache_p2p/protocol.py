@@ -2,9 +2,9 @@
 
 Messages are msgspec structs in one tagged union, encoded as MessagePack. A frame on the wire is
 two ZMQ parts: ``[auth, payload]``. ``auth`` is empty without a shared secret; with one it holds
-an HMAC-SHA256 tag over the sender's identity, a random nonce, a timestamp and the payload, and
-:class:`Codec` refuses a wrong tag, a replayed nonce and a frame outside the time window (see its
-docstring). Every frame is bounded by ``MAX_MESSAGE_BYTES``. Nothing from a peer is ever
+an HMAC-SHA256 tag over the signer's identity, the recipient's name, a random nonce, a timestamp
+and the payload, and :class:`Codec` refuses a wrong tag, a replayed nonce, a frame outside the
+time window and a frame addressed to someone else (see its docstring). Every frame is bounded by ``MAX_MESSAGE_BYTES``. Nothing from a peer is ever
 unpickled: decoding accepts only the structs below and raises :class:`ProtocolError` for anything
 else.
 
@@ -29,9 +29,17 @@ Version history:
      malformed (counted); nothing else depends on it.
   (2, additive) KvReady carries chunks_held / bytes_held / bytes_received (defaults 0: an older
      peer's KvReady decodes unchanged); a Grant's -1 also means "kept in the receiver's cache".
-Framing under a shared secret (not versioned: both sides share the secret and the release):
-  ``auth`` was the bare HMAC of the payload; it now carries identity, nonce and timestamp inside
-  the tag. A peer of the older framing is refused as ``auth`` (malformed envelope).
+  3  Under a shared secret every frame names its recipient inside the signed envelope, and the
+     signer must be who the message says it is: a Hello is addressed to the receiver's control
+     address (``host:port`` as the sender dials it) and signed by its ``sender_id``; after
+     Welcome, a sender addresses the receiver by its ``receiver_id`` and the receiver its sender by
+     ``sender_id``; each side refuses a frame addressed to another peer (``misaddressed``: replayed
+     from another conversation) and a signer other than the peer's id (``spoofed``). The proxy
+     addresses a Cancel to the receiver's control address. A peer of version 2 is refused at Hello
+     (version), and under a secret at its first frame (``auth``: another framing domain).
+Framing under a shared secret (versioned with the protocol since 3):
+  before 2, ``auth`` was the bare HMAC of the payload; 2 put identity, nonce and timestamp inside
+  the tag; 3 adds the recipient. A peer of an older framing is refused as ``auth``.
 """
 
 from __future__ import annotations
@@ -49,10 +57,10 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from lmcache_p2p.errors import (AuthError, OversizedError, ProtocolError, ReplayError, StaleFrameError,
-                                VersionError)
+from lmcache_p2p.errors import (AuthError, MisaddressedError, OversizedError, ProtocolError, ReplayError,
+                                StaleFrameError, VersionError)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class RefusalCode(str, enum.Enum):
@@ -292,12 +300,15 @@ def decode(payload: bytes) -> Message:
 MAX_MESSAGE_BYTES = 4 << 20  # the largest control frame any socket accepts (also its zmq.MAXMSGSIZE)
 AUTH_WINDOW_S = 30.0  # default of p2p.auth_window_s / --auth-window-s
 REPLAY_CACHE_ENTRIES = 1 << 17  # nonces remembered per Codec; older ones raise the timestamp floor
-MAX_IDENTITY_BYTES = 256
+MAX_IDENTITY_BYTES = 256  # the signer's identity and the recipient's name, each
 _NONCE_BYTES = 16
 _TAG_BYTES = 32
 _STAMP = struct.Struct(">Q")  # milliseconds since the epoch
-_HEADER_MIN_BYTES = _TAG_BYTES + _NONCE_BYTES + _STAMP.size
-_DOMAIN = b"lmcache_p2p/frame/1\x00"  # a tag made for anything else never verifies here
+_NAME_LEN = struct.Struct(">H")  # length of the signer's identity; the recipient's name is the rest
+_HEADER_MIN_BYTES = _TAG_BYTES + _NONCE_BYTES + _STAMP.size + _NAME_LEN.size
+_HEADER_MAX_BYTES = _HEADER_MIN_BYTES + 2 * MAX_IDENTITY_BYTES
+_DOMAIN = b"lmcache_p2p/frame/3\x00"  # a tag made for anything else (or an older framing) never verifies here
+ANYONE = ""  # the recipient name of a frame for whoever listens (instances -> proxy: they do not know its id)
 
 
 class Rejection(str, enum.Enum):
@@ -309,13 +320,15 @@ class Rejection(str, enum.Enum):
     OVERSIZED = "oversized"  # larger than MAX_MESSAGE_BYTES
     MALFORMED = "malformed"  # wrong number of parts, bad header, undecodable or unknown message
     VERSION = "version"  # a message of another protocol version (counted by the receiving service)
+    MISADDRESSED = "misaddressed"  # an authentic frame addressed to another peer (replayed from elsewhere)
+    SPOOFED = "spoofed"  # an authentic frame whose signer is not the peer the message speaks for
     FOREIGN = "foreign"  # a Written for a request another sender owns, or from a peer that is not its sender
 
 
 def rejection_of(exc: ProtocolError) -> Rejection:
     """The counter label of a rejected frame's error."""
     for cls, reason in ((ReplayError, Rejection.REPLAY), (StaleFrameError, Rejection.STALE),
-                        (AuthError, Rejection.AUTH), (OversizedError, Rejection.OVERSIZED),
+                        (MisaddressedError, Rejection.MISADDRESSED), (AuthError, Rejection.AUTH), (OversizedError, Rejection.OVERSIZED),
                         (VersionError, Rejection.VERSION)):
         if isinstance(exc, cls):
             return reason
@@ -329,6 +342,7 @@ class Envelope:
     msg: Message
     sender: str  # the peer's identity as its Codec stamped it; "" without a shared secret
     sent_at_s: float  # the peer's wall clock when it packed the frame; 0.0 without a shared secret
+    recipient: str = ANYONE  # the name the peer addressed it to (one of ours); "" without a shared secret
 
 
 class _ReplayCache:
@@ -364,19 +378,24 @@ class Codec:
     """Frames messages as ``[auth, payload]``, checks them, and counts what it rejects.
 
     Without a shared secret ``auth`` is empty: framing costs one MessagePack encode. With one,
-    ``auth`` is ``tag(32) | nonce(16) | stamp_ms(8, big-endian) | identity (UTF-8)`` where
-    ``tag = HMAC-SHA256(secret, domain | len(rest of auth) | rest of auth | payload)``: the sender's
-    identity, a random nonce and a timestamp are inside the authenticated envelope. ``unpack``
-    refuses a wrong tag, a frame stamped more than ``window_s`` from this clock, and a nonce it
-    already accepted (a bounded replay cache). Every frame larger than ``max_message_bytes`` in
-    all is refused before anything else is looked at. Thread-safe.
+    ``auth`` is ``tag(32) | nonce(16) | stamp_ms(8) | len(identity)(2) | identity | recipient``
+    (UTF-8 names, big-endian numbers) where ``tag = HMAC-SHA256(secret, domain | len(rest of auth)
+    | rest of auth | payload)``: the signer's identity, the recipient's name, a random nonce and a
+    timestamp are inside the authenticated envelope. ``unpack`` refuses a wrong tag, a frame
+    stamped more than ``window_s`` from this clock, a nonce it already accepted (a bounded replay
+    cache) and a frame addressed to a name that is not one of ``names`` (a frame captured on its
+    way to another peer; default: our identity and :data:`ANYONE`). Whether the signer may speak
+    for the peer a message names is the service's check (:class:`Envelope` carries both). Every
+    frame larger than ``max_message_bytes`` in all is refused before anything else is looked at.
+    Thread-safe.
     """
 
     def __init__(self, shared_secret: str | None = None, *, identity: str = "", window_s: float = AUTH_WINDOW_S,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, replay_cache_entries: int = REPLAY_CACHE_ENTRIES,
-                 clock: Callable[[], float] = time.time) -> None:
+                 names: Sequence[str] | None = None, clock: Callable[[], float] = time.time) -> None:
         self._key = shared_secret.encode() if shared_secret else None
-        self._identity = identity.encode()[:MAX_IDENTITY_BYTES]
+        self._identity = _name_bytes(identity)
+        self.names = frozenset(names if names is not None else (self._identity.decode(), ANYONE))
         self._window_ms = int(window_s * 1000)
         self.max_message_bytes = max_message_bytes
         self._clock = clock
@@ -392,14 +411,16 @@ class Codec:
         assert self._key is not None
         return hmac.digest(self._key, b"".join((_DOMAIN, _STAMP.pack(len(header)), header, payload)), "sha256")
 
-    def pack(self, msg: Message) -> list[bytes]:
-        return self.seal(encode(msg))
+    def pack(self, msg: Message, to: str = ANYONE) -> list[bytes]:
+        """Frame ``msg`` for the peer named ``to`` (signed under a shared secret; ignored without one)."""
+        return self.seal(encode(msg), to)
 
-    def seal(self, payload: bytes) -> list[bytes]:
+    def seal(self, payload: bytes, to: str = ANYONE) -> list[bytes]:
         """Frame already-encoded bytes (``pack`` without the encoding; tests forge payloads with it)."""
         if self._key is None:
             return [b"", payload]
-        header = os.urandom(_NONCE_BYTES) + _STAMP.pack(int(self._clock() * 1000)) + self._identity
+        header = b"".join((os.urandom(_NONCE_BYTES), _STAMP.pack(int(self._clock() * 1000)),
+                           _NAME_LEN.pack(len(self._identity)), self._identity, _name_bytes(to)))
         return [self._tag(header, payload) + header, payload]
 
     def unpack(self, frames: Sequence[bytes]) -> Message:
@@ -433,13 +454,7 @@ class Codec:
         auth, payload = bytes(frames[0]), bytes(frames[1])
         if self._key is None:
             return Envelope(decode(payload), "", 0.0)
-        if len(auth) < _HEADER_MIN_BYTES or len(auth) > _HEADER_MIN_BYTES + MAX_IDENTITY_BYTES:
-            raise AuthError(f"control message rejected: missing or malformed shared-secret envelope ({len(auth)} "
-                            "bytes; p2p.shared_secret / --shared-secret must match on both sides)")
-        tag, header = auth[:_TAG_BYTES], auth[_TAG_BYTES:]
-        if not hmac.compare_digest(tag, self._tag(header, payload)):
-            raise AuthError("control message rejected: wrong shared-secret tag "
-                            "(p2p.shared_secret / --shared-secret must match on both sides)")
+        header = self._verified_header(auth, payload)
         nonce = header[:_NONCE_BYTES]
         (stamp_ms,) = _STAMP.unpack_from(header, _NONCE_BYTES)
         now_ms = int(self._clock() * 1000)
@@ -447,10 +462,38 @@ class Codec:
             raise StaleFrameError(f"control frame stamped {(now_ms - stamp_ms) / 1000:.1f} s from this clock, "
                                   f"outside the window of {self._window_ms / 1000:.0f} s (p2p.auth_window_s / "
                                   "--auth-window-s; are clocks in sync?)")
+        names_at = _NONCE_BYTES + _STAMP.size
+        (identity_len,) = _NAME_LEN.unpack_from(header, names_at)
+        identity = header[names_at + _NAME_LEN.size:][:identity_len].decode("utf-8", errors="replace")
+        recipient = header[names_at + _NAME_LEN.size + identity_len:].decode("utf-8", errors="replace")
+        if recipient not in self.names:
+            raise MisaddressedError(f"control frame from {identity!r} is addressed to {recipient!r}, not to this "
+                                    f"peer ({', '.join(sorted(map(repr, self.names)))}): replayed from another "
+                                    "conversation, or the sender dials an address this peer does not advertise "
+                                    "(p2p.advertise_host)")
         with self._lock:
             self._replay.check_and_add(nonce, stamp_ms, now_ms, self._window_ms)
-        sender = header[_NONCE_BYTES + _STAMP.size:].decode("utf-8", errors="replace")
-        return Envelope(decode(payload), sender, stamp_ms / 1000)
+        return Envelope(decode(payload), identity, stamp_ms / 1000, recipient)
+
+    def _verified_header(self, auth: bytes, payload: bytes) -> bytes:
+        """The envelope's header after its tag (refused: malformed, or a tag that does not verify)."""
+        header = auth[_TAG_BYTES:]
+        malformed = AuthError(f"control message rejected: missing or malformed shared-secret envelope ({len(auth)} "
+                              "bytes; p2p.shared_secret / --shared-secret must match on both sides)")
+        if not _HEADER_MIN_BYTES <= len(auth) <= _HEADER_MAX_BYTES:
+            raise malformed
+        if not hmac.compare_digest(auth[:_TAG_BYTES], self._tag(header, payload)):
+            raise AuthError("control message rejected: wrong shared-secret tag "
+                            "(p2p.shared_secret / --shared-secret must match on both sides)")
+        (identity_len,) = _NAME_LEN.unpack_from(header, _NONCE_BYTES + _STAMP.size)
+        if identity_len > min(len(auth) - _HEADER_MIN_BYTES, MAX_IDENTITY_BYTES):
+            raise malformed
+        return header
+
+
+def _name_bytes(name: str) -> bytes:
+    """A peer name as the envelope carries it (UTF-8, at most MAX_IDENTITY_BYTES)."""
+    return name.encode()[:MAX_IDENTITY_BYTES]
 
 
 class RejectionLog:

@@ -98,6 +98,12 @@ class Chunk:
 _LOOKUP = "lookup"  # the pin holder of LMCache's lookups (pin ... unpin around a retrieve)
 
 
+def _claimed_name(identity: bytes) -> str:
+    """The sender id a peer's ZMQ identity claims (``sender_id@suffix``): whom to answer a frame we
+    could not authenticate (unverified: the reply carries nothing but the refusal)."""
+    return identity.split(b"@", 1)[0].decode("utf-8", errors="replace")
+
+
 def _dec(counts: dict[str, int], key: str) -> None:
     """One less of ``key`` (forgotten at 0)."""
     if counts[key] <= 1:
@@ -153,7 +159,11 @@ class ReceiveService:
         self._teardowns: list[threading.Thread] = []
         self.instance_id = cfg.default_instance_id()
         self.receiver_id = f"{self.instance_id}/r{tp_rank}/{uuid.uuid4().hex[:8]}"
-        self._codec = protocol.Codec(cfg.shared_secret, identity=self.receiver_id, window_s=cfg.auth_window_s)
+        port = cfg.control_port(tp_rank)
+        # The names a Hello or the proxy's Cancel may address us by: the control address peers dial.
+        self.control_addresses = frozenset({f"{cfg.advertised_host()}:{port}", f"{cfg.host}:{port}"})
+        self._codec = protocol.Codec(cfg.shared_secret, identity=self.receiver_id, window_s=cfg.auth_window_s,
+                                     names=[self.receiver_id, *self.control_addresses])
         self._rejections = protocol.RejectionLog(logger, "receiver control port")
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
@@ -327,22 +337,59 @@ class ReceiveService:
             except zmq.Again:
                 return
             identity, body = frames[0], frames[1:]
+            sender = self._senders.get(identity)
             try:
-                msg = self._codec.unpack(body)
+                env = self._codec.open(body)
             except ProtocolError as exc:  # counted by the codec (rejected_frames)
                 self._rejections.log(protocol.rejection_of(exc), f"from {identity!r}: {exc}")
-                self._reply(identity, protocol.ErrorReply(seq=-1, message=str(exc)))
+                to = sender.sender_id if sender is not None else _claimed_name(identity)
+                self._reply(identity, protocol.ErrorReply(seq=-1, message=str(exc)), to)
                 continue
-            sender = self._senders.get(identity)
+            refusal = self._envelope_refusal(env, sender)
+            if refusal is not None:
+                reason, why = refusal
+                self._codec.count_rejected(reason)
+                self._rejections.log(reason, f"from {identity!r}: {why}")
+                self._reply(identity, protocol.ErrorReply(seq=getattr(env.msg, "seq", -1), message=why), env.sender)
+                continue
             if sender is not None:
                 sender.last_seen = time.monotonic()
-            reply = self._handle(identity, msg)
+            reply = self._handle(identity, env.msg)
             if reply is not None:
-                self._reply(identity, reply)
+                self._reply(identity, reply, env.sender)
 
-    def _reply(self, identity: bytes, msg: protocol.Message) -> None:
+    def _envelope_refusal(self, env: protocol.Envelope, sender: _Sender | None) -> tuple[protocol.Rejection, str] | None:
+        """Under a shared secret: is the frame's signer the sender it speaks for, and was it addressed
+        to us in this conversation? A Hello names our control address (the sender has no id of ours
+        yet) and its signer must be its ``sender_id``; a registered sender's later frames name our
+        ``receiver_id`` (a frame captured for another receiver, or an earlier incarnation of us, never
+        does) and are signed by the sender that said Hello on this connection."""
+        if not self._codec.authenticated:
+            return None
+        msg = env.msg
+        if isinstance(msg, protocol.Hello):
+            if env.sender != msg.sender_id:
+                return protocol.Rejection.SPOOFED, (f"Hello speaks for sender {msg.sender_id!r} but is signed by "
+                                                    f"{env.sender!r}: a peer may say Hello only as itself")
+            if env.recipient not in self.control_addresses:
+                return protocol.Rejection.MISADDRESSED, (
+                    f"Hello is addressed to {env.recipient!r}, not to this receiver's control address "
+                    f"({', '.join(sorted(self.control_addresses))}): replayed from another receiver, or the sender "
+                    "dials an address this receiver does not advertise (p2p.advertise_host)")
+            return None
+        if sender is not None:
+            if env.sender != sender.sender_id:
+                return protocol.Rejection.SPOOFED, (f"{type(msg).__name__} on the connection of sender "
+                                                    f"{sender.sender_id!r} is signed by {env.sender!r}")
+            if env.recipient != self.receiver_id:
+                return protocol.Rejection.MISADDRESSED, (
+                    f"{type(msg).__name__} is addressed to {env.recipient!r}, not to this receiver "
+                    f"({self.receiver_id!r}): replayed from another receiver or an earlier incarnation")
+        return None
+
+    def _reply(self, identity: bytes, msg: protocol.Message, to: str) -> None:
         try:
-            self._sock.send_multipart([identity, *self._codec.pack(msg)], flags=zmq.DONTWAIT)
+            self._sock.send_multipart([identity, *self._codec.pack(msg, to)], flags=zmq.DONTWAIT)
         except zmq.Again:
             logger.warning("could not reply to %r (peer gone?)", identity)
 

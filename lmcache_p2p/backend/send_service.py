@@ -87,6 +87,11 @@ class Target:
     def endpoint(self) -> str:
         return f"tcp://{self.host}:{self.control_port}"
 
+    @property
+    def address(self) -> str:
+        """The name a Hello addresses the receiver by (it answers to its control address)."""
+        return f"{self.host}:{self.control_port}"
+
 
 @dataclasses.dataclass
 class _Batch:
@@ -109,6 +114,7 @@ class _Peer:
     state: _PeerState
     deadline: float
     name: str = ""  # transport peer name, after Welcome
+    receiver_id: str = ""  # the receiver's id, after Welcome: we address it by this, and it signs with it
     buffer_addr: int = 0  # the receiver's slot 0, after Welcome
     slot_bytes: int = 0
     num_slots: int = 0
@@ -190,7 +196,8 @@ class SendService:
         self._transport = transport
         self.instance_id = cfg.default_instance_id()
         self.sender_id = f"{self.instance_id}/r{tp_rank}/{uuid.uuid4().hex[:8]}"
-        self._codec = protocol.Codec(cfg.shared_secret, identity=self.sender_id, window_s=cfg.auth_window_s)
+        self._codec = protocol.Codec(cfg.shared_secret, identity=self.sender_id, window_s=cfg.auth_window_s,
+                                     names=[self.sender_id])
         self._rejections = protocol.RejectionLog(logger, "sender control socket")
         self._seq = itertools.count(1)
         self._inbox: deque[tuple[str, Target, _Batch]] = deque()
@@ -417,7 +424,8 @@ class SendService:
 
     def _send(self, peer: _Peer, msg: protocol.Message) -> None:
         try:
-            peer.sock.send_multipart(self._codec.pack(msg), flags=zmq.DONTWAIT)
+            peer.sock.send_multipart(self._codec.pack(msg, peer.receiver_id or peer.target.address),
+                                     flags=zmq.DONTWAIT)
         except zmq.Again:
             logger.debug("control queue to %s full; message dropped", peer.target.endpoint)
 
@@ -428,12 +436,27 @@ class SendService:
             except zmq.Again:
                 return
             try:
-                msg = self._codec.unpack(frames)
+                env = self._codec.open(frames)
             except ProtocolError as exc:  # counted by the codec (stats().rejected_frames)
                 self._rejections.log(protocol.rejection_of(exc), f"from {peer.target.endpoint}: {exc}")
                 continue
+            spoofed = self._signer_refusal(peer, env)
+            if spoofed:
+                self._codec.count_rejected(protocol.Rejection.SPOOFED)
+                self._rejections.log(protocol.Rejection.SPOOFED, f"from {peer.target.endpoint}: {spoofed}")
+                continue
             peer.last_heard = time.monotonic()
-            self._on_message_guarded(peer, msg)
+            self._on_message_guarded(peer, env.msg)
+
+    def _signer_refusal(self, peer: _Peer, env: protocol.Envelope) -> str:
+        """Under a shared secret, a receiver's frames are signed by the id its Welcome gave (a Grant
+        another receiver made for us never counts here); "" when acceptable."""
+        if not self._codec.authenticated:
+            return ""
+        expected = peer.receiver_id or (env.msg.receiver_id if isinstance(env.msg, protocol.Welcome) else env.sender)
+        if env.sender == expected:
+            return ""
+        return f"{type(env.msg).__name__} signed by {env.sender!r}, but this receiver is {expected!r}"
 
     def _on_message_guarded(self, peer: _Peer, msg: protocol.Message) -> None:
         """Handle one message; an unexpected error fails the request it concerns, or the peer."""
@@ -471,6 +494,7 @@ class SendService:
                                   f"{msg.slot_bytes} bytes: nothing can be granted")
             return
         peer.state = _PeerState.CONNECTING
+        peer.receiver_id = msg.receiver_id
         peer.buffer_addr, peer.slot_bytes, peer.num_slots = msg.buffer_addr, msg.slot_bytes, msg.num_slots
         theirs = msg.transfer_timeout_s
         peer.write_timeout_s = min(self._cfg.transfer_timeout_s, theirs) if theirs > 0 else self._cfg.transfer_timeout_s
