@@ -1,12 +1,10 @@
 """Every control-plane message of lmcache_p2p, and how it crosses the wire.
 
 Messages are msgspec structs in one tagged union, encoded as MessagePack. A frame on the wire is
-two ZMQ parts: ``[auth, payload]``. ``auth`` is empty without a shared secret; with one it holds
-an HMAC-SHA256 tag over the signer's identity, the recipient's name, a random nonce, a timestamp
-and the payload, and :class:`Codec` refuses a wrong tag, a replayed nonce, a frame outside the
-time window and a frame addressed to someone else (see its docstring). Every frame is bounded by ``MAX_MESSAGE_BYTES``. Nothing from a peer is ever
-unpickled: decoding accepts only the structs below and raises :class:`ProtocolError` for anything
-else.
+two ZMQ parts: ``[auth, payload]``: ``auth`` is empty without a shared secret, else a signed
+envelope that :class:`Codec` checks (see its docstring). Every frame is bounded by
+``MAX_MESSAGE_BYTES``. Nothing from a peer is ever unpickled: decoding accepts only the structs
+below and raises :class:`ProtocolError` for anything else.
 
 Conversations:
   sender -> receiver (ZMQ DEALER -> ROUTER, the receiver's control port):
@@ -17,29 +15,24 @@ Conversations:
   sender -> receiver (transport notification, after the bytes landed):
       Written
   instance -> proxy (ZMQ PUSH -> PULL, the proxy's control address):
-      Announce (start and every heartbeat), Goodbye, KvReady, KvFailed
-  sender -> proxy (the same PUSH), after a request's last chunk was written:
-      KvSent (the prefiller's store / submit / transfer times, for the proxy's request timeline)
+      Announce (start and every heartbeat), Goodbye, KvReady, KvFailed, and from a sender, once a
+      request's last chunk was written, KvSent (its store / submit / transfer times)
 
 Version history:
   1  first version.
   2  Hello and Announce carry the KV :class:`Fingerprint`; a receiver refuses a sender whose
-     fingerprint differs and the proxy never pairs such instances.
-     Additive, same version: KvSent (sender -> proxy). A proxy that predates it drops it as
-     malformed (counted); nothing else depends on it.
+     fingerprint differs and the proxy never pairs such instances. Additive, same version: KvSent
+     (a proxy that predates it drops it as malformed, counted; nothing else depends on it).
   (2, additive) KvReady carries chunks_held / bytes_held / bytes_received (defaults 0: an older
      peer's KvReady decodes unchanged); a Grant's -1 also means "kept in the receiver's cache".
-  3  Under a shared secret every frame names its recipient inside the signed envelope, and the
-     signer must be who the message says it is: a Hello is addressed to the receiver's control
-     address (``host:port`` as the sender dials it) and signed by its ``sender_id``; after
-     Welcome, a sender addresses the receiver by its ``receiver_id`` and the receiver its sender by
-     ``sender_id``; each side refuses a frame addressed to another peer (``misaddressed``: replayed
-     from another conversation) and a signer other than the peer's id (``spoofed``). The proxy
-     addresses a Cancel to the receiver's control address. A peer of version 2 is refused at Hello
-     (version), and under a secret at its first frame (``auth``: another framing domain).
-Framing under a shared secret (versioned with the protocol since 3):
-  before 2, ``auth`` was the bare HMAC of the payload; 2 put identity, nonce and timestamp inside
-  the tag; 3 adds the recipient. A peer of an older framing is refused as ``auth``.
+  3  Under a shared secret the envelope names the frame's recipient, and the signer must be the
+     peer the message speaks for: a Hello is addressed to the receiver's control address
+     (``host:port`` as dialled) and signed by its ``sender_id``; later frames name the Welcome's
+     ``receiver_id``, replies the ``sender_id``; the proxy's Cancel names the control address.
+     Refused: ``misaddressed`` (replayed from another conversation) and ``spoofed``. A peer of
+     version 2 is refused at Hello, and under a secret at its first frame (``auth``).
+Framing under a shared secret (versioned with the protocol since 3): before 2, ``auth`` was the
+  bare HMAC of the payload; 2 signed identity, nonce and timestamp too; 3 adds the recipient.
 """
 
 from __future__ import annotations
@@ -157,9 +150,8 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     slot_bytes: int
     num_slots: int
     transport: TransportInfo
-    # The receiver's p2p.transfer_timeout_s: a granted slot given up by the receiver is quarantined for
-    # this (plus its margin) after the grant, so a sender must have aborted every write into it by
-    # then: it times each write from its Alloc with the smaller of this and its own timeout. 0: unknown.
+    # The receiver's p2p.transfer_timeout_s (0: unknown): a slot it gives up stays quarantined this long (plus
+    # a margin) after the grant, so a sender times each write from its Alloc with the smaller of this and its own.
     transfer_timeout_s: float = 0.0
 
 
@@ -274,11 +266,8 @@ class KvSent(msgspec.Struct, tag="kv_sent", frozen=True):
     write_s: float = 0.0  # first write posted -> last write seen complete
 
 
-Message = (
-    Hello | Welcome | Alloc | Grant | Refused | Written | Cancel | Ack | ErrorReply
-    | Announce | Goodbye | KvReady | KvFailed
-    | KvSent
-)
+Message = (Hello | Welcome | Alloc | Grant | Refused | Written | Cancel | Ack | ErrorReply
+           | Announce | Goodbye | KvReady | KvFailed | KvSent)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -328,8 +317,8 @@ class Rejection(str, enum.Enum):
 def rejection_of(exc: ProtocolError) -> Rejection:
     """The counter label of a rejected frame's error."""
     for cls, reason in ((ReplayError, Rejection.REPLAY), (StaleFrameError, Rejection.STALE),
-                        (MisaddressedError, Rejection.MISADDRESSED), (AuthError, Rejection.AUTH), (OversizedError, Rejection.OVERSIZED),
-                        (VersionError, Rejection.VERSION)):
+                        (MisaddressedError, Rejection.MISADDRESSED), (AuthError, Rejection.AUTH),
+                        (OversizedError, Rejection.OVERSIZED), (VersionError, Rejection.VERSION)):
         if isinstance(exc, cls):
             return reason
     return Rejection.MALFORMED
@@ -377,17 +366,12 @@ class _ReplayCache:
 class Codec:
     """Frames messages as ``[auth, payload]``, checks them, and counts what it rejects.
 
-    Without a shared secret ``auth`` is empty: framing costs one MessagePack encode. With one,
-    ``auth`` is ``tag(32) | nonce(16) | stamp_ms(8) | len(identity)(2) | identity | recipient``
-    (UTF-8 names, big-endian numbers) where ``tag = HMAC-SHA256(secret, domain | len(rest of auth)
-    | rest of auth | payload)``: the signer's identity, the recipient's name, a random nonce and a
-    timestamp are inside the authenticated envelope. ``unpack`` refuses a wrong tag, a frame
-    stamped more than ``window_s`` from this clock, a nonce it already accepted (a bounded replay
-    cache) and a frame addressed to a name that is not one of ``names`` (a frame captured on its
-    way to another peer; default: our identity and :data:`ANYONE`). Whether the signer may speak
-    for the peer a message names is the service's check (:class:`Envelope` carries both). Every
-    frame larger than ``max_message_bytes`` in all is refused before anything else is looked at.
-    Thread-safe.
+    Without a shared secret ``auth`` is empty. With one, ``auth`` is ``tag(32) | nonce(16) |
+    stamp_ms(8) | len(identity)(2) | identity | recipient`` and ``tag = HMAC-SHA256(secret, domain |
+    len(rest) | rest | payload)``. ``open`` refuses a frame over ``max_message_bytes`` (first), a
+    wrong tag, a stamp more than ``window_s`` from this clock, a frame addressed to a name not in
+    ``names`` (default: our identity and :data:`ANYONE`) and a nonce it already accepted. Whether
+    the signer may speak for the peer a message names is the service's check. Thread-safe.
     """
 
     def __init__(self, shared_secret: str | None = None, *, identity: str = "", window_s: float = AUTH_WINDOW_S,
@@ -454,18 +438,12 @@ class Codec:
         auth, payload = bytes(frames[0]), bytes(frames[1])
         if self._key is None:
             return Envelope(decode(payload), "", 0.0)
-        header = self._verified_header(auth, payload)
-        nonce = header[:_NONCE_BYTES]
-        (stamp_ms,) = _STAMP.unpack_from(header, _NONCE_BYTES)
+        nonce, stamp_ms, identity, recipient = self._read_header(auth, payload)
         now_ms = int(self._clock() * 1000)
         if abs(now_ms - stamp_ms) > self._window_ms:
             raise StaleFrameError(f"control frame stamped {(now_ms - stamp_ms) / 1000:.1f} s from this clock, "
                                   f"outside the window of {self._window_ms / 1000:.0f} s (p2p.auth_window_s / "
                                   "--auth-window-s; are clocks in sync?)")
-        names_at = _NONCE_BYTES + _STAMP.size
-        (identity_len,) = _NAME_LEN.unpack_from(header, names_at)
-        identity = header[names_at + _NAME_LEN.size:][:identity_len].decode("utf-8", errors="replace")
-        recipient = header[names_at + _NAME_LEN.size + identity_len:].decode("utf-8", errors="replace")
         if recipient not in self.names:
             raise MisaddressedError(f"control frame from {identity!r} is addressed to {recipient!r}, not to this "
                                     f"peer ({', '.join(sorted(map(repr, self.names)))}): replayed from another "
@@ -475,31 +453,32 @@ class Codec:
             self._replay.check_and_add(nonce, stamp_ms, now_ms, self._window_ms)
         return Envelope(decode(payload), identity, stamp_ms / 1000, recipient)
 
-    def _verified_header(self, auth: bytes, payload: bytes) -> bytes:
-        """The envelope's header after its tag (refused: malformed, or a tag that does not verify)."""
-        header = auth[_TAG_BYTES:]
+    def _read_header(self, auth: bytes, payload: bytes) -> tuple[bytes, int, str, str]:
+        """(nonce, stamp_ms, identity, recipient) of an envelope whose tag verifies; AuthError if not."""
         malformed = AuthError(f"control message rejected: missing or malformed shared-secret envelope ({len(auth)} "
                               "bytes; p2p.shared_secret / --shared-secret must match on both sides)")
         if not _HEADER_MIN_BYTES <= len(auth) <= _HEADER_MAX_BYTES:
             raise malformed
+        header = auth[_TAG_BYTES:]
         if not hmac.compare_digest(auth[:_TAG_BYTES], self._tag(header, payload)):
             raise AuthError("control message rejected: wrong shared-secret tag "
                             "(p2p.shared_secret / --shared-secret must match on both sides)")
+        (stamp_ms,) = _STAMP.unpack_from(header, _NONCE_BYTES)
         (identity_len,) = _NAME_LEN.unpack_from(header, _NONCE_BYTES + _STAMP.size)
         if identity_len > min(len(auth) - _HEADER_MIN_BYTES, MAX_IDENTITY_BYTES):
             raise malformed
-        return header
+        names = header[_NONCE_BYTES + _STAMP.size + _NAME_LEN.size:]
+        return (header[:_NONCE_BYTES], stamp_ms, names[:identity_len].decode("utf-8", errors="replace"),
+                names[identity_len:].decode("utf-8", errors="replace"))
 
 
 def _name_bytes(name: str) -> bytes:
-    """A peer name as the envelope carries it (UTF-8, at most MAX_IDENTITY_BYTES)."""
-    return name.encode()[:MAX_IDENTITY_BYTES]
+    return name.encode()[:MAX_IDENTITY_BYTES]  # a peer name as the envelope carries it
 
 
 class RejectionLog:
     """Logs rejected frames without flooding: WARNING for the first of a kind, then at most every
-    ``warn_every_s`` with the count since (DEBUG in between). A flood of forged frames costs a
-    line per reason per interval."""
+    ``warn_every_s`` with the count since (DEBUG in between)."""
 
     def __init__(self, logger: logging.Logger, where: str, warn_every_s: float = 10.0) -> None:
         self._logger = logger

@@ -235,7 +235,7 @@ def test_fuzz_the_receiver_control_port(secret):
     rng = random.Random(SEED)
     pool = SlotPool(FRAMES + 16)
     service = ReceiveService(receiver_config(secret), tp_rank=0, tp_size=1, transport=FakeTransport(), pool=pool,
-                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16")
+                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16").start()
     ctx = zmq.Context()
     codec = protocol.Codec(secret, identity="fuzz-peer")
     address = service.control_endpoint.removeprefix("tcp://")
@@ -296,7 +296,7 @@ def test_a_part_beyond_maxmsgsize_disconnects_only_that_peer(secret):
     (nothing arrived), and the service keeps serving."""
     pool = SlotPool(8)
     service = ReceiveService(receiver_config(secret), tp_rank=0, tp_size=1, transport=FakeTransport(), pool=pool,
-                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16")
+                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16").start()
     ctx = zmq.Context()
     codec = protocol.Codec(secret, identity="ok")
     try:
@@ -326,7 +326,7 @@ def test_fuzz_the_sender_control_socket(secret):
     router.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops what exceeds its high-water mark: queue everything
     port = router.bind_to_random_port("tcp://127.0.0.1")
     cfg = P2PConfig(role=Role.SENDER, shared_secret=secret, connect_timeout_s=3600.0, alloc_timeout_s=3600.0)
-    service = SendService(cfg, tp_rank=0, tp_size=1, transport=FakeTransport())
+    service = SendService(cfg, tp_rank=0, tp_size=1, transport=FakeTransport()).start()
     codec = protocol.Codec(secret, identity="fake-receiver", names=["fake-receiver", f"127.0.0.1:{port}"])
     done: list[str] = []
     try:
@@ -444,7 +444,7 @@ def test_the_announce_carries_the_advertised_host_and_a_host_qualified_id(monkey
     port = free_port()
     cfg = P2PConfig(role=Role.RECEIVER, control_ports=port, advertise_host="10.0.0.5")
     service = ReceiveService(cfg, tp_rank=0, tp_size=1, transport=FakeTransport(), pool=SlotPool(4),
-                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16")
+                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16").start()
     try:
         announce = service._announce()
         assert (announce.control_host, announce.control_port) == ("10.0.0.5", port)
@@ -489,7 +489,7 @@ def test_written_is_matched_to_the_sender_that_owns_the_slots():
     transport = FakeTransport()
     pool = SlotPool(8)
     service = ReceiveService(receiver_config("s3cret"), tp_rank=0, tp_size=1, transport=transport, pool=pool,
-                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16")
+                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16").start()
     ctx = zmq.Context()
     codecs = {name: protocol.Codec("s3cret", identity=name) for name in ("sender-a", "sender-b")}
     a, b = dealer(ctx, service.control_endpoint, b"a"), dealer(ctx, service.control_endpoint, b"b")
@@ -551,9 +551,9 @@ def test_sender_and_receiver_secrets(sender_secret, receiver_secret, outcome):
     pool = SlotPool(8)
     receiver = ReceiveService(receiver_config(receiver_secret), tp_rank=0, tp_size=1,
                               transport=LoopbackTransport("recv", net), pool=pool, slot_bytes=SLOT_BYTES,
-                              region_addr=0, chunk_tokens=16, dtype="bfloat16")
+                              region_addr=0, chunk_tokens=16, dtype="bfloat16").start()
     cfg = P2PConfig(role=Role.SENDER, shared_secret=sender_secret, connect_timeout_s=1.0)
-    sender = SendService(cfg, tp_rank=0, tp_size=1, transport=LoopbackTransport("send", net))
+    sender = SendService(cfg, tp_rank=0, tp_size=1, transport=LoopbackTransport("send", net)).start()
     released: list[str] = []
     try:
         target = Target("127.0.0.1", int(receiver.control_endpoint.rsplit(":", 1)[1]))

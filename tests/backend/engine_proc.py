@@ -191,7 +191,7 @@ def handle(cmd: dict, engine, connector, backend) -> dict:
                 out.update(cached=pool.cached_slots, pinned=sum(1 for s in range(pool.num_slots) if pool.pins(s)),
                            counters=dataclasses.asdict(svc.counters), rejected=svc.rejected_frames(),
                            slot_bytes=backend._slot_bytes, receiver_id=svc.receiver_id,
-                           fingerprint=msgspec.to_builtins(svc._fingerprint))
+                           fingerprint=msgspec.to_builtins(svc.fingerprint))
             return out
         stats = backend.service.stats()
         out = {"sent": stats.requests_done, "failed": stats.requests_failed,

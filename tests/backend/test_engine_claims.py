@@ -251,7 +251,7 @@ def test_a_member_cannot_speak_as_another_sender_nor_replay_another_receivers_fr
     transport_a = FakeTransport()
     transport_a.kind = "nixl"  # the engines' transport: the member's Hello fits A and B alike
     receiver_a = ReceiveService(a_cfg, tp_rank=0, tp_size=1, transport=transport_a, pool=SlotPool(4),
-                                slot_bytes=4096, region_addr=0, chunk_tokens=256, dtype="bfloat16")
+                                slot_bytes=4096, region_addr=0, chunk_tokens=256, dtype="bfloat16").start()
     codec_m = protocol.Codec(SECRET, identity="sender-m", names=["sender-m"])
     call, _, sent, close = _member(receiver_a.control_endpoint, b"sender-m@a", codec_m)
     try:

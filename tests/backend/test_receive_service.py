@@ -21,6 +21,7 @@ from lmcache_p2p import protocol
 from lmcache_p2p.backend.receive_service import ReceiveService
 from lmcache_p2p.buffer import SlotPool, SlotState
 from lmcache_p2p.config import P2PConfig
+from lmcache_p2p.errors import ClosedError, ProtocolError
 from lmcache_p2p.transport.base import Notification, Transport, WriteHandle
 
 SLOT_BYTES = 4096
@@ -143,7 +144,7 @@ class Rig:
         self.transport = FakeTransport()
         self.service = ReceiveService(self.cfg, tp_rank=0, tp_size=1, transport=self.transport, pool=self.pool,
                                       slot_bytes=SLOT_BYTES, region_addr=REGION_ADDR, chunk_tokens=16,
-                                      dtype="bfloat16", fingerprint=fingerprint)
+                                      dtype="bfloat16", fingerprint=fingerprint).start()
         self.ctx = zmq.Context()
         self.senders: list[Sender] = []
 
@@ -418,7 +419,7 @@ class NcclRig:
         self.pool = SlotPool(3, write_window_s=self.cfg.write_window_s)
         self.service = ReceiveService(self.cfg, tp_rank=0, tp_size=1, transport=self.rx, pool=self.pool,
                                       slot_bytes=SLOT_BYTES, region_addr=region.addr, chunk_tokens=16,
-                                      dtype="bfloat16", fingerprint=fingerprint)
+                                      dtype="bfloat16", fingerprint=fingerprint).start()
         self.ctx = zmq.Context()
         self.sender = Sender(self.ctx, self.service.control_endpoint, "sender-a", f"tx-{self.tag}")
 
@@ -484,7 +485,7 @@ def _send_service(fingerprint: protocol.Fingerprint | None, tx) -> object:
 
     cfg = P2PConfig.from_mapping({"role": "sender", "transport": "nccl", "transfer_timeout_s": 10,
                                   "connect_timeout_s": 10})
-    return SendService(cfg, tp_rank=0, tp_size=1, transport=tx, fingerprint=fingerprint)
+    return SendService(cfg, tp_rank=0, tp_size=1, transport=tx, fingerprint=fingerprint).start()
 
 
 @pytest.mark.parametrize("fingerprint", [FINGERPRINT, None])
@@ -570,7 +571,7 @@ def test_loaded_chunks_are_cached_and_a_later_request_is_told_not_to_send_them(m
     assert all(not rig.pool.pins(s) and not rig.pool.readers(s) for s in first)
     assert rig.service.free_slots == 3 and rig.service.cached_slots == 3
     assert rig.service.counters.bytes_received == 3 * SLOT_BYTES
-    assert not rig.service._requests  # both requests are done and forgotten
+    assert not rig.service.grants.requests  # both requests are done and forgotten
 
 
 def test_a_cached_chunk_in_use_by_the_engine_is_never_granted_to_a_writer(make_rig) -> None:
@@ -749,3 +750,32 @@ def test_a_signed_sender_is_served_and_answered_under_its_own_name(make_rig) -> 
     rig.transport.land("tx-sender-x", "sender-x", "req-x", slots)
     assert eventually(lambda: rig.service.count_ready(["k1", "k2"]) == 2)
     assert rig.service.rejected_frames() == {}
+
+
+# ---- lifecycle: construction opens nothing, start() binds and fails visibly, close() is idempotent -------
+
+def _service(cfg: P2PConfig) -> ReceiveService:
+    return ReceiveService(cfg, tp_rank=0, tp_size=1, transport=FakeTransport(), pool=SlotPool(2),
+                          slot_bytes=SLOT_BYTES, region_addr=REGION_ADDR, chunk_tokens=16, dtype="bfloat16")
+
+
+def test_construction_binds_nothing_and_a_failed_start_leaves_nothing_open() -> None:
+    port = free_port()
+    cfg = P2PConfig.from_mapping({"role": "receiver", "control_ports": [port]})
+    idle = _service(cfg)
+    with socket.socket() as probe:  # nothing listens yet: the port can be bound by anyone
+        probe.bind(("127.0.0.1", port))
+    first = _service(cfg).start()
+    try:
+        second = _service(cfg)
+        with pytest.raises(ProtocolError, match=f"cannot listen on tcp://127.0.0.1:{port} .p2p.host / p2p.control_ports"):
+            second.start()
+        second.close()
+        second.close()  # idempotent after a failed start
+        with pytest.raises(ClosedError):
+            second.start()
+    finally:
+        first.close()
+    idle.close()  # never started: nothing to stop
+    with socket.socket() as probe:  # the started one released its port on close
+        probe.bind(("127.0.0.1", port))

@@ -214,7 +214,7 @@ def make_service(transport: FakeTransport) -> Iterator[Any]:
     def make(**overrides: Any) -> SendService:
         cfg = P2PConfig(role=Role.SENDER, **{"connect_timeout_s": 5.0, "alloc_timeout_s": 5.0,
                                               "transfer_timeout_s": 5.0, **overrides})
-        service = SendService(cfg, tp_rank=0, tp_size=1, transport=transport)
+        service = SendService(cfg, tp_rank=0, tp_size=1, transport=transport).start()
         services.append(service)
         return service
 
@@ -679,3 +679,19 @@ def test_a_grant_signed_by_another_receiver_or_for_another_sender_is_refused(mak
         assert len(transport.writes) == 1 and chunks.released == [alloc.keys[0]]
     finally:
         rx.close()
+
+
+def test_a_sender_starts_nothing_until_start_and_close_is_safe_at_any_point(transport, chunks) -> None:
+    cfg = P2PConfig(role=Role.SENDER)
+    idle = SendService(cfg, tp_rank=0, tp_size=1, transport=transport)
+    with pytest.raises(ClosedError, match="not started"):
+        idle.submit("req-1", Target("127.0.0.1", 1), chunks.make(1), last=True)
+    assert len(chunks.released) == 1  # refused chunks go back at once
+    idle.close()
+    idle.close()
+    with pytest.raises(ClosedError, match="closed"):
+        idle.start()
+    started = SendService(cfg, tp_rank=0, tp_size=1, transport=transport).start()
+    assert started.start() is started  # a second start does nothing
+    started.close()
+    started.close()
