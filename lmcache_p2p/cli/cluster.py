@@ -49,7 +49,7 @@ def free_base_port(span: int = 400) -> int:
     rng = random.Random()  # seeded from os.urandom: concurrent test processes pick different ranges
     for _ in range(100):
         port = rng.randrange(LOWEST_BASE_PORT, highest) if highest > LOWEST_BASE_PORT else _kernel_port()
-        offsets = (*range(80), 200, 210, span // 2) if span else (0,)
+        offsets = (*range(80), 150, 160, span // 2) if span else (0,)
         if port + span < 65000 and all(_free(port + d) for d in offsets):
             return port
     raise RuntimeError("no free port range")
@@ -120,7 +120,7 @@ class Cluster:
 
     def add_decoder(self, index: int) -> Child:
         inst = launch.Instance("decoder", index, self.args.decode_port + index, self.args.kv_port + 10 * index,
-                               self.args.kv_port + 200 + 10 * index)
+                               self.args.kv_port + 100 + 10 * index)
         child = launch.vllm_child(inst, self.model, self.args, self.log_dir)
         self.children[inst.name] = child
         child.start()

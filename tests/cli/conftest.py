@@ -39,7 +39,6 @@ def make_child(tmp_path: Path):
         port = free_port()
         child = Child(name, fake_argv(port, pid_dir, *extra), {}, tmp_path / f"{name}.log",
                       f"http://127.0.0.1:{port}/health")
-        child.port = port  # type: ignore[attr-defined]
         children.append(child)
         return child
 

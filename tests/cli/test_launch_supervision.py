@@ -59,6 +59,7 @@ def fake_launch(tmp_path: Path, monkeypatch):
     yield lambda *extra: build_parser().parse_args([
         "launch", "--model", str(model), "--log-dir", str(tmp_path / "logs"), "--proxy-port", str(free_port()),
         "--prefill-port", str(free_port()), "--decode-port", str(free_port()), "--startup-timeout-s", "60",
+        "--proxy-control-port", str(free_port()), "--kv-port", str(free_port()),
         *extra]), pid_dir
     signal.signal(signal.SIGTERM, old_term)
 
