@@ -14,7 +14,6 @@
     ├── BufferFull               the receive buffer cannot hold what was asked for (a refusal)
     ├── RequestFailed            a request's KV transfer ended without success (refused, cancelled, peer died)
     ├── ClosedError              the component was closed and cannot be used any more
-    ├── PluginStartError         our LMCache plugin did not start in this vLLM (the server must not serve)
     ├── LaunchError              ``lmcache-p2p launch`` cannot start or keep the deployment (cli/)
     │   ├── StartupError         a port is taken, or a child exited / did not answer as itself in time
     │   ├── GpuPlanError         the GPU plan cannot work (names the flag to change)
@@ -25,6 +24,7 @@
 
 Third-party exceptions (NIXL, ZMQ, torch.distributed) are mapped at the edge with
 ``raise ... from exc`` so callers only ever handle these types.
+
 """
 
 from __future__ import annotations
@@ -94,10 +94,6 @@ class RequestFailed(P2PError):
 
 class ClosedError(P2PError):
     """The component has been closed."""
-
-
-class PluginStartError(P2PError):
-    """Our LMCache storage plugin failed to start; LMCache would only log it and serve without it."""
 
 
 class LaunchError(P2PError, RuntimeError):
