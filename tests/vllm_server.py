@@ -42,7 +42,7 @@ class VLLMServerError(RuntimeError):
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's ephemeral range (the
     server binds it only after its start-up, and an ephemeral port may be taken by then)."""
-    from lmcache_p2p.cli.cluster import free_port as below_ephemeral
+    from cluster import free_port as below_ephemeral
 
     return below_ephemeral()
 
@@ -57,7 +57,7 @@ def port_is_free(port: int) -> bool:
 
 
 def cluster_ports(base: int, *, prefill: int, decode: int, tp_size: int = 1) -> list[int]:
-    """Every port a deployment laid out from ``base`` listens on, as ``lmcache_p2p.cli.cluster.Cluster``
+    """Every port a deployment laid out from ``base`` listens on, as ``tests/cluster.py``'s ``Cluster``
     and ``tests/faults`` lay it out: proxy HTTP and registry (base, base+1), prefiller HTTP
     (base+10+i), decoder HTTP (base+30+i), decoder i's KV control ports (base+50+10*i+rank) and
     transport ports (base+150+10*i+rank). ``decode`` counts every decoder that may ever join."""
