@@ -139,3 +139,31 @@ def test_restart_limit_stops_everything_with_a_clear_error(fake_launch, caplog) 
 def _newest(pid_dir: Path, port: int) -> int:
     files = sorted(pid_dir.glob(f"{port}.*"), key=lambda p: p.stat().st_mtime_ns)
     return int(files[-1].name.split(".")[1])
+
+
+@pytest.mark.timeout(120)
+def test_sigint_stops_a_launcher_that_inherited_it_ignored(fake_launch) -> None:
+    """A launcher started in the background from a script inherits SIGINT ignored; Ctrl-C / kill -INT
+    must still stop it and everything it started."""
+    build, pid_dir = fake_launch
+    args = build()
+    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    running = threading.Event()
+
+    def interrupt_when_up() -> None:
+        wait_for(lambda: all(pids_of(pid_dir, p) for p in (args.proxy_port, args.prefill_port, args.decode_port)),
+                 "every child up")
+        time.sleep(1.0)
+        if running.is_set():
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_when_up, daemon=True).start()
+    running.set()
+    try:
+        code = launch.run(args)
+    finally:
+        running.clear()
+        signal.signal(signal.SIGINT, old_int)
+    assert code == 0
+    all_pids = [p for port in (args.proxy_port, args.prefill_port, args.decode_port) for p in pids_of(pid_dir, port)]
+    assert len(all_pids) == 3 and not any(alive(p) for p in all_pids)
