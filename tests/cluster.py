@@ -26,7 +26,7 @@ from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
 
 # Below the kernel's ephemeral range: a port the kernel may hand to any outgoing connection (vLLM's
 # and LMCache's own sockets, the proxy's clients) between our check and the instance's bind was taken
-# there once in CI ("Address already in use" on a decoder's control port, 44599).
+# there once in CI ("Address already in use" on a decoder's control port).
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_BASE_PORT = 10000
 

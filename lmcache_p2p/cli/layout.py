@@ -109,8 +109,7 @@ def cpu_sets(args: argparse.Namespace, cores: int | None = None,
     engine core run anywhere. A decoder's engine core schedules a step every few milliseconds and
     busy-waits for its worker in between, and its API server streams every token: left free, the
     kernel puts that work on the prefillers' cores, where the prefills that set time to first token
-    wait for it (perf sched at concurrency 4 on 2 cores: the prefiller's worker waited, runnable, as
-    long as it ran). With ``--cpu-placement roles`` a decoder's processes use every core but the
+    wait for it. With ``--cpu-placement roles`` a decoder's processes use every core but the
     prefillers' worker cores. The proxy and the prefillers' other processes stay free: their work
     comes in short bursts per request and goes to whichever core is idle (keeping the proxy on the
     decoders' cores too made decode steps and handovers slower). Nothing is restricted when the

@@ -149,7 +149,7 @@ def startup_waves(children: Sequence[Child]) -> list[list[Child]]:
 
     vLLM sizes its KV cache from what its memory profiling sees: a second instance starting on the
     same GPU at the same moment counts the first one's allocations as its own and fails ("No
-    available memory for the cache blocks", seen with ``--share-gpus`` on one H200).
+    available memory for the cache blocks", seen with ``--share-gpus``).
     """
     waves: list[list[Child]] = []
     seen: dict[int, int] = {}

@@ -5,7 +5,7 @@ a reader spin with ``sched_yield`` for ``busy_loop_s`` (1 s, not configurable) a
 before it waits on a socket the writer pings on every write. With one instance per core that is
 free; with prefillers, decoders, their API servers and engine cores and the proxy sharing a few
 cores, each instance keeps its core busy for a second after every step, and the proxy's event loop
-and the other processes wait for CPU (a time-to-first-token tail; BENCHMARKS.md has the figures).
+and the other processes wait for CPU (a time-to-first-token tail).
 Capping the spin to a few milliseconds keeps it during a running batch (steps follow each other
 well within it) and sleeps otherwise; a wake-up then costs one socket ping.
 
