@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 
 import pytest
 
@@ -14,24 +12,9 @@ from lmcache_p2p.cli.main import main
 pytest.importorskip("vllm")
 
 
-class _Models(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        data = json.dumps({"object": "list", "data": [{"id": "/models/served", "object": "model"}]}).encode()
-        self.send_response(200 if self.path == "/v1/models" else 404)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *_args: object) -> None:
-        pass
-
-
 @pytest.fixture
-def models_server():
-    server = http.server.HTTPServer(("127.0.0.1", 0), _Models)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+def models_server(stub_server):
+    return stub_server({("GET", "/v1/models"): json.dumps({"object": "list", "data": [{"id": "/models/served"}]})})
 
 
 def test_defaults_are_the_proxy_and_the_model_it_serves(models_server) -> None:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import logging
-import threading
 from pathlib import Path
 
 import pytest
@@ -39,34 +37,14 @@ def test_a_launch_without_prefillers_says_nothing_is_disaggregated(caplog) -> No
     assert caplog.text == ""
 
 
-class _FakeProxy(http.server.BaseHTTPRequestHandler):
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        self.rfile.read(int(self.headers["Content-Length"]))
-        self._send(json.dumps({"choices": [{"text": "C\ufffdba mabw"}], "usage": {"prompt_tokens": 201}}))
-
-    def do_GET(self) -> None:  # noqa: N802
-        if self.path == "/stats":
-            self._send(json.dumps({"handover_ms": {"p50": 12.5}}))
-        else:
-            self._send("# HELP x\nlmcache_p2p_proxy_kv_bytes_total 4096.0\n")
-
-    def _send(self, body: str) -> None:
-        data = body.encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *_args: object) -> None:
-        pass
-
-
 @pytest.fixture
-def fake_proxy():
-    server = http.server.HTTPServer(("127.0.0.1", 0), _FakeProxy)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+def fake_proxy(stub_server):
+    return stub_server({
+        ("POST", "/v1/completions"): json.dumps({"choices": [{"text": "C\ufffdba mabw"}],
+                                                 "usage": {"prompt_tokens": 201}}),
+        ("GET", "/stats"): json.dumps({"handover_ms": {"p50": 12.5}}),
+        ("GET", "/metrics"): "# HELP x\nlmcache_p2p_proxy_kv_bytes_total 4096.0\n",
+    })
 
 
 def test_the_demo_says_what_its_text_is_and_what_proves_the_disaggregation(fake_proxy, tmp_path: Path) -> None:

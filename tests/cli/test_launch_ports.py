@@ -3,9 +3,7 @@ when the answer on its port comes from the child itself."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -37,31 +35,6 @@ def foreign_server(tmp_path: Path):
     yield port, proc.pid
     proc.kill()
     proc.wait(10)
-
-
-@pytest.fixture
-def fake_launch(tmp_path: Path, monkeypatch):
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({}))
-    monkeypatch.setattr(launch, "vllm_argv", lambda _model, port, *_extra: fake_argv(port, pid_dir))
-    monkeypatch.setattr(launch, "proxy_child", lambda args, log_dir: Child(
-        "proxy", fake_argv(args.proxy_port, pid_dir), {}, log_dir / "proxy.log",
-        f"http://127.0.0.1:{args.proxy_port}/health"))
-    monkeypatch.setattr(launch, "wait_registered", lambda *a, **k: None)
-    old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    yield lambda *extra: build_parser().parse_args([
-        "launch", "--model", str(model), "--log-dir", str(tmp_path / "logs"), "--startup-timeout-s", "60",
-        *extra]), pid_dir
-    signal.signal(signal.SIGTERM, old_term)
-    signal.signal(signal.SIGINT, old_int)
-
-
-def free_ports_flags() -> list[str]:
-    return ["--proxy-port", str(free_port()), "--proxy-control-port", str(free_port()),
-            "--prefill-port", str(free_port()), "--decode-port", str(free_port()), "--kv-port", str(free_port())]
 
 
 def test_every_port_is_planned_with_what_it_is_for() -> None:
@@ -97,9 +70,7 @@ def test_a_port_planned_twice_is_refused() -> None:
 
 def test_launch_refuses_to_start_anything_when_a_port_is_held(fake_launch, held_port, caplog) -> None:
     build, pid_dir = fake_launch
-    flags = free_ports_flags()
-    flags[flags.index("--kv-port") + 1] = str(held_port)
-    args = build(*flags)
+    args = build("--kv-port", str(held_port))
 
     assert launch.run(args) == 1
 

@@ -6,7 +6,6 @@ signal handling and stop-everything path are the real ones.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -16,9 +15,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_p2p.cli import launch
-from lmcache_p2p.cli.main import build_parser
-from lmcache_p2p.cli.processes import Child
-from .conftest import fake_argv, free_port, pids_of
+from .conftest import pids_of
 
 WAIT_S = 60.0
 
@@ -37,31 +34,6 @@ def wait_for(condition, what: str, timeout_s: float = WAIT_S) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s}s")
         time.sleep(0.1)
-
-
-@pytest.fixture
-def fake_launch(tmp_path: Path, monkeypatch):
-    """Patch vLLM and the proxy into fake servers; return (args builder, pid dir)."""
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({}))
-    monkeypatch.setattr(launch, "vllm_argv", lambda _model, port, *_extra: fake_argv(port, pid_dir))
-
-    def fake_proxy(args, log_dir: Path) -> Child:
-        return Child("proxy", fake_argv(args.proxy_port, pid_dir), {}, log_dir / "proxy.log",
-                     f"http://127.0.0.1:{args.proxy_port}/health")
-
-    monkeypatch.setattr(launch, "proxy_child", fake_proxy)
-    monkeypatch.setattr(launch, "wait_registered", lambda *a, **k: None)
-    old_term = signal.getsignal(signal.SIGTERM)
-    yield lambda *extra: build_parser().parse_args([
-        "launch", "--model", str(model), "--log-dir", str(tmp_path / "logs"), "--proxy-port", str(free_port()),
-        "--prefill-port", str(free_port()), "--decode-port", str(free_port()), "--startup-timeout-s", "60",
-        "--proxy-control-port", str(free_port()), "--kv-port", str(free_port()),
-        *extra]), pid_dir
-    signal.signal(signal.SIGTERM, old_term)
 
 
 def kill_when_up(pid_dir: Path, port: int, then=None) -> threading.Thread:
