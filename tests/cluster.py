@@ -1,9 +1,10 @@
 """A running deployment started from Python with the launcher's own building blocks (a test and
 bench harness, not part of the package).
 
-Used by the end-to-end tests and by ``bench/e2e.py`` (which put ``tests/`` on ``sys.path``): :class:`Cluster` is the proxy plus X
-prefillers and Y decoders exactly as ``lmcache-p2p launch`` starts them (same YAML, flags and
-environment; each vLLM-CPU instance on core ``slot % cores``), on a free port range;
+Used by the end-to-end tests and by ``bench/e2e.py`` (which puts ``tests/`` on ``sys.path``):
+:class:`Cluster` is the proxy plus X prefillers and Y decoders exactly as ``lmcache-p2p launch``
+starts them (same YAML, flags and environment; each vLLM-CPU instance on core ``slot % cores``), on
+a free port range;
 :func:`plain_vllm_child` is one vLLM server with no LMCache and no KV transfer, the reference a
 deployment is compared with. Nothing here configures logging.
 """

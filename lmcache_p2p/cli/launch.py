@@ -114,9 +114,9 @@ def _add_port_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--prefill-port", type=int, default=7100, help="first prefiller HTTP port (default %(default)s)")
     g.add_argument("--decode-port", type=int, default=7200, help="first decoder HTTP port (default %(default)s)")
     g.add_argument("--kv-port", type=int, default=7300,
-                   help=f"first decoder KV control port: decoder i uses --kv-port + {KV_PORT_STRIDE}*i (+ its TP rank); "
-                        f"with --transport nccl its NCCL store {TRANSPORT_PORT_OFFSET} above (7400 + "
-                        f"{KV_PORT_STRIDE}*i by default) (default %(default)s)")
+                   help=f"first decoder KV control port: decoder i uses --kv-port + {KV_PORT_STRIDE}*i "
+                        f"(+ its TP rank); with --transport nccl its NCCL store {TRANSPORT_PORT_OFFSET} above "
+                        f"(7400 + {KV_PORT_STRIDE}*i by default) (default %(default)s)")
 
 
 def _add_instance_args(p: argparse.ArgumentParser) -> None:
