@@ -192,8 +192,8 @@ def compare_outputs(records: Iterable[Mapping[str, Any]],
 
 
 def parse_lookups(log_text: str) -> list[Lookup]:
-    """LMCache's per-lookup log lines of a vLLM instance, in order (``cli/cluster.py``'s HIT_RE)."""
-    from lmcache_p2p.cli.cluster import HIT_RE
+    """LMCache's per-lookup log lines of a vLLM instance, in order (``lmcache_p2p/cli/demo.py``'s HIT_RE)."""
+    from lmcache_p2p.cli.demo import HIT_RE
 
     return [Lookup(int(total), int(hit)) for total, _, hit in HIT_RE.findall(log_text)]
 

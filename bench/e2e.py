@@ -58,8 +58,10 @@ from typing import Any
 import httpx
 import yaml
 
-from lmcache_p2p.cli.cluster import Cluster, Lookup, free_base_port, plain_vllm_child
 from lmcache_p2p.cli.processes import Child, wait_healthy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from cluster import Cluster, Lookup, free_base_port, plain_vllm_child  # noqa: E402  (the tests' harness)
 
 try:
     from bench.meta import collect

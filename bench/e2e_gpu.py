@@ -51,7 +51,7 @@ from typing import Any
 import httpx
 import yaml
 
-from lmcache_p2p.cli.cluster import lookups_in_log
+from lmcache_p2p.cli.demo import lookups_in_log
 from lmcache_p2p.cli.gpu import utilization_with_buffer, query_gpus
 from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config

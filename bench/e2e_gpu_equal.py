@@ -45,7 +45,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_gpu  # noqa: E402  (bench/ is not a package)
 
-from lmcache_p2p.cli.cluster import lookups_in_log  # noqa: E402
+from lmcache_p2p.cli.demo import lookups_in_log  # noqa: E402
 
 logger = logging.getLogger("bench.e2e_gpu_equal")
 

@@ -50,7 +50,8 @@ from e2e import StreamError, cores_of, prompt_vocab, resolve_model, stream_event
 from meta import collect  # noqa: E402
 
 from lmcache_p2p.cli import launch  # noqa: E402
-from lmcache_p2p.cli.cluster import Cluster, free_base_port  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from cluster import Cluster, free_base_port  # noqa: E402  (the tests' harness)
 from lmcache_p2p.cli.processes import Child, wait_healthy  # noqa: E402
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config  # noqa: E402
 

@@ -14,10 +14,18 @@
     │   └── TransportTimeout     a transfer or a wait passed its deadline
     ├── BufferFull               the receive buffer cannot hold what was asked for (a refusal)
     ├── RequestFailed            a request's KV transfer ended without success (refused, cancelled, peer died)
-    └── ClosedError              the component was closed and cannot be used any more
+    ├── ClosedError              the component was closed and cannot be used any more
+    ├── LaunchError              ``lmcache-p2p launch`` cannot start or keep the deployment (cli/)
+    │   ├── StartupError         a port is taken, or a child exited / did not answer as itself in time
+    │   ├── GpuPlanError         the GPU plan cannot work (names the flag to change)
+    │   └── SupervisionError     the launcher must stop (names the child, its exit code and its log)
+    │       ├── ChildExitedError   a child exited under ``--on-exit stop``
+    │       └── RestartLimitError  a child exited more often than ``--max-restarts`` allows
+    └── ProxyError               the proxy's errors, drawn in ``lmcache_p2p.proxy.errors``
 
 Third-party exceptions (NIXL, ZMQ, torch.distributed) are mapped at the edge with
 ``raise ... from exc`` so callers only ever handle these types.
+
 """
 
 from __future__ import annotations
@@ -91,3 +99,27 @@ class RequestFailed(P2PError):
 
 class ClosedError(P2PError):
     """The component has been closed."""
+
+
+class LaunchError(P2PError, RuntimeError):
+    """The launcher cannot start or keep the deployment."""
+
+
+class StartupError(LaunchError):
+    """A port is taken, or a child exited or did not answer as itself in time; names the port or log."""
+
+
+class GpuPlanError(LaunchError):
+    """The GPU plan cannot work; the message names what was seen, the limit and the flag to change."""
+
+
+class SupervisionError(LaunchError):
+    """The launcher must stop: the message names the child, its exit code and its log."""
+
+
+class ChildExitedError(SupervisionError):
+    """A child exited under ``--on-exit stop``."""
+
+
+class RestartLimitError(SupervisionError):
+    """A child exited more often than ``--max-restarts`` within ``--restart-window-s``."""

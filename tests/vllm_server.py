@@ -42,7 +42,7 @@ class VLLMServerError(RuntimeError):
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's ephemeral range (the
     server binds it only after its start-up, and an ephemeral port may be taken by then)."""
-    from lmcache_p2p.cli.cluster import free_port as below_ephemeral
+    from cluster import free_port as below_ephemeral
 
     return below_ephemeral()
 
@@ -57,16 +57,16 @@ def port_is_free(port: int) -> bool:
 
 
 def cluster_ports(base: int, *, prefill: int, decode: int, tp_size: int = 1) -> list[int]:
-    """Every port a deployment laid out from ``base`` listens on, as ``lmcache_p2p.cli.cluster.Cluster``
+    """Every port a deployment laid out from ``base`` listens on, as ``tests/cluster.py``'s ``Cluster``
     and ``tests/faults`` lay it out: proxy HTTP and registry (base, base+1), prefiller HTTP
     (base+10+i), decoder HTTP (base+30+i), decoder i's KV control ports (base+50+10*i+rank) and
-    transport ports (base+250+10*i+rank). ``decode`` counts every decoder that may ever join."""
+    transport ports (base+150+10*i+rank). ``decode`` counts every decoder that may ever join."""
     ports = [base, base + 1]
     ports += [base + 10 + i for i in range(prefill)]
     ports += [base + 30 + i for i in range(decode)]
     for i in range(decode):
         ports += [base + 50 + 10 * i + r for r in range(tp_size)]
-        ports += [base + 250 + 10 * i + r for r in range(tp_size)]
+        ports += [base + 150 + 10 * i + r for r in range(tp_size)]
     return ports
 
 
@@ -75,7 +75,7 @@ PORT_SEARCH_ATTEMPTS = 200
 
 def free_cluster_base_port(*, prefill: int, decode: int, tp_size: int = 1, span: int = 400) -> int:
     """A base port from which every port of :func:`cluster_ports` is free right now (each one checked)."""
-    if 250 + 10 * decode + tp_size > span or 10 + prefill > 30 or 30 + decode > 50 or 50 + 10 * decode > 250:
+    if 150 + 10 * decode + tp_size > span or 10 + prefill > 30 or 30 + decode > 50 or 50 + 10 * decode > 150:
         raise ValueError(f"{prefill}P{decode}D x TP{tp_size} does not fit the port layout")
     for _ in range(PORT_SEARCH_ATTEMPTS):
         base = free_port()

@@ -16,12 +16,10 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
+from lmcache_p2p.errors import GpuPlanError
+
 MIN_VLLM_UTILIZATION = 0.05  # below this vLLM has no room for a KV cache worth serving from
 NVIDIA_SMI_TIMEOUT_S = 20.0
-
-
-class GpuPlanError(RuntimeError):
-    """The GPU plan cannot work; the message names what was seen, the limit and the flag to change."""
 
 
 @dataclasses.dataclass(frozen=True)

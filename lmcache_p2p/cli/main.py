@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lmcache_p2p.cli import drain, launch, tiny_model
+    from lmcache_p2p.cli import bench, drain, launch, tiny_model
     from lmcache_p2p.proxy import server as proxy_server
 
     parser = argparse.ArgumentParser(prog="lmcache-p2p", description="Prefill/decode disaggregation for vLLM")
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_parser(sub)
     tiny_model.add_parser(sub)
     drain.add_parser(sub)
+    bench.add_parser(sub)
     proxy = sub.add_parser("proxy", help="run the OpenAI-compatible PD proxy alone")
     proxy_server.add_arguments(proxy)
     proxy.set_defaults(func=proxy_server.run)
@@ -36,10 +37,14 @@ def split_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     own, passthrough = split_passthrough(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(own)
-    if passthrough:
+    args, unknown = parser.parse_known_args(own)
+    if args.command == "bench":  # every flag it does not know is vllm bench serve's
+        args.vllm_args = [*unknown, *passthrough]
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    elif passthrough:
         if args.command != "launch":
-            parser.error(f"arguments after -- are vLLM's and only `launch` takes them: {passthrough}")
+            parser.error(f"arguments after -- are vLLM's and only `launch` and `bench` take them: {passthrough}")
         args.vllm_arg = [*args.vllm_arg, *passthrough]
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,5 +1,10 @@
 """Child processes the launcher owns: start with a log file, wait until healthy, stop for sure.
 
+Healthy means the child itself answers: its health URL returns 200 and the socket listening on
+that port belongs to the child's own session (:mod:`lmcache_p2p.cli.ports`). A server left over
+from another deployment that answers on the same port is never counted as this child; seeing one
+fails the start at once, naming its pid.
+
 Each child runs in its own session (process group). Stopping sends SIGTERM to the child, which
 shuts down what it spawned (vLLM's engine core) in order; after a grace period, SIGKILL to the
 whole group, so nothing outlives the launcher.
@@ -15,16 +20,17 @@ import signal
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from lmcache_p2p.cli import ports
+from lmcache_p2p.errors import StartupError
+
 logger = logging.getLogger(__name__)
 
-
-class StartupError(RuntimeError):
-    """A child exited or did not become healthy in time; the message names its log file."""
-
+__all__ = ["Child", "StartupError", "startup_waves", "stop_all", "wait_healthy"]
 
 @dataclasses.dataclass
 class Child:
@@ -50,12 +56,30 @@ class Child:
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
+    @property
+    def port(self) -> int:
+        return int(urllib.parse.urlsplit(self.health_url).port or 80)
+
     def healthy(self) -> bool:
+        """Whether the health URL answers 200 and the answer comes from this child (see the module doc)."""
+        return self.answers() and self.impostor() is None
+
+    def answers(self) -> bool:
+        """Whether anything answers the health URL with 200."""
         try:
             with urllib.request.urlopen(self.health_url, timeout=2) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, OSError, TimeoutError):
             return False
+
+    def impostor(self) -> str | None:
+        """Who listens on the child's port when it is not the child itself; None when it is (or /proc
+        cannot tell: then the answer is taken as the child's)."""
+        if self.proc is None:
+            return "no child started"
+        if ports.session_listens(self.proc.pid, self.port) is not False:
+            return None
+        return ", ".join(map(str, ports.holders_of(self.port))) or "a process this user cannot inspect"
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -98,7 +122,12 @@ def wait_healthy(children: Sequence[Child], timeout_s: float, progress_every_s: 
             if code is not None:
                 raise StartupError(f"{child.name} exited with code {code} during start-up; see {child.log_path}:\n"
                                    f"{child.log_tail()}")
-            if child.healthy():
+            if child.answers():
+                impostor = child.impostor()
+                if impostor is not None:
+                    raise StartupError(f"{child.name}: port {child.port} is answered by {impostor}, not by the "
+                                       f"child the launcher started (pid {child.proc.pid if child.proc else '-'}); "
+                                       f"see {child.log_path}")
                 logger.info("%s is up (%.0fs)", child.name, time.monotonic() - started)
                 pending.remove(child)
         if not pending:
@@ -120,7 +149,7 @@ def startup_waves(children: Sequence[Child]) -> list[list[Child]]:
 
     vLLM sizes its KV cache from what its memory profiling sees: a second instance starting on the
     same GPU at the same moment counts the first one's allocations as its own and fails ("No
-    available memory for the cache blocks", seen with ``--share-gpus`` on one H200).
+    available memory for the cache blocks", seen with ``--share-gpus``).
     """
     waves: list[list[Child]] = []
     seen: dict[int, int] = {}

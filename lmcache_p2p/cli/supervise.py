@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from lmcache_p2p.cli.processes import Child
+from lmcache_p2p.errors import ChildExitedError, RestartLimitError, SupervisionError  # noqa: F401 (importers)
 
 logger = logging.getLogger(__name__)
 
@@ -31,18 +32,6 @@ logger = logging.getLogger(__name__)
 class OnExit(enum.Enum):
     RESTART = "restart"
     STOP = "stop"
-
-
-class SupervisionError(RuntimeError):
-    """The launcher must stop: the message names the child, its exit code and its log."""
-
-
-class ChildExitedError(SupervisionError):
-    """A child exited under ``--on-exit stop``."""
-
-
-class RestartLimitError(SupervisionError):
-    """A child exited more often than ``--max-restarts`` within ``--restart-window-s``."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ CPU_DEFAULTS = {
     "UCX_TLS": "tcp,self",
     "UCX_NET_DEVICES": "lo",
     # vLLM's idle workers spin 1 s after every step; cap it so that instances sharing cores (and the
-    # proxy) get the CPU between requests (lmcache_p2p/cpu_connector/spin.py).
+    # proxy) get the CPU between requests (lmcache_p2p/vllm_plugin/spin.py).
     "LMCACHE_P2P_VLLM_SPIN_S": "0.005",
 }
 GPU_DEFAULTS = {

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lmcache_p2p.cli.cluster import free_port as cluster_free_port
+from cluster import free_port as cluster_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PROC = Path(__file__).with_name("engine_proc.py")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from lmcache_p2p.cli import cluster
-from lmcache_p2p.cli.cluster import ephemeral_low, free_base_port
+import cluster
+from cluster import ephemeral_low, free_base_port
 
 
 def test_the_base_port_is_below_the_ephemeral_range_and_its_ports_are_free():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_p2p.cli.cluster import Lookup
+from lmcache_p2p.cli.demo import Lookup
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_p2p.cli import launch
-from lmcache_p2p.cli.cluster import plain_vllm_child
+from cluster import plain_vllm_child
 from lmcache_p2p.cli.main import build_parser
 
 

@@ -6,7 +6,6 @@ signal handling and stop-everything path are the real ones.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -16,9 +15,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_p2p.cli import launch
-from lmcache_p2p.cli.main import build_parser
-from lmcache_p2p.cli.processes import Child
-from .conftest import fake_argv, free_port, pids_of
+from .conftest import pids_of
 
 WAIT_S = 60.0
 
@@ -37,30 +34,6 @@ def wait_for(condition, what: str, timeout_s: float = WAIT_S) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s}s")
         time.sleep(0.1)
-
-
-@pytest.fixture
-def fake_launch(tmp_path: Path, monkeypatch):
-    """Patch vLLM and the proxy into fake servers; return (args builder, pid dir)."""
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({}))
-    monkeypatch.setattr(launch, "vllm_argv", lambda _model, port, *_extra: fake_argv(port, pid_dir))
-
-    def fake_proxy(args, log_dir: Path) -> Child:
-        return Child("proxy", fake_argv(args.proxy_port, pid_dir), {}, log_dir / "proxy.log",
-                     f"http://127.0.0.1:{args.proxy_port}/health")
-
-    monkeypatch.setattr(launch, "proxy_child", fake_proxy)
-    monkeypatch.setattr(launch, "wait_registered", lambda *a, **k: None)
-    old_term = signal.getsignal(signal.SIGTERM)
-    yield lambda *extra: build_parser().parse_args([
-        "launch", "--model", str(model), "--log-dir", str(tmp_path / "logs"), "--proxy-port", str(free_port()),
-        "--prefill-port", str(free_port()), "--decode-port", str(free_port()), "--startup-timeout-s", "60",
-        *extra]), pid_dir
-    signal.signal(signal.SIGTERM, old_term)
 
 
 def kill_when_up(pid_dir: Path, port: int, then=None) -> threading.Thread:
@@ -138,3 +111,31 @@ def test_restart_limit_stops_everything_with_a_clear_error(fake_launch, caplog) 
 def _newest(pid_dir: Path, port: int) -> int:
     files = sorted(pid_dir.glob(f"{port}.*"), key=lambda p: p.stat().st_mtime_ns)
     return int(files[-1].name.split(".")[1])
+
+
+@pytest.mark.timeout(120)
+def test_sigint_stops_a_launcher_that_inherited_it_ignored(fake_launch) -> None:
+    """A launcher started in the background from a script inherits SIGINT ignored; Ctrl-C / kill -INT
+    must still stop it and everything it started."""
+    build, pid_dir = fake_launch
+    args = build()
+    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    running = threading.Event()
+
+    def interrupt_when_up() -> None:
+        wait_for(lambda: all(pids_of(pid_dir, p) for p in (args.proxy_port, args.prefill_port, args.decode_port)),
+                 "every child up")
+        time.sleep(1.0)
+        if running.is_set():
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_when_up, daemon=True).start()
+    running.set()
+    try:
+        code = launch.run(args)
+    finally:
+        running.clear()
+        signal.signal(signal.SIGINT, old_int)
+    assert code == 0
+    all_pids = [p for port in (args.proxy_port, args.prefill_port, args.decode_port) for p in pids_of(pid_dir, port)]
+    assert len(all_pids) == 3 and not any(alive(p) for p in all_pids)

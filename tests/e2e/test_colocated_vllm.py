@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from lmcache_p2p.cli.cluster import Cluster
+from cluster import Cluster
 from lmcache_p2p.cli.drain import drain
 
 from test_pd_vllm import MAX_TOKENS, PROMPTS, chat, complete  # tests/e2e is on sys.path (rootdir-relative)

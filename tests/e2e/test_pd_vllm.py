@@ -18,7 +18,7 @@ from unittest import mock
 import httpx
 import pytest
 
-from lmcache_p2p.cli.cluster import Cluster, plain_vllm_child
+from cluster import Cluster, plain_vllm_child
 from lmcache_p2p.cli.drain import drain
 from lmcache_p2p.cli.processes import wait_healthy
 from vllm_server import STARTUP_TIMEOUT_S, free_cluster_base_port, free_port
@@ -140,7 +140,7 @@ def plain_outputs(model_dir, log_dir) -> tuple[dict, list[dict]]:
 def start_cluster(model_dir, log_dir, *, decoders_ever: int) -> Cluster:
     """A 1P1D deployment whose every port (of up to ``decoders_ever`` decoders) was checked free."""
     base = free_cluster_base_port(prefill=1, decode=decoders_ever)
-    with mock.patch("lmcache_p2p.cli.cluster.free_base_port", lambda *a, **k: base):
+    with mock.patch("cluster.free_base_port", lambda *a, **k: base):
         c = Cluster(model_dir, log_dir, prefill=1, decode=1,
                     # least_loaded: the join test checks that a new decoder takes its share of a trickle
                     # of 5 repeating prompts; --policy prefix (the default) rightly keeps those on the

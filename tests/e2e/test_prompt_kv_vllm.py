@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from lmcache_p2p.cli.cluster import Cluster
+from cluster import Cluster
 
 pytestmark = pytest.mark.vllm
 

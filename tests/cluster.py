@@ -1,8 +1,10 @@
-"""A running deployment started from Python with the launcher's own building blocks.
+"""A running deployment started from Python with the launcher's own building blocks (a test and
+bench harness, not part of the package).
 
-Used by the end-to-end tests and by ``bench/e2e.py``: :class:`Cluster` is the proxy plus X
-prefillers and Y decoders exactly as ``lmcache-p2p launch`` starts them (same YAML, flags and
-environment; each vLLM-CPU instance on core ``slot % cores``), on a free port range;
+Used by the end-to-end tests and by ``bench/e2e.py`` (which puts ``tests/`` on ``sys.path``):
+:class:`Cluster` is the proxy plus X prefillers and Y decoders exactly as ``lmcache-p2p launch``
+starts them (same YAML, flags and environment; each vLLM-CPU instance on core ``slot % cores``), on
+a free port range;
 :func:`plain_vllm_child` is one vLLM server with no LMCache and no KV transfer, the reference a
 deployment is compared with. Nothing here configures logging.
 """
@@ -11,33 +13,21 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import socket
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import httpx
 
 from lmcache_p2p.cli import launch
+from lmcache_p2p.cli.demo import HIT_RE, Lookup, lookups_in_log  # noqa: F401 (importers of this harness)
 from lmcache_p2p.cli.main import build_parser
 from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
 
-# Logged by LMCache's vLLM adapter for every lookup an instance makes.
-HIT_RE = re.compile(r"Total tokens (\d+), Inference Engine computed tokens: (\d+), LMCache hit tokens: (\d+)")
-
-
-class Lookup(NamedTuple):
-    """One LMCache lookup of an instance: its prompt length and how many tokens hit."""
-
-    total_tokens: int
-    hit_tokens: int
-
-
 # Below the kernel's ephemeral range: a port the kernel may hand to any outgoing connection (vLLM's
 # and LMCache's own sockets, the proxy's clients) between our check and the instance's bind was taken
-# there once in CI ("Address already in use" on a decoder's control port, 44599).
+# there once in CI ("Address already in use" on a decoder's control port).
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_BASE_PORT = 10000
 
@@ -49,7 +39,7 @@ def free_base_port(span: int = 400) -> int:
     rng = random.Random()  # seeded from os.urandom: concurrent test processes pick different ranges
     for _ in range(100):
         port = rng.randrange(LOWEST_BASE_PORT, highest) if highest > LOWEST_BASE_PORT else _kernel_port()
-        offsets = (*range(80), 200, 210, span // 2) if span else (0,)
+        offsets = (*range(80), 150, 160, span // 2) if span else (0,)
         if port + span < 65000 and all(_free(port + d) for d in offsets):
             return port
     raise RuntimeError("no free port range")
@@ -83,12 +73,6 @@ def _free(port: int) -> bool:
             return False
 
 
-def lookups_in_log(log_path: Path) -> list[Lookup]:
-    """Every LMCache lookup an instance logged, in order."""
-    text = log_path.read_text(errors="replace")
-    return [Lookup(int(total), int(hit)) for total, _, hit in HIT_RE.findall(text)]
-
-
 class Cluster:
     """Proxy + prefillers + decoders; ``add_decoder`` joins one while the rest keeps serving."""
 
@@ -119,8 +103,7 @@ class Cluster:
         self.wait_registered(self.args.prefill, self.args.decode)
 
     def add_decoder(self, index: int) -> Child:
-        inst = launch.Instance("decoder", index, self.args.decode_port + index, self.args.kv_port + 10 * index,
-                               self.args.kv_port + 200 + 10 * index)
+        inst = launch.decoder_instance(self.args, index)
         child = launch.vllm_child(inst, self.model, self.args, self.log_dir)
         self.children[inst.name] = child
         child.start()

@@ -1,4 +1,4 @@
-"""Skip LMCache's per-request lookup on a prefiller whose only store is our SenderBackend (issue 9).
+"""Skip LMCache's per-request lookup on a prefiller whose only store is our SenderBackend.
 
 LMCache 0.5.6's scheduler side (``LMCacheConnectorV1Impl.get_num_new_matched_tokens``) means to
 skip the lookup on a ``kv_producer`` whose lookup client does not support producer reuse, but it
@@ -13,8 +13,8 @@ which answers every lookup with a miss), the lookup cannot hit: we return 0 at o
 LMCache's own producer path does (no load spec is recorded, so ``update_state_after_alloc`` loads
 nothing). Any other configuration keeps LMCache's lookup.
 
-:func:`patch_adapter` is applied by the vLLM plugin (``lmcache_p2p.cpu_connector.plugin``) right
-after LMCache's vLLM adapter module is imported; nothing here imports lmcache.
+:func:`patch_adapter` is applied by the vLLM plugin (:mod:`lmcache_p2p.vllm_plugin`) right after
+LMCache's vLLM adapter module is imported; nothing here imports lmcache.
 """
 
 from __future__ import annotations

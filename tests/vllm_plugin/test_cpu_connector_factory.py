@@ -69,7 +69,7 @@ def test_install_patches_an_already_imported_lmcache():
     out = run_python(
         """
         import lmcache.v1.gpu_connector as gc
-        from lmcache_p2p.cpu_connector import plugin
+        from lmcache_p2p.vllm_plugin import cpu_connector_factory as plugin
         plugin.install()
         plugin.install()  # idempotent
         """,
@@ -87,7 +87,7 @@ def test_install_patches_an_already_imported_lmcache():
 def test_unsupported_lmcache_options_fail_loudly():
     out = run_python(
         """
-        from lmcache_p2p.cpu_connector import plugin
+        from lmcache_p2p.vllm_plugin import cpu_connector_factory as plugin
         plugin.install()
         from lmcache.v1.gpu_connector import CreateGPUConnector
         """,

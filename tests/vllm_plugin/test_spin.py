@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from lmcache_p2p.cpu_connector import spin
+from lmcache_p2p.vllm_plugin import spin
 
 
 @pytest.fixture

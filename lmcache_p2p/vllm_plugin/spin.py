@@ -3,18 +3,18 @@
 vLLM's shared-memory message queue (``vllm.distributed.device_communicators.shm_broadcast``) lets
 a reader spin with ``sched_yield`` for ``busy_loop_s`` (1 s, not configurable) after every read
 before it waits on a socket the writer pings on every write. With one instance per core that is
-free; with a prefiller, a decoder, their API servers and engine cores and the proxy on 2 cores, each
-instance keeps its core busy for a second after every step, and the proxy's event loop and the
-other processes wait for CPU: the TTFT tail of issue 9 (stalls of 120-135 ms in one proxy phase at
-a time). Capping the spin to a few milliseconds keeps it during a running batch (steps follow each
-other well within it) and sleeps otherwise; a wake-up then costs one socket ping (~0.1 ms).
+free; with prefillers, decoders, their API servers and engine cores and the proxy sharing a few
+cores, each instance keeps its core busy for a second after every step, and the proxy's event loop
+and the other processes wait for CPU (a time-to-first-token tail).
+Capping the spin to a few milliseconds keeps it during a running batch (steps follow each other
+well within it) and sleeps otherwise; a wake-up then costs one socket ping.
 
 vLLM's ping can be lost (a PUB socket with a send high-water mark of 1 drops a ping while the
 previous one is still queued); an idle reader then finds the data only at its next recheck,
-``SHM_READER_RECHECK_INTERVAL_MS`` (5000 ms). With vLLM's 1 s spin a reader is rarely idle while
-work arrives; with a short spin it often is: a 5 s stall of every request on that instance was seen
-once in 4 benchmark runs. So the recheck interval is capped to the spin too (at least 1 ms): a lost
-ping then costs at most that, and an idle reader polls its socket every few milliseconds (cheap).
+``SHM_READER_RECHECK_INTERVAL_MS``. With vLLM's long spin a reader is rarely idle while work
+arrives; with a short spin it often is, and a lost ping stalls every request on that instance for
+the whole recheck interval. So the recheck interval is capped to the spin too (at least 1 ms): a
+lost ping then costs at most that, and an idle reader polls its socket every few milliseconds.
 """
 
 from __future__ import annotations

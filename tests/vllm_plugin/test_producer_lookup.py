@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 
-from lmcache_p2p.backend.producer_lookup import lookup_cannot_hit, patch_adapter  # noqa: E402
+from lmcache_p2p.vllm_plugin.producer_lookup import lookup_cannot_hit, patch_adapter  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

