@@ -75,6 +75,7 @@ from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.admission import Admission, AdmissionQueue, CannotAdmit, Outcome
 from lmcache_p2p.proxy.cancel import KvCanceller
 from lmcache_p2p.proxy.detokenize import OutputText, TextParams
+from lmcache_p2p.proxy.held_text import HeldText, Replay
 from lmcache_p2p.proxy.errors import (
     KvNotReady,
     NoInstanceAvailable,
@@ -213,6 +214,8 @@ class RequestFlow:
         self._tokenizer: ProxyTokenizer | None = None
         self._text: OutputText | None = None  # None: the text comes from the instances
         self._output_ids: list[int] = []  # the output's token ids the client has (or will get with ``first``)
+        self._held = HeldText(enabled=False)  # the last output as the client got it (set for the decode)
+        self._replay = Replay((), "")  # what of the current stream's first output the client already has
         self._finished = False
         self._context_full = False
         self._handover_observed = False
@@ -273,8 +276,11 @@ class RequestFlow:
         """Wait for the KV (retrying or recomputing per policy), then stream the output after the first
         token; a stream that breaks continues elsewhere (``--migration-limit``)."""
         await self._settle_kv()
+        self._held = HeldText.for_request(self.req, proxy_text=self._text is not None)
         if self.decoder_regenerates_first:
             self._output_ids = []
+        elif self.first is not None:
+            self._held.observe(Delta(self.first.text, list(self._output_ids), None, None, None))
         failed: set[str] = set()
         migrations = 0
         while True:
@@ -296,6 +302,7 @@ class RequestFlow:
                 migrations += 1
                 failed.add(decoder.instance_id)
                 self._migrate(decoder, failed, exc)
+                self._replay = self._held.replay()
 
     def usage(self) -> dict[str, int]:
         return usage(len(self.prompt_ids), len(self._output_ids) or 1)
@@ -825,7 +832,8 @@ class RequestFlow:
 
     async def _decode_stream(self) -> AsyncIterator[Delta]:
         """One decode stream from the current decoder, continuing after ``self._output_ids``."""
-        body = decode_body(self.req, self.prompt_ids, self._output_ids, proxy_text=self._text is not None)
+        done = len(self._output_ids) - self._replay.rewound  # the next instance generates the replayed ones again
+        body = decode_body(self.req, self.prompt_ids, self._output_ids[:done], proxy_text=self._text is not None)
         async with contextlib.AsyncExitStack() as stack:
             events = await self._open_decode(stack, body)
             async for event in events:
@@ -836,7 +844,11 @@ class RequestFlow:
                 if raw is None:
                     continue
                 self._free_taken_kv()
+                raw = self._replay.filter(raw)
+                if raw is None:
+                    continue
                 delta = self._shape_delta(raw)
+                self._held.observe(delta)
                 self._output_ids.extend(delta.token_ids)
                 self._finished = delta.finish_reason is not None
                 yield delta

@@ -40,6 +40,7 @@ from lmcache_p2p.proxy.app import EarlyDecode, ProxyApp
 from lmcache_p2p.proxy.detokenize import OutputText, TextParams
 from lmcache_p2p.proxy.errors import ProxyError, UpstreamConnectError, UpstreamError
 from lmcache_p2p.proxy.flow import context_full, end_of_context, migratable, shape_delta
+from lmcache_p2p.proxy.held_text import HeldText, Replay
 from lmcache_p2p.proxy.relay_messages import (
     PREFIX,
     VERSION_HEADER,
@@ -321,6 +322,8 @@ class RemoteFlow:
         self._decode_sent_s: float | None = None
         self.prompt_ids: list[int] = []
         self._output_ids: list[int] = []
+        self._held = HeldText(enabled=False)  # the last output as the client got it (set for the decode)
+        self._replay = Replay((), "")  # what of the current stream's first output the client already has
         self._text: OutputText | None = None
         self._finished = False
         self._started: asyncio.Task[Any] | None = None
@@ -371,8 +374,11 @@ class RemoteFlow:
         if self._answer is None:
             raise RuntimeError("prefill() first")
         target = await self._answer.plan()  # the coordinator sends it once the KV is ready: no call from here
+        self._held = HeldText.for_request(self.req, proxy_text=self._text is not None)
         if self.decoder_regenerates_first:
             self._output_ids = []
+        else:
+            self._held.observe(Delta(self._open().first.text, list(self._output_ids), None, None, None))
         while True:
             try:
                 async for delta in self._decode_stream(target):
@@ -385,10 +391,13 @@ class RemoteFlow:
                     return
                 if not migratable(exc) or self._finished:
                     raise
+                replay = self._held.replay()
+                done = len(self._output_ids) - replay.rewound  # the next instance generates the replayed ones again
                 target = await self._call("broken", Planned, connect_failed=isinstance(exc, UpstreamConnectError),
-                                          message=str(exc))
+                                          message=str(exc), output_ids=self._output_ids[:done])
                 if target is None:
                     raise
+                self._replay = replay
 
     async def end(self) -> None:
         """The answer is complete (before the client's [DONE] or its body): the coordinator closes the
@@ -423,7 +432,8 @@ class RemoteFlow:
         return self._opened
 
     def _step(self, **fields: Any) -> Step:
-        return Step(self.handle, list(self._output_ids), self._finished, first_byte_s=self._first_byte_s, **fields)
+        fields.setdefault("output_ids", list(self._output_ids))
+        return Step(self.handle, finished=self._finished, first_byte_s=self._first_byte_s, **fields)
 
     def _closed_step(self) -> Step:
         return self._step(counts=list(self._counts))
@@ -458,7 +468,11 @@ class RemoteFlow:
                 raw = decode_delta(event)
                 if raw is None:
                     continue
+                raw = self._replay.filter(raw)
+                if raw is None:
+                    continue
                 delta = shape_delta(self._text, raw)
+                self._held.observe(delta)
                 self._output_ids.extend(delta.token_ids)
                 self._finished = delta.finish_reason is not None
                 yield delta
