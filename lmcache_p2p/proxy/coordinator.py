@@ -8,7 +8,7 @@ the client's text, and reports the steps that matter here (first output, a broke
 end). ``open`` answers the first token at once and, on the same answer, where the decode goes once
 the KV is ready, so the worker's decode waits for no call of its own. Each open request is held under the worker's handle until the worker closes it, or the
 worker dies (then every request it held is closed here: no leaked load). A "closed" whose answer the
-worker did not get is sent again (``relay_worker.CoordinatorLink.tell``); a second one is ignored here.
+worker did not get is sent again (``relay_link.CoordinatorLink.tell``); a second one is ignored here.
 
 The public endpoints (``/health``, ``/metrics``, ``/stats``, ``/instances``...) are served here
 too, on the same socket: workers pass them through.
@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from lmcache_p2p.proxy.app import ProxyApp, error_name, unless_disconnected
 from lmcache_p2p.proxy.errors import ClientDisconnected, ProxyError, UpstreamConnectError, UpstreamUnreachable
-from lmcache_p2p.proxy.flow import DecodeTarget, Orchestrator, RequestFlow
+from lmcache_p2p.proxy.flow import Orchestrator, RequestFlow
 from lmcache_p2p.proxy.relay_messages import (
     PREFIX,
     Count,
@@ -56,10 +56,7 @@ _CLOSED_REMEMBERED = 4096  # handles closed here lately: an open still running, 
 class _Relayed:
     flow: RequestFlow
     worker: int
-    connect_failed: set[str] = dataclasses.field(default_factory=set)  # decoders refused, this stream
-    migrated_from: set[str] = dataclasses.field(default_factory=set)
-    migrations: int = 0
-    planning: asyncio.Task[DecodeTarget] | None = None  # the KV wait and choice of decoder after the open
+    planning: asyncio.Task[Target] | None = None  # the KV wait and choice of decoder after the open
 
 
 class RelayCoordinator:
@@ -165,19 +162,14 @@ class RelayCoordinator:
         step, relayed = await self._step(request)
         if relayed is None:
             return _gone(step)
-        return _planned(relayed.flow.decode_unreachable(relayed.connect_failed, UpstreamConnectError(step.message)))
+        return _planned(relayed.flow.decode_unreachable(UpstreamConnectError(step.message)))
 
     async def _broken(self, request: Request) -> Response:
         step, relayed = await self._step(request)
         if relayed is None:
             return _gone(step)
         exc = UpstreamConnectError(step.message) if step.connect_failed else UpstreamUnreachable(step.message)
-        target = relayed.flow.decode_broken(step.output_ids, step.finished, relayed.migrated_from,
-                                            relayed.migrations, exc)
-        if target is not None:
-            relayed.migrations += 1
-            relayed.connect_failed = set()
-        return _planned(target)
+        return _planned(relayed.flow.decode_broken(step.output_ids, step.finished, exc, step.rewound))
 
     async def _started(self, request: Request) -> Response:
         step, relayed = await self._step(request)
@@ -187,7 +179,7 @@ class RelayCoordinator:
 
     async def _closed_step(self, request: Request) -> Response:
         """The request is over: its counts, then close it. A worker that lost the answer sends "closed" again
-        (relay_worker ``_CLOSED_ATTEMPTS``); one for a handle closed here already is ignored, so the
+        (``relay_link.CLOSED_ATTEMPTS``); one for a handle closed here already is ignored, so the
         counts of a first send that did arrive are not applied twice."""
         step = msgspec.json.decode(await request.body(), type=Step)
         if step.handle in self._closed:
@@ -261,11 +253,10 @@ def _note_first_byte(flow: RequestFlow, step: Step) -> None:
         flow.timeline.first_byte_s = step.first_byte_s
 
 
-def _plan_line(relayed: _Relayed, task: asyncio.Task[DecodeTarget]) -> Planned | PlanFailed:
+def _plan_line(relayed: _Relayed, task: asyncio.Task[Target]) -> Planned | PlanFailed:
     exc = task.exception()
     if exc is None:
-        target = task.result()
-        return Planned(Target(target.url, target.body))
+        return Planned(task.result())
     if not isinstance(exc, ProxyError):  # a bug: still answer, and say where
         logger.error("request %s: planning its decode failed unexpectedly", relayed.flow.response_id, exc_info=exc)
         exc = ProxyError(f"internal proxy error: {type(exc).__name__}: {exc}")
@@ -276,8 +267,8 @@ def _answer(msg: msgspec.Struct, status: int = 200) -> Response:
     return Response(msgspec.json.encode(msg), status_code=status, media_type="application/json")
 
 
-def _planned(target: DecodeTarget | None) -> Response:
-    return _answer(Planned(Target(target.url, target.body) if target is not None else None))
+def _planned(target: Target | None) -> Response:
+    return _answer(Planned(target))
 
 
 def _failed(exc: ProxyError) -> Response:

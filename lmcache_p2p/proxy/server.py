@@ -70,9 +70,7 @@ class Proxy:
         self.orchestrator = Orchestrator(
             self.registry, Router(settings.policy, settings.prefix), self.waiters, self.upstream, self.canceller,
             self.metrics,
-            FlowSettings(settings.kv_timeout_s, settings.prefill_timeout_s, settings.decode_idle_timeout_s,
-                         settings.on_kv_failure, settings.admission_timeout_s, settings.admission_queue_max,
-                         migration_limit=settings.migration_limit, tokenizer_wait_s=settings.tokenizer_wait_s),
+            FlowSettings.of(settings),
             tokenizers=TokenizerProvider(settings.tokenizer, self.upstream, settings.connect_timeout_s),
         )
         self.control = ControlListener(settings.control_host, settings.control_port, codec,
