@@ -1,12 +1,14 @@
-"""One request, end to end: pick decoder D and prefiller P, prefill on P (its KV goes to D), wait
-until every TP rank of D reports the KV ready, then decode on D.
+"""One request, end to end, as its owner (the proxy process that routes it) runs it: pick decoder D
+and prefiller P, prefill on P (its KV goes to D), wait until every TP rank of D reports the KV
+ready, then name the decode on D and follow it (migration) until the request closes.
 
-    flow = orchestrator.open(request)
+    flow = orchestrator.open(request)        # flow_host.FlowHost holds it under the client side's handle
     try:
-        first = await flow.prefill()         # the first token (send it to a streaming client now)
-        if flow.needs_decode:
-            async for delta in flow.decode():  # waits for KV, retries or recomputes, then streams
-                ...                            # (app.py starts it before the first byte is written)
+        first = await flow.prefill()         # the first token (the client side sends it at once)
+        target = await flow.plan_decode()    # KV ready (or retried / recomputed): where the decode goes
+        ...                                  # the client side streams it (decode_session.py), reporting
+                                             # decode_started / decode_unreachable / decode_broken
+        flow.decode_ended(output_ids)
     finally:
         flow.close()                         # never awaits: safe in a cancelled task
 
@@ -19,9 +21,10 @@ The parts, each in its module: where the request runs and where it moves on a fa
 (``placement.py``), the prefill attempts (``prefill.py``), the KV handover (``handover.py``), the
 decode stream and migration (``decode_session.py``, the same loop for relay workers), the output's
 text and what it teaches the router and the metrics (``output.py``), the request's phase
-(``flow_phase.py``). This module holds them together and is the step API the decode session (and
-a relay worker, through the coordinator) drives: ``plan_decode``, ``decode_unreachable``,
-``decode_started``, ``decode_broken``, ``decode_ended``.
+(``flow_phase.py``). This module holds them together behind the step API the client side drives
+(``client_flow.py``, in this process through ``flow_host.LocalLink``, in a relay worker through the
+coordinator): ``prefill``, ``plan_decode``, ``decode_unreachable``, ``decode_started``,
+``decode_broken``, ``decode_ended``, ``close``.
 
 Routing (``routing.py`` has the policy): a disaggregated request first waits in the admission
 queue (``admission.py``) for buffer credit on a decoder whose KV fingerprint matches a prefiller's,
@@ -75,12 +78,11 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.admission import AdmissionQueue
 from lmcache_p2p.proxy.cancel import KvCanceller
-from lmcache_p2p.proxy.decode_session import DecodeSession
 from lmcache_p2p.proxy.errors import UpstreamConnectError, UpstreamError
 from lmcache_p2p.proxy.flow_context import FlowSettings, RequestContext, Services
 from lmcache_p2p.proxy.flow_phase import FlowPhase, Phases
@@ -91,11 +93,11 @@ from lmcache_p2p.proxy.placement import Placement
 from lmcache_p2p.proxy.prefill import PrefillAttempts
 from lmcache_p2p.proxy.registry import Registry
 from lmcache_p2p.proxy.relay_messages import Target
-from lmcache_p2p.proxy.responses import Delta, FirstToken
+from lmcache_p2p.proxy.responses import FirstToken
 from lmcache_p2p.proxy.routing import ColocatedReason, RequestCost, Router
 from lmcache_p2p.proxy.shaping import ClientRequest, decode_body, reads_output_tokens
 from lmcache_p2p.proxy.timeline import Timeline
-from lmcache_p2p.proxy.tokenizer import TokenizerProvider
+from lmcache_p2p.proxy.tokenizer import ProxyTokenizer, TokenizerProvider
 from lmcache_p2p.proxy.upstream import Upstream
 from lmcache_p2p.proxy.waiters import KvWaiters
 
@@ -185,13 +187,17 @@ class RequestFlow:
     def tokenizer_source(self) -> str | None:
         return self._output.tokenizer_source
 
+    @property
+    def tokenizer(self) -> ProxyTokenizer | None:
+        return self._output.tokenizer
+
     # ---- phase 1: prefill ----------------------------------------------------------------------
 
     async def prefill(self) -> FirstToken:
         """Route, prefill on the client's endpoint, learn the prompt ids; returns the first token.
 
         Colocated (``self.colocated``), no prefill runs: the returned first token is empty and the
-        serving instance generates the whole output in ``decode()``.
+        serving instance generates the whole output in the decode.
         """
         ctx = self._ctx
         req = ctx.req = await self._measure(ctx.req)
@@ -228,21 +234,6 @@ class RequestFlow:
             return True  # the serving instance generates the whole output
         return self._output.needs_decode_after(self._first_or_raise())
 
-    # ---- phase 2: KV, then decode (in this process) -----------------------------------------------
-
-    async def decode(self) -> AsyncIterator[Delta]:
-        """Wait for the KV (retrying or recomputing per policy), then stream the output after the first
-        token; a stream that breaks continues elsewhere (``--migration-limit``)."""
-        s = self._s
-        session = DecodeSession(_LocalSteps(self), s.upstream, self.req, self._ctx.headers,
-                                s.settings.decode_idle_timeout_s, self._output.text, self._output.ids, s.clock)
-        async for delta in session.deltas(self.decoder_regenerates_first, self._first_or_raise().text):
-            yield delta
-        self.decode_ended(self._output.ids)  # before the client's [DONE]: its next turn may follow at once
-
-    def usage(self) -> dict[str, int]:
-        return self._output.usage()
-
     def close(self) -> None:
         """Abandon a KV handover the decode did not take (cancel it), release the decoder; never awaits.
         Called again (a prefill that ended after its handler gave up), it releases what was taken since."""
@@ -259,11 +250,6 @@ class RequestFlow:
             self._output.record_timeline()
             self._phases.advance(FlowPhase.CLOSED)
         self._placement.release()
-
-    def first_byte_written(self) -> None:
-        """The first token's bytes reached a streaming client (its transport took them)."""
-        if self.timeline.first_byte_s is None:
-            self.timeline.first_byte_s = self._s.clock()
 
     # ---- the decode's steps (this process's session, or a relay worker's through the coordinator) ----
 
@@ -382,22 +368,3 @@ class RequestFlow:
         if req.prompt_tokens_estimate <= _INLINE_TOKENIZE_MAX_TOKENS:
             return tokenizer.prompt_ids(req)
         return await asyncio.to_thread(tokenizer.prompt_ids, req)
-
-
-class _LocalSteps:
-    """The decode's steps in this process: the flow itself (a relay worker reaches it through the coordinator)."""
-
-    def __init__(self, flow: RequestFlow) -> None:
-        self._flow = flow
-
-    async def plan(self) -> Target:
-        return await self._flow.plan_decode()
-
-    async def unreachable(self, exc: UpstreamConnectError) -> Target | None:
-        return self._flow.decode_unreachable(exc)
-
-    async def broken(self, output_ids: list[int], finished: bool, rewound: int, exc: UpstreamError) -> Target | None:
-        return self._flow.decode_broken(output_ids, finished, exc, rewound)
-
-    def started(self, decode_sent_s: float, first_decoded_s: float) -> None:
-        self._flow.decode_started(decode_sent_s, first_decoded_s)

@@ -9,8 +9,10 @@ the worker's flow (``relay_worker.py``) says what to send, the coordinator answe
 from __future__ import annotations
 
 import asyncio
+import gc
+import importlib
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 import aiohttp
@@ -19,6 +21,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lmcache_p2p.proxy.errors import ProxyError
+from lmcache_p2p.proxy.shaping import ClientRequest
+from lmcache_p2p.proxy.tokenizer import ProxyTokenizer, load_tokenizer
 from lmcache_p2p.proxy.relay_messages import (
     PREFIX,
     PROTOCOL_VERSION,
@@ -27,6 +31,7 @@ from lmcache_p2p.proxy.relay_messages import (
     Open,
     Opened,
     PlanFailed,
+    Planned,
     PlanLine,
     Target,
 )
@@ -37,7 +42,6 @@ M = TypeVar("M")
 _PASSED_HEADERS = ("authorization", "content-type")
 _ANSWER_HEADERS = ("content-type", "www-authenticate")
 _LINK_ERRORS = (aiohttp.ClientError, TimeoutError)
-CLOSED_ATTEMPTS = 5  # "closed" returns the request's lease on the coordinator: sent again after a link error
 _RETRY_BACKOFF_S = 0.1  # before the second attempt; doubled before each next one
 
 
@@ -60,6 +64,7 @@ class CoordinatorLink:
 
     def __init__(self, uds_path: str, worker: int, timeout_s: float) -> None:
         self.worker = worker
+        self.tokenizers = Tokenizers()
         self._uds_path = uds_path
         self._timeout_s = timeout_s
         self._session: Any = None  # aiohttp.ClientSession, made on first use (it belongs to the running loop)
@@ -78,7 +83,10 @@ class CoordinatorLink:
         async with self._client().post(f"{PREFIX}/{step}", data=msgspec.json.encode(msg)) as resp:
             return resp.status, await resp.read()
 
-    async def call(self, step: str, msg: msgspec.Struct, answer: type[M]) -> M:
+    async def tokenizer(self, source: str, handle: str) -> ProxyTokenizer:
+        return await self.tokenizers.get(source)
+
+    async def call(self, step: str, msg: msgspec.Struct, answer: type[M] = Planned) -> M:  # type: ignore[assignment]
         try:
             status, content = await self._post(step, msg)
         except _LINK_ERRORS as exc:  # the coordinator is gone or stuck: a worker cannot serve alone
@@ -87,9 +95,12 @@ class CoordinatorLink:
             raise _relayed(status, content)
         return msgspec.json.decode(content, type=answer)
 
-    async def open(self, msg: Open) -> tuple[Opened, OpenAnswer]:
+    async def open(self, handle: str, req: ClientRequest, headers: Mapping[str, str],
+                   received_s: float) -> tuple[Opened, OpenAnswer]:
         """``open``: its first line (the prefill's first token) now; the rest of the answer (where the decode
         goes) stays to be read from the returned ``OpenAnswer``, which the caller closes."""
+        msg = Open(handle, self.worker, req.endpoint.value, msgspec.Raw(msgspec.json.encode(req.body)), dict(headers),
+                   received_s)
         try:
             resp = await self._client().post(f"{PREFIX}/open", data=msgspec.json.encode(msg))
         except _LINK_ERRORS as exc:
@@ -118,7 +129,7 @@ class CoordinatorLink:
 
         A link error (no answer within --coordinator-timeout-s, a connection dropped) is sent again, up
         to ``attempts`` sends, after ``_RETRY_BACKOFF_S`` doubled each time: "closed" goes with
-        ``CLOSED_ATTEMPTS``, since until the coordinator takes it the request's lease (load, decoder
+        ``client_flow.CLOSED_ATTEMPTS``, since until the coordinator takes it the request's lease (load, decoder
         credit) stays there. A send that did arrive (only its answer was lost) is harmless: the
         coordinator ignores a "closed" of a handle it already closed. A refusal (status >= 400) is
         final. After the last failed send the lease is returned when this worker exits (the coordinator
@@ -233,3 +244,40 @@ def _relayed(status: int, content: bytes) -> ProxyError:
         return RelayedError(msgspec.json.decode(content, type=Failed), status)
     except msgspec.DecodeError:
         return ProxyError(f"the coordinator answered {status}: {content[:300]!r}")
+
+
+class Tokenizers:
+    """The tokenizer the coordinator names, loaded once in this process (off the event loop)."""
+
+    def __init__(self) -> None:
+        self._loading: dict[str, asyncio.Task[ProxyTokenizer | None]] = {}
+        self._import: asyncio.Task[Any] | None = None
+
+    def prefetch(self) -> None:
+        """Import ``transformers`` in a thread now (seconds): the first request then waits for the folder alone."""
+        if self._import is None:
+            self._import = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(importlib.import_module, "transformers"), name="relay-tokenizer-import")
+
+    def preload(self, source: str) -> None:
+        """Start loading ``source`` now (the proxy's --tokenizer folder), before the first request needs it."""
+        if source not in self._loading:
+            self._loading[source] = asyncio.get_running_loop().create_task(self._load(source), name="relay-tokenizer")
+
+    async def get(self, source: str) -> ProxyTokenizer:
+        self.preload(source)
+        tokenizer = await asyncio.shield(self._loading[source])
+        if tokenizer is None:
+            raise ProxyError(f"this relay worker cannot load the coordinator's tokenizer {source}")
+        return tokenizer
+
+    async def _load(self, source: str) -> ProxyTokenizer | None:
+        if self._import is not None:  # a second importing thread would see it half-initialized (tokenizer.py)
+            await asyncio.wait({self._import})
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, source)
+        except Exception as exc:
+            logger.error("relay worker: cannot load the tokenizer from %s (%s: %s)", source, type(exc).__name__, exc)
+            return None
+        gc.freeze()  # as the coordinator does (tokenizer.py): full collections must not walk transformers' objects
+        return tokenizer

@@ -1,11 +1,10 @@
 """One relay worker process of ``--workers N`` (started by ``workers.py``, never by hand).
 
 It serves the proxy's public HTTP port (its own SO_REUSEPORT listener, next to the other workers')
-with the same app as one process (``app.py``), but its request flow is :class:`RemoteFlow`: the
-coordinator prefills (routing, admission, KV wait) and names the decoder; this process runs the
-decode session (``decode_session.py``, the same loop as one process) whose steps go to the
-coordinator (``relay_link.py``, ``relay_messages.py``), makes the client's text (its own copy of the
-tokenizer) and renders the client's events. Other endpoints (``/health``, ``/metrics``,
+with the same app and request path as one process (``app.py``, ``client_flow.py``); only its link
+differs: the coordinator prefills (routing, admission, KV wait) and names the decoder, reached over
+its Unix socket (``relay_link.py``, ``relay_messages.py``); this process streams the decode, makes
+the client's text (its own copy of the tokenizer) and renders the client's events. Other endpoints (``/health``, ``/metrics``,
 ``/stats``, admin) are passed through to the coordinator.
 
 The worker exits when the coordinator does (its parent pid changes) and on SIGTERM (graceful:
@@ -17,221 +16,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import contextvars
-import gc
-import importlib
 import logging
 import os
 import signal
 import sys
-import time
-import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
-import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
-from lmcache_p2p.proxy.app import EarlyDecode, ProxyApp
-from lmcache_p2p.proxy.decode_session import DecodeSession
-from lmcache_p2p.proxy.detokenize import OutputText, TextParams
-from lmcache_p2p.proxy.errors import ProxyError, UpstreamConnectError, UpstreamError
-from lmcache_p2p.proxy.relay_link import CLOSED_ATTEMPTS, CoordinatorLink, OpenAnswer
-from lmcache_p2p.proxy.relay_messages import PREFIX, Count, Hello, Open, Opened, Planned, Step, Target, TokenizerSource
-from lmcache_p2p.proxy.responses import SSE_DONE, Delta, FirstToken, Renderer, usage
-from lmcache_p2p.proxy.shaping import ClientRequest, Endpoint
-from lmcache_p2p.proxy.tokenizer import NONE, ProxyTokenizer, load_tokenizer
+from lmcache_p2p.proxy.app import ProxyApp
+from lmcache_p2p.proxy.errors import ProxyError
+from lmcache_p2p.proxy.relay_link import CoordinatorLink, Tokenizers
+from lmcache_p2p.proxy.relay_messages import PREFIX, Hello, TokenizerSource
+from lmcache_p2p.proxy.shaping import Endpoint
+from lmcache_p2p.proxy.tokenizer import NONE
 from lmcache_p2p.proxy.upstream import Upstream
 
 logger = logging.getLogger(__name__)
 
-_current: contextvars.ContextVar[RemoteFlow | None] = contextvars.ContextVar("relay_flow", default=None)
 _PARENT_POLL_S = 1.0
 _TOKENIZER_POLL_S = 0.5
 
 
-class Tokenizers:
-    """The tokenizer the coordinator names, loaded once in this process (off the event loop)."""
-
-    def __init__(self) -> None:
-        self._loading: dict[str, asyncio.Task[ProxyTokenizer | None]] = {}
-        self._import: asyncio.Task[Any] | None = None
-
-    def prefetch(self) -> None:
-        """Import ``transformers`` in a thread now (seconds): the first request then waits for the folder alone."""
-        if self._import is None:
-            self._import = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(importlib.import_module, "transformers"), name="relay-tokenizer-import")
-
-    def preload(self, source: str) -> None:
-        """Start loading ``source`` now (the proxy's --tokenizer folder), before the first request needs it."""
-        if source not in self._loading:
-            self._loading[source] = asyncio.get_running_loop().create_task(self._load(source), name="relay-tokenizer")
-
-    async def get(self, source: str) -> ProxyTokenizer:
-        self.preload(source)
-        tokenizer = await asyncio.shield(self._loading[source])
-        if tokenizer is None:
-            raise ProxyError(f"this relay worker cannot load the coordinator's tokenizer {source}")
-        return tokenizer
-
-    async def _load(self, source: str) -> ProxyTokenizer | None:
-        if self._import is not None:  # a second importing thread would see it half-initialized (tokenizer.py)
-            await asyncio.wait({self._import})
-        try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, source)
-        except Exception as exc:
-            logger.error("relay worker: cannot load the tokenizer from %s (%s: %s)", source, type(exc).__name__, exc)
-            return None
-        gc.freeze()  # as the coordinator does (tokenizer.py): full collections must not walk transformers' objects
-        return tokenizer
-
-
-class RemoteFlow:
-    """One request of this worker: ``RequestFlow``'s interface (what ``app.py`` uses), its decode here."""
-
-    def __init__(self, worker: WorkerApp, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> None:
-        self._w = worker
-        self.req = req
-        self.handle = uuid.uuid4().hex
-        self.response_id = self.handle
-        self._headers = dict(headers)
-        self._received_s = received_s
-        self._opened: Opened | None = None
-        self._answer: OpenAnswer | None = None  # the rest of open's answer: where the decode goes
-        self._counts: list[Count] = []  # this answer's requests_total / errors_total: they go with "closed"
-        self.prompt_ids: list[int] = []
-        self._output_ids: list[int] = []
-        self._text: OutputText | None = None
-        self._session: DecodeSession | None = None
-        self._started: asyncio.Task[Any] | None = None
-        self._first_byte_s: float | None = None
-        self._closed = False
-        self._closing: asyncio.Task[Any] | None = None
-        self._before_close: list[asyncio.Task[Any]] = []  # reports the coordinator must have before "closed"
-
-    async def prefill(self) -> FirstToken:
-        link = self._w.link
-        opened, self._answer = await link.open(Open(
-            self.handle, link.worker, self.req.endpoint.value, msgspec.Raw(msgspec.json.encode(self.req.body)),
-            self._headers, self._received_s))
-        self._opened = opened
-        if not opened.needs_decode:
-            await self._answer.aclose()
-        self.response_id, self.prompt_ids = opened.response_id, opened.prompt_ids
-        first = opened.first
-        self._output_ids = [] if opened.colocated else [first.token_id]
-        if opened.proxy_text and opened.tokenizer is not None:
-            tokenizer = await self._w.tokenizers.get(opened.tokenizer)
-            self._text = tokenizer.output_text(self.prompt_ids, TextParams.from_body(self.req.body))
-            if not opened.colocated:  # as the coordinator's copy did for the first token
-                self._text.update([first.token_id], stop_terminated=False)
-                self._text.next_delta(finished=False)
-        return first
-
-    @property
-    def decoder_regenerates_first(self) -> bool:
-        return self._open().regenerates_first
-
-    @property
-    def needs_decode(self) -> bool:
-        return self._open().needs_decode
-
-    def add_count(self, count: Count) -> None:
-        """A count of this request's answer: it goes to the coordinator with "closed"."""
-        self._counts.append(count)
-
-    def first_byte_written(self) -> None:
-        if self._first_byte_s is None:
-            self._first_byte_s = time.perf_counter()
-
-    def usage(self) -> dict[str, int]:
-        return usage(len(self.prompt_ids), len(self._output_ids) or 1)
-
-    async def decode(self) -> AsyncIterator[Delta]:
-        opened = self._open()
-        self._session = DecodeSession(self, self._w.upstream, self.req, self._headers, opened.decode_idle_timeout_s,
-                                      self._text, self._output_ids)
-        async for delta in self._session.deltas(opened.regenerates_first, opened.first.text):
-            yield delta
-
-    async def end(self) -> None:
-        """The answer is complete (before the client's [DONE] or its body): the coordinator closes the
-        request now (releases its load, remembers the output for the next turn), as one process would."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._answer is not None:
-            await self._answer.aclose()
-        if self._before_close:
-            await asyncio.wait(self._before_close)  # the coordinator learns the steps in order
-        await self._w.link.tell("closed", self._closed_step(), CLOSED_ATTEMPTS)
-
-    def close(self) -> None:
-        """Tell the coordinator the request is over (in a task: never awaits); idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._closing = self._w.link.tell_later("closed", self._closed_step, after=self._before_close,
-                                                answer=self._answer, attempts=CLOSED_ATTEMPTS)
-
-    async def closing(self) -> None:
-        """Until the coordinator has closed the request (after ``close``)."""
-        if self._closing is not None:
-            await asyncio.wait({self._closing})
-
-    # ---- the decode session's steps, through the coordinator (decode_session.DecodeSteps) ------------
-
-    async def plan(self) -> Target:
-        if self._answer is None:
-            raise RuntimeError("prefill() first")
-        return await self._answer.plan()  # the coordinator sends it once the KV is ready: no call from here
-
-    async def unreachable(self, exc: UpstreamConnectError) -> Target | None:
-        return await self._call("unreachable", message=str(exc))
-
-    async def broken(self, output_ids: list[int], finished: bool, rewound: int, exc: UpstreamError) -> Target | None:
-        return await self._call("broken", output_ids=output_ids, finished=finished, rewound=rewound,
-                                connect_failed=isinstance(exc, UpstreamConnectError), message=str(exc))
-
-    def started(self, decode_sent_s: float, first_decoded_s: float) -> None:
-        self._started = self._w.link.tell_later("started", self._step(decode_sent_s=decode_sent_s,
-                                                                      first_decoded_s=first_decoded_s))
-        self._before_close.append(self._started)
-
-    # ---- internals ---------------------------------------------------------------------------------
-
-    def _open(self) -> Opened:
-        if self._opened is None:
-            raise RuntimeError("prefill() first")
-        return self._opened
-
-    def _step(self, **fields: Any) -> Step:
-        fields.setdefault("output_ids", list(self._output_ids))
-        fields.setdefault("finished", self._session is not None and self._session.finished)
-        return Step(self.handle, first_byte_s=self._first_byte_s, **fields)
-
-    def _closed_step(self) -> Step:
-        return self._step(counts=list(self._counts))
-
-    async def _call(self, step: str, **fields: Any) -> Target | None:
-        if self._started is not None:
-            await asyncio.wait({self._started})  # the coordinator learns the steps in order
-        planned = await self._w.link.call(step, self._step(**fields), Planned)
-        return planned.target
-
-
 class WorkerApp(ProxyApp):
-    """``ProxyApp`` with remote flows; counts go to the coordinator; other endpoints pass through."""
+    """``ProxyApp`` over the coordinator's link (its requests' flows are there); other endpoints pass through."""
 
     def __init__(self, link: CoordinatorLink, upstream: Upstream, chars_per_token: float) -> None:
-        super().__init__(None, chars_per_token, 0.0)  # type: ignore[arg-type]  # no orchestrator here
-        self.link = link
-        self.upstream = upstream
-        self.tokenizers = Tokenizers()
+        super().__init__(None, link, upstream, chars_per_token, 0.0)
+        self.link: CoordinatorLink = link
+        self.tokenizers = link.tokenizers
 
     def build(self) -> Starlette:
         return Starlette(routes=[
@@ -244,42 +61,6 @@ class WorkerApp(ProxyApp):
         if request.url.path.startswith(PREFIX):
             return Response(status_code=404)
         return await self.link.passthrough(request)
-
-    def _now(self) -> float:
-        return time.perf_counter()
-
-    def _open_flow(self, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> Any:
-        flow = RemoteFlow(self, req, headers, received_s)
-        _current.set(flow)
-        return flow
-
-    async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
-        """As one process; an answer that is not a stream goes out once the coordinator closed its request."""
-        _current.set(None)
-        response = await super()._generate(request, endpoint)
-        flow = _current.get()
-        if flow is not None and not isinstance(response, StreamingResponse):
-            await flow.closing()
-        return response
-
-    async def _stream(self, flow: Any, renderer: Renderer, decode: EarlyDecode | None) -> AsyncIterator[bytes]:
-        async for chunk in super()._stream(flow, renderer, decode):
-            if chunk is SSE_DONE:
-                await flow.end()
-            yield chunk
-
-    def _count(self, endpoint: Endpoint, status: int) -> None:
-        self._tell_count(Count(endpoint.value, status=status))
-
-    def _count_error(self, endpoint: Endpoint, name: str) -> None:
-        self._tell_count(Count(endpoint.value, error=name))
-
-    def _tell_count(self, count: Count) -> None:
-        flow = _current.get()
-        if flow is not None:
-            flow.add_count(count)  # with its "closed"
-        else:
-            self.link.tell_later("count", count)
 
 
 # ---- the process -------------------------------------------------------------------------------------
