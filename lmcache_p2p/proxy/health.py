@@ -4,7 +4,7 @@ The plugin announces an instance when vLLM's LMCache engine starts, well before 
 listens. So the registry hands every instance that is not known healthy (new, static, restarted,
 moved, or taken out after ``--max-connect-failures`` failed connections) to :meth:`HealthProber.watch`:
 one task per such instance probes it every ``--health-probe-interval-s``, each attempt bounded by
-``--health-probe-timeout-s`` (httpx timeout), until a 200 marks it up or the registry forgets it
+``--health-probe-timeout-s`` (the connect and the answer each), until a 200 marks it up or the registry forgets it
 (:meth:`HealthProber.forget` cancels the task). Up instances are not probed: failed connections
 of real traffic take them down.
 

@@ -306,7 +306,7 @@ def _percentile(ordered: list[float], pct: float) -> float:
     return ordered[rank - 1]
 
 
-# ---- prefix reuse (issue 10): what each request reused, computed and moved ------------------------
+# ---- prefix reuse: what each request reused, computed and moved ----------------------------------
 
 _TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _BYTE_BUCKETS = (0, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28, 1 << 30, 1 << 32)

@@ -18,7 +18,14 @@ from lmcache_p2p.proxy.admission import CannotAdmit
 from lmcache_p2p.proxy.errors import NoInstanceAvailable, UpstreamConnectError, UpstreamError, UpstreamUnreachable
 from lmcache_p2p.proxy.flow_context import RequestContext, Services
 from lmcache_p2p.proxy.registry import Instance, Lease
-from lmcache_p2p.proxy.routing import ColocatedReason, RequestCost, chunks_needed, exceeds_every_buffer, no_capacity
+from lmcache_p2p.proxy.routing import (
+    ColocatedReason,
+    RequestCost,
+    chunks_needed,
+    exceeds_every_buffer,
+    no_capacity,
+    pairable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +57,8 @@ class Placement:
     # ---- pairs ---------------------------------------------------------------------------------
 
     def pairable(self) -> tuple[list[Instance], ColocatedReason | None]:
-        """Routable decoders whose KV fingerprint matches a routable prefiller's; else why none."""
-        registry = self._s.registry
-        prefillers, decoders = registry.routable(Role.SENDER), registry.routable(Role.RECEIVER)
-        if not decoders:
-            return [], ColocatedReason.NO_DECODER
-        if not prefillers:
-            return [], ColocatedReason.NO_PREFILLER
-        pairable = [d for d in decoders if any([registry.compatible(p, d) for p in prefillers])]  # logs every pair
-        return pairable, None if pairable else ColocatedReason.NO_COMPATIBLE_DECODER
+        """Routable decoders that may take KV from a routable prefiller; else none and why."""
+        return pairable(self._s.registry)
 
     def grant_decoder(self, cost: RequestCost) -> Lease | None:
         """Admission's grant: a lease with credit for the KV on a pairable decoder, None while none has

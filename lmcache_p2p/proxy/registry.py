@@ -14,244 +14,48 @@ answers 200. ``max_connect_failures`` failed connections in a row (``note_connec
 an UP instance :attr:`Health.DOWN` and probing starts again. ``on_forgotten`` hears of every
 instance the registry drops, so that whoever holds resources for it (probes, sockets) lets go.
 
-Buffer credit: a decoder announces its free receive slots (``free_slots``, every heartbeat). The
-proxy keeps a :class:`Commit` per request it routed there, and a decoder's credit is
-``announced free slots - promised + returned``:
+Buffer credit (``credit.py``): a decoder announces its free receive slots every heartbeat; each
+request routed there holds a :class:`Lease` whose commit counts against that credit until the
+announcements reflect it. Every change that may free credit (a returned commit, a released lease, a
+heartbeat, an instance coming up) is told to the ``on_credit`` listeners (the admission queue,
+``admission.py``).
 
-* promised: a commit still counts against the credit until every rank's announcement holds it, i.e.
-  a heartbeat from every rank arrived after its KV settled (ready: every slot it takes is reserved).
-* returned: once the decoder no longer holds the request's KV (the decode loaded it: its first
-  output arrived; the proxy cancelled it; it failed) the commit is returned (:meth:`Lease.return_credit`)
-  and, while the announcements are older than that, its slots count as free again at once.
-* a returned commit is forgotten once a heartbeat from every rank arrived after it was returned.
+Pairing (``pairing.py``): :meth:`Registry.plugin_running` (a live announcement from every rank proves
+the LMCache plugin runs; never a static entry) and :meth:`Registry.compatible` (both plugins run and
+the KV fingerprints agree), each logged once.
 
-Errors lean towards too little credit (a commit that was partly reserved counts twice until the
-next heartbeat), with one exception: a heartbeat taken by the decoder between its loading the KV and
-the proxy seeing the first output counts those slots free twice until the next heartbeat; the
-receiver then refuses with ``full`` and the sender retries (``alloc_timeout_s``), nothing fails.
-Every change that may free credit (a returned commit, a released lease, a heartbeat, an instance
-coming up) is told to the ``on_credit`` listeners (the admission queue, ``admission.py``).
-
-Fingerprints: an instance announces its KV :class:`~lmcache_p2p.protocol.Fingerprint` (model, layers,
-heads, dtype, chunk size, TP split, layout). :meth:`Registry.compatible` says whether a prefiller's KV
-may go to a decoder; unknown (None, old or test peers) counts as compatible. A mismatched pair is
-logged once with the fields that differ.
+The data of one instance lives in ``instances.py``; this module owns the set of them and every
+change to it. It must not choose among instances (``routing.py``) or await.
 
 Single-threaded (the event loop); nothing here awaits, listeners included.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import logging
-import math
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ProtocolError, VersionError
-from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Fingerprint, Goodbye
+from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Goodbye
+from lmcache_p2p.proxy.credit import Commit, Lease
+from lmcache_p2p.proxy.instances import (
+    CreditCallback,
+    Health,
+    Instance,
+    InstanceCallback,
+    InstanceState,
+    RankInfo,
+    StaticInstance,
+    role_name,
+)
+from lmcache_p2p.proxy.pairing import PairingCheck
+
+__all__ = ["Commit", "Health", "Instance", "InstanceState", "Lease", "RankInfo", "Registry", "StaticInstance"]
 
 logger = logging.getLogger(__name__)
-
-
-class InstanceState(str, enum.Enum):
-    ACTIVE = "active"
-    DRAINING = "draining"
-
-
-class Health(str, enum.Enum):
-    PENDING = "pending"  # not seen healthy since it (re)appeared: its GET /health is being probed
-    UP = "up"  # GET /health answered 200 and connections since succeeded
-    DOWN = "down"  # --max-connect-failures connections in a row failed: probed until healthy again
-
-
-InstanceCallback = Callable[["Instance"], None]
-CreditCallback = Callable[[], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class StaticInstance:
-    """An instance named by a flag (``--prefill`` / ``--decode``, see ``settings.py``)."""
-
-    role: Role
-    http_url: str
-    control_host: str = ""
-    control_ports: tuple[int, ...] = ()
-    transport_ports: tuple[int, ...] = ()
-
-    @property
-    def tp_size(self) -> int:
-        return max(1, len(self.control_ports))
-
-
-@dataclasses.dataclass
-class RankInfo:
-    tp_rank: int
-    control_port: int = 0
-    transport_port: int = 0
-    capacity_slots: int = 0
-    free_slots: int = 0
-    slot_bytes: int = 0
-    chunk_tokens: int = 0
-    last_seen_s: float = math.inf
-    fingerprint: Fingerprint | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class Commit:
-    """Receive slots the proxy promised one request on one decoder."""
-
-    chunks: int
-    settled_at_s: float | None = None  # the KV is ready (every slot reserved) or failed
-    returned_at_s: float | None = None  # the decoder no longer holds it: loaded, cancelled or failed
-
-
-@dataclasses.dataclass(eq=False)
-class Instance:
-    instance_id: str
-    role: Role
-    http_url: str
-    tp_size: int
-    control_host: str = ""
-    static: bool = False
-    ranks: dict[int, RankInfo] = dataclasses.field(default_factory=dict)
-    state: InstanceState = InstanceState.ACTIVE
-    goodbye_ranks: set[int] = dataclasses.field(default_factory=set)
-    health: Health = Health.PENDING
-    connect_failures: int = 0  # in a row
-    inflight_requests: int = 0
-    inflight_tokens: int = 0
-    commits: list[Commit] = dataclasses.field(default_factory=list)
-
-    @property
-    def complete(self) -> bool:
-        """Every TP rank announced (and, for a decoder, said where its receiver listens)."""
-        if len(self.ranks) < self.tp_size or any(r not in self.ranks for r in range(self.tp_size)):
-            return False
-        if self.role is Role.RECEIVER:
-            return bool(self.control_host) and all(
-                self.ranks[r].control_port > 0 and self.ranks[r].transport_port > 0 for r in range(self.tp_size)
-            )
-        return True
-
-    @property
-    def routable(self) -> bool:
-        return self.state is InstanceState.ACTIVE and self.complete and self.health is Health.UP
-
-    @property
-    def role_name(self) -> str:
-        return _role_name(self.role)
-
-    @property
-    def control_ports(self) -> list[int]:
-        return [self.ranks[r].control_port for r in range(self.tp_size)]
-
-    @property
-    def transport_ports(self) -> list[int]:
-        return [self.ranks[r].transport_port for r in range(self.tp_size)]
-
-    @property
-    def chunk_tokens(self) -> int:
-        """Tokens per KV chunk (0 when unknown)."""
-        return max((r.chunk_tokens for r in self.ranks.values()), default=0)
-
-    @property
-    def capacity_slots(self) -> int | None:
-        """The smallest rank buffer, in chunks; None when not announced (static decoders)."""
-        known = [r.capacity_slots for r in self.ranks.values() if r.capacity_slots > 0]
-        return min(known) if known and len(known) == len(self.ranks) else None
-
-    @property
-    def fingerprint(self) -> Fingerprint | None:
-        """What its KV means (rank 0's; ranks differ only in ``tp_rank``); None when not announced."""
-        first = self.ranks.get(0) or next(iter(self.ranks.values()), None)
-        return first.fingerprint if first is not None else None
-
-    def free_slots(self) -> int | None:
-        """Buffer credit: announced free slots - promised + returned since (see the module doc); None
-        when unknown."""
-        if self.capacity_slots is None:
-            return None
-        oldest_s = min(r.last_seen_s for r in self.ranks.values())
-        newest_s = max(r.last_seen_s for r in self.ranks.values())
-        free = min(r.free_slots for r in self.ranks.values())
-        for c in self.commits:
-            announced_held = c.settled_at_s is not None and c.settled_at_s < oldest_s
-            if c.returned_at_s is None and not announced_held:
-                free -= c.chunks
-            elif c.returned_at_s is not None and announced_held and c.returned_at_s > newest_s:
-                free += c.chunks
-        return free
-
-    def _absorb_commits(self) -> None:
-        """Forget returned commits that every rank's announcement already reflects."""
-        heard_s = min((r.last_seen_s for r in self.ranks.values()), default=-math.inf)
-        self.commits = [c for c in self.commits if c.returned_at_s is None or c.returned_at_s >= heard_s]
-
-
-class Lease:
-    """One request's claim on one instance: in-flight load and, on a decoder, buffer credit."""
-
-    def __init__(self, registry: Registry, instance: Instance, tokens: int, chunks: int) -> None:
-        self.instance = instance
-        self._registry = registry
-        self._tokens = tokens
-        self._commit = Commit(chunks) if chunks > 0 else None
-        self._released = False
-        instance.inflight_requests += 1
-        instance.inflight_tokens += tokens
-        if self._commit is not None:
-            instance.commits.append(self._commit)
-
-    @property
-    def chunks(self) -> int:
-        """Receive slots this lease promised (0: no KV comes with it)."""
-        return self._commit.chunks if self._commit is not None else 0
-
-    def resize_commit(self, chunks: int) -> None:
-        """Replace the estimate with the exact chunk count once the prompt is tokenized."""
-        if self._commit is not None and self._commit.settled_at_s is None and self._commit.returned_at_s is None:
-            shrank = chunks < self._commit.chunks
-            self._commit.chunks = chunks
-            if shrank:  # the estimate was high: credit frees
-                self._registry._credit_changed()
-
-    def settle(self) -> None:
-        """The request's KV is ready or failed: the decoder's next heartbeat accounts for it."""
-        if self._commit is not None and self._commit.settled_at_s is None:
-            self._commit.settled_at_s = self._registry.now()
-
-    def return_credit(self) -> None:
-        """The decoder no longer holds this request's KV (loaded, cancelled or failed): its slots are
-        free again. Idempotent; does not await."""
-        commit = self._commit
-        if commit is None or commit.returned_at_s is not None:
-            return
-        commit.returned_at_s = self._registry.now()
-        self.instance._absorb_commits()
-        self._registry._credit_changed()
-
-    def release(self) -> None:
-        """Idempotent; safe inside a cancelled task (does not await). Returns the credit too."""
-        if self._released:
-            return
-        self._released = True
-        if self._commit is not None and self._commit.returned_at_s is None:
-            self._commit.returned_at_s = self._registry.now()
-        self.instance._absorb_commits()
-        self.instance.inflight_requests -= 1
-        self.instance.inflight_tokens -= self._tokens
-        self._registry._on_release(self.instance)
-        self._registry._credit_changed()
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class Registry:
@@ -266,7 +70,7 @@ class Registry:
         self.on_pending: list[InstanceCallback] = []  # an instance needs a health probe
         self.on_forgotten: list[InstanceCallback] = []  # an instance was dropped from the registry
         self.on_credit: list[CreditCallback] = []  # decoder credit or load may have freed: admit waiters
-        self._mismatches: set[tuple[str, str, Fingerprint, Fingerprint]] = set()  # logged once each
+        self._pairing = PairingCheck(ttl_s, clock)
 
     def now(self) -> float:
         return self._clock()
@@ -288,7 +92,7 @@ class Registry:
             ranks=ranks,
         )
         self._static[(inst.role, inst.http_url)] = inst
-        logger.info("static %s %s (tp %d)", _role_name(inst.role), inst.http_url, inst.tp_size)
+        logger.info("static %s %s (tp %d)", role_name(inst.role), inst.http_url, inst.tp_size)
         self._notify(self.on_pending, inst)
         return inst
 
@@ -342,7 +146,7 @@ class Registry:
             inst.health = Health.DOWN
             logger.warning(
                 "%s %s (%s): %d connection(s) in a row failed (--max-connect-failures): out of rotation until "
-                "GET /health answers 200", _role_name(inst.role), inst.instance_id, inst.http_url,
+                "GET /health answers 200", role_name(inst.role), inst.instance_id, inst.http_url,
                 inst.connect_failures,
             )
             self._notify(self.on_pending, inst)
@@ -356,7 +160,7 @@ class Registry:
             inst.state = InstanceState.DRAINING
             logger.info(
                 "%s %s (%s) said goodbye: draining %d in-flight request(s)",
-                _role_name(inst.role), inst.instance_id, inst.http_url, inst.inflight_requests,
+                role_name(inst.role), inst.instance_id, inst.http_url, inst.inflight_requests,
             )
         self._forget_if_drained(inst)
         return inst
@@ -375,7 +179,7 @@ class Registry:
         if inst.state is InstanceState.ACTIVE:
             inst.state = InstanceState.DRAINING
             logger.info("%s %s (%s) drained by the operator: %d in-flight request(s) finish first",
-                        _role_name(inst.role), inst.instance_id, inst.http_url, inst.inflight_requests)
+                        role_name(inst.role), inst.instance_id, inst.http_url, inst.inflight_requests)
         if not inst.static:
             self._drained[instance_id] = self.now()
             self._forget_if_drained(inst)
@@ -410,24 +214,14 @@ class Registry:
     def lease(self, instance: Instance, tokens: int, chunks: int = 0) -> Lease:
         return Lease(self, instance, tokens, chunks)
 
-    def compatible(self, prefiller: Instance, decoder: Instance) -> bool:
-        """May ``prefiller``'s KV go to ``decoder``? Unknown fingerprints count as compatible.
+    def plugin_running(self, inst: Instance) -> bool:
+        """Does its LMCache plugin run (a live announcement from every rank)? See ``pairing.py``."""
+        return self._pairing.plugin_running(inst)
 
-        A mismatch is logged once per pair (and fingerprints) with the fields that differ.
-        """
-        ours, theirs = prefiller.fingerprint, decoder.fingerprint
-        if ours is None or theirs is None:
-            return True
-        differences = ours.differences(theirs, ignore=("tp_rank",))
-        if not differences:
-            return True
-        key = (prefiller.instance_id, decoder.instance_id, ours, theirs)
-        if key not in self._mismatches:
-            self._mismatches.add(key)
-            logger.warning("prefiller %s and decoder %s announce different KV fingerprints (%s): they are never "
-                           "paired; run the same model, dtype, chunk size and TP size on both",
-                           prefiller.instance_id, decoder.instance_id, "; ".join(differences))
-        return False
+    def compatible(self, prefiller: Instance, decoder: Instance) -> bool:
+        """May ``prefiller``'s KV go to ``decoder``? Both plugins must run (:meth:`plugin_running`);
+        unknown fingerprints count as compatible. A mismatch is logged once per pair."""
+        return self._pairing.compatible(prefiller, decoder)
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -435,7 +229,7 @@ class Registry:
         http_url = msg.http_url.rstrip("/")
         inst = Instance(instance_id=msg.instance_id, role=role, http_url=http_url, tp_size=msg.tp_size)
         self._dynamic[msg.instance_id] = inst
-        logger.info("%s %s registered at %s (tp %d)", _role_name(role), msg.instance_id, http_url, msg.tp_size)
+        logger.info("%s %s registered at %s (tp %d)", role_name(role), msg.instance_id, http_url, msg.tp_size)
         return inst
 
     def _return_from_goodbye(self, inst: Instance, tp_rank: int) -> bool:
@@ -448,7 +242,7 @@ class Registry:
         inst.goodbye_ranks.discard(tp_rank)
         if inst.state is InstanceState.DRAINING and not inst.goodbye_ranks:
             inst.state = InstanceState.ACTIVE
-            logger.info("%s %s is back at %s", _role_name(inst.role), inst.instance_id, inst.http_url)
+            logger.info("%s %s is back at %s", role_name(inst.role), inst.instance_id, inst.http_url)
         return True
 
     def _set_pending(self, inst: Instance) -> None:
@@ -456,8 +250,13 @@ class Registry:
         inst.connect_failures = 0
         self._notify(self.on_pending, inst)
 
-    def _on_release(self, inst: Instance) -> None:
+    def released(self, inst: Instance) -> None:
+        """A lease on ``inst`` ended (``credit.Lease``): a draining instance may be done."""
         self._forget_if_drained(inst)
+
+    def credit_changed(self) -> None:
+        """Credit or load may have freed: the ``on_credit`` listeners (admission) look again."""
+        self._credit_changed()
 
     def _credit_changed(self) -> None:
         for listener in self.on_credit:
@@ -471,9 +270,9 @@ class Registry:
     def _forget(self, inst: Instance, why: str, level: int = logging.INFO) -> None:
         if self._dynamic.get(inst.instance_id) is inst:
             del self._dynamic[inst.instance_id]
-        logger.log(level, "%s %s (%s) forgotten: %s; %d request(s) in flight", _role_name(inst.role),
+        logger.log(level, "%s %s (%s) forgotten: %s; %d request(s) in flight", role_name(inst.role),
                    inst.instance_id, inst.http_url, why, inst.inflight_requests)
-        self._mismatches = {k for k in self._mismatches if inst.instance_id not in k[:2]}
+        self._pairing.forget(inst)
         self._notify(self.on_forgotten, inst)
 
     @staticmethod
@@ -504,6 +303,3 @@ def _rank_info(msg: Announce, now_s: float) -> RankInfo:
         fingerprint=msg.fingerprint,
     )
 
-
-def _role_name(role: Role) -> str:
-    return "prefiller" if role is Role.SENDER else "decoder"

@@ -13,10 +13,10 @@ host, tp = 1, control = 7300, transport = 7400. Example::
     --decode http://127.0.0.1:8200,control=7300,transport=7400
     --decode http://10.0.0.5:8200,tp=2,control=7300+7301,transport=7400+7401
 
-A static decoder's buffer capacity is unknown, so the buffer-fit filter does not apply to it; it
-must still have ``p2p.proxy_url`` pointing at ``--control-port`` or every request waits
-``--kv-timeout-s`` and is recomputed. An instance that also announces itself replaces its static
-entry (matched by role and HTTP URL) while it is alive.
+A static entry proves nothing about the instance's LMCache plugin, so it is never paired for
+disaggregated serving: it serves requests alone (``colocated_total{reason="plugin_not_running"}``)
+until its plugin announces itself (``p2p.proxy_url`` pointing at ``--control-port``) at the same
+role and HTTP URL; the announced instance then replaces the static entry while it is alive.
 
 Security: the control socket and the admin endpoints (``GET /instances``, ``POST /instances/drain``,
 ``POST /stats/reset``) bound beyond loopback need ``--shared-secret`` (or ``$LMCACHE_P2P_SECRET``);
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import operator
 import os
 import socket
 from collections.abc import Callable
@@ -194,95 +195,31 @@ def _prefix_settings(args: argparse.Namespace) -> PrefixSettings:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``lmcache-p2p proxy``."""
-    d = ProxySettings()
-    g = parser.add_argument_group("proxy")
-    g.add_argument("--host", default=d.host, help="HTTP bind address (default %(default)s)")
-    g.add_argument("--port", type=int, default=d.port, help="HTTP port (default %(default)s)")
-    g.add_argument("--control-host", default=None, help="control socket bind address (default: --host)")
-    g.add_argument("--control-port", type=int, default=d.control_port,
-                   help="control socket (ZMQ PULL) port; instances' p2p.proxy_url points here (default %(default)s)")
-    g.add_argument("--shared-secret", default=None,
-                   help=f"authenticate every control message, and admin HTTP calls as 'Authorization: Bearer "
-                        f"<secret>' (default: ${SECRET_ENV}, else none; required beyond loopback)")
-    g.add_argument("--insecure", action="store_true",
-                   help="serve the control socket / admin endpoints beyond loopback WITHOUT a shared secret "
-                        "(anyone who reaches them can register instances and drain them)")
-    g.add_argument("--auth-window-s", type=float, default=d.auth_window_s,
-                   help="refuse authenticated control frames stamped further than this from our clock, and replays "
-                        "within it (default %(default)s)")
-    g.add_argument("--prefill", action="append", type=_flag_type(parse_prefill_flag), metavar="URL",
-                   help="a static prefiller's HTTP URL (repeatable)")
-    g.add_argument("--decode", action="append", type=_flag_type(parse_decode_flag),
-                   metavar="URL[,host=H][,tp=N][,control=P][,transport=P]",
-                   help="a static decoder (repeatable); ports: one base port or one per TP rank joined by +")
-    g.add_argument("--policy", choices=[p.value for p in Policy], default=d.policy.value,
-                   help="routing policy (default %(default)s)")
-    p = d.prefix
-    g.add_argument("--prefix-cache-threshold", type=float, default=p.cache_threshold,
-                   help="--policy prefix: when load is balanced, the instance holding the longest cached prefix of "
-                        "the prompt wins if that prefix is at least this share of the prompt; else least loaded "
-                        "(default %(default)s)")
-    g.add_argument("--prefix-balance-abs", type=int, default=p.balance_abs_requests,
-                   help="--policy prefix: load is imbalanced (least loaded wins, whatever is cached) when the most "
-                        "and least loaded candidates' in-flight requests differ by more than this ... "
-                        "(default %(default)s)")
-    g.add_argument("--prefix-balance-rel", type=float, default=p.balance_rel,
-                   help="... and the most loaded has more than this times the least loaded's (default %(default)s)")
-    g.add_argument("--prefix-index-chunks", type=int, default=p.index_chunks,
-                   help="--policy prefix: chunk hashes the proxy remembers per instance, least recently sent "
-                        "forgotten first (default %(default)s)")
-    g.add_argument("--prefix-hash-seed", type=int, default=p.hash_seed,
-                   help="the instances' PYTHONHASHSEED, which LMCache's chunk hashes depend on (the launcher sets "
-                        "0; default %(default)s)")
-    g.add_argument("--on-kv-failure", choices=[p.value for p in KvFailurePolicy], default=d.on_kv_failure.value,
-                   help="on KV failure/timeout: retry once elsewhere then recompute, recompute, or fail "
-                        "(default %(default)s)")
-    g.add_argument("--kv-timeout-s", type=float, default=d.kv_timeout_s,
-                   help="longest wait for KV ready after the prefill answered (default %(default)s)")
-    g.add_argument("--instance-ttl-s", type=float, default=d.instance_ttl_s,
-                   help="forget an instance after this long without a heartbeat (default %(default)s)")
-    g.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s,
-                   help="connect timeout of every upstream call (default %(default)s)")
-    g.add_argument("--prefill-timeout-s", type=float, default=d.prefill_timeout_s,
-                   help="deadline of one prefill / tokenize / models call (default %(default)s)")
-    g.add_argument("--decode-idle-timeout-s", type=float, default=d.decode_idle_timeout_s,
-                   help="longest silence of a decode stream (default %(default)s)")
-    g.add_argument("--graceful-shutdown-s", type=float, default=d.graceful_shutdown_s,
-                   help="on shutdown, let in-flight requests finish this long, then cancel (default %(default)s)")
-    g.add_argument("--summary-interval-s", type=float, default=d.summary_interval_s,
-                   help="log a TTFT / handover summary this often; 0 = never (default %(default)s)")
-    g.add_argument("--chars-per-token", type=float, default=d.chars_per_token,
-                   help="prompt-length estimate for routing before tokenization (default %(default)s)")
-    g.add_argument("--health-probe-interval-s", type=float, default=d.health_probe_interval_s,
-                   help="probe GET /health of an instance that is not (or no longer) routable this often "
-                        "(default %(default)s)")
-    g.add_argument("--health-probe-timeout-s", type=float, default=d.health_probe_timeout_s,
-                   help="deadline of one health probe (default %(default)s)")
-    g.add_argument("--max-connect-failures", type=int, default=d.max_connect_failures,
-                   help="take an instance out of rotation after this many failed connections in a row, until "
-                        "GET /health answers 200 again (default %(default)s)")
-    g.add_argument("--admission-timeout-s", type=float, default=d.admission_timeout_s,
-                   help="longest wait of a request for decoder buffer credit; then a decoder computes its prompt "
-                        "itself, no KV transfer (default %(default)s)")
-    g.add_argument("--admission-queue-max", type=int, default=d.admission_queue_max,
-                   help="most requests waiting for buffer credit at once; one more is computed by a decoder at "
-                        "once (default %(default)s)")
-    g.add_argument("--tokenizer", default=d.tokenizer,
-                   help="the model's tokenizer folder, for exact prompt token counts and output text made from "
-                        "token ids (every prompt's KV used); 'auto': the folder the instances serve when it exists "
-                        "here; 'none': counts are estimates and text comes from the instances (default %(default)s)")
-    g.add_argument("--tokenizer-wait-s", type=float, default=d.tokenizer_wait_s,
-                   help="longest a request waits for the tokenizer while it first loads (the proxy loads it as soon "
-                        "as an instance registers); a request that gives up goes with estimated counts and the "
-                        "instances' text (default %(default)s)")
-    g.add_argument("--migration-limit", type=int, default=d.migration_limit,
-                   help="times one request's decode stream may move to another instance when its decoder fails "
-                        "mid-stream; 0 = never (default %(default)s)")
-    g.add_argument("--workers", type=int, default=d.workers,
-                   help="relay processes serving the HTTP port: each streams its clients' decodes, while one "
-                        "coordinator process keeps the registry, routing, admission and KV waits; 1 = one process "
-                        "(default %(default)s)")
+    """The flags of ``lmcache-p2p proxy`` (:data:`_FLAGS`), their defaults taken from :class:`ProxySettings`."""
+    defaults = ProxySettings()
+    group = parser.add_argument_group("proxy")
+    for flag in _FLAGS:
+        group.add_argument(flag.name, help=flag.help, **flag.options(defaults))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flag:
+    """One flag: its default (and type, or choices for an enum) comes from the ``ProxySettings`` field
+    named by ``field`` (dotted for a nested one); ``options`` are argparse's, for flags without one."""
+
+    name: str
+    field: str | None
+    help: str
+    options_: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def options(self, defaults: ProxySettings) -> dict[str, Any]:
+        if self.field is None:
+            return dict(self.options_)
+        value = operator.attrgetter(self.field)(defaults)
+        if isinstance(value, enum.Enum):
+            return {"choices": [m.value for m in type(value)], "default": value.value, **self.options_}
+        typed = {} if isinstance(value, str) else {"type": type(value)}
+        return {**typed, "default": value, **self.options_}
 
 
 def parse_prefill_flag(value: str) -> StaticInstance:
@@ -353,3 +290,85 @@ def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
     convert.__name__ = parse.__name__
     return convert
+
+
+_PREFIX = "--policy prefix: "
+_FLAGS: tuple[_Flag, ...] = (
+    _Flag("--host", "host", "HTTP bind address (default %(default)s)"),
+    _Flag("--port", "port", "HTTP port (default %(default)s)"),
+    _Flag("--control-host", None, "control socket bind address (default: --host)", {"default": None}),
+    _Flag("--control-port", "control_port",
+          "control socket (ZMQ PULL) port; instances' p2p.proxy_url points here (default %(default)s)"),
+    _Flag("--shared-secret", None,
+          f"authenticate every control message, and admin HTTP calls as 'Authorization: Bearer <secret>' "
+          f"(default: ${SECRET_ENV}, else none; required beyond loopback)", {"default": None}),
+    _Flag("--insecure", None,
+          "serve the control socket / admin endpoints beyond loopback WITHOUT a shared secret (anyone who "
+          "reaches them can register instances and drain them)", {"action": "store_true"}),
+    _Flag("--auth-window-s", "auth_window_s",
+          "refuse authenticated control frames stamped further than this from our clock, and replays within it "
+          "(default %(default)s)"),
+    _Flag("--prefill", None, "a static prefiller's HTTP URL (repeatable)",
+          {"action": "append", "type": _flag_type(parse_prefill_flag), "metavar": "URL"}),
+    _Flag("--decode", None, "a static decoder (repeatable); ports: one base port or one per TP rank joined by +",
+          {"action": "append", "type": _flag_type(parse_decode_flag),
+           "metavar": "URL[,host=H][,tp=N][,control=P][,transport=P]"}),
+    _Flag("--policy", "policy", "routing policy (default %(default)s)"),
+    _Flag("--prefix-cache-threshold", "prefix.cache_threshold",
+          _PREFIX + "when load is balanced, the instance holding the longest cached prefix of the prompt wins if "
+          "that prefix is at least this share of the prompt; else least loaded (default %(default)s)"),
+    _Flag("--prefix-balance-abs", "prefix.balance_abs_requests",
+          _PREFIX + "load is imbalanced (least loaded wins, whatever is cached) when the most and least loaded "
+          "candidates' in-flight requests differ by more than this ... (default %(default)s)"),
+    _Flag("--prefix-balance-rel", "prefix.balance_rel",
+          "... and the most loaded has more than this times the least loaded's (default %(default)s)"),
+    _Flag("--prefix-index-chunks", "prefix.index_chunks",
+          _PREFIX + "chunk hashes the proxy remembers per instance, least recently sent forgotten first "
+          "(default %(default)s)"),
+    _Flag("--prefix-hash-seed", "prefix.hash_seed",
+          "the instances' PYTHONHASHSEED, which LMCache's chunk hashes depend on (the launcher sets 0; "
+          "default %(default)s)"),
+    _Flag("--on-kv-failure", "on_kv_failure",
+          "on KV failure/timeout: retry once elsewhere then recompute, recompute, or fail (default %(default)s)"),
+    _Flag("--kv-timeout-s", "kv_timeout_s",
+          "longest wait for KV ready after the prefill answered (default %(default)s)"),
+    _Flag("--instance-ttl-s", "instance_ttl_s",
+          "forget an instance after this long without a heartbeat (default %(default)s)"),
+    _Flag("--connect-timeout-s", "connect_timeout_s", "connect timeout of every upstream call (default %(default)s)"),
+    _Flag("--prefill-timeout-s", "prefill_timeout_s",
+          "deadline of one prefill / tokenize / models call (default %(default)s)"),
+    _Flag("--decode-idle-timeout-s", "decode_idle_timeout_s",
+          "longest silence of a decode stream (default %(default)s)"),
+    _Flag("--graceful-shutdown-s", "graceful_shutdown_s",
+          "on shutdown, let in-flight requests finish this long, then cancel (default %(default)s)"),
+    _Flag("--summary-interval-s", "summary_interval_s",
+          "log a TTFT / handover summary this often; 0 = never (default %(default)s)"),
+    _Flag("--chars-per-token", "chars_per_token",
+          "prompt-length estimate for routing before tokenization (default %(default)s)"),
+    _Flag("--health-probe-interval-s", "health_probe_interval_s",
+          "probe GET /health of an instance that is not (or no longer) routable this often (default %(default)s)"),
+    _Flag("--health-probe-timeout-s", "health_probe_timeout_s", "deadline of one health probe (default %(default)s)"),
+    _Flag("--max-connect-failures", "max_connect_failures",
+          "take an instance out of rotation after this many failed connections in a row, until GET /health "
+          "answers 200 again (default %(default)s)"),
+    _Flag("--admission-timeout-s", "admission_timeout_s",
+          "longest wait of a request for decoder buffer credit; then a decoder computes its prompt itself, no KV "
+          "transfer (default %(default)s)"),
+    _Flag("--admission-queue-max", "admission_queue_max",
+          "most requests waiting for buffer credit at once; one more is computed by a decoder at once "
+          "(default %(default)s)"),
+    _Flag("--tokenizer", "tokenizer",
+          "the model's tokenizer folder, for exact prompt token counts and output text made from token ids (every "
+          "prompt's KV used); 'auto': the folder the instances serve when it exists here; 'none': counts are "
+          "estimates and text comes from the instances (default %(default)s)"),
+    _Flag("--tokenizer-wait-s", "tokenizer_wait_s",
+          "longest a request waits for the tokenizer while it first loads (the proxy loads it as soon as an "
+          "instance registers); a request that gives up goes with estimated counts and the instances' text "
+          "(default %(default)s)"),
+    _Flag("--migration-limit", "migration_limit",
+          "times one request's decode stream may move to another instance when its decoder fails mid-stream; "
+          "0 = never (default %(default)s)"),
+    _Flag("--workers", "workers",
+          "relay processes serving the HTTP port: each streams its clients' decodes, while one coordinator "
+          "process keeps the registry, routing, admission and KV waits; 1 = one process (default %(default)s)"),
+)

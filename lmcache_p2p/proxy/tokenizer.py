@@ -273,7 +273,7 @@ def _log_prefetch_failure(task: asyncio.Task[Any]) -> None:
 
 def _freeze_heap() -> None:
     """Put every object alive now out of the garbage collector's reach (``gc.freeze``, as vLLM's
-    API server does after start-up). ``transformers`` and its imports leave ~360k long-lived objects;
-    each full collection walked them all and stopped the event loop, every request in it, for
-    ~185 ms on 2 busy cores (issue 9: TTFT outliers); after the freeze one takes ~1 ms."""
+    API server does after start-up). ``transformers`` and its imports leave hundreds of thousands of
+    long-lived objects; each full collection would walk them all while the event loop, and every
+    request in it, stands still."""
     gc.freeze()

@@ -1,12 +1,16 @@
 """HTTP calls to prefillers and decoders, with deadlines, mapped to :mod:`lmcache_p2p.proxy.errors`.
 
-One ``aiohttp`` session per proxy for JSON calls and decode streams (connection reuse; no pool limit,
-so the proxy never queues requests the instances could take; cheaper per call and per read than
-httpx, see ``_call`` and ``stream_events``), httpx for health probes. Every call has a deadline: ``post_json`` / ``get_json`` a total
-one, ``stream_events`` a connect timeout plus an idle timeout between bytes. An upstream 4xx keeps
-its status and body; a 5xx becomes 502; an unreachable instance 502; a deadline 504. A connection
-that was never established (refused, connect timeout) raises :class:`UpstreamConnectError`: the
-instance received nothing, so the caller may send the same call elsewhere.
+One ``aiohttp`` session per proxy for every upstream call: health probes, JSON calls and decode
+streams (connection reuse; no pool limit, so the proxy never queues requests the instances could
+take), and one map of aiohttp's exceptions to the proxy's (:func:`_mapped`). aiohttp rather than
+httpx: per call and per stream read it costs the proxy less CPU and latency on loopback
+(``bench/proxy_client.py``), and a prefill call is on every request's TTFT while a stream read is
+on every token's path. Every call has a deadline: ``post_json`` / ``get_json`` a total one,
+``get_status`` one per phase (connect, then the answer), ``stream_events`` a connect timeout plus an
+idle timeout between bytes. An upstream 4xx keeps its status and body; a 5xx becomes 502; an
+unreachable instance 502; a deadline 504. A connection that was never established (refused,
+connect timeout) raises :class:`UpstreamConnectError`: the instance received nothing, so the caller
+may send the same call elsewhere.
 
 A decode stream is the proxy's hot path (every output token passes through it): its bytes are
 split into SSE events here, per read, and the token events one read brought are merged into one
@@ -18,11 +22,10 @@ event yields that event at once.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
-import httpx
 import msgspec
 
 from lmcache_p2p.proxy.errors import (
@@ -49,14 +52,9 @@ def forwarded_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
 class Upstream:
     def __init__(self, connect_timeout_s: float) -> None:
         self._connect_timeout_s = connect_timeout_s
-        self._client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            trust_env=False,  # never send loopback traffic through an environment proxy
-        )
-        self._aio: Any = None  # aiohttp.ClientSession for decode streams (stream_events)
+        self._aio: Any = None  # aiohttp.ClientSession, made on first use (see _session)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
         if self._aio is not None:
             await self._aio.close()
 
@@ -69,38 +67,29 @@ class Upstream:
 
     async def get_status(self, base_url: str, path: str, *, timeout_s: float) -> int:
         """GET ``path`` for its HTTP status alone (a health probe); every phase bounded by ``timeout_s``."""
+        import aiohttp  # lazy: the proxy alone needs it
+
         url = base_url + path
-        try:
-            resp = await self._client.get(url, timeout=httpx.Timeout(timeout_s))
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise UpstreamConnectError(f"GET {url}: {_describe(exc)}") from exc
-        except httpx.TimeoutException as exc:
-            raise UpstreamTimeout(f"GET {url}: no answer within {timeout_s:.1f} s") from exc
-        except (httpx.TransportError, httpx.InvalidURL) as exc:
-            raise UpstreamUnreachable(f"GET {url}: {_describe(exc)}") from exc
-        return resp.status_code
+        timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_connect=timeout_s, sock_read=timeout_s)
+        with _mapped(f"GET {url}", f"no answer within {timeout_s:.1f} s"):
+            async with self._session().get(url, timeout=timeout) as resp:
+                await resp.read()  # the connection goes back to the pool
+                return resp.status
 
     async def _call(self, method: str, base_url: str, path: str, body: dict[str, Any] | None, timeout_s: float,
                     headers: Mapping[str, str] | None) -> dict[str, Any]:
-        """One JSON call (a prefill, ``/tokenize``) on the aiohttp session: ~0.15 ms of the proxy's time
-        per call against ~0.5 ms through httpx (a 1024-token prefill body and answer on loopback), and
-        a prefill call is on every request's TTFT."""
+        """One JSON call (a prefill, ``/tokenize``): on every request's TTFT."""
         import aiohttp  # lazy: the proxy alone needs it
 
         url = base_url + path
         content = msgspec.json.encode(body) if body is not None else None
         c = min(self._connect_timeout_s, timeout_s)
         timeout = aiohttp.ClientTimeout(total=timeout_s, connect=c, sock_connect=c)
-        try:  # ``total`` bounds the whole call, the answer's body included
-            async with self._streams().request(method, url, data=content, headers=_json_headers(headers),
+        with _mapped(f"{method} {url}", f"no answer within {timeout_s:.1f} s"):
+            # ``total`` bounds the whole call, the answer's body included
+            async with self._session().request(method, url, data=content, headers=_json_headers(headers),
                                                timeout=timeout) as resp:
                 status, answer = resp.status, await resp.read()
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            raise UpstreamConnectError(f"{method} {url}: {_describe(exc)}") from exc
-        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise UpstreamTimeout(f"{method} {url}: no answer within {timeout_s:.1f} s") from exc
-        except (aiohttp.ClientError, ValueError) as exc:  # ValueError: aiohttp's for a malformed URL
-            raise UpstreamUnreachable(f"{method} {url}: {_describe(exc)}") from exc
         if status >= 400:
             raise _status_error(url, status, answer)
         return _decode_object(url, answer)
@@ -110,25 +99,18 @@ class Upstream:
                             headers: Mapping[str, str] | None = None) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         """POST a streaming request; yields an iterator over its SSE ``data:`` events (JSON objects).
 
-        aiohttp, not httpx: a decode stream is read once per decoder write, and httpx's read (anyio
-        stream, a cancel scope per read) cost ~20 us more per read than aiohttp's (C parser, one
-        ``iter_any`` step; ``bench/proxy_relay.py``). Leaving the context closes the connection unless the
-        stream was read to its end, which makes vLLM abort the request.
+        A decode stream is read once per decoder write, so the client's cost per read matters
+        (aiohttp: C parser, one ``iter_any`` step). Leaving the context closes the connection unless
+        the stream was read to its end, which makes vLLM abort the request.
         """
         import aiohttp  # lazy: the proxy alone needs it
 
         url = base_url + path
         c = self._connect_timeout_s
         timeout = aiohttp.ClientTimeout(total=None, connect=c, sock_connect=c, sock_read=idle_timeout_s)
-        try:
-            resp = await self._streams().post(url, data=msgspec.json.encode(body), headers=_json_headers(headers),
+        with _mapped(f"POST {url}", f"no answer within {idle_timeout_s:.1f} s"):
+            resp = await self._session().post(url, data=msgspec.json.encode(body), headers=_json_headers(headers),
                                               timeout=timeout)
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            raise UpstreamConnectError(f"POST {url}: {_describe(exc)}") from exc
-        except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
-            raise UpstreamTimeout(f"POST {url}: no answer within {idle_timeout_s:.1f} s") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(f"POST {url}: {_describe(exc)}") from exc
         try:
             if resp.status >= 400:
                 raise _status_error(url, resp.status, await _read_body(url, resp))
@@ -139,40 +121,49 @@ class Upstream:
             else:
                 resp.close()
 
-    def _streams(self) -> Any:
-        """The aiohttp session of calls and decode streams (made on first use: it belongs to the running loop)."""
+    def _session(self) -> Any:
+        """The aiohttp session of every upstream call (made on first use: it belongs to the running loop)."""
         if self._aio is None:
             import aiohttp
 
             self._aio = aiohttp.ClientSession(
-                # An idle connection is let go before vLLM's server (uvicorn: 5 s) closes its end, so a
-                # call never goes out on a connection the instance is closing.
+                # An idle connection is let go before vLLM's server (uvicorn's keep-alive timeout) closes
+                # its end, so a call never goes out on a connection the instance is closing.
                 connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S),
                 trust_env=False, auto_decompress=False)  # never through an environment proxy; SSE is not compressed
         return self._aio
 
 
-async def _read_body(url: str, resp: Any) -> bytes:
+@contextmanager
+def _mapped(what: str, timed_out: str) -> Iterator[None]:
+    """aiohttp's exceptions as the proxy's, for every upstream call: ``what`` names the call (method
+    and URL), ``timed_out`` what a deadline means for it."""
     import aiohttp
 
     try:
-        return await resp.read()
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise UpstreamUnreachable(f"POST {url}: answered {resp.status}, then {_describe(exc)}") from exc
+        yield
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+        raise UpstreamConnectError(f"{what}: {_describe(exc)}") from exc
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise UpstreamTimeout(f"{what}: {timed_out}") from exc
+    except (aiohttp.ClientError, ValueError) as exc:  # ValueError: aiohttp's for a malformed URL
+        raise UpstreamUnreachable(f"{what}: {_describe(exc)}") from exc
+
+
+async def _read_body(url: str, resp: Any) -> bytes:
+    """The body of an error answer; one that stalls is the broken answer it is (502), not a deadline."""
+    try:
+        with _mapped(f"POST {url}: answered {resp.status}, then", "its body stalled"):
+            return await resp.read()
+    except UpstreamTimeout as exc:
+        raise UpstreamUnreachable(str(exc)) from exc
 
 
 async def _chunks(url: str, resp: Any, idle_timeout_s: float) -> AsyncIterator[bytes]:
     """The stream's bytes as they arrive, its failures mapped to the proxy's errors."""
-    import aiohttp
-
-    try:
+    with _mapped(f"POST {url}: stream broke", f"stream silent for {idle_timeout_s:.1f} s (--decode-idle-timeout-s)"):
         async for chunk in resp.content.iter_any():
             yield chunk
-    except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
-        raise UpstreamTimeout(f"POST {url}: stream silent for {idle_timeout_s:.1f} s "
-                              "(--decode-idle-timeout-s)") from exc
-    except aiohttp.ClientError as exc:
-        raise UpstreamUnreachable(f"POST {url}: stream broke: {type(exc).__name__}: {exc}") from exc
 
 
 async def _sse_events(url: str, chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:

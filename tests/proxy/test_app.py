@@ -69,7 +69,7 @@ async def test_control_messages_need_the_shared_secret():
             intruder.close()
 
 
-async def test_static_instances_from_flags_with_kv_from_an_unannounced_decoder():
+async def test_static_instances_from_flags_pair_once_their_plugins_announce():
     prefiller, decoder = FakeVllm("p"), FakeVllm("d")
     await prefiller.server.start()
     await decoder.server.start()
@@ -77,13 +77,18 @@ async def test_static_instances_from_flags_with_kv_from_an_unannounced_decoder()
                StaticInstance(Role.RECEIVER, decoder.url, "127.0.0.1", (27300,), (27400,)))
     try:
         async with make_cluster(n_prefill=0, n_decode=0, static_instances=statics) as c:
-            # The decoder's plugin reports KV under its own instance id; matching is by req_id only.
-            agent = FakeAgent(c.control_address, "receiver", "http://unused:1", base_port=27300)
+            # Only an instance whose plugin announces itself is paired (a static entry has no proof that its
+            # plugin runs): the plugins announce at the flags' URLs and take the static entries' places.
+            agent = FakeAgent(c.control_address, "receiver", decoder.url, base_port=27300)
+            sender = FakeAgent(c.control_address, "sender", prefiller.url)
             c.network.add(agent)
             prefiller.kv_sink = c.network.deliver
+            await agent.announce()
+            await sender.announce()
             try:
                 await eventually(lambda: c.proxy.registry.routable(Role.SENDER) and c.proxy.registry.routable(
-                    Role.RECEIVER))  # both /health probes answered 200
+                    Role.RECEIVER) and not any(i.static for i in c.proxy.registry.routable(Role.SENDER)
+                                               + c.proxy.registry.routable(Role.RECEIVER)))  # announced, probed
                 resp = await c.post("/v1/completions", BODY)
                 assert resp.json()["choices"][0]["text"] == EXPECTED
                 assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 1
@@ -91,6 +96,7 @@ async def test_static_instances_from_flags_with_kv_from_an_unannounced_decoder()
                 assert spec["receiver_alloc_port"] == [27300] and spec["receiver_init_port"] == [27400]
             finally:
                 agent.close()
+                sender.close()
     finally:
         await prefiller.server.stop()
         await decoder.server.stop()

@@ -347,3 +347,31 @@ def test_operator_drain_keeps_a_live_instance_out_until_it_stops(registry, clock
     registry.evict_expired()
     assert registry.announce(announce("d1")) is not None
     assert registry.drain("unknown") is None
+
+
+def test_a_static_instance_is_never_paired_and_is_logged_once(registry, caplog):
+    static = registry.add_static(StaticInstance(Role.RECEIVER, "http://127.0.0.1:8200", "127.0.0.1", (7300,),
+                                                (7400,)))
+    prefiller = registry.announce(announce("p1", role="sender", url="http://p1:1"))
+    with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.registry"):
+        assert registry.plugin_running(prefiller) and not registry.plugin_running(static)
+        assert not registry.compatible(prefiller, static) and not registry.compatible(prefiller, static)
+    logged, = [r.getMessage() for r in caplog.records if "LMCache plugin" in r.getMessage()]
+    assert static.instance_id in logged and "never paired" in logged and "p2p.proxy_url" in logged
+    plugged = registry.announce(announce("d1", url="http://127.0.0.1:8200"))  # its plugin announces: it takes over
+    assert registry.routable(Role.RECEIVER) == [plugged] and registry.compatible(prefiller, plugged)
+
+
+def test_an_instance_whose_ranks_stop_announcing_is_no_longer_paired(registry, clock):
+    static = registry.add_static(StaticInstance(Role.RECEIVER, "http://127.0.0.1:8200", "127.0.0.1", (7300,),
+                                                (7400,)))
+    prefiller = registry.announce(announce("p1", role="sender", url="http://p1:1"))
+    for rank in (0, 1):
+        decoder = registry.announce(announce("d1", rank=rank, tp=2, url="http://127.0.0.1:8200"))
+    assert registry.compatible(prefiller, decoder)
+    clock.now_s += 6.0  # past the TTL: rank 1 went silent, rank 0 and the prefiller still announce
+    registry.announce(announce("p1", role="sender", url="http://p1:1"))
+    registry.announce(announce("d1", rank=0, tp=2, url="http://127.0.0.1:8200"))
+    assert not registry.plugin_running(decoder) and not registry.compatible(prefiller, decoder)
+    assert registry.routable(Role.RECEIVER) == [static]  # evicted; the static entry is back, still unpaired
+    assert not registry.compatible(prefiller, static)

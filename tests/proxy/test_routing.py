@@ -9,11 +9,11 @@ import pytest
 from lmcache_p2p.config import Role
 from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce
 from lmcache_p2p.proxy.errors import NoCapacity, NoInstanceAvailable
-from lmcache_p2p.proxy.registry import Registry
+from lmcache_p2p.proxy.registry import Registry, StaticInstance
 from lmcache_p2p.proxy.routing import Policy, RequestCost, Router, chunks_needed, exceeds_every_buffer
 
 from .conftest import eventually, make_cluster
-from .fakes import (MESSAGES, MODEL, PROMPT, FakeReceiverControl, chat_prompt, expected_text, fingerprint, generate,
+from .fakes import (MESSAGES, MODEL, PROMPT, FakeReceiverControl, FakeVllm, chat_prompt, expected_text, fingerprint, generate,
                     token_text, tokenize)
 
 def assert_idle(cluster) -> None:
@@ -290,3 +290,27 @@ async def test_a_prefiller_with_no_compatible_decoder_serves_colocated():
         call, = prefiller.vllm.calls("/v1/completions")
         assert "kv_transfer_params" not in call and not decoder.vllm.requests and not c.network.specs
         assert c.metric("lmcache_p2p_proxy_colocated_total", reason="no_compatible_decoder", role="sender") == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_static_decoder_that_never_announced_is_not_paired_and_one_instance_serves(caplog):
+    decoder = FakeVllm("static-decoder")
+    await decoder.server.start()
+    statics = (StaticInstance(Role.RECEIVER, decoder.url, "127.0.0.1", (27500,), (27600,)),)
+    try:
+        async with make_cluster(n_prefill=1, n_decode=0, static_instances=statics) as c:
+            await eventually(lambda: c.proxy.registry.routable(Role.RECEIVER))  # its /health answered 200
+            with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.registry"):
+                for _ in range(2):
+                    resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
+                    assert resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), 3)
+            calls = decoder.calls("/v1/completions")
+            assert len(calls) == 2 and all("kv_transfer_params" not in b for b in calls)
+            assert not c.prefillers[0].vllm.calls("/v1/completions") and not c.network.specs
+            assert c.metric("lmcache_p2p_proxy_colocated_total", reason="plugin_not_running", role="receiver") == 2
+            logged, = [r.getMessage() for r in caplog.records if "LMCache plugin" in r.getMessage()]
+            assert decoder.url in logged
+            assert_idle(c)
+    finally:
+        await decoder.server.stop()

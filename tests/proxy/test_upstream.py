@@ -143,3 +143,23 @@ async def test_a_cancelled_call_closes_its_connection(serve, upstream) -> None:
     await asyncio.sleep(0.2)
     call.cancel()
     await asyncio.wait_for(closed.wait(), 5)
+
+
+async def test_a_health_probe_reports_the_status_and_maps_failures_as_every_call(serve, upstream) -> None:
+    async def handler(reader, writer) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 503 X\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+
+    async def silent(reader, writer) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(10)
+
+    assert await upstream.get_status(await serve(handler), "/health", timeout_s=5) == 503
+    with pytest.raises(UpstreamTimeout, match="no answer within 0.3 s"):
+        await upstream.get_status(await serve(silent), "/health", timeout_s=0.3)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(UpstreamConnectError, match=f"GET http://127.0.0.1:{port}/health"):
+        await upstream.get_status(f"http://127.0.0.1:{port}", "/health", timeout_s=5)
