@@ -59,8 +59,7 @@ class CoordinatorLink:
     """HTTP to the coordinator's Unix socket; step reports that nothing waits for go in tasks, in order.
 
     On aiohttp, as the proxy's calls to instances: three calls per request (open, started, closed),
-    and httpx's per-call cost (~0.35 ms more on loopback) was on every request's TTFT (open) and on
-    the relay's CPU."""
+    so the client library's per-call cost is on every request's TTFT (open) and on the relay's CPU."""
 
     def __init__(self, uds_path: str, worker: int, timeout_s: float) -> None:
         self.worker = worker

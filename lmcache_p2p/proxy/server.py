@@ -312,7 +312,7 @@ def bind_http(host: str, port: int, *, listen: bool = True, reuse_port: bool = F
 
     Made with ``IPPROTO_TCP`` explicitly: asyncio sets TCP_NODELAY only on accepted sockets whose
     proto says TCP (proto 0 is skipped). Without it, Nagle held each streamed chunk written after
-    the response headers until the client's delayed ACK, ~40 ms added to a streaming client's TTFT.
+    the response headers until the client's delayed ACK, which delayed a streaming client's first token.
 
     ``reuse_port`` (``--workers N``): SO_REUSEPORT, so that each relay worker listens on the port with
     its own socket and the kernel spreads new connections over them (one shared listening socket
