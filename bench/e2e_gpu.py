@@ -15,7 +15,7 @@ Every system gets the same vLLM flags (``--vllm-arg``/after ``--``: e.g. ``--loa
 ``--input-len`` in / ``--output-len`` out, ``--ignore-eos``, seed rate*100, Poisson arrivals at each
 ``--rates`` value, ``--num-prompts`` per rate).
 
-Per (system, rate) row (``bench/results/e2e_gpu.json``, issue 7's schema): output tok/s per GPU,
+Per (system, rate) row (``bench/results/e2e_gpu.json``): output tok/s per GPU,
 TTFT / TPOT p50 and p99, ITL p99, handover and KV wait p50/p99 (lmcache_p2p's proxy ``/stats``,
 reset before each rate), the decoder's KV hit ratio (LMCache's "hit tokens" over the tokens it
 looked up, from the decoder's log), failed requests, and whether every generated text equals the
@@ -86,6 +86,32 @@ VLLM_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_
 
 
 @dataclasses.dataclass(frozen=True)
+class Point:
+    """One row of the long-prompt mode: ``prompts`` requests of ``input_len`` tokens at ``rate`` req/s
+    (rate 0: one request at a time, the next sent when the previous finished: ``--max-concurrency 1``)."""
+
+    input_len: int
+    rate: float
+    prompts: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.input_len}@{'seq' if self.rate == 0 else f'{self.rate:g}'}"
+
+
+def parse_long(spec: str) -> tuple[Point, ...]:
+    """``TOKENS:RATE:PROMPTS,...`` (RATE ``seq``: one request at a time) as points; ValueError names the item."""
+    points = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        fields = item.split(":")
+        if len(fields) != 3:
+            raise ValueError(f"--long item {item!r}: expected TOKENS:RATE:PROMPTS, e.g. 16000:0.5:12 or 16000:seq:8")
+        tokens, rate, prompts = fields
+        points.append(Point(int(tokens), 0.0 if rate == "seq" else float(rate), int(prompts)))
+    return tuple(points)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: Path
     systems: tuple[str, ...]
@@ -114,6 +140,10 @@ class Config:
     one_gpu: bool = False  # 1P1D on GPU 0 alone (launch --gpus 0,0 --share-gpus): a one-GPU machine's pass
     p2p_args: tuple[str, ...] = ()  # launch --p2p KEY=VALUE for lmcache_p2p's instances (recorded in each row)
     send_buffer_size: str | None = None  # launch --send-buffer-size for lmcache_p2p (None: the launcher's default)
+    long_points: tuple[Point, ...] = ()  # --long: (prompt tokens, rate, prompts) per row instead of --rates
+    trace: bool = False  # per-step engine trace of every vLLM (bench/gpu_trace): each row's prefill_trace
+    direct_prefiller: bool = False  # lmcache_p2p: each point also sent to the prefiller alone (no proxy, no send)
+    single_gpu_memory_utilization: float | None = None  # the single instance's (None: --gpu-memory-utilization)
 
 
 @dataclasses.dataclass
@@ -135,8 +165,9 @@ class Deployment:
 def start_single(cfg: Config) -> Deployment:
     log_dir = cfg.log_dir / "single"
     logging_config = write_logging_config(log_dir / "logging.json")
+    util = cfg.single_gpu_memory_utilization or cfg.gpu_memory_utilization
     argv = vllm_argv(cfg.model, SINGLE_PORT, "--no-enable-prefix-caching", "--max-model-len", str(cfg.max_model_len),
-                     "--gpu-memory-utilization", f"{cfg.gpu_memory_utilization:.2f}", *cfg.vllm_args)
+                     "--gpu-memory-utilization", f"{util:.2f}", *cfg.vllm_args)
     gpu = 0 if cfg.device == "cuda" else None
     child = Child("single", argv, vllm_env(gpu=gpu, logging_config=logging_config), log_dir / "single.log",
                   f"http://127.0.0.1:{SINGLE_PORT}/health")
@@ -226,10 +257,9 @@ def start_lmcache_pd(cfg: Config) -> Deployment:
     base_util = math.floor(cfg.gpu_memory_utilization / 2 * 100 + 1e-6) / 100 if cfg.one_gpu else cfg.gpu_memory_utilization
     children = []
     for role, kv_role, gpu in (("decoder", "kv_consumer", decoder_gpu), ("prefiller", "kv_producer", 0)):
-        # LMCache 0.5.3's PD receiver keeps every chunk it was sent in its pd buffer (a cache: a prompt sent again
-        # is not re-allocated) and never frees one: once full, every later distinct prompt hangs the sender (seen
-        # on 2x H200: 8 GB held the first 61 of 128 prompts, the rest failed). Its buffer must hold every
-        # distinct prompt of the pass; the sender's is freed after each send.
+        # LMCache's PD receiver keeps every chunk it was sent in its pd buffer (a cache: a prompt sent again is
+        # not re-allocated) and never frees one: once full, every later distinct prompt hangs the sender. Its
+        # buffer must hold every distinct prompt of the pass; the sender's is freed after each send.
         buffer_bytes = (pd_receive_buffer_bytes(cfg, total) if role == "decoder"
                         else parse_size_bytes("--buffer-size", cfg.buffer_size))
         yaml_path = log_dir / f"{role}.yaml"
@@ -297,7 +327,8 @@ def bench_argv(cfg: Config, url: str, rate: float, result_dir: Path, name: str) 
             "--base-url", url, "--model", str(cfg.model), "--tokenizer", str(cfg.model),
             "--dataset-name", "random", "--random-input-len", str(cfg.input_len),
             "--random-output-len", str(cfg.output_len), "--num-prompts", str(cfg.num_prompts),
-            "--request-rate", f"{rate:g}", "--ignore-eos", "--seed", str(prompt_seed(rate)), "--temperature", "0",
+            *(["--request-rate", "inf", "--max-concurrency", "1"] if rate == 0 else ["--request-rate", f"{rate:g}"]),
+            "--ignore-eos", "--seed", str(prompt_seed(rate)), "--temperature", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", name,
             "--disable-tqdm"]
@@ -306,12 +337,13 @@ def bench_argv(cfg: Config, url: str, rate: float, result_dir: Path, name: str) 
 def prompt_seed(rate: float) -> int:
     """Each rate its own random prompts (the same for every system): no system sees a prompt twice in a pass
     (LMCache PD's decoder keeps what it received and would skip the transfer of a repeated prompt)."""
-    return int(round(rate * 100))
+    return int(round(rate * 100)) or 7  # rate 0: one request at a time
 
 
-def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
+def run_rate(cfg: Config, dep: Deployment, rate: float, key: str | None = None) -> dict[str, Any]:
     result_dir = cfg.log_dir / dep.system
-    name = f"bench-r{rate:g}.json"
+    name = f"bench-{key or f'r{rate:g}'}.json"
+    traced_from = time.perf_counter()
     seen = len(lookups_in_log(dep.decoder_log)) if dep.decoder_log and dep.decoder_log.exists() else 0
     if dep.has_stats:
         httpx.post(f"{dep.url}/stats/reset", timeout=HTTP_TIMEOUT_S).raise_for_status()
@@ -319,7 +351,7 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
         httpx.post(f"{dep.url}/pd_stats/reset", timeout=HTTP_TIMEOUT_S).raise_for_status()
     before = {role: scrape_histograms(port) for role, port in dep.instances}
     proxy_before = scrape_proxy_counters(dep.url) if dep.has_stats else {}
-    log_path = result_dir / f"bench-r{rate:g}.log"
+    log_path = result_dir / name.replace(".json", ".log")
     with log_path.open("w") as log:
         rc = subprocess.run(bench_argv(cfg, dep.url, rate, result_dir, name), stdout=log, stderr=subprocess.STDOUT,
                             timeout=BENCH_TIMEOUT_S, env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
@@ -330,6 +362,11 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
     stats = httpx.get(f"{dep.url}/stats", timeout=HTTP_TIMEOUT_S).json() if dep.has_stats else None
     lookups = lookups_in_log(dep.decoder_log)[seen:] if dep.decoder_log and dep.decoder_log.exists() else []
     row = make_row(dep.system, rate, result, stats, lookups, cfg.output_len, 1 if cfg.one_gpu else None)
+    if cfg.long_points:
+        row.update(input_len=cfg.input_len, point=key, sequential=rate == 0)
+    if cfg.trace:
+        row["trace_window"] = [traced_from, time.perf_counter()]
+        row["prefill_trace"] = trace_rows(cfg, dep, *row["trace_window"])
     row["vllm_metrics"] = {role: histogram_deltas(before[role], scrape_histograms(port))
                            for role, port in dep.instances}
     try:
@@ -345,7 +382,33 @@ def run_rate(cfg: Config, dep: Deployment, rate: float) -> dict[str, Any]:
         row["p2p_args"] = list(cfg.p2p_args)
     if cfg.send_buffer_size is not None and dep.system.startswith("lmcache_p2p-") and not dep.system.endswith("hostsend"):
         row["send_buffer_size"] = cfg.send_buffer_size
+    if cfg.direct_prefiller and dep.system.startswith("lmcache_p2p-"):
+        row["direct_prefiller"] = run_direct(cfg, dep, rate, key)
     return row
+
+
+def run_direct(cfg: Config, dep: Deployment, rate: float, key: str | None) -> dict[str, Any]:
+    """The same load sent to the prefiller's own vLLM, past the proxy: no disagg spec, so LMCache stores
+    every chunk (into the send arena) and the sender sends nothing: the engine with LMCache's store alone."""
+    port = dict(dep.instances)["prefiller"]
+    result_dir = cfg.log_dir / dep.system
+    name = f"bench-direct-{key or f'r{rate:g}'}.json"
+    before = scrape_histograms(port)
+    traced_from = time.perf_counter()
+    with (result_dir / name.replace(".json", ".log")).open("w") as log:
+        rc = subprocess.run(bench_argv(cfg, f"http://127.0.0.1:{port}", rate, result_dir, name), stdout=log,
+                            stderr=subprocess.STDOUT, timeout=BENCH_TIMEOUT_S,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
+    if rc != 0:
+        return {"error": f"vllm bench serve exited with {rc}; see {result_dir / name.replace('.json', '.log')}"}
+    row = make_row(dep.system, rate, json.loads((result_dir / name).read_text()), None, [], cfg.output_len, 1)
+    keep = ("ttft_ms_p50", "ttft_ms_p99", "failed", "completed", "first_error")
+    out: dict[str, Any] = {k: row[k] for k in keep}
+    out["vllm_metrics"] = histogram_deltas(before, scrape_histograms(port))
+    if cfg.trace:
+        out["trace_window"] = [traced_from, time.perf_counter()]
+        out["prefill_trace"] = trace_rows(cfg, dep, *out["trace_window"])
+    return out
 
 
 # ---- handover, its split and the KV transfer ------------------------------------------------------
@@ -608,6 +671,10 @@ def workload(cfg: Config, system: str | None = None) -> dict[str, Any]:
            "num_prompts": cfg.num_prompts, "max_model_len": cfg.max_model_len, "vllm_args": list(cfg.vllm_args),
            "gpu_memory_utilization": cfg.gpu_memory_utilization, "buffer_size": cfg.buffer_size,
            "prompt_seed": "rate * 100"}
+    if cfg.long_points:
+        out.update(long_points=[dataclasses.asdict(p) for p in cfg.long_points], input_len=None, num_prompts=None)
+    if system == "single" and cfg.single_gpu_memory_utilization is not None:
+        out["single_gpu_memory_utilization"] = cfg.single_gpu_memory_utilization
     if system == "lmcache-pd":
         out["lmcache_pd_receive_buffer_size"] = cfg.lmcache_pd_receive_buffer_size
     if system is not None and system.startswith("lmcache_p2p-") and (cfg.proxy_workers or 1) > 1:
@@ -633,6 +700,22 @@ def save_cached(cfg: Config, system: str, rows: dict[str, dict[str, Any]]) -> No
     path.write_text(json.dumps({"system": system, "workload": workload(cfg, system), "rows": rows}, indent=1))
 
 
+def steps_of(cfg: Config) -> list[tuple[str, Config, float]]:
+    """(row key, the config it runs with, rate) of every row of a system: --rates, or the --long points."""
+    if not cfg.long_points:
+        return [(f"{r:g}", cfg, r) for r in cfg.rates]
+    return [(p.key, dataclasses.replace(cfg, input_len=p.input_len, num_prompts=p.prompts), p.rate)
+            for p in cfg.long_points]
+
+
+def row_order(key: str) -> tuple[float, float]:
+    """Rows in order of prompt length, then rate (``16000@0.5``; ``seq`` first), or of rate alone."""
+    if "@" not in key:
+        return (0.0, float(key))
+    tokens, rate = key.split("@")
+    return (float(tokens), -1.0 if rate == "seq" else float(rate))
+
+
 def time_left_s(cfg: Config) -> float:
     return cfg.deadline - time.monotonic()
 
@@ -640,29 +723,35 @@ def time_left_s(cfg: Config) -> float:
 def estimate_rate_s(cfg: Config, rate: float) -> float:
     """Arrivals plus one request's generation at 20 ms per token, plus the bench's warm-up request (seen on
     2x H200, 8B, 1024 out: 128 prompts at 8 req/s 41 s, at 32 req/s 34 s; 256 at 32 54 s, at 96 50 s)."""
-    return cfg.num_prompts / rate + cfg.output_len * 0.02 + 15
+    prefill_s = cfg.input_len * 4e-5  # a long prompt's prefill, pessimistic for an 8B body
+    arrivals_s = cfg.num_prompts * prefill_s if rate == 0 else cfg.num_prompts / rate
+    return arrivals_s + 3 * prefill_s + cfg.output_len * 0.02 + 15
 
 
 def run_system(cfg: Config, system: str) -> str | None:
     """Run every missing rate of one system; None when done, else why it stopped early."""
     rows = load_cached(cfg, system)
-    todo = [r for r in cfg.rates if f"{r:g}" not in rows]
+    todo = [(key, pcfg, rate) for key, pcfg, rate in steps_of(cfg) if key not in rows]
     if not todo:
         logger.info("%s: every rate cached in %s", system, cfg.results_dir)
         return None
-    if time_left_s(cfg) < cfg.estimate_start_s + estimate_rate_s(cfg, todo[0]):
+    if time_left_s(cfg) < cfg.estimate_start_s + estimate_rate_s(todo[0][1], todo[0][2]):
         return f"{system}: not started, {time_left_s(cfg):.0f}s left (rerun to resume)"
     started = time.monotonic()
-    logger.info("%s: starting (rates %s)", system, ",".join(f"{r:g}" for r in todo))
+    logger.info("%s: starting (%s)", system, ",".join(key for key, _, _ in todo))
+    if cfg.trace:  # the servers' Python finds bench/gpu_trace/sitecustomize.py first
+        os.environ["E2E_GPU_TRACE_DIR"] = str(trace_dir(cfg, system))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TRACE_SITE), os.environ.get("PYTHONPATH")]))
     dep = start(system, cfg)
     logger.info("%s: up in %.0fs", system, time.monotonic() - started)
     try:
-        for rate in todo:
-            if time_left_s(cfg) < estimate_rate_s(cfg, rate):
-                return f"{system}: stopped before rate {rate:g}, {time_left_s(cfg):.0f}s left (rerun to resume)"
-            logger.info("%s: rate %g req/s, %d prompts", system, rate, cfg.num_prompts)
-            row = run_rate(cfg, dep, rate)
-            rows[f"{rate:g}"] = row
+        for key, pcfg, rate in todo:
+            if time_left_s(cfg) < estimate_rate_s(pcfg, rate):
+                return f"{system}: stopped before {key}, {time_left_s(cfg):.0f}s left (rerun to resume)"
+            logger.info("%s: %s: rate %g req/s, %d prompts of %d tokens", system, key, rate, pcfg.num_prompts,
+                        pcfg.input_len)
+            row = run_rate(pcfg, dep, rate, key) if cfg.long_points else run_rate(pcfg, dep, rate)
+            rows[key] = row
             save_cached(cfg, system, rows)
             logger.info("%s @ %g: %s", system, rate, {k: v for k, v in row.items() if k != "output_sha1"})
     finally:
@@ -682,7 +771,7 @@ def assemble(cfg: Config, notes: Sequence[str]) -> dict[str, Any]:
     single = by_system.get("single", {})
     rows = []
     for system in SYSTEMS:
-        for key, row in sorted(by_system[system].items(), key=lambda kv: float(kv[0])):
+        for key, row in sorted(by_system[system].items(), key=lambda kv: row_order(kv[0])):
             row = dict(row)
             ref = single.get(key)
             if system != "single" and ref is not None and row["output_sha1"] and ref["output_sha1"]:
@@ -707,6 +796,115 @@ def assemble(cfg: Config, notes: Sequence[str]) -> dict[str, Any]:
             "peer_copy_ceiling": ceilings[-1] if ceilings else None,
             "peer_copy_ceilings": ceilings,
             "notes": list(notes)}
+
+
+# ---- the engine's per-step trace (bench/gpu_trace/sitecustomize.py) ---------------------------------
+
+TRACE_SITE = REPO / "bench" / "gpu_trace"
+TRACE_SUMS = ("exec_ms", "between_ms", "tail_ms", "save_ms", "store_ms", "stores", "gather_ms", "gather_gpu_ms",
+              "gather_cpu_ms", "sync_ms", "submit_ms", "gpu_step_ms", "gpu_gap_ms", "other_engine_busy_ms", "host_chunks")
+
+
+def trace_dir(cfg: Config, system: str) -> Path:
+    return cfg.log_dir / system / "trace"
+
+
+def read_traces(directory: Path) -> dict[int | None, list[dict[str, Any]]]:
+    """Each traced process's events, by the HTTP port in its command line (None: no --port)."""
+    out: dict[int | None, list[dict[str, Any]]] = {}
+    for path in sorted(directory.glob("trace-*.jsonl")) if directory.is_dir() else []:
+        events = []
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a process killed mid-write
+        argv = next((e.get("argv") or [] for e in events if e.get("ev") == "proc"), [])
+        port = next((int(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a == "--port"), None)
+        if any(e.get("ev") == "exec" for e in events):
+            out.setdefault(port, []).extend(events)
+    return out
+
+
+def request_timelines(events: Sequence[dict[str, Any]], t_from: float, t_to: float,
+                      others: Sequence[tuple[float, float]] = ()) -> list[dict[str, Any]]:
+    """Per request whose prompt was scheduled and answered within [t_from, t_to]: its engine time (first
+    scheduled step -> the scheduler holding its first token), its steps and what they spent (ms).
+
+    Stores, gathers, syncs and submits count for the request whose engine window holds them: with async
+    scheduling a step's stores run after its execute_model returned (exact with one prompt in flight, as
+    in a sequential point; with several, each one's window also holds its neighbours' stores)."""
+    execs = sorted((e for e in events if e.get("ev") == "exec"), key=lambda e: e["t0"])
+    inner = {kind: [e for e in events if e.get("ev") == kind] for kind in ("save", "store", "gather", "sync", "submit")}
+    gpu_steps = {e["t0"]: e for e in events if e.get("ev") == "gpu_step"}
+    firsts = {}
+    for e in events:
+        if e.get("ev") == "first":
+            for req in e["reqs"]:
+                firsts.setdefault(req, e["t"])
+    out = []
+    for req, t_first in firsts.items():
+        mine = [e for e in execs if req in e.get("reqs", {})]
+        if not mine or mine[0]["t0"] < t_from or t_first > t_to:
+            continue
+
+        start, end = mine[0]["t0"], t_first
+
+        def within(kind: str, field: str | None = None) -> float:
+            hits = [i for i in inner[kind] if start <= i["t0"] <= end and i.get("req", req) in (req, "None")]
+            return sum(i.get(field, 0) or 0 for i in hits) if field else sum((i["t1"] - i["t0"]) * 1e3 for i in hits)
+
+        steps_gpu = [gpu_steps.get(x["t0"]) for x in mine]
+        out.append({
+            "req": req, "tokens": sum(x["reqs"][req] for x in mine), "steps": len(mine),
+            "engine_ms": (end - start) * 1e3, "exec_ms": sum((x["t1"] - x["t0"]) * 1e3 for x in mine),
+            "between_ms": sum((b["t0"] - a["t1"]) * 1e3 for a, b in zip(mine, mine[1:])),
+            "tail_ms": (end - mine[-1]["t1"]) * 1e3,
+            "save_ms": within("save"), "store_ms": within("store"), "gather_ms": within("gather"),
+            "gather_gpu_ms": within("gather", "gpu_ms"), "gather_cpu_ms": within("gather", "cpu_ms"),
+            "stores": sum(1 for i in inner["store"] if start <= i["t0"] <= end and i.get("req") == req),
+            "sync_ms": within("sync"), "submit_ms": within("submit"),
+            "host_chunks": within("submit", "host_chunks"),
+            "gpu_step_ms": sum(g.get("gpu_ms", 0) for g in steps_gpu if g),
+            "gpu_gap_ms": sum(g.get("gap_ms", 0) or 0 for g in steps_gpu[1:] if g),
+            "other_engine_busy_ms": sum(max(0.0, min(b, end) - max(a, start)) * 1e3 for a, b in others),
+        })
+    return out
+
+
+def summarise_timelines(timelines: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Means (and engine_ms p50/p99) over requests, in ms; ``requests`` 0 when none was traced."""
+    if not timelines:
+        return {"requests": 0}
+    out: dict[str, Any] = {"requests": len(timelines), "steps_mean": round(sum(t["steps"] for t in timelines)
+                                                                         / len(timelines), 2)}
+    engine = [t["engine_ms"] for t in timelines]
+    out.update(engine_ms_mean=round(sum(engine) / len(engine), 2), engine_ms_p50=round(percentile(engine, 50), 2),
+               engine_ms_p99=round(percentile(engine, 99), 2))
+    for name in TRACE_SUMS:
+        out[f"{name}_mean"] = round(sum(t[name] for t in timelines) / len(timelines), 3)
+    return out
+
+
+def trace_rows(cfg: Config, dep: Deployment, t_from: float, t_to: float) -> dict[str, Any]:
+    """Per vLLM instance of ``dep`` (by role): its requests' engine timelines over [t_from, t_to]; the other
+    instances' step intervals count as ``other_engine_busy_ms`` (one GPU: their work slows this one's)."""
+    try:
+        traces = read_traces(trace_dir(cfg, dep.system))
+        roles = {port: role for role, port in dep.instances}
+        out: dict[str, Any] = {}
+        for port, events in traces.items():
+            others = [(e["t0"], e["t1"]) for p, ev in traces.items() if p != port for e in ev
+                      if e.get("ev") == "exec" and t_from <= e["t0"] <= t_to]
+            timelines = request_timelines(events, t_from, t_to, others)
+            out[roles.get(port, str(port))] = summarise_timelines(timelines)
+            errors = [e for e in events if e.get("ev") in ("patch_error", "first_error")]
+            if errors:
+                out[roles.get(port, str(port))]["trace_errors"] = errors[:3]
+        return out
+    except Exception as exc:  # noqa: BLE001 - a measured row is never lost to its trace
+        logger.exception("trace summary failed")
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 # ---- the peer-copy ceiling of one request's KV ------------------------------------------------------
@@ -812,7 +1010,7 @@ def pack_logs(cfg: Config, dest: Path) -> None:
     """Every server and bench log of the pass in one archive (the device tool returns few files)."""
     with tarfile.open(dest, "w:gz") as tar:
         for path in sorted(cfg.log_dir.rglob("*")):
-            if path.is_file() and path.suffix in (".log", ".yaml", ".json") and path.stat().st_size < 64 * 2**20:
+            if path.is_file() and path.suffix in (".log", ".yaml", ".json", ".jsonl") and path.stat().st_size < 64 * 2**20:
                 tar.add(path, arcname=str(path.relative_to(cfg.log_dir)))
 
 
@@ -868,7 +1066,21 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                    help="a one-GPU machine: the 1P1D systems on GPU 0 alone (lmcache_p2p: launch --gpus 0,0 "
                         "--share-gpus; LMCache PD placed the same way), each instance half of "
                         "--gpu-memory-utilization, NIXL only; rows count 1 GPU")
+    p.add_argument("--long", default="", metavar="TOKENS:RATE:PROMPTS,...",
+                   help="long-prompt mode: one row per item (RATE seq: one request at a time), instead of --rates, "
+                        "--input-len and --num-prompts; e.g. 8000:seq:8,16000:seq:8,16000:0.5:12")
+    p.add_argument("--trace", action="store_true",
+                   help="per-step trace of every vLLM engine (bench/gpu_trace): each row's prefill_trace")
+    p.add_argument("--direct-prefiller", action="store_true",
+                   help="lmcache_p2p: each row's load also sent to the prefiller alone (no proxy, nothing sent)")
+    p.add_argument("--single-gpu-memory-utilization", default=None,
+                   help="the single instance's --gpu-memory-utilization (default --gpu-memory-utilization; "
+                        "'prefiller': the lmcache_p2p prefiller's, as the launcher computes it)")
     a = p.parse_args(argv)
+    try:
+        long_points = parse_long(a.long)
+    except ValueError as exc:
+        p.error(str(exc))
     systems = tuple(s for s in a.systems.split(",") if s)
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -885,7 +1097,23 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                   force=a.force, deadline=time.monotonic() + budget, estimate_start_s=a.estimate_start_s,
                   device=a.device, proxy_workers=a.proxy_workers, run_label=a.run_label,
                   ceiling=not a.no_ceiling and not a.one_gpu, one_gpu=a.one_gpu,
-                  p2p_args=tuple(a.p2p_arg), send_buffer_size=a.send_buffer_size), a.logs_archive
+                  p2p_args=tuple(a.p2p_arg), send_buffer_size=a.send_buffer_size, long_points=long_points,
+                  trace=a.trace, direct_prefiller=a.direct_prefiller,
+                  single_gpu_memory_utilization=single_utilization(a)), a.logs_archive
+
+
+def single_utilization(a: argparse.Namespace) -> float | None:
+    """--single-gpu-memory-utilization: a number, or ``prefiller``: the share ``launch`` gives the prefiller
+    (its part of --gpu-memory-utilization, one GPU shared by two with --one-gpu, less the send arena), so that
+    the single instance gets the same memory for weights, activations and KV cache."""
+    value = a.single_gpu_memory_utilization
+    if value is None:
+        return None
+    if value != "prefiller":
+        return float(value)
+    share = math.floor(a.gpu_memory_utilization / (2 if a.one_gpu else 1) * 100 + 1e-6) / 100
+    send = parse_size_bytes("--send-buffer-size", a.send_buffer_size or "2GB")
+    return utilization_with_buffer(share, send, query_gpus()[0].total_bytes, "--send-buffer-size", "the send arena")
 
 
 def _interrupt(_signum: int, _frame: object) -> None:

@@ -5,7 +5,8 @@
     ├── ProtocolError            a control frame that cannot be trusted or understood
     │   ├── AuthError            the shared-secret tag is missing or wrong
     │   │   ├── ReplayError      an authentic frame whose nonce was already seen (a replay)
-    │   │   └── StaleFrameError  an authentic frame whose timestamp is outside the window
+    │   │   ├── StaleFrameError  an authentic frame whose timestamp is outside the window
+    │   │   └── MisaddressedError an authentic frame addressed to another peer
     │   ├── OversizedError       a frame larger than protocol.MAX_MESSAGE_BYTES
     │   └── VersionError         the peer speaks another protocol version
     ├── TransportError           moving bytes failed
@@ -48,6 +49,10 @@ class ReplayError(AuthError):
 
 class StaleFrameError(AuthError):
     """An authentic control frame stamped outside the accepted time window."""
+
+
+class MisaddressedError(AuthError):
+    """An authentic control frame whose signed recipient is another peer (replayed from elsewhere)."""
 
 
 class OversizedError(ProtocolError):

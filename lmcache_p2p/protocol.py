@@ -1,12 +1,10 @@
 """Every control-plane message of lmcache_p2p, and how it crosses the wire.
 
 Messages are msgspec structs in one tagged union, encoded as MessagePack. A frame on the wire is
-two ZMQ parts: ``[auth, payload]``. ``auth`` is empty without a shared secret; with one it holds
-an HMAC-SHA256 tag over the sender's identity, a random nonce, a timestamp and the payload, and
-:class:`Codec` refuses a wrong tag, a replayed nonce and a frame outside the time window (see its
-docstring). Every frame is bounded by ``MAX_MESSAGE_BYTES``. Nothing from a peer is ever
-unpickled: decoding accepts only the structs below and raises :class:`ProtocolError` for anything
-else.
+two ZMQ parts: ``[auth, payload]``: ``auth`` is empty without a shared secret, else a signed
+envelope that :class:`Codec` checks (see its docstring). Every frame is bounded by
+``MAX_MESSAGE_BYTES``. Nothing from a peer is ever unpickled: decoding accepts only the structs
+below and raises :class:`ProtocolError` for anything else.
 
 Conversations:
   sender -> receiver (ZMQ DEALER -> ROUTER, the receiver's control port):
@@ -17,21 +15,24 @@ Conversations:
   sender -> receiver (transport notification, after the bytes landed):
       Written
   instance -> proxy (ZMQ PUSH -> PULL, the proxy's control address):
-      Announce (start and every heartbeat), Goodbye, KvReady, KvFailed
-  sender -> proxy (the same PUSH), after a request's last chunk was written:
-      KvSent (the prefiller's store / submit / transfer times, for the proxy's request timeline)
+      Announce (start and every heartbeat), Goodbye, KvReady, KvFailed, and from a sender, once a
+      request's last chunk was written, KvSent (its store / submit / transfer times)
 
 Version history:
   1  first version.
   2  Hello and Announce carry the KV :class:`Fingerprint`; a receiver refuses a sender whose
-     fingerprint differs and the proxy never pairs such instances.
-     Additive, same version: KvSent (sender -> proxy). A proxy that predates it drops it as
-     malformed (counted); nothing else depends on it.
+     fingerprint differs and the proxy never pairs such instances. Additive, same version: KvSent
+     (a proxy that predates it drops it as malformed, counted; nothing else depends on it).
   (2, additive) KvReady carries chunks_held / bytes_held / bytes_received (defaults 0: an older
      peer's KvReady decodes unchanged); a Grant's -1 also means "kept in the receiver's cache".
-Framing under a shared secret (not versioned: both sides share the secret and the release):
-  ``auth`` was the bare HMAC of the payload; it now carries identity, nonce and timestamp inside
-  the tag. A peer of the older framing is refused as ``auth`` (malformed envelope).
+  3  Under a shared secret the envelope names the frame's recipient, and the signer must be the
+     peer the message speaks for: a Hello is addressed to the receiver's control address
+     (``host:port`` as dialled) and signed by its ``sender_id``; later frames name the Welcome's
+     ``receiver_id``, replies the ``sender_id``; the proxy's Cancel names the control address.
+     Refused: ``misaddressed`` (replayed from another conversation) and ``spoofed``. A peer of
+     version 2 is refused at Hello, and under a secret at its first frame (``auth``).
+Framing under a shared secret (versioned with the protocol since 3): before 2, ``auth`` was the
+  bare HMAC of the payload; 2 signed identity, nonce and timestamp too; 3 adds the recipient.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from lmcache_p2p.errors import (AuthError, OversizedError, ProtocolError, ReplayError, StaleFrameError,
-                                VersionError)
+from lmcache_p2p.errors import (AuthError, MisaddressedError, OversizedError, ProtocolError, ReplayError,
+                                StaleFrameError, VersionError)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class RefusalCode(str, enum.Enum):
@@ -149,9 +150,8 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     slot_bytes: int
     num_slots: int
     transport: TransportInfo
-    # The receiver's p2p.transfer_timeout_s: a granted slot given up by the receiver is quarantined for
-    # this (plus its margin) after the grant, so a sender must have aborted every write into it by
-    # then: it times each write from its Alloc with the smaller of this and its own timeout. 0: unknown.
+    # The receiver's p2p.transfer_timeout_s (0: unknown): a slot it gives up stays quarantined this long (plus
+    # a margin) after the grant, so a sender times each write from its Alloc with the smaller of this and its own.
     transfer_timeout_s: float = 0.0
 
 
@@ -266,11 +266,8 @@ class KvSent(msgspec.Struct, tag="kv_sent", frozen=True):
     write_s: float = 0.0  # first write posted -> last write seen complete
 
 
-Message = (
-    Hello | Welcome | Alloc | Grant | Refused | Written | Cancel | Ack | ErrorReply
-    | Announce | Goodbye | KvReady | KvFailed
-    | KvSent
-)
+Message = (Hello | Welcome | Alloc | Grant | Refused | Written | Cancel | Ack | ErrorReply
+           | Announce | Goodbye | KvReady | KvFailed | KvSent)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -292,12 +289,15 @@ def decode(payload: bytes) -> Message:
 MAX_MESSAGE_BYTES = 4 << 20  # the largest control frame any socket accepts (also its zmq.MAXMSGSIZE)
 AUTH_WINDOW_S = 30.0  # default of p2p.auth_window_s / --auth-window-s
 REPLAY_CACHE_ENTRIES = 1 << 17  # nonces remembered per Codec; older ones raise the timestamp floor
-MAX_IDENTITY_BYTES = 256
+MAX_IDENTITY_BYTES = 256  # the signer's identity and the recipient's name, each
 _NONCE_BYTES = 16
 _TAG_BYTES = 32
 _STAMP = struct.Struct(">Q")  # milliseconds since the epoch
-_HEADER_MIN_BYTES = _TAG_BYTES + _NONCE_BYTES + _STAMP.size
-_DOMAIN = b"lmcache_p2p/frame/1\x00"  # a tag made for anything else never verifies here
+_NAME_LEN = struct.Struct(">H")  # length of the signer's identity; the recipient's name is the rest
+_HEADER_MIN_BYTES = _TAG_BYTES + _NONCE_BYTES + _STAMP.size + _NAME_LEN.size
+_HEADER_MAX_BYTES = _HEADER_MIN_BYTES + 2 * MAX_IDENTITY_BYTES
+_DOMAIN = b"lmcache_p2p/frame/3\x00"  # a tag made for anything else (or an older framing) never verifies here
+ANYONE = ""  # the recipient name of a frame for whoever listens (instances -> proxy: they do not know its id)
 
 
 class Rejection(str, enum.Enum):
@@ -309,14 +309,16 @@ class Rejection(str, enum.Enum):
     OVERSIZED = "oversized"  # larger than MAX_MESSAGE_BYTES
     MALFORMED = "malformed"  # wrong number of parts, bad header, undecodable or unknown message
     VERSION = "version"  # a message of another protocol version (counted by the receiving service)
+    MISADDRESSED = "misaddressed"  # an authentic frame addressed to another peer (replayed from elsewhere)
+    SPOOFED = "spoofed"  # an authentic frame whose signer is not the peer the message speaks for
     FOREIGN = "foreign"  # a Written for a request another sender owns, or from a peer that is not its sender
 
 
 def rejection_of(exc: ProtocolError) -> Rejection:
     """The counter label of a rejected frame's error."""
     for cls, reason in ((ReplayError, Rejection.REPLAY), (StaleFrameError, Rejection.STALE),
-                        (AuthError, Rejection.AUTH), (OversizedError, Rejection.OVERSIZED),
-                        (VersionError, Rejection.VERSION)):
+                        (MisaddressedError, Rejection.MISADDRESSED), (AuthError, Rejection.AUTH),
+                        (OversizedError, Rejection.OVERSIZED), (VersionError, Rejection.VERSION)):
         if isinstance(exc, cls):
             return reason
     return Rejection.MALFORMED
@@ -329,6 +331,7 @@ class Envelope:
     msg: Message
     sender: str  # the peer's identity as its Codec stamped it; "" without a shared secret
     sent_at_s: float  # the peer's wall clock when it packed the frame; 0.0 without a shared secret
+    recipient: str = ANYONE  # the name the peer addressed it to (one of ours); "" without a shared secret
 
 
 class _ReplayCache:
@@ -363,20 +366,20 @@ class _ReplayCache:
 class Codec:
     """Frames messages as ``[auth, payload]``, checks them, and counts what it rejects.
 
-    Without a shared secret ``auth`` is empty: framing costs one MessagePack encode. With one,
-    ``auth`` is ``tag(32) | nonce(16) | stamp_ms(8, big-endian) | identity (UTF-8)`` where
-    ``tag = HMAC-SHA256(secret, domain | len(rest of auth) | rest of auth | payload)``: the sender's
-    identity, a random nonce and a timestamp are inside the authenticated envelope. ``unpack``
-    refuses a wrong tag, a frame stamped more than ``window_s`` from this clock, and a nonce it
-    already accepted (a bounded replay cache). Every frame larger than ``max_message_bytes`` in
-    all is refused before anything else is looked at. Thread-safe.
+    Without a shared secret ``auth`` is empty. With one, ``auth`` is ``tag(32) | nonce(16) |
+    stamp_ms(8) | len(identity)(2) | identity | recipient`` and ``tag = HMAC-SHA256(secret, domain |
+    len(rest) | rest | payload)``. ``open`` refuses a frame over ``max_message_bytes`` (first), a
+    wrong tag, a stamp more than ``window_s`` from this clock, a frame addressed to a name not in
+    ``names`` (default: our identity and :data:`ANYONE`) and a nonce it already accepted. Whether
+    the signer may speak for the peer a message names is the service's check. Thread-safe.
     """
 
     def __init__(self, shared_secret: str | None = None, *, identity: str = "", window_s: float = AUTH_WINDOW_S,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, replay_cache_entries: int = REPLAY_CACHE_ENTRIES,
-                 clock: Callable[[], float] = time.time) -> None:
+                 names: Sequence[str] | None = None, clock: Callable[[], float] = time.time) -> None:
         self._key = shared_secret.encode() if shared_secret else None
-        self._identity = identity.encode()[:MAX_IDENTITY_BYTES]
+        self._identity = _name_bytes(identity)
+        self.names = frozenset(names if names is not None else (self._identity.decode(), ANYONE))
         self._window_ms = int(window_s * 1000)
         self.max_message_bytes = max_message_bytes
         self._clock = clock
@@ -392,14 +395,16 @@ class Codec:
         assert self._key is not None
         return hmac.digest(self._key, b"".join((_DOMAIN, _STAMP.pack(len(header)), header, payload)), "sha256")
 
-    def pack(self, msg: Message) -> list[bytes]:
-        return self.seal(encode(msg))
+    def pack(self, msg: Message, to: str = ANYONE) -> list[bytes]:
+        """Frame ``msg`` for the peer named ``to`` (signed under a shared secret; ignored without one)."""
+        return self.seal(encode(msg), to)
 
-    def seal(self, payload: bytes) -> list[bytes]:
+    def seal(self, payload: bytes, to: str = ANYONE) -> list[bytes]:
         """Frame already-encoded bytes (``pack`` without the encoding; tests forge payloads with it)."""
         if self._key is None:
             return [b"", payload]
-        header = os.urandom(_NONCE_BYTES) + _STAMP.pack(int(self._clock() * 1000)) + self._identity
+        header = b"".join((os.urandom(_NONCE_BYTES), _STAMP.pack(int(self._clock() * 1000)),
+                           _NAME_LEN.pack(len(self._identity)), self._identity, _name_bytes(to)))
         return [self._tag(header, payload) + header, payload]
 
     def unpack(self, frames: Sequence[bytes]) -> Message:
@@ -433,30 +438,47 @@ class Codec:
         auth, payload = bytes(frames[0]), bytes(frames[1])
         if self._key is None:
             return Envelope(decode(payload), "", 0.0)
-        if len(auth) < _HEADER_MIN_BYTES or len(auth) > _HEADER_MIN_BYTES + MAX_IDENTITY_BYTES:
-            raise AuthError(f"control message rejected: missing or malformed shared-secret envelope ({len(auth)} "
-                            "bytes; p2p.shared_secret / --shared-secret must match on both sides)")
-        tag, header = auth[:_TAG_BYTES], auth[_TAG_BYTES:]
-        if not hmac.compare_digest(tag, self._tag(header, payload)):
-            raise AuthError("control message rejected: wrong shared-secret tag "
-                            "(p2p.shared_secret / --shared-secret must match on both sides)")
-        nonce = header[:_NONCE_BYTES]
-        (stamp_ms,) = _STAMP.unpack_from(header, _NONCE_BYTES)
+        nonce, stamp_ms, identity, recipient = self._read_header(auth, payload)
         now_ms = int(self._clock() * 1000)
         if abs(now_ms - stamp_ms) > self._window_ms:
             raise StaleFrameError(f"control frame stamped {(now_ms - stamp_ms) / 1000:.1f} s from this clock, "
                                   f"outside the window of {self._window_ms / 1000:.0f} s (p2p.auth_window_s / "
                                   "--auth-window-s; are clocks in sync?)")
+        if recipient not in self.names:
+            raise MisaddressedError(f"control frame from {identity!r} is addressed to {recipient!r}, not to this "
+                                    f"peer ({', '.join(sorted(map(repr, self.names)))}): replayed from another "
+                                    "conversation, or the sender dials an address this peer does not advertise "
+                                    "(p2p.advertise_host)")
         with self._lock:
             self._replay.check_and_add(nonce, stamp_ms, now_ms, self._window_ms)
-        sender = header[_NONCE_BYTES + _STAMP.size:].decode("utf-8", errors="replace")
-        return Envelope(decode(payload), sender, stamp_ms / 1000)
+        return Envelope(decode(payload), identity, stamp_ms / 1000, recipient)
+
+    def _read_header(self, auth: bytes, payload: bytes) -> tuple[bytes, int, str, str]:
+        """(nonce, stamp_ms, identity, recipient) of an envelope whose tag verifies; AuthError if not."""
+        malformed = AuthError(f"control message rejected: missing or malformed shared-secret envelope ({len(auth)} "
+                              "bytes; p2p.shared_secret / --shared-secret must match on both sides)")
+        if not _HEADER_MIN_BYTES <= len(auth) <= _HEADER_MAX_BYTES:
+            raise malformed
+        header = auth[_TAG_BYTES:]
+        if not hmac.compare_digest(auth[:_TAG_BYTES], self._tag(header, payload)):
+            raise AuthError("control message rejected: wrong shared-secret tag "
+                            "(p2p.shared_secret / --shared-secret must match on both sides)")
+        (stamp_ms,) = _STAMP.unpack_from(header, _NONCE_BYTES)
+        (identity_len,) = _NAME_LEN.unpack_from(header, _NONCE_BYTES + _STAMP.size)
+        if identity_len > min(len(auth) - _HEADER_MIN_BYTES, MAX_IDENTITY_BYTES):
+            raise malformed
+        names = header[_NONCE_BYTES + _STAMP.size + _NAME_LEN.size:]
+        return (header[:_NONCE_BYTES], stamp_ms, names[:identity_len].decode("utf-8", errors="replace"),
+                names[identity_len:].decode("utf-8", errors="replace"))
+
+
+def _name_bytes(name: str) -> bytes:
+    return name.encode()[:MAX_IDENTITY_BYTES]  # a peer name as the envelope carries it
 
 
 class RejectionLog:
     """Logs rejected frames without flooding: WARNING for the first of a kind, then at most every
-    ``warn_every_s`` with the count since (DEBUG in between). A flood of forged frames costs a
-    line per reason per interval."""
+    ``warn_every_s`` with the count since (DEBUG in between)."""
 
     def __init__(self, logger: logging.Logger, where: str, warn_every_s: float = 10.0) -> None:
         self._logger = logger

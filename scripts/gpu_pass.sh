@@ -7,6 +7,12 @@
 #                                          /tmp/models/llama8b-128k: the 8B body with Llama-3.1's 128256-token
 #                                          vocabulary and no tokenizer), then bench/e2e_gpu.py ARGS (default:
 #                                          the full pass, see below)
+#   bash scripts/gpu_pass.sh long [ARGS]   the same, then the long-prompt pass (bench/results/long_prompts/README.md):
+#                                          single vs lmcache_p2p 1P1D (--one-gpu on a one-GPU machine), 8k-64k tokens
+#                                          in, 2 out, the engines traced; ARGS (e.g. --systems, --results-dir) are
+#                                          added to its defaults; LONG_POINTS replaces its --long points,
+#                                          LONG_VLLM_ARGS adds vLLM flags for every server, LONG_DIRECT=0 drops
+#                                          --direct-prefiller
 #   bash scripts/gpu_pass.sh equal ARGS    the same set-up, then bench/e2e_gpu_equal.py --mode equal ARGS (greedy
 #                                          equality through 1P1D against a single instance)
 #   bash scripts/gpu_pass.sh kill ARGS     ... --mode kill ARGS (NCCL: the prefiller killed under load)
@@ -34,8 +40,9 @@ stage() {
 case "${1:-}" in
   stage) stage; exit 0 ;;
   run) shift; BENCH=bench/e2e_gpu.py ;;
+  long) shift; BENCH=bench/e2e_gpu.py; LONG=1 ;;
   equal|kill) MODE=$1; shift; BENCH=bench/e2e_gpu_equal.py; set -- --mode "$MODE" "$@" ;;
-  *) echo "usage: gpu_pass.sh stage | run [bench/e2e_gpu.py arguments] | equal|kill bench/e2e_gpu_equal.py arguments" >&2
+  *) echo "usage: gpu_pass.sh stage | run|long [bench/e2e_gpu.py arguments] | equal|kill bench/e2e_gpu_equal.py arguments" >&2
      exit 2 ;;
 esac
 stage
@@ -56,12 +63,28 @@ config.update(vocab_size=128256, bos_token_id=128000, eos_token_id=128001, pad_t
 json.dump(config, open(os.path.join(dst, "config.json"), "w"), indent=1)
 print("[gpu_pass] made", dst, "(vocab 128256, no tokenizer: serve with --skip-tokenizer-init)")
 PY
+  [ -f /tmp/models/llama8b-long/config.json ] || python3 - <<'PY' || exit 1
+import json, os, shutil
+src, dst = "/tmp/models/llama8b-shape", "/tmp/models/llama8b-long"
+shutil.copytree(src, dst, dirs_exist_ok=True)
+config = json.load(open(os.path.join(dst, "config.json")))
+config.update(max_position_embeddings=131072)
+json.dump(config, open(os.path.join(dst, "config.json"), "w"), indent=1)
+print("[gpu_pass] made", dst, "(the 8B body with a 131072-token context, the tiny tokenizer)")
+PY
   mkdir -p "$KEEP"
   GPU_PARTS=${GPU_PARTS:-$GPU_BUILD/e2e_gpu_parts}  # results of earlier calls, carried: what they measured is skipped
   # (those of earlier calls on this warm machine, already in $KEEP, are newer: carried ones only fill gaps)
   compgen -G "$GPU_PARTS/*.json" >/dev/null && cp -n "$GPU_PARTS"/*.json "$KEEP/"
   if [ "$BENCH" = bench/e2e_gpu.py ]; then
-    if [ $# -eq 0 ]; then  # the full pass; a call of the device tool runs 10 minutes at most: --budget-s
+    if [ -n "${LONG:-}" ]; then  # the long-prompt pass: ARGS go before the defaults' "--" (later flags win)
+      ngpu=$(nvidia-smi -L | wc -l)
+      set -- --model /tmp/models/llama8b-long --max-model-len 65600 --output-len 2 --no-ceiling \
+        --long "${LONG_POINTS:-8000:seq:8,16000:seq:8,32000:seq:6,64000:seq:3,16000:0.5:12}" \
+        --systems single,lmcache_p2p-nixl --buffer-size 4GB --trace $([ "${LONG_DIRECT:-1}" = 1 ] && echo --direct-prefiller) \
+        --single-gpu-memory-utilization prefiller --budget-s 560 --estimate-start-s 120 \
+        $([ "$ngpu" -lt 2 ] && echo --one-gpu) "$@" -- --load-format dummy ${LONG_VLLM_ARGS:-}
+    elif [ $# -eq 0 ]; then  # the full pass; a call of the device tool runs 10 minutes at most: --budget-s
       set -- --model /tmp/models/llama8b-shape --rates 1,2,4,8,16 --num-prompts 64 --budget-s 540 -- --load-format dummy
     fi
     set -- --out "$OUT/e2e_gpu.json" --lmcache-pd-proxy "$GPU_BUILD/gpu-kit/pd_proxy.py" "$@"

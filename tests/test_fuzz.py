@@ -71,10 +71,12 @@ class FrameFuzzer:
     KINDS = ("random", "flip", "truncate", "extra", "huge", "replay", "wrong_secret", "stale", "valid")
     WEIGHTS = (14, 26, 12, 10, 1, 10, 8, 6, 13)
 
-    def __init__(self, rng: random.Random, secret: str | None, seeds: Callable[[int], protocol.Message]) -> None:
+    def __init__(self, rng: random.Random, secret: str | None, seeds: Callable[[int], protocol.Message],
+                 to: str = protocol.ANYONE) -> None:
         self.rng = rng
         self.secret = secret
         self.seeds = seeds
+        self.to = to  # the target's name: every frame is addressed to it
         self.honest = protocol.Codec(secret, identity="fuzz-peer")
         self.intruder = protocol.Codec("not-" + (secret or "the-secret"), identity="intruder")
         self.late = protocol.Codec(secret, identity="fuzz-peer", clock=lambda: time.time() - 120)
@@ -84,7 +86,7 @@ class FrameFuzzer:
     def valid(self) -> tuple[list[bytes], type]:
         self.n += 1
         msg = self.seeds(self.n)
-        return self.honest.pack(msg), type(msg)
+        return self.honest.pack(msg, self.to), type(msg)
 
     def frame(self) -> Fuzzed:
         kind = self.rng.choices(self.KINDS, self.WEIGHTS)[0]
@@ -95,11 +97,11 @@ class FrameFuzzer:
         if kind == "replay" and self.accepted:
             return Fuzzed(kind, list(self.rng.choice(self.accepted)), True if signed else False)
         if kind == "wrong_secret":
-            return Fuzzed(kind, self.intruder.pack(self.seeds(0)), True if signed else False)
+            return Fuzzed(kind, self.intruder.pack(self.seeds(0), self.to), True if signed else False)
         if kind == "stale":
-            return Fuzzed(kind, self.late.pack(self.seeds(0)), True if signed else False)
+            return Fuzzed(kind, self.late.pack(self.seeds(0), self.to), True if signed else False)
         if kind == "huge":  # every part within zmq.MAXMSGSIZE, the frame over MAX_MESSAGE_BYTES in all
-            auth, payload = self.honest.seal(self.rng.randbytes(64) * (protocol.MAX_MESSAGE_BYTES // 64))
+            auth, payload = self.honest.seal(self.rng.randbytes(64) * (protocol.MAX_MESSAGE_BYTES // 64), self.to)
             return Fuzzed(kind, [auth or self.rng.randbytes(16), payload], True)
         parts, seed_type = self.valid()
         if kind == "flip":
@@ -125,8 +127,8 @@ class FrameFuzzer:
 class Oracle:
     """An independent Codec fed the same frames in the same order: what the service must have refused."""
 
-    def __init__(self, secret: str | None) -> None:
-        self.codec = protocol.Codec(secret)
+    def __init__(self, secret: str | None, names: list[str] | None = None) -> None:
+        self.codec = protocol.Codec(secret, names=names)
         self.accepted: list[tuple[Fuzzed, protocol.Message]] = []
 
     def check(self, f: Fuzzed) -> None:
@@ -233,12 +235,13 @@ def test_fuzz_the_receiver_control_port(secret):
     rng = random.Random(SEED)
     pool = SlotPool(FRAMES + 16)
     service = ReceiveService(receiver_config(secret), tp_rank=0, tp_size=1, transport=FakeTransport(), pool=pool,
-                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16")
+                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16").start()
     ctx = zmq.Context()
     codec = protocol.Codec(secret, identity="fuzz-peer")
+    address = service.control_endpoint.removeprefix("tcp://")
     sock = dealer(ctx, service.control_endpoint, b"fuzz-peer")
     try:
-        sock.send_multipart(codec.pack(hello("fuzz-peer")))  # a known peer: an accepted Alloc would reserve
+        sock.send_multipart(codec.pack(hello("fuzz-peer"), address))  # a known peer: an accepted Alloc would reserve
         assert isinstance(recv(sock, codec), protocol.Welcome)
 
         def seed(n: int) -> protocol.Message:
@@ -246,7 +249,7 @@ def test_fuzz_the_receiver_control_port(secret):
                 return protocol.Alloc(n, f"fz-{SEED}-{n}", [f"key-{n}"], [SHAPE], False)
             return protocol.Cancel(n, f"gone-{n}", "fuzz")  # never one of the Allocs' requests
 
-        fuzzer, oracle = FrameFuzzer(rng, secret, seed), Oracle(secret)
+        fuzzer, oracle = FrameFuzzer(rng, secret, seed, service.receiver_id), Oracle(secret, [service.receiver_id])
         granted = valid_allocs = 0
         replies: list[protocol.Message] = []
         for _ in range(FRAMES):
@@ -255,11 +258,11 @@ def test_fuzz_the_receiver_control_port(secret):
             valid_allocs += f.kind == "valid" and f.seed_type is protocol.Alloc
             sock.send_multipart(f.parts)
             while sock.poll(0):
-                replies.append(protocol.Codec(secret).unpack(sock.recv_multipart()))
+                replies.append(codec.unpack(sock.recv_multipart()))
         sentinel = protocol.Cancel(10**9, "sentinel", "end of fuzz")
-        sock.send_multipart(codec.pack(sentinel))
+        sock.send_multipart(codec.pack(sentinel, service.receiver_id))
         while not replies or replies[-1] != protocol.Ack(10**9):
-            replies.append(protocol.Codec(secret).unpack(sock.recv_multipart()) if sock.poll(int(WAIT_S * 1000))
+            replies.append(codec.unpack(sock.recv_multipart()) if sock.poll(int(WAIT_S * 1000))
                            else pytest.fail("the receiver stopped answering"))
         granted = sum(s >= 0 for r in replies if isinstance(r, protocol.Grant) for s in r.slots)
 
@@ -272,11 +275,12 @@ def test_fuzz_the_receiver_control_port(secret):
 
         # Still serving: a new sender's Hello and Alloc are answered.
         fresh = dealer(ctx, service.control_endpoint, b"after-fuzz")
+        after = protocol.Codec(secret, identity="after-fuzz")
         try:
-            fresh.send_multipart(codec.pack(hello("after-fuzz")))
-            assert isinstance(recv(fresh, codec), protocol.Welcome)
-            fresh.send_multipart(codec.pack(protocol.Alloc(1, "after", ["after-key"], [SHAPE], True)))
-            grant = recv(fresh, codec)
+            fresh.send_multipart(after.pack(hello("after-fuzz"), address))
+            assert isinstance(recv(fresh, after), protocol.Welcome)
+            fresh.send_multipart(after.pack(protocol.Alloc(1, "after", ["after-key"], [SHAPE], True), service.receiver_id))
+            grant = recv(fresh, after)
             assert isinstance(grant, protocol.Grant) and grant.slots[0] >= 0
         finally:
             fresh.close(linger=0)
@@ -292,14 +296,14 @@ def test_a_part_beyond_maxmsgsize_disconnects_only_that_peer(secret):
     (nothing arrived), and the service keeps serving."""
     pool = SlotPool(8)
     service = ReceiveService(receiver_config(secret), tp_rank=0, tp_size=1, transport=FakeTransport(), pool=pool,
-                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16")
+                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16").start()
     ctx = zmq.Context()
-    codec = protocol.Codec(secret)
+    codec = protocol.Codec(secret, identity="ok")
     try:
         big = dealer(ctx, service.control_endpoint, b"big")
         big.send_multipart([b"", b"\x00" * (protocol.MAX_MESSAGE_BYTES + 1)])
         ok = dealer(ctx, service.control_endpoint, b"ok")
-        ok.send_multipart(codec.pack(hello("ok")))
+        ok.send_multipart(codec.pack(hello("ok"), service.control_endpoint.removeprefix("tcp://")))
         assert isinstance(recv(ok, codec), protocol.Welcome)
         assert service.rejected_frames() == {} and pool.reserved_slots == 0
         big.close(linger=0)
@@ -322,8 +326,8 @@ def test_fuzz_the_sender_control_socket(secret):
     router.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops what exceeds its high-water mark: queue everything
     port = router.bind_to_random_port("tcp://127.0.0.1")
     cfg = P2PConfig(role=Role.SENDER, shared_secret=secret, connect_timeout_s=3600.0, alloc_timeout_s=3600.0)
-    service = SendService(cfg, tp_rank=0, tp_size=1, transport=FakeTransport())
-    codec = protocol.Codec(secret, identity="fake-receiver")
+    service = SendService(cfg, tp_rank=0, tp_size=1, transport=FakeTransport()).start()
+    codec = protocol.Codec(secret, identity="fake-receiver", names=["fake-receiver", f"127.0.0.1:{port}"])
     done: list[str] = []
     try:
         service.submit("req-1", Target("127.0.0.1", port), [Chunk("k1", SHAPE, chunk_bytes(), lambda: done.append("k1"))],
@@ -340,7 +344,7 @@ def test_fuzz_the_sender_control_socket(secret):
                 return protocol.Grant(10**6 + n, f"nobody-{n}", [n % 8], 8)
             return protocol.Refused(10**6 + n, f"nobody-{n}", protocol.RefusalCode.FULL, "fuzz", 1, 0, 8)
 
-        fuzzer, oracle = FrameFuzzer(rng, secret, seed), Oracle(secret)
+        fuzzer, oracle = FrameFuzzer(rng, secret, seed, service.sender_id), Oracle(secret, [service.sender_id])
         for _ in range(FRAMES):
             f = fuzzer.frame()
             oracle.check(f)
@@ -352,12 +356,12 @@ def test_fuzz_the_sender_control_socket(secret):
         # Still working: the handshake completes and the request's chunk is written.
         welcome = protocol.Welcome(protocol.PROTOCOL_VERSION, "fake-receiver", 0, SLOT_BYTES, 8,
                                    protocol.TransportInfo(kind="loopback", name="fake-receiver"))
-        router.send_multipart([identity, *codec.pack(welcome)])
+        router.send_multipart([identity, *codec.pack(welcome, service.sender_id)])
         assert router.poll(int(WAIT_S * 1000))
         _, *frames = router.recv_multipart()
         alloc = codec.unpack(frames)
         assert isinstance(alloc, protocol.Alloc) and alloc.keys == ["k1"]
-        router.send_multipart([identity, *codec.pack(protocol.Grant(alloc.seq, "req-1", [3], 7))])
+        router.send_multipart([identity, *codec.pack(protocol.Grant(alloc.seq, "req-1", [3], 7), service.sender_id)])
         wait_until(lambda: service.stats().requests_done == 1, "the request to finish")
         assert done == ["k1"] and service.stats().requests_failed == 0
     finally:
@@ -440,7 +444,7 @@ def test_the_announce_carries_the_advertised_host_and_a_host_qualified_id(monkey
     port = free_port()
     cfg = P2PConfig(role=Role.RECEIVER, control_ports=port, advertise_host="10.0.0.5")
     service = ReceiveService(cfg, tp_rank=0, tp_size=1, transport=FakeTransport(), pool=SlotPool(4),
-                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16")
+                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16").start()
     try:
         announce = service._announce()
         assert (announce.control_host, announce.control_port) == ("10.0.0.5", port)
@@ -485,16 +489,18 @@ def test_written_is_matched_to_the_sender_that_owns_the_slots():
     transport = FakeTransport()
     pool = SlotPool(8)
     service = ReceiveService(receiver_config("s3cret"), tp_rank=0, tp_size=1, transport=transport, pool=pool,
-                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16")
+                             slot_bytes=SLOT_BYTES, region_addr=0, chunk_tokens=16, dtype="bfloat16").start()
     ctx = zmq.Context()
-    codec = protocol.Codec("s3cret")
+    codecs = {name: protocol.Codec("s3cret", identity=name) for name in ("sender-a", "sender-b")}
     a, b = dealer(ctx, service.control_endpoint, b"a"), dealer(ctx, service.control_endpoint, b"b")
     try:
         for sock, name in ((a, "sender-a"), (b, "sender-b")):
-            sock.send_multipart(codec.pack(hello(name)))  # transport name == sender name here
-            assert isinstance(recv(sock, codec), protocol.Welcome)
-        a.send_multipart(codec.pack(protocol.Alloc(1, "req-a", ["key-a"], [SHAPE], True)))
-        grant = recv(a, codec)
+            # transport name == sender name here
+            sock.send_multipart(codecs[name].pack(hello(name), service.control_endpoint.removeprefix("tcp://")))
+            assert isinstance(recv(sock, codecs[name]), protocol.Welcome)
+        a.send_multipart(codecs["sender-a"].pack(protocol.Alloc(1, "req-a", ["key-a"], [SHAPE], True),
+                                                 service.receiver_id))
+        grant = recv(a, codecs["sender-a"])
         assert isinstance(grant, protocol.Grant)
 
         def written(peer: str, sender_id: str) -> None:
@@ -545,9 +551,9 @@ def test_sender_and_receiver_secrets(sender_secret, receiver_secret, outcome):
     pool = SlotPool(8)
     receiver = ReceiveService(receiver_config(receiver_secret), tp_rank=0, tp_size=1,
                               transport=LoopbackTransport("recv", net), pool=pool, slot_bytes=SLOT_BYTES,
-                              region_addr=0, chunk_tokens=16, dtype="bfloat16")
+                              region_addr=0, chunk_tokens=16, dtype="bfloat16").start()
     cfg = P2PConfig(role=Role.SENDER, shared_secret=sender_secret, connect_timeout_s=1.0)
-    sender = SendService(cfg, tp_rank=0, tp_size=1, transport=LoopbackTransport("send", net))
+    sender = SendService(cfg, tp_rank=0, tp_size=1, transport=LoopbackTransport("send", net)).start()
     released: list[str] = []
     try:
         target = Target("127.0.0.1", int(receiver.control_endpoint.rsplit(":", 1)[1]))

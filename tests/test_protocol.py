@@ -6,7 +6,8 @@ import msgspec
 import pytest
 
 from lmcache_p2p import protocol
-from lmcache_p2p.errors import AuthError, OversizedError, ProtocolError, ReplayError, StaleFrameError
+from lmcache_p2p.errors import (AuthError, MisaddressedError, OversizedError, ProtocolError, ReplayError,
+                                StaleFrameError)
 
 INFO = protocol.TransportInfo(kind="nixl", name="a", metadata=b"\x00\x01", regions=[protocol.Region(4096, 1 << 20)])
 SHAPE = protocol.ChunkShape(shape=[2, 2, 256, 64], dtype="bfloat16", nbytes=131072)
@@ -189,3 +190,33 @@ def test_rejection_reasons():
     assert protocol.rejection_of(AuthError("a")) is protocol.Rejection.AUTH
     assert protocol.rejection_of(OversizedError("o")) is protocol.Rejection.OVERSIZED
     assert protocol.rejection_of(ProtocolError("m")) is protocol.Rejection.MALFORMED
+
+
+def test_a_frame_is_accepted_only_by_the_recipient_it_names():
+    clock = Clock()
+    sender = protocol.Codec("s3cret", identity="prefiller-a/r0", clock=clock)
+    receiver_a = protocol.Codec("s3cret", identity="decoder-a/r0/1", names=["decoder-a/r0/1", "host-a:7200"],
+                                clock=clock)
+    receiver_b = protocol.Codec("s3cret", identity="decoder-b/r0/2", names=["decoder-b/r0/2", "host-b:7200"],
+                                clock=clock)
+    for to in ("host-a:7200", "decoder-a/r0/1"):
+        frames = sender.pack(protocol.Ack(1), to)
+        with pytest.raises(MisaddressedError, match=f"addressed to '{to}', not to this peer"):
+            receiver_b.open(frames)  # captured for A, replayed to B: B never saw its nonce
+        env = receiver_a.open(frames)
+        assert (env.msg, env.sender, env.recipient) == (protocol.Ack(1), "prefiller-a/r0", to)
+    assert receiver_b.rejected == {"misaddressed": 2} and receiver_a.rejected == {}
+    auth, payload = sender.pack(protocol.Ack(2), "decoder-b/r0/2")
+    readdressed = auth[:-len("decoder-b/r0/2")] + b"decoder-a/r0/1"  # the recipient is under the tag
+    with pytest.raises(AuthError, match="wrong shared-secret tag"):
+        receiver_a.open([readdressed, payload])
+    assert protocol.rejection_of(MisaddressedError("m")) is protocol.Rejection.MISADDRESSED
+
+
+def test_by_default_a_codec_answers_to_its_identity_and_to_anyone():
+    proxy = protocol.Codec("s3cret", identity="proxy-1")
+    instance = protocol.Codec("s3cret", identity="decoder-a")
+    assert proxy.unpack(instance.pack(protocol.Ack(1))) == protocol.Ack(1)  # instances do not know the proxy's id
+    assert proxy.unpack(instance.pack(protocol.Ack(2), "proxy-1")) == protocol.Ack(2)
+    with pytest.raises(MisaddressedError):
+        proxy.unpack(instance.pack(protocol.Ack(3), "proxy-2"))

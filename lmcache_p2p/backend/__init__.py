@@ -9,9 +9,16 @@ Name one of them in the LMCache YAML::
       p2p: {role: sender, ...}
 
 ``sender.py`` / ``receiver.py`` adapt LMCache's StoragePluginInterface (the only code here that
-imports lmcache) to ``send_service.py`` / ``receive_service.py``, which hold the logic and own
-the threads and sockets. This package never parses request ids: where KV goes comes from the
-request's DisaggSpec (``transfer_spec``).
+imports lmcache) to ``send_service.py`` / ``receive_service.py``, which own the thread and sockets
+(opened by ``start()``) and compose the logic:
+
+    sender:   send_peers.py (sessions with receivers), send_pipeline.py (Alloc -> Grant per batch),
+              send_writes.py (writes in flight, chunks handed back once settled), send_types.py
+    receiver: control_port.py (its socket and senders), grant_table.py (requests and their slots),
+              chunk_index.py (READY chunks and lookup pins), write_guard.py (two-sided writes)
+
+``common.py`` holds what both roles share (config, transport, ``chunk_key``). This package never
+parses request ids: where KV goes comes from the request's DisaggSpec (``transfer_spec``).
 """
 
 from lmcache_p2p.backend.receiver import ReceiverBackend

@@ -28,6 +28,16 @@ def load_config(lmcache_config: Any, role: Role) -> P2PConfig:
         raise
 
 
+def chunk_key(key: Any) -> str:
+    """The wire identity of a chunk (an LMCache ``CacheEngineKey``): its content hash.
+
+    The hash names tokens, not the model: it is enough only because every sender a receiver
+    accepts passed the KV fingerprint check at Hello (same model, layers, heads, dtype, chunk size,
+    TP layout and format), so one key means the same KV from any of them.
+    """
+    return f"{key.chunk_hash:x}"
+
+
 def tp_rank_of(metadata: Any) -> tuple[int, int]:
     """(rank, size) of this worker in its tensor-parallel group."""
     if metadata is None:

@@ -20,6 +20,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj, MemoryObjMetad
 
 from lmcache_p2p.backend.common import (
     build_transport,
+    chunk_key,
     dtype_name,
     fingerprint_of,
     load_config,
@@ -34,16 +35,6 @@ from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-
-def chunk_key(key: CacheEngineKey) -> str:
-    """The wire identity of a chunk: its content hash.
-
-    The hash names tokens, not the model: it is enough only because every sender this receiver
-    accepts passed the KV fingerprint check at Hello (same model, layers, heads, dtype, chunk size,
-    TP layout and format as ours), so one key means the same KV from any of them.
-    """
-    return f"{key.chunk_hash:x}"
 
 
 class _SlotLease:
@@ -101,6 +92,7 @@ class ReceiverBackend(P2PPlugin):
                 slot_bytes=slot_bytes, region_addr=region.addr, chunk_tokens=chunk_tokens, dtype=dtype_name(dtype),
                 fingerprint=fingerprint_of(metadata),
             )
+            self._service.start()
         except Exception:
             logger.exception("lmcache_p2p receiver failed to start (p2p.* in LMCACHE_CONFIG_FILE)")
             self.close()

@@ -17,9 +17,9 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 
 from lmcache_p2p import protocol
-from lmcache_p2p.backend.common import build_transport, dtype_name, fingerprint_of, load_config, tp_rank_of, worker_gpu
+from lmcache_p2p.backend.common import (build_transport, chunk_key, dtype_name, fingerprint_of, load_config, tp_rank_of,
+                                        worker_gpu)
 from lmcache_p2p.backend.plugin_base import P2PPlugin
-from lmcache_p2p.backend.receiver import chunk_key
 from lmcache_p2p.backend.send_buffer import SendArena, lend, store_stream_of
 from lmcache_p2p.backend.send_service import Chunk, SendService, Target
 from lmcache_p2p.config import Role
@@ -63,6 +63,7 @@ class SenderBackend(P2PPlugin):
                 self._start_arena(metadata, gpu)
             self._service = SendService(self.cfg, tp_rank=self._tp_rank, tp_size=tp_size, transport=self._transport,
                                         fingerprint=fingerprint_of(metadata))
+            self._service.start()
         except Exception:
             logger.exception("lmcache_p2p sender failed to start (p2p.* in LMCACHE_CONFIG_FILE)")
             self.close()

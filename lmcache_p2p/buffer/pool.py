@@ -46,9 +46,10 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
+from lmcache_p2p.buffer.cache import Holder, Key, SlotCache
 from lmcache_p2p.errors import BufferFull
 
 
@@ -63,8 +64,6 @@ class SlotState(enum.IntEnum):
 
 Owner = Hashable
 Writer = Hashable
-Key = Hashable
-Holder = Hashable
 
 
 class SlotPool:
@@ -97,11 +96,7 @@ class SlotPool:
         self._quarantined = 0
         self.cache = cache
         self._key: list[Key | None] = [None] * num_slots  # the chunk a slot holds or awaits (cache only)
-        self._cached: dict[Key, int] = {}  # key -> its CACHED slot
-        self._lru: OrderedDict[int, None] = OrderedDict()  # CACHED slots, least recently used first
-        self._pins: list[list[tuple[Holder, float]]] = [[] for _ in range(num_slots)]  # CACHED: (holder, until)
-        self._readers = [0] * num_slots  # CACHED: engine references handed out by ``read``
-        self._busy = 0  # CACHED slots pinned or read (not evictable)
+        self._cache = SlotCache(num_slots)
 
     # ---- queries ----
     def now(self) -> float:
@@ -117,19 +112,19 @@ class SlotPool:
     @property
     def cached_slots(self) -> int:
         """CACHED slots (evictable or not)."""
-        return len(self._cached)
+        return len(self._cache)
 
     def cached_slot(self, key: Key) -> int | None:
         """The CACHED slot holding ``key``, or None."""
         with self._lock:
-            return self._cached.get(key)
+            return self._cache.by_key.get(key)
 
     def pins(self, slot: int) -> list[Holder]:
         with self._lock:
-            return [holder for holder, _ in self._pins[slot]]
+            return [holder for holder, _ in self._cache.pins[slot]]
 
     def readers(self, slot: int) -> int:
-        return self._readers[slot]
+        return self._cache.readers[slot]
 
     def key(self, slot: int) -> Key | None:
         return self._key[slot]
@@ -175,19 +170,12 @@ class SlotPool:
         with self._lock:
             available = self._available_locked()
             if count > available:
-                pinned = len(self._cached) - (available - len(self._free))
-                raise BufferFull(
-                    f"receive buffer has {available} free of {self.num_slots} slots, {count} needed"
-                    + (f" ({self._quarantined} quarantined until their writes are confirmed)"
-                       if self._quarantined else "")
-                    + (f" ({pinned} cached slots pinned by requests or loads)" if pinned else ""),
-                    needed_slots=count, free_slots=available, capacity_slots=self.num_slots,
-                )
+                raise _buffer_full(self, count, available)
             if count == 0:
                 return []
             now = self._clock()
             slots = [self._free.popleft() for _ in range(min(count, len(self._free)))]
-            slots += self._evict_locked(count - len(slots))
+            slots += self._cache.evict(count - len(slots), self._key)
             self._reserved += count
             owned = self._by_owner.setdefault(owner, set())
             for i, s in enumerate(slots):
@@ -280,71 +268,44 @@ class SlotPool:
     def pin(self, key: Key, holder: Holder, lease_s: float) -> int | None:
         """Pin the CACHED slot of ``key`` for ``holder`` until ``lease_s`` from now; None if not cached."""
         with self._lock:
-            s = self._cached.get(key)
+            s = self._cache.by_key.get(key)
             if s is not None:
-                busy = self._busy_locked(s)
-                self._pins[s].append((holder, self._clock() + lease_s))
-                self._lru.move_to_end(s)
-                self._busy += not busy
+                self._cache.pin(s, holder, self._clock() + lease_s)
             return s
 
     def unpin(self, slot: int, holder: Holder | None = None, *, not_holder: Holder | None = None) -> bool:
         """Drop one pin of ``slot``: ``holder``'s, or (None) the oldest one not held by ``not_holder``."""
         with self._lock:
-            if not self._in_range(slot):
-                return False
-            pins = self._pins[slot]
-            for i, (h, _) in enumerate(pins):
-                if (h == holder) if holder is not None else (h != not_holder):
-                    del pins[i]
-                    self._busy -= not self._busy_locked(slot)
-                    return True
-            return False
+            return self._in_range(slot) and self._cache.unpin(slot, holder, not_holder)
 
     def unpin_holder(self, holder: Holder, slots: Iterable[int]) -> int:
         """Drop every pin of ``holder`` on ``slots`` (a request that ends); return how many."""
-        dropped = 0
         with self._lock:
-            for s in set(slots):
-                if self._in_range(s) and self._pins[s]:
-                    before = len(self._pins[s])
-                    self._pins[s] = [p for p in self._pins[s] if p[0] != holder]
-                    dropped += before - len(self._pins[s])
-                    self._busy -= not self._busy_locked(s)
-        return dropped
+            return self._cache.unpin_holder(holder, [s for s in set(slots) if self._in_range(s)])
 
     def read(self, key: Key) -> int | None:
         """The engine takes a reference on the CACHED slot of ``key`` (never evicted meanwhile)."""
         with self._lock:
-            s = self._cached.get(key)
+            s = self._cache.by_key.get(key)
             if s is not None:
-                self._busy += not self._busy_locked(s)
-                self._readers[s] += 1
-                self._lru.move_to_end(s)
+                self._cache.read(s)
             return s
 
     def unread(self, slot: int) -> None:
         """The engine dropped a reference taken by ``read``."""
         with self._lock:
-            if self._in_range(slot) and self._state[slot] == SlotState.CACHED and self._readers[slot] > 0:
-                self._readers[slot] -= 1
-                self._busy -= not self._busy_locked(slot)
+            if self._in_range(slot) and self._state[slot] == SlotState.CACHED:
+                self._cache.unread(slot)
 
     def expire(self) -> dict[Owner, list[int]]:
         """Give up RESERVED and READY slots whose lease passed (returned by owner); free
         QUARANTINED slots whose write window passed; drop pins past their deadline."""
         now = self._clock()
         expired: dict[Owner, list[int]] = {}
-        # Only slots that can expire are visited (owned ones; cached ones while any is pinned or
-        # read; all only while some are QUARANTINED): the receiver calls this every 50 ms on the
-        # decoder's engine process, and a scan of every slot held the GIL and this lock for ~5 ms
-        # (8192 slots), stalling the engine's lookups, loads and forward passes.
+        # Only slots that can expire are visited: the receiver calls this often, in the engine's
+        # process, and a scan of every slot under this lock (and the GIL) stalls the engine.
         with self._lock:
-            if self._busy:
-                for s in self._cached.values():
-                    if self._pins[s]:
-                        self._pins[s] = [p for p in self._pins[s] if p[1] > now]
-                        self._busy -= not self._busy_locked(s)
+            self._cache.expire_pins(now)
             owned = [s for slots in self._by_owner.values() for s in slots]
             for s in sorted(owned):
                 if self._state[s] in (SlotState.RESERVED, SlotState.READY) and self._deadline[s] <= now:
@@ -362,27 +323,7 @@ class SlotPool:
         return isinstance(s, int) and 0 <= s < self.num_slots
 
     def _available_locked(self) -> int:
-        return len(self._free) + len(self._cached) - self._busy
-
-    def _busy_locked(self, s: int) -> bool:
-        return bool(self._pins[s]) or self._readers[s] > 0
-
-    def _evictable_locked(self, s: int) -> bool:
-        return not self._busy_locked(s)
-
-    def _evict_locked(self, count: int) -> list[int]:
-        """Take ``count`` least recently used evictable CACHED slots out of the cache."""
-        victims = []
-        for s in self._lru:
-            if len(victims) == count:
-                break
-            if self._evictable_locked(s):
-                victims.append(s)
-        for s in victims:
-            del self._lru[s]
-            del self._cached[self._key[s]]
-            self._key[s] = None
-        return victims
+        return len(self._free) + self._cache.evictable
 
     def _give_up_locked(self, s: int) -> None:
         state = self._state[s]
@@ -397,17 +338,12 @@ class SlotPool:
                 self._key[s] = None
                 return
         elif (state == SlotState.LOADING and self.cache and self._key[s] is not None
-              and self._key[s] not in self._cached):
-            self._to_cached_locked(s)  # loaded: its bytes landed, nothing writes it, the engine used it
+              and self._key[s] not in self._cache.by_key):
+            # Loaded: its bytes landed, nothing writes it, the engine used it (its owner is dropped above).
+            self._state[s], self._writer[s] = SlotState.CACHED, None
+            self._cache.add(s, self._key[s])
             return
         self._to_free_locked(s)
-
-    def _to_cached_locked(self, s: int) -> None:
-        self._state[s] = SlotState.CACHED
-        self._owner[s] = None
-        self._writer[s] = None
-        self._cached[self._key[s]] = s
-        self._lru[s] = None
 
     def _drop_owner_locked(self, s: int) -> None:
         owner = self._owner[s]
@@ -428,33 +364,39 @@ class SlotPool:
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
         with self._lock:
-            free = [s for s in range(self.num_slots) if self._state[s] == SlotState.FREE]
-            assert sorted(free) == sorted(self._free), "free list out of sync with states"
-            assert len(set(self._free)) == len(self._free), "slot twice in the free list"
-            owned: dict[Owner, set[int]] = {}
-            for s in range(self.num_slots):
-                state = self._state[s]
-                cached = state == SlotState.CACHED
-                assert cached == (s in self._lru), f"{state.name} slot {s}: LRU membership wrong"
-                assert cached or (not self._pins[s] and not self._readers[s]), f"{state.name} slot {s} pinned or read"
-                if cached:
-                    key = self._key[s]
-                    assert key is not None and self._cached.get(key) == s, f"cached slot {s} unindexed"
-                if state in (SlotState.FREE, SlotState.QUARANTINED):
-                    assert self._key[s] is None, f"{state.name} slot {s} has a key"
-                if state in (SlotState.FREE, SlotState.QUARANTINED, SlotState.CACHED):
-                    assert self._owner[s] is None, f"{state.name} slot {s} has an owner"
-                else:
-                    assert self._owner[s] is not None, f"slot {s} in use without owner"
-                    owned.setdefault(self._owner[s], set()).add(s)
-                has_writer = state in (SlotState.RESERVED, SlotState.QUARANTINED)
-                assert (self._writer[s] is not None) == has_writer, f"{state.name} slot {s}: writer {self._writer[s]!r}"
-            assert owned == self._by_owner, "owner index out of sync"
-            reserved = sum(1 for st in self._state if st == SlotState.RESERVED)
-            assert reserved == self._reserved, "reserved count out of sync"
-            quarantined = sum(1 for st in self._state if st == SlotState.QUARANTINED)
-            assert quarantined == self._quarantined, "quarantined count out of sync"
-            assert len(self._cached) == len(self._lru), "cache index and LRU order out of sync"
-            busy = sum(1 for s in self._lru if self._busy_locked(s))
-            assert busy == self._busy, f"busy cached count {self._busy} but {busy} pinned or read"
-            assert self.cache or not self._cached, "cached slots while the cache is off"
+            _check_invariants(self)
+
+
+def _buffer_full(pool: SlotPool, count: int, available: int) -> BufferFull:
+    """Why ``count`` slots cannot be reserved now (``pool``'s lock held)."""
+    pinned = len(pool._cache) - (available - len(pool._free))
+    return BufferFull(
+        f"receive buffer has {available} free of {pool.num_slots} slots, {count} needed"
+        + (f" ({pool._quarantined} quarantined until their writes are confirmed)" if pool._quarantined else "")
+        + (f" ({pinned} cached slots pinned by requests or loads)" if pinned else ""),
+        needed_slots=count, free_slots=available, capacity_slots=pool.num_slots,
+    )
+
+
+def _check_invariants(pool: SlotPool) -> None:
+    """The invariants of the module docstring, on ``pool``'s bookkeeping (its lock held)."""
+    free = [s for s in range(pool.num_slots) if pool._state[s] == SlotState.FREE]
+    assert sorted(free) == sorted(pool._free), "free list out of sync with states"
+    assert len(set(pool._free)) == len(pool._free), "slot twice in the free list"
+    owned: dict[Owner, set[int]] = {}
+    for s in range(pool.num_slots):
+        state = pool._state[s]
+        if state in (SlotState.FREE, SlotState.QUARANTINED):
+            assert pool._key[s] is None, f"{state.name} slot {s} has a key"
+        if state in (SlotState.FREE, SlotState.QUARANTINED, SlotState.CACHED):
+            assert pool._owner[s] is None, f"{state.name} slot {s} has an owner"
+        else:
+            assert pool._owner[s] is not None, f"slot {s} in use without owner"
+            owned.setdefault(pool._owner[s], set()).add(s)
+        has_writer = state in (SlotState.RESERVED, SlotState.QUARANTINED)
+        assert (pool._writer[s] is not None) == has_writer, f"{state.name} slot {s}: writer {pool._writer[s]!r}"
+    assert owned == pool._by_owner, "owner index out of sync"
+    assert pool._state.count(SlotState.RESERVED) == pool._reserved, "reserved count out of sync"
+    assert pool._state.count(SlotState.QUARANTINED) == pool._quarantined, "quarantined count out of sync"
+    pool._cache.check([st == SlotState.CACHED for st in pool._state], pool._key)
+    assert pool.cache or not pool._cache.by_key, "cached slots while the cache is off"

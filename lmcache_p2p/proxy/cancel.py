@@ -39,6 +39,7 @@ _SEND_HWM = 1000  # Cancels queued per rank while its receiver is unreachable; m
 class _RankSocket:
     endpoint: str
     sock: zmq.asyncio.Socket
+    address: str  # host:port, the name the receiver answers to
     refusals: int = 0
 
 
@@ -89,7 +90,8 @@ class KvCanceller:
                              decoder.instance_id, rank, msg.req_id)
                 return False
             self._read_replies(decoder, rank, rs)
-            _resolved(rs.sock.send_multipart(self._codec.pack(msg), flags=zmq.NOBLOCK))
+            # Addressed to the rank's control address: a receiver refuses a Cancel meant for another.
+            _resolved(rs.sock.send_multipart(self._codec.pack(msg, rs.address), flags=zmq.NOBLOCK))
         except zmq.ZMQError as exc:
             logger.debug("Cancel of %s to decoder %s rank %d dropped: %s", msg.req_id, decoder.instance_id, rank,
                          exc)
@@ -121,7 +123,7 @@ class KvCanceller:
         except zmq.ZMQError:
             sock.close(linger=0)
             raise
-        rs = per_rank[rank] = _RankSocket(endpoint, sock)
+        rs = per_rank[rank] = _RankSocket(endpoint, sock, f"{decoder.control_host}:{info.control_port}")
         return rs
 
     def _read_replies(self, decoder: Instance, rank: int, rs: _RankSocket) -> None:

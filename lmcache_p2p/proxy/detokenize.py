@@ -6,7 +6,8 @@ decoder's text and detokenizes the output token ids itself, with the request's p
 context. This module is a faithful copy of vLLM 0.32's ``vllm/v1/engine/detokenizer.py``
 (``BaseIncrementalDetokenizer`` + ``FastIncrementalDetokenizer`` + ``check_stop_strings``):
 
-* ``tokenizers.decoders.DecodeStream`` primed with the prompt ids, stepped once per output token;
+* ``tokenizers.decoders.DecodeStream`` primed with the prompt's last ids (``prompt_context``), stepped
+  once per output token;
   ``skip_special_tokens`` (default true) and ``spaces_between_special_tokens`` (default true)
   as in vLLM's sampling params;
 * a token that ended the output (EOS / ``stop_token_ids``: the engine's ``stop_terminated``) is
@@ -32,6 +33,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _INVALID_PREFIX_ERR_MSG = "Invalid prefix encountered"  # tokenizers' DecodeStream error that vLLM works around
+_CONTEXT_MAX_IDS = 23  # the longest prompt suffix tried before the whole prompt primes the decode stream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +77,7 @@ class OutputText:
         self._decoders = tokenizers.decoders
         self._tokenizer = tokenizer
         self._params = params
-        self._stream = tokenizers.decoders.DecodeStream(ids=list(prompt_ids),
+        self._stream = tokenizers.decoders.DecodeStream(ids=prompt_context(tokenizer, prompt_ids, params),
                                                         skip_special_tokens=params.skip_special_tokens)
         self._spaces_between_special = params.skip_special_tokens or params.spaces_between_special_tokens
         self._added: dict[int, str] = {}
@@ -152,6 +154,17 @@ class OutputText:
             logger.warning("invalid prefix while detokenizing: resetting the decode stream (as vLLM does)")
             self._stream = self._decoders.DecodeStream(skip_special_tokens=self._params.skip_special_tokens)
             return self._stream.step(self._tokenizer, token_id)
+
+
+def prompt_context(tokenizer: Any, prompt_ids: Sequence[int], params: TextParams) -> list[int]:
+    """The prompt's last ids the decode stream needs: the shortest suffix of 4 to 23 ids that decodes to whole
+    characters (vLLM's rule before its DecodeStream), else the whole prompt. The stream's first step decodes
+    all it was primed with, so priming with a whole long prompt would put its decode before the first token."""
+    ids = list(prompt_ids)
+    for n in range(4, min(len(ids), _CONTEXT_MAX_IDS) + 1):
+        if "\ufffd" not in tokenizer.decode(ids[-n:], skip_special_tokens=params.skip_special_tokens):
+            return ids[-n:]
+    return ids
 
 
 def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str],

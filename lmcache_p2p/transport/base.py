@@ -159,6 +159,16 @@ class Transport(abc.ABC):
     def get_notifications(self) -> list[Notification]:
         """Notifications of writes into our memory that completed since the last call."""
 
+    def get_failed_writes(self) -> list[Notification]:
+        """Notifications of admitted writes into our memory that will NOT land whole, since the last call.
+
+        Reported only once nothing more of that write lands (its destinations may hold part of
+        it): the receiver may fail its request and reuse those destinations at once. Two-sided
+        transports (NCCL) know when a write they received failed; one-sided ones (NIXL) never
+        see a write that did not complete and report none.
+        """
+        return []
+
     def wait_notifications(self, timeout_s: float) -> list[Notification]:
         """Block until at least one notification arrives, or return [] after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s

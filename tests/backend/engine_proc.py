@@ -34,6 +34,7 @@ import os
 import sys
 import time
 
+import msgspec
 import torch
 
 SHAPES = {"tiny": (2, 2, 32), "llama8b": (32, 8, 128)}  # layers, KV heads, head size
@@ -188,7 +189,9 @@ def handle(cmd: dict, engine, connector, backend) -> dict:
             out = {"free": backend.free_slots, "capacity": pool.num_slots}
             if cmd.get("detail"):
                 out.update(cached=pool.cached_slots, pinned=sum(1 for s in range(pool.num_slots) if pool.pins(s)),
-                           counters=dataclasses.asdict(svc.counters))
+                           counters=dataclasses.asdict(svc.counters), rejected=svc.rejected_frames(),
+                           slot_bytes=backend._slot_bytes, receiver_id=svc.receiver_id,
+                           fingerprint=msgspec.to_builtins(svc.fingerprint))
             return out
         stats = backend.service.stats()
         out = {"sent": stats.requests_done, "failed": stats.requests_failed,

@@ -185,3 +185,95 @@ async def _eventually(get, timeout_s: float = 60.0):
         if time.monotonic() >= deadline:
             raise AssertionError(f"condition not met within {timeout_s:.0f}s")
         await asyncio.sleep(0.1)
+
+
+# ---- the signed envelope: who signs is who speaks, and a frame is for one receiver -----------------
+
+def _member(endpoint: str, identity: bytes, codec):
+    """A DEALER of a member that holds the secret: ``call(msg, to)`` sends signed and reads the reply."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(endpoint)
+    sent: list[list[bytes]] = []
+
+    def call(msg, to: str):
+        frames = codec.pack(msg, to)
+        sent.append(frames)
+        return replay(frames)
+
+    def replay(frames):
+        sock.send_multipart(frames)
+        return codec.unpack(sock.recv_multipart())
+
+    def close():
+        sock.close()
+        ctx.term()
+
+    return call, replay, sent, close
+
+
+def test_a_member_cannot_speak_as_another_sender_nor_replay_another_receivers_frames(make_pair):
+    import msgspec
+    from test_receive_service import FakeTransport
+
+    from lmcache_p2p import protocol
+    from lmcache_p2p.backend.receive_service import ReceiveService
+    from lmcache_p2p.buffer import SlotPool
+    from lmcache_p2p.config import P2PConfig
+    from engines import free_port
+
+    pair = make_pair(shared_secret=SECRET, reserve_lease_s=LONG_LEASE_S, ready_lease_s=LONG_LEASE_S,
+                     sender_opts={"shared_secret": SECRET, "connect_timeout_s": 3})
+    detail = pair.receiver.call(op="slots", detail=True)
+    fingerprint = msgspec.convert(detail["fingerprint"], protocol.Fingerprint)
+    shape = protocol.ChunkShape([1], "bfloat16", 1024)  # fits a slot of B and has B's dtype: B would grant it
+
+    def hello(sender_id: str) -> protocol.Hello:
+        return protocol.Hello(protocol.PROTOCOL_VERSION, sender_id, 0,
+                              protocol.TransportInfo(kind="nixl", name=f"tx-{sender_id}"), fingerprint)
+
+    b_endpoint, b_address = f"tcp://127.0.0.1:{pair.port}", f"127.0.0.1:{pair.port}"
+    # A member signing as sender-x says Hello as sender-y (it reads the refusal addressed to sender-y).
+    call, _, _, close = _member(b_endpoint, b"sender-y@spoof",
+                                protocol.Codec(SECRET, identity="sender-x", names=["sender-x", "sender-y"]))
+    try:
+        reply = call(hello("sender-y"), b_address)
+        assert isinstance(reply, protocol.ErrorReply) and "signed by 'sender-x'" in reply.message, reply
+    finally:
+        close()
+    # Frames a member sent to receiver A (a real service in this process), replayed to the engine B.
+    a_cfg = P2PConfig.from_mapping({"role": "receiver", "control_ports": [free_port()], "shared_secret": SECRET})
+    transport_a = FakeTransport()
+    transport_a.kind = "nixl"  # the engines' transport: the member's Hello fits A and B alike
+    receiver_a = ReceiveService(a_cfg, tp_rank=0, tp_size=1, transport=transport_a, pool=SlotPool(4),
+                                slot_bytes=4096, region_addr=0, chunk_tokens=256, dtype="bfloat16").start()
+    codec_m = protocol.Codec(SECRET, identity="sender-m", names=["sender-m"])
+    call, _, sent, close = _member(receiver_a.control_endpoint, b"sender-m@a", codec_m)
+    try:
+        welcome = call(hello("sender-m"), receiver_a.control_endpoint.removeprefix("tcp://"))
+        assert isinstance(welcome, protocol.Welcome)
+        grant = call(protocol.Alloc(1, "req-for-a", ["k-a"], [shape], True), welcome.receiver_id)
+        assert isinstance(grant, protocol.Grant) and grant.slots[0] >= 0
+    finally:
+        close()
+        receiver_a.close()
+    _, replay, _, close = _member(b_endpoint, b"sender-m@tap", codec_m)
+    try:
+        for frames in sent:  # within the window, and B has never seen these nonces
+            reply = replay(frames)
+            assert isinstance(reply, protocol.ErrorReply) and "addressed to" in reply.message, reply
+    finally:
+        close()
+    detail = pair.receiver.call(op="slots", detail=True)
+    assert detail["rejected"] == {"spoofed": 1, "misaddressed": 2}, detail["rejected"]
+    assert detail["free"] == detail["capacity"], detail  # nothing was reserved on B
+    # The real signed pair still works.
+    store(pair.sender, pair.port, seed=34, n=600, req_id="signed-after-replays")
+    assert_received(pair.receiver, seed=34, n=600)
+    assert all_free(pair.receiver)
+    assert pair.receiver.call(op="slots", detail=True)["rejected"] == {"spoofed": 1, "misaddressed": 2}

@@ -21,6 +21,7 @@ from lmcache_p2p import protocol
 from lmcache_p2p.backend.receive_service import ReceiveService
 from lmcache_p2p.buffer import SlotPool, SlotState
 from lmcache_p2p.config import P2PConfig
+from lmcache_p2p.errors import ClosedError, ProtocolError
 from lmcache_p2p.transport.base import Notification, Transport, WriteHandle
 
 SLOT_BYTES = 4096
@@ -62,6 +63,7 @@ class FakeTransport(Transport):
 
     def __init__(self) -> None:
         self.notifs: collections.deque[Notification] = collections.deque()
+        self.failed: collections.deque[Notification] = collections.deque()
         self.disconnected: list[str] = []
         self.disconnect_gate = threading.Event()
         self.disconnect_gate.set()
@@ -91,6 +93,14 @@ class FakeTransport(Transport):
             out.append(self.notifs.popleft())
         return out
 
+
+
+    def get_failed_writes(self) -> list[Notification]:
+        out = []
+        while self.failed:
+            out.append(self.failed.popleft())
+        return out
+
     def disconnect(self, peer: str) -> None:
         self.disconnect_gate.wait(30)  # a test may hold this to show the control thread is not blocked
         self.disconnected.append(peer)
@@ -100,6 +110,10 @@ class FakeTransport(Transport):
 
     def land(self, peer: str, sender_id: str, req_id: str, slots: Sequence[int]) -> None:
         self.notifs.append(Notification(peer, protocol.encode(protocol.Written(sender_id, req_id, list(slots)))))
+
+
+    def fail_write(self, peer: str, sender_id: str, req_id: str, slots: Sequence[int]) -> None:
+        self.failed.append(Notification(peer, protocol.encode(protocol.Written(sender_id, req_id, list(slots)))))
 
 
 class Sender:
@@ -143,7 +157,7 @@ class Rig:
         self.transport = FakeTransport()
         self.service = ReceiveService(self.cfg, tp_rank=0, tp_size=1, transport=self.transport, pool=self.pool,
                                       slot_bytes=SLOT_BYTES, region_addr=REGION_ADDR, chunk_tokens=16,
-                                      dtype="bfloat16", fingerprint=fingerprint)
+                                      dtype="bfloat16", fingerprint=fingerprint).start()
         self.ctx = zmq.Context()
         self.senders: list[Sender] = []
 
@@ -202,6 +216,23 @@ def test_cancelled_slot_is_not_granted_again_until_its_writer_confirms(make_rig)
     assert eventually(lambda: rig.pool.state(slot_a) is SlotState.FREE)
     assert rig.service.count_ready(["k1"]) == 0 and rig.service.counters.slots_confirmed == 1
     assert rig.granted(a, "req-d", ["k4"]) == [slot_a]
+
+
+def test_a_write_the_transport_reports_failed_fails_its_request_and_frees_its_slots_at_once(make_rig) -> None:
+    """A two-sided transport reports a write whose receive failed once nothing more of it lands:
+    the request fails now (its next batch is refused FINISHED) and its slots are free again,
+    without waiting for its lease or its write window."""
+    rig = make_rig(num_slots=2)
+    a = rig.sender("sender-a", "tx-a")
+    slots = rig.granted(a, "req-a", ["k1", "k2"])
+    rig.transport.fail_write("tx-b", "sender-a", "req-a", slots)  # another peer's report changes nothing
+    time.sleep(0.2)
+    assert [rig.pool.state(s) for s in slots] == [SlotState.RESERVED] * 2
+    rig.transport.fail_write("tx-a", "sender-a", "req-a", slots)
+    assert eventually(lambda: all(rig.pool.state(s) is SlotState.FREE for s in slots))
+    refused = a.alloc("req-a", ["k3"])
+    assert isinstance(refused, protocol.Refused) and refused.code is protocol.RefusalCode.FINISHED
+    assert sorted(rig.granted(a, "req-b", ["k4", "k5"])) == sorted(slots)
 
 
 def test_cancelled_slot_returns_after_the_write_window_without_confirmation(make_rig) -> None:
@@ -418,7 +449,7 @@ class NcclRig:
         self.pool = SlotPool(3, write_window_s=self.cfg.write_window_s)
         self.service = ReceiveService(self.cfg, tp_rank=0, tp_size=1, transport=self.rx, pool=self.pool,
                                       slot_bytes=SLOT_BYTES, region_addr=region.addr, chunk_tokens=16,
-                                      dtype="bfloat16", fingerprint=fingerprint)
+                                      dtype="bfloat16", fingerprint=fingerprint).start()
         self.ctx = zmq.Context()
         self.sender = Sender(self.ctx, self.service.control_endpoint, "sender-a", f"tx-{self.tag}")
 
@@ -484,7 +515,7 @@ def _send_service(fingerprint: protocol.Fingerprint | None, tx) -> object:
 
     cfg = P2PConfig.from_mapping({"role": "sender", "transport": "nccl", "transfer_timeout_s": 10,
                                   "connect_timeout_s": 10})
-    return SendService(cfg, tp_rank=0, tp_size=1, transport=tx, fingerprint=fingerprint)
+    return SendService(cfg, tp_rank=0, tp_size=1, transport=tx, fingerprint=fingerprint).start()
 
 
 @pytest.mark.parametrize("fingerprint", [FINGERPRINT, None])
@@ -570,7 +601,7 @@ def test_loaded_chunks_are_cached_and_a_later_request_is_told_not_to_send_them(m
     assert all(not rig.pool.pins(s) and not rig.pool.readers(s) for s in first)
     assert rig.service.free_slots == 3 and rig.service.cached_slots == 3
     assert rig.service.counters.bytes_received == 3 * SLOT_BYTES
-    assert not rig.service._requests  # both requests are done and forgotten
+    assert not rig.service.grants.requests  # both requests are done and forgotten
 
 
 def test_a_cached_chunk_in_use_by_the_engine_is_never_granted_to_a_writer(make_rig) -> None:
@@ -639,3 +670,142 @@ def test_cancel_after_kv_ready_of_a_request_made_only_of_held_chunks_drops_its_p
     assert rig.pool.pins(slot) == ["repeat"] and rig.service.free_slots == 0
     assert isinstance(a.cancel("repeat"), protocol.Ack)
     assert rig.pool.pins(slot) == [] and rig.service.free_slots == 1
+
+
+# ---- the signed envelope: the signer is the sender it speaks for, the recipient is this receiver -------
+
+SECRET = "members-secret"
+
+
+class SignedSender(Sender):
+    """A member that holds the shared secret: signs as ``signer``, addresses frames as it is told."""
+
+    def __init__(self, ctx: zmq.Context, rig: Rig, sender_id: str, writer: str, *, signer: str | None = None,
+                 identity: bytes | None = None) -> None:
+        super().__init__(ctx, rig.service.control_endpoint, sender_id, writer)
+        self.codec = protocol.Codec(SECRET, identity=signer or sender_id, names=[signer or sender_id])
+        if identity is not None:  # a socket that takes over another's ZMQ identity (ROUTER_HANDOVER)
+            self.sock.close()
+            self.sock = ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.RCVTIMEO, REPLY_TIMEOUT_MS)
+            self.sock.setsockopt(zmq.IDENTITY, identity)
+            self.sock.connect(rig.service.control_endpoint)
+        self.address = rig.service.control_endpoint.removeprefix("tcp://")
+        self.receiver_id = ""
+        self.sent: list[list[bytes]] = []  # every frame sent, as a wire tap would capture it
+
+    def send(self, msg: protocol.Message) -> None:
+        frames = self.codec.pack(msg, self.receiver_id or self.address)
+        self.sent.append(frames)
+        self.sock.send_multipart(frames)
+
+    def replay(self, frames: list[bytes]) -> protocol.Message:
+        self.sock.send_multipart(frames)
+        return self.codec.unpack(self.sock.recv_multipart())
+
+    def hello(self, fingerprint: protocol.Fingerprint | None = FINGERPRINT) -> protocol.Message:
+        welcome = super().hello(fingerprint)
+        self.receiver_id = getattr(welcome, "receiver_id", "")
+        return welcome
+
+
+def signed(rig: Rig, sender_id: str, **kwargs) -> SignedSender:
+    sender = SignedSender(rig.ctx, rig, sender_id, f"tx-{sender_id}", **kwargs)
+    rig.senders.append(sender)
+    return sender
+
+
+def test_a_member_that_signs_as_one_sender_cannot_say_hello_as_another(make_rig) -> None:
+    rig = make_rig(num_slots=2, shared_secret=SECRET)
+    impostor = signed(rig, "sender-y", signer="sender-x")
+    refused = impostor.hello()
+    assert isinstance(refused, protocol.ErrorReply)
+    assert "speaks for sender 'sender-y' but is signed by 'sender-x'" in refused.message
+    assert rig.service.rejected_frames() == {"spoofed": 1}
+    alloc = impostor.alloc("req-y", ["k1"])  # it never became a sender here
+    assert isinstance(alloc, protocol.Refused) and alloc.code is protocol.RefusalCode.UNKNOWN_PEER
+    assert rig.pool.reserved_slots == 0
+    honest = signed(rig, "sender-x")  # the signer, as itself, is welcome
+    assert isinstance(honest.hello(), protocol.Welcome)
+    assert len(rig.granted(honest, "req-x", ["k1"])) == 1 and rig.pool.reserved_slots == 1
+
+
+def test_a_member_cannot_speak_on_another_senders_connection(make_rig) -> None:
+    rig = make_rig(num_slots=2, shared_secret=SECRET)
+    victim = signed(rig, "sender-x", identity=b"sender-x@victim")
+    assert isinstance(victim.hello(), protocol.Welcome)
+    (slot,) = rig.granted(victim, "req-x", ["k1"])
+    # Another member takes the connection over (same ZMQ identity) and signs as itself.
+    intruder = signed(rig, "sender-x", signer="sender-z", identity=b"sender-x@victim")
+    intruder.receiver_id = rig.service.receiver_id
+    refused = intruder.cancel("req-x")
+    assert isinstance(refused, protocol.ErrorReply) and "is signed by 'sender-z'" in refused.message
+    assert rig.service.rejected_frames() == {"spoofed": 1}
+    assert rig.pool.state(slot) is SlotState.RESERVED  # the victim's request was not cancelled
+
+
+def test_a_frame_captured_for_one_receiver_is_refused_by_another_within_the_window(make_rig) -> None:
+    rig_a = make_rig(num_slots=2, shared_secret=SECRET)
+    rig_b = make_rig(num_slots=2, shared_secret=SECRET)
+    at_a = signed(rig_a, "sender-m")
+    assert isinstance(at_a.hello(), protocol.Welcome)
+    rig_a.granted(at_a, "req-a", ["k1"])
+    hello_for_a, alloc_for_a = at_a.sent
+    # An eavesdropper replays both frames to B, on a connection of its own.
+    tap = signed(rig_b, "sender-m", identity=b"sender-m@tap")  # named so that it can read B's refusals
+    for frames in (hello_for_a, alloc_for_a):
+        reply = tap.replay(frames)
+        assert isinstance(reply, protocol.ErrorReply) and "addressed to" in reply.message
+    assert rig_b.service.rejected_frames() == {"misaddressed": 2}
+    assert rig_b.pool.reserved_slots == 0
+    # ... and on the connection of the very sender, once it said Hello to B too.
+    at_b = signed(rig_b, "sender-m")
+    assert isinstance(at_b.hello(), protocol.Welcome)
+    reply = at_b.replay(alloc_for_a)
+    assert isinstance(reply, protocol.ErrorReply) and rig_a.service.receiver_id in reply.message
+    assert rig_b.service.rejected_frames() == {"misaddressed": 3}
+    assert rig_b.pool.reserved_slots == 0
+    assert len(rig_b.granted(at_b, "req-b", ["k2"])) == 1  # its own frames to B are granted
+    assert rig_b.pool.reserved_slots == 1
+    assert rig_a.service.rejected_frames() == {}
+
+
+def test_a_signed_sender_is_served_and_answered_under_its_own_name(make_rig) -> None:
+    rig = make_rig(num_slots=2, shared_secret=SECRET)
+    sender = signed(rig, "sender-x")
+    welcome = sender.hello()
+    assert isinstance(welcome, protocol.Welcome) and welcome.receiver_id == rig.service.receiver_id
+    slots = rig.granted(sender, "req-x", ["k1", "k2"])
+    rig.transport.land("tx-sender-x", "sender-x", "req-x", slots)
+    assert eventually(lambda: rig.service.count_ready(["k1", "k2"]) == 2)
+    assert rig.service.rejected_frames() == {}
+
+
+# ---- lifecycle: construction opens nothing, start() binds and fails visibly, close() is idempotent -------
+
+def _service(cfg: P2PConfig) -> ReceiveService:
+    return ReceiveService(cfg, tp_rank=0, tp_size=1, transport=FakeTransport(), pool=SlotPool(2),
+                          slot_bytes=SLOT_BYTES, region_addr=REGION_ADDR, chunk_tokens=16, dtype="bfloat16")
+
+
+def test_construction_binds_nothing_and_a_failed_start_leaves_nothing_open() -> None:
+    port = free_port()
+    cfg = P2PConfig.from_mapping({"role": "receiver", "control_ports": [port]})
+    idle = _service(cfg)
+    with socket.socket() as probe:  # nothing listens yet: the port can be bound by anyone
+        probe.bind(("127.0.0.1", port))
+    first = _service(cfg).start()
+    try:
+        second = _service(cfg)
+        with pytest.raises(ProtocolError, match=f"cannot listen on tcp://127.0.0.1:{port} .p2p.host / p2p.control_ports"):
+            second.start()
+        second.close()
+        second.close()  # idempotent after a failed start
+        with pytest.raises(ClosedError):
+            second.start()
+    finally:
+        first.close()
+    idle.close()  # never started: nothing to stop
+    with socket.socket() as probe:  # the started one released its port on close
+        probe.bind(("127.0.0.1", port))

@@ -214,7 +214,7 @@ def make_service(transport: FakeTransport) -> Iterator[Any]:
     def make(**overrides: Any) -> SendService:
         cfg = P2PConfig(role=Role.SENDER, **{"connect_timeout_s": 5.0, "alloc_timeout_s": 5.0,
                                               "transfer_timeout_s": 5.0, **overrides})
-        service = SendService(cfg, tp_rank=0, tp_size=1, transport=transport)
+        service = SendService(cfg, tp_rank=0, tp_size=1, transport=transport).start()
         services.append(service)
         return service
 
@@ -639,3 +639,59 @@ def test_an_unexpected_error_polling_one_write_releases_no_chunk_twice(
     wait_for(lambda: len(set(chunks.released)) == 4, "every chunk to be released")
     time.sleep(0.1)  # the loop goes on: a late second release would show here
     assert sorted(chunks.released) == sorted(_keys(first + second)), "a chunk was released twice"
+
+
+# ---- the signed envelope: a receiver's frames are signed by its Welcome's id and addressed to us -------
+
+SECRET = "members-secret"
+
+
+class SignedReceiver(ScriptedReceiver):
+    """A scripted receiver that holds the shared secret and answers to its id and control address."""
+
+    def __init__(self, name: str, sender_id: str) -> None:
+        super().__init__(name)
+        self._codec = protocol.Codec(SECRET, identity=name, names=[name, self.target.address])
+        self.sender_id = sender_id
+
+    def send(self, msg: protocol.Message) -> None:
+        self.forge(self._codec, msg, self.sender_id)
+
+    def forge(self, codec: protocol.Codec, msg: protocol.Message, to: str) -> None:
+        self._sock.send_multipart([self.identity, *codec.pack(msg, to)])
+
+
+def test_a_grant_signed_by_another_receiver_or_for_another_sender_is_refused(make_service, transport, chunks) -> None:
+    service = make_service(shared_secret=SECRET)
+    rx = SignedReceiver("rx-b", service.sender_id)
+    try:
+        service.submit("req-1", rx.target, chunks.make(1), last=True)
+        rx.welcome()  # the Hello was addressed to rx-b's control address (else its codec would refuse it)
+        alloc = rx.recv(protocol.Alloc)  # addressed to rx-b's id, from its Welcome
+        grant = protocol.Grant(alloc.seq, alloc.req_id, [0], free_slots=NUM_SLOTS - 1)
+        rx.forge(protocol.Codec(SECRET, identity="rx-a"), grant, service.sender_id)  # another receiver's Grant
+        rx.forge(protocol.Codec(SECRET, identity="rx-b"), grant, "prefiller-other/r0/0")  # for another sender
+        wait_for(lambda: sum(service.stats().rejected_frames.values()) == 2, "both forged grants to be refused")
+        assert service.stats().rejected_frames == {"spoofed": 1, "misaddressed": 1}
+        assert transport.writes == [] and service.stats().requests_done == 0
+        rx.send(grant)  # the receiver's own Grant is written
+        wait_for(lambda: service.stats().requests_done == 1, "the request to finish")
+        assert len(transport.writes) == 1 and chunks.released == [alloc.keys[0]]
+    finally:
+        rx.close()
+
+
+def test_a_sender_starts_nothing_until_start_and_close_is_safe_at_any_point(transport, chunks) -> None:
+    cfg = P2PConfig(role=Role.SENDER)
+    idle = SendService(cfg, tp_rank=0, tp_size=1, transport=transport)
+    with pytest.raises(ClosedError, match="not started"):
+        idle.submit("req-1", Target("127.0.0.1", 1), chunks.make(1), last=True)
+    assert len(chunks.released) == 1  # refused chunks go back at once
+    idle.close()
+    idle.close()
+    with pytest.raises(ClosedError, match="closed"):
+        idle.start()
+    started = SendService(cfg, tp_rank=0, tp_size=1, transport=transport).start()
+    assert started.start() is started  # a second start does nothing
+    started.close()
+    started.close()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lmcache_p2p import protocol
-from lmcache_p2p.backend.receive_service import Chunk
+from lmcache_p2p.backend.chunk_index import Chunk
 from lmcache_p2p.buffer import SlotState
 
 
@@ -32,7 +32,7 @@ def test_a_failed_request_is_not_revived_by_its_next_alloc_batch(make_rig) -> No
     assert eventually(lambda: rig.pool.state(first.slots[0]) is SlotState.FREE)
     later = a.alloc("req-a", ["k2"], last=True)
     assert isinstance(later, protocol.Refused) and later.code is protocol.RefusalCode.FINISHED, later
-    assert rig.service.free_slots == 1 and not rig.service._requests
+    assert rig.service.free_slots == 1 and not rig.service.grants.requests
     rig.transport.land("tx-a", "sender-a", "req-a", first.slots)  # the failed grant's Written, late
     assert not eventually(lambda: rig.service.count_ready(["k1"]) or rig.service.count_ready(["k2"]), timeout_s=0.3)
 
@@ -55,7 +55,7 @@ def test_a_request_whose_chunk_another_request_loaded_and_evicted_still_complete
     assert isinstance(second, protocol.Grant) and second.slots == first.slots  # k1 evicted for k2
     rig.transport.land("tx-a", "sender-a", "req-a", second.slots)
     assert eventually(lambda: rig.service.count_ready(["k2"]) == 1)
-    assert eventually(lambda: rig.service._requests["req-a"].reported), "KvReady never sent"
+    assert eventually(lambda: rig.service.grants.requests["req-a"].reported), "KvReady never sent"
     chunk = rig.service.take("k2")
     assert chunk is not None and chunk.slot == second.slots[0] and rig.service.count_ready(["k1"]) == 0
 
@@ -147,7 +147,7 @@ class ServiceMachine(RuleBasedStateMachine):
         self.memory: list[str | None] = [None] * self.pool.num_slots
         for identity, (sender_id, writer) in SENDERS.items():
             info = protocol.TransportInfo(kind="loopback", name=writer)
-            assert isinstance(self.svc._handle(identity, protocol.Hello(protocol.PROTOCOL_VERSION, sender_id, 0, info,
+            assert isinstance(self.svc.control.handle(identity, protocol.Hello(protocol.PROTOCOL_VERSION, sender_id, 0, info,
                                                                         FINGERPRINT)), protocol.Welcome)
         self.reqs: dict[str, _Req] = {}
         self.writes: list[_Write] = []
@@ -172,7 +172,7 @@ class ServiceMachine(RuleBasedStateMachine):
         keys = req.keys[req.sent:req.sent + batch]
         last = req.sent + len(keys) == len(req.keys)
         self.seq += 1
-        reply = self.svc._handle(req.sender, protocol.Alloc(self.seq, req_id, keys, [SHAPE] * len(keys), last))
+        reply = self.svc.control.handle(req.sender, protocol.Alloc(self.seq, req_id, keys, [SHAPE] * len(keys), last))
         if isinstance(reply, protocol.Grant):
             req.sent += len(keys)
             sender_id, peer = SENDERS[req.sender]
@@ -189,7 +189,7 @@ class ServiceMachine(RuleBasedStateMachine):
         if self.clock.now >= w.until:
             return  # the contract: nothing lands after the window (the sender aborted it)
         self.memory[w.slot] = w.key
-        self.svc._on_written(w.peer, protocol.Written(w.sender_id, w.req_id, [w.slot]))
+        self.svc.on_written(w.peer, protocol.Written(w.sender_id, w.req_id, [w.slot]))
 
     @rule(doc=st.sampled_from(sorted(DOCS)), upto=st.integers(1, 3), pin=st.booleans())
     def lookup_and_retrieve(self, doc, upto, pin):
@@ -220,20 +220,20 @@ class ServiceMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def cancel(self, data):
         req_id = data.draw(st.sampled_from(sorted(self.reqs)))
-        self.svc._cancel(req_id, "test")
+        self.svc.grants.cancel(req_id, "test")
         self.reqs[req_id].dead = True
 
     @rule(dt=st.sampled_from([1, 10, 30, 50]))
     def tick(self, dt):
         self.clock.now += dt
-        self.svc._expire()
+        self.svc.grants.expire()
 
     @rule()
     def end_everything(self):
         """Every request ends (its writes land or not), the engine lets go, leases pass: nothing
         stays held, and the service forgets every request, pin and lookup claim."""
         for req_id in sorted(self.reqs):
-            self.svc._cancel(req_id, "test")
+            self.svc.grants.cancel(req_id, "test")
         self.reqs.clear()
         while self.held:
             self.svc.release(self.held.pop()[0])
@@ -241,10 +241,10 @@ class ServiceMachine(RuleBasedStateMachine):
             self.svc.unpin(self.claims.pop())
         self.writes.clear()
         self.clock.now += 1000
-        self.svc._expire()
+        self.svc.grants.expire()
         assert self.svc.free_slots == self.pool.num_slots
-        assert not self.svc._requests and not self.svc._index and not self.svc._pinning
-        assert not self.svc._lookup_pins and not self.svc._lookup_claims
+        assert not self.svc.grants.requests and not self.svc.index.ready and not self.svc.grants.pinning
+        assert not self.svc.index.lookup_pins and not self.svc.index.lookup_claims
 
     @invariant()
     def engine_sees_its_bytes(self):

@@ -327,3 +327,71 @@ def test_send_buffer_size_goes_to_lmcache_p2p_but_not_to_its_hostsend_variant(e2
     e2e_gpu.start("lmcache_p2p-nccl", default)
     assert calls == [("nixl", {"send_buffer_size": "64MB"}), ("nixl", {"send_buffer_size": "0"}),
                      ("nccl", {"send_buffer_size": None})]
+
+
+def test_long_points_are_rows_keyed_by_length_and_rate_in_that_order(e2e_gpu, tmp_path, monkeypatch) -> None:
+    cfg, _ = e2e_gpu.parse_args(["--model", str(tmp_path), "--systems", "single", "--long", "16000:0.5:12,8000:seq:4",
+                                 "--results-dir", str(tmp_path / "parts"), "--out", str(tmp_path / "out.json"),
+                                 "--log-dir", str(tmp_path / "logs")])
+    assert cfg.long_points == (e2e_gpu.Point(16000, 0.5, 12), e2e_gpu.Point(8000, 0.0, 4))
+    ran = []
+
+    class Dep:
+        system = "single"
+
+        def stop(self) -> None:
+            pass
+
+    def run_rate(pcfg, dep, rate, key):
+        ran.append((key, pcfg.input_len, pcfg.num_prompts, rate))
+        return e2e_gpu.make_row(dep.system, rate, bench_result(["x"]), None, [], OUTPUT_LEN)
+
+    monkeypatch.setattr(e2e_gpu, "start", lambda system, _cfg: Dep())
+    monkeypatch.setattr(e2e_gpu, "run_rate", run_rate)
+    cfg.results_dir.mkdir()
+    assert e2e_gpu.run_system(cfg, "single") is None
+    assert ran == [("16000@0.5", 16000, 12, 0.5), ("8000@seq", 8000, 4, 0.0)]
+    assert [r["rate"] for r in e2e_gpu.assemble(cfg, [])["rows"]] == [0.0, 0.5]  # 8000 first
+    with pytest.raises(SystemExit):
+        e2e_gpu.parse_args(["--model", str(tmp_path), "--long", "16000:0.5"])
+
+
+def test_a_sequential_point_sends_one_request_at_a_time(e2e_gpu, tmp_path) -> None:
+    cfg, _ = e2e_gpu.parse_args(["--model", str(tmp_path), "--long", "8000:seq:4"])
+    argv = e2e_gpu.bench_argv(cfg, "http://x", 0.0, tmp_path, "n.json")
+    assert argv[argv.index("--request-rate") + 1] == "inf" and argv[argv.index("--max-concurrency") + 1] == "1"
+    assert "--max-concurrency" not in e2e_gpu.bench_argv(cfg, "http://x", 0.5, tmp_path, "n.json")
+
+
+def test_request_timelines_attribute_each_step_s_stores_to_its_request(e2e_gpu) -> None:
+    events = [
+        {"ev": "exec", "t0": 10.0, "t1": 10.2, "reqs": {"a": 8192}},
+        {"ev": "save", "t0": 10.15, "t1": 10.19}, {"ev": "store", "t0": 10.16, "t1": 10.19, "req": "a"},
+        {"ev": "sync", "t0": 10.17, "t1": 10.185}, {"ev": "submit", "t0": 10.17, "t1": 10.19, "host_chunks": 2},
+        {"ev": "gather", "t0": 10.165, "t1": 10.166, "gpu_ms": 14.0},
+        {"ev": "gpu_step", "t0": 10.0, "gpu_ms": 190.0, "gap_ms": 50.0},
+        {"ev": "exec", "t0": 10.21, "t1": 10.4, "reqs": {"a": 7808}},
+        {"ev": "store", "t0": 10.41, "t1": 10.42, "req": "other"},  # another request's: not a's
+        {"ev": "gpu_step", "t0": 10.21, "gpu_ms": 180.0, "gap_ms": 9.0},
+        {"ev": "first", "t": 10.45, "reqs": ["a"]},
+        {"ev": "exec", "t0": 20.0, "t1": 20.1, "reqs": {"late": 100}}, {"ev": "first", "t": 20.2, "reqs": ["late"]},
+    ]
+    (a,) = e2e_gpu.request_timelines(events, 9.0, 15.0, others=[(10.3, 10.5)])
+    assert (a["req"], a["tokens"], a["steps"]) == ("a", 16000, 2)
+    assert a["engine_ms"] == pytest.approx(450.0) and a["between_ms"] == pytest.approx(10.0)
+    assert a["tail_ms"] == pytest.approx(50.0) and a["exec_ms"] == pytest.approx(390.0)
+    assert (a["store_ms"], a["sync_ms"], a["gather_gpu_ms"], a["host_chunks"], a["stores"]) == (
+        pytest.approx(30.0), pytest.approx(15.0), 14.0, 2, 1)
+    assert a["gpu_step_ms"] == 370.0 and a["gpu_gap_ms"] == 9.0  # the gap before its first step is not its own
+    assert a["other_engine_busy_ms"] == pytest.approx(150.0)  # 10.3 -> 10.45
+    summary = e2e_gpu.summarise_timelines([a])
+    assert summary["requests"] == 1 and summary["engine_ms_p50"] == pytest.approx(450.0)
+    assert e2e_gpu.summarise_timelines([]) == {"requests": 0}
+
+
+def test_read_traces_keys_each_engine_by_its_port_and_skips_cut_lines(e2e_gpu, tmp_path) -> None:
+    (tmp_path / "trace-1.jsonl").write_text(json.dumps({"ev": "proc", "argv": ["serve", "m", "--port", "7100"]}) + "\n"
+                                            + json.dumps({"ev": "exec", "t0": 1, "t1": 2, "reqs": {}}) + "\n{\"ev\": ")
+    (tmp_path / "trace-2.jsonl").write_text(json.dumps({"ev": "proc", "argv": ["proxy"]}) + "\n")  # no steps
+    traces = e2e_gpu.read_traces(tmp_path)
+    assert list(traces) == [7100] and [e["ev"] for e in traces[7100]] == ["proc", "exec"]

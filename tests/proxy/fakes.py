@@ -461,10 +461,11 @@ class FakeReceiverControl:
     def __init__(self, tp_size: int = 1, secret: str | None = None) -> None:
         self.cancels: list[tuple[int, Cancel]] = []  # (rank, message)
         self.agent: FakeAgent | None = None
-        self._codec = Codec(secret)
         self._ctx = zmq.asyncio.Context()
         self._socks = self._bind_consecutive(tp_size)
         self.port = int(self._socks[0].getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        # Like a receiver, it answers to its ranks' control addresses (a Cancel names the one it is for).
+        self._codec = Codec(secret, names=[f"127.0.0.1:{self.port + rank}" for rank in range(tp_size)])
         self._tasks = [asyncio.get_running_loop().create_task(self._serve(rank, sock))
                        for rank, sock in enumerate(self._socks)]
 

@@ -134,3 +134,35 @@ def test_output_text_without_stop_strings_holds_nothing_back(tokenizer, hf_token
     text: OutputText = tokenizer.output_text(hf_tokenizer.encode(PROMPT), TextParams())
     text.update(hf_tokenizer.encode(" kaba", add_special_tokens=False), stop_terminated=False)
     assert text.next_delta(finished=False) == " kaba" and text.next_delta(finished=True) == ""
+
+
+LONG_PROMPT = " ".join([PROMPT] * 400)  # thousands of ids, multi-byte characters split across tokens
+
+
+@pytest.mark.parametrize("params", [TextParams(), TextParams(skip_special_tokens=False), TextParams(stop=("中",))])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_long_prompt_s_text_equals_vllms_and_primes_the_stream_with_a_bounded_context(
+        hf_tokenizer, tokenizer, params, seed, monkeypatch):
+    import tokenizers.decoders
+
+    prompt_ids = hf_tokenizer.encode(LONG_PROMPT)
+    assert len(prompt_ids) > 4000
+    outputs = random_outputs(hf_tokenizer, seed, 30)
+    expected = vllm_text(hf_tokenizer, prompt_ids, outputs, params)
+    primed: list[int] = []
+    real = tokenizers.decoders.DecodeStream
+
+    def recording(ids=None, **kwargs):
+        primed.append(len(ids or []))
+        return real(ids=ids, **kwargs) if ids is not None else real(**kwargs)
+
+    monkeypatch.setattr(tokenizers.decoders, "DecodeStream", recording)
+    assert proxy_text(tokenizer, prompt_ids, outputs, params) == expected
+    assert primed and max(primed) <= 24  # the first token costs as much for a 64k-token prompt as for a short one
+
+
+def test_a_prompt_ending_mid_character_keeps_its_whole_context(hf_tokenizer, tokenizer):
+    prompt_ids = hf_tokenizer.encode(LONG_PROMPT) + hf_tokenizer.encode("中", add_special_tokens=False)[:2]
+    outputs = hf_tokenizer.encode("中", add_special_tokens=False)[2:] + hf_tokenizer.encode(" ka", add_special_tokens=False)
+    assert proxy_text(tokenizer, prompt_ids, outputs, TextParams()) == vllm_text(hf_tokenizer, prompt_ids, outputs,
+                                                                                 TextParams())

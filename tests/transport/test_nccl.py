@@ -13,12 +13,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from unittest.mock import patch as _patch
 
 import pytest
 import torch
 
 from lmcache_p2p.errors import PeerUnreachable, TransportError
 from lmcache_p2p.protocol import TransportInfo
+from lmcache_p2p.transport.nccl import group as group_ops
 from lmcache_p2p.transport.nccl import wire
 from lmcache_p2p.transport.nccl.transport import NcclTransport
 
@@ -298,6 +300,110 @@ def test_a_write_left_on_a_broken_pair_settles_only_once_it_can_no_longer_read_i
     assert got in ([], [("tx", b"held")])
     if got:
         assert torch.equal(buf[: 64 * KIB], original), "a notification came with bytes written after its write settled"
+
+
+class _GatedStore:
+    """A sender pair's store client whose doorbells ring only once ``go`` is set."""
+
+    def __init__(self, store, go: threading.Event) -> None:
+        self._store, self._go = store, go
+
+    def set(self, key, value) -> None:
+        self._go.wait(WAIT_S)
+        self._store.set(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def _two_writes_announced_before_the_first_is_received(rx: NcclTransport, tx: NcclTransport, peer: str) -> None:
+    """Hold the receiver's admission of doorbell 0 until the sender rang doorbell 1: both writes'
+    receives are then posted before the first completes. Before pairing: a pair keeps its hooks."""
+    real_admit = rx._hooks.admit
+    admitted = []
+
+    def admit_once_both_rang(sender, header):
+        if not admitted:
+            assert _eventually(lambda: tx._senders[peer]._seq == 2), "the sender never announced its second write"
+        admitted.append(header)
+        real_admit(sender, header)
+
+    rx._hooks = dataclasses.replace(rx._hooks, admit=admit_once_both_rang)
+
+
+def test_a_receiver_stopped_with_receives_posted_still_receives_the_announced_writes(make) -> None:
+    """``stop`` (the sender left or was replaced) lands while a write is being received and the next
+    one's receives are already posted: the announced writes are still received and notified,
+    instead of their requests waiting for their KV timeout."""
+    rx, tx = make("rx"), make("tx")
+    buf = _recv_buffer(rx, MIB)
+    base = rx.info().regions[0].addr
+    real_notify = rx._hooks.notify
+
+    def notify_then_stop(sender, payload):
+        real_notify(sender, payload)
+        if payload == b"w0":
+            rx.disconnect(sender)  # the receive service drops the sender right after its first write
+
+    rx._hooks = dataclasses.replace(rx._hooks, notify=notify_then_stop)
+    _two_writes_announced_before_the_first_is_received(rx, tx, "rx")
+    peer = _connect(rx, tx)
+    pair = tx._senders[peer]
+    queued = threading.Event()
+    pair._store = _GatedStore(pair._store, queued)  # both writes are queued before the first is posted
+    data = [_random(64 * KIB, 1), _random(64 * KIB, 2)]
+    for i, src in enumerate(data):
+        tx.write(peer, [src], [base + i * 128 * KIB], b"w%d" % i)
+    queued.set()
+    assert _collect(rx, 2) == [("tx", b"w0"), ("tx", b"w1")], "a write announced before the stop was dropped"
+    assert torch.equal(buf[: 64 * KIB], data[0]) and torch.equal(buf[128 * KIB : 192 * KIB], data[1])
+    assert _eventually(lambda: _recv_threads("rx") == []), "the stopped pair's thread did not end"
+
+
+def test_a_posted_write_that_never_lands_is_reported_failed_once_its_pair_is_down(make) -> None:
+    """The sender announces a write whose bytes never come: the receiver's pair fails at that
+    write's deadline, and the write is reported failed (its request can fail at once) only
+    after the pair's group was torn down; the write received before it is notified as usual."""
+    rx, tx = make("rx", timeout_s=2.0), make("tx")
+    _recv_buffer(rx, MIB)
+    base = rx.info().regions[0].addr
+    events: list[str] = []
+    real_failed = rx._hooks.write_failed
+    real_drop = group_ops.drop_group
+
+    def slow_drop(group):
+        time.sleep(0.5)  # a slow abort: the failure must still come after it
+        real_drop(group)
+        events.append("torn down")
+
+    def failed(sender, payload, why):
+        events.append("reported")
+        real_failed(sender, payload, why)
+
+    rx._hooks = dataclasses.replace(rx._hooks, write_failed=failed)
+    peer = _connect(rx, tx)
+    pair = tx._senders[peer]
+    real_send = pair._send
+    pair._send = lambda src, piece_bytes, deadline: [] if src.numel() == KIB else real_send(src, piece_bytes, deadline)
+    with _patch.object(group_ops, "drop_group", slow_drop):
+        tx.write(peer, [_random(64 * KIB, 1)], [base], b"landed")
+        tx.write(peer, [_random(KIB, 2)], [base + 128 * KIB], b"never")  # its doorbell rings, no byte follows
+        assert _collect(rx, 1) == [("tx", b"landed")]
+        assert _eventually(lambda: "reported" in events, timeout_s=WAIT_S), "the failed write was never reported"
+    assert [(n.peer, n.payload) for n in rx.get_failed_writes()] == [("tx", b"never")]
+    assert events.index("torn down") < events.index("reported"), "reported failed before its pair was torn down"
+    assert rx.get_failed_writes() == [] and _collect(rx, 1, timeout_s=0.5) == []
+
+
+def test_an_idle_receiver_whose_stop_wake_missed_still_ends(make) -> None:
+    """A stop whose BYE went where the thread does not wait (the doorbell moved on meanwhile) is
+    still seen: an idle serving thread re-checks its flag, it does not sleep out its idle wait."""
+    rx, tx = make("rx"), make("tx")
+    _recv_buffer(rx, MIB)
+    _connect(rx, tx)
+    assert _eventually(lambda: _serving(rx, "tx"))
+    rx._receivers["tx"].stop(None)  # the flag only: no wake reaches the doorbell
+    assert _eventually(lambda: _recv_threads("rx") == [], timeout_s=WAIT_S), "a stopped idle pair kept waiting"
 
 
 def test_write_guard_refuses_a_write_before_any_byte_of_it_is_received(make) -> None:
@@ -612,3 +718,34 @@ def test_importing_and_building_gloo_transports_leaves_the_environment_alone() -
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_gpu_host_receive_buffer_gets_nothing_of_a_failed_receive(make, nccl_env) -> None:
+    """A GPU pair receiving into pinned host memory (the receive ring): the sender sends only the
+    first piece of a write, so the receive of the second fails at its deadline and the pair is
+    aborted. No byte of the failed pieces may reach the host buffer, before or after the write
+    is reported failed (a copy-out queued behind a receive would land after the abort)."""
+    rx = make("rx", device="cuda:1", timeout_s=3.0, stage_slot_bytes=MIB)
+    tx = make("tx", device="cuda:0")
+    buf = torch.full((8 * MIB,), 0x11, dtype=torch.uint8, pin_memory=True)
+    rx.register(buf)
+    base = rx.info().regions[0].addr
+    peer = _connect(rx, tx)
+    pair = tx._senders[peer]
+    real_send = pair._send
+    pair._send = lambda src, piece_bytes, deadline: real_send(src[:MIB], piece_bytes, deadline)
+    src = _random(4 * MIB, 1, device="cuda:0")
+    tx.write(peer, [src], [base], b"partial")
+    failed: list = []
+
+    def reported() -> bool:
+        failed.extend(rx.get_failed_writes())
+        return bool(failed)
+
+    assert _eventually(reported, timeout_s=WAIT_S), "the failed write was never reported"
+    assert [(n.peer, n.payload) for n in failed] == [("tx", b"partial")]
+    time.sleep(1.0)  # a copy-out queued behind the failed receive would have landed by now
+    assert bool((buf[MIB : 4 * MIB] == 0x11).all()), "bytes of a failed receive reached the host buffer"
+    assert _collect(rx, 1, timeout_s=0.5) == []

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from lmcache_p2p.errors import PeerUnreachable
+from lmcache_p2p.errors import PeerUnreachable, TransportError
 from lmcache_p2p.transport.nixl.staging import StagingRing
 
 SLOT_BYTES = 1 << 20
@@ -68,6 +68,9 @@ class _Port:
         if xfer["notif"]:
             self.notified.append(xfer["notif"])
         return True
+
+    def staged_given_up(self, xfer):
+        return None
 
     def drop_staged(self, xfer) -> None:
         xfer["dropped"] = True
@@ -197,8 +200,10 @@ class _Agent:
         self.xfers.append(xfer)
         return xfer
 
+    post_state = ""  # what transfer() answers instead of the transfer's state, when set
+
     def transfer(self, xfer) -> str:
-        return xfer.state
+        return self.post_state or xfer.state
 
     def check_xfer_state(self, xfer) -> str:
         return xfer.state
@@ -284,5 +289,63 @@ def test_a_write_refused_for_its_destination_leaves_no_source_registered(host_cu
         with pytest.raises(ValueError, match="outside"):
             transport.write("h", [torch.ones(100, dtype=torch.uint8)], [host.addr + SLOT_BYTES - 10], b"")
         assert agent.registered == before
+    finally:
+        transport.close()
+
+
+def test_a_staged_put_failed_while_another_put_of_it_still_reads_keeps_its_slot(host_cuda, monkeypatch):
+    """NIXL answers ERR for a transfer as soon as one of its puts failed, while the others may still
+    read their sources: the ring slot it reads must never be refilled (the live put would carry
+    another write's bytes under the failed write's rows), and a ring with no slot left is bypassed."""
+    monkeypatch.setattr(torch.cuda, "Event", _LandedEvent)
+    transport, agent = _nixl_with_ring(monkeypatch, slots=1)
+    try:
+        info_b, dst_b = _gpu_peer("b")
+        first = torch.full((1000,), 0xAA, dtype=torch.uint8)
+        second = torch.full((1000,), 0xBB, dtype=torch.uint8)
+        transport.connect(info_b, 1.0)
+        h1 = transport.write("b", [first], [dst_b], b"n1")
+        assert not transport.poll(h1)
+        agent.xfers[0].state = "ERR"  # one put failed; the transfer's other put still reads the slot
+        with pytest.raises(TransportError, match="ERR"):
+            transport.poll(h1)
+        h2 = transport.write("b", [second], [dst_b + 4096], b"n2")
+        for _ in range(5):
+            if transport.poll(h2):
+                break
+            for xfer in agent.xfers[1:]:
+                xfer.finish()
+        agent.xfers[0].finish()  # the live put ends only now, reading the slot as it is now
+        assert agent.xfers[0].read == [first.numpy().tobytes()], "the failed put's slot was refilled under it"
+        assert transport.poll(h2) and agent.xfers[-1].read == [second.numpy().tobytes()]
+        assert agent.xfers[-1].notif == b"n2"
+        assert transport.given_up == 1 and transport._ring.lost_slots == 1
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("when", ["posted", "polled"])
+def test_a_direct_write_nixl_failed_while_its_puts_may_still_read_never_settles(host_cuda, monkeypatch, when):
+    """ERR at post or on a later state check does not mean every put of the transfer ended: the
+    write fails for its caller but never settles, and a source registered for it stays registered."""
+    from lmcache_p2p.protocol import Region, TransportInfo
+    from lmcache_p2p.transport.nixl.transport import NixlTransport
+
+    agent = _Agent()
+    monkeypatch.setattr(NixlTransport, "_create_agent", lambda self, name, params: agent)
+    transport = NixlTransport("tx")
+    try:
+        host = Region(addr=1 << 40, length=SLOT_BYTES, device_id=0, device="cpu")
+        transport.connect(TransportInfo(kind="nixl", name="h", metadata=b"h", regions=[host]), 1.0)
+        srcs = [torch.ones(100, dtype=torch.uint8), torch.ones(100, dtype=torch.uint8)]
+        if when == "posted":
+            agent.post_state = "ERR"
+        handle = transport.write("h", srcs, [host.addr, host.addr + 100], b"n")
+        agent.xfers[0].state = "ERR"
+        with pytest.raises(TransportError, match="ERR"):
+            transport.poll(handle)
+        assert not transport.settled(handle), "a write was settled while NIXL may still read its sources"
+        assert [(s.data_ptr(), s.nbytes) for s in srcs] == agent.registered[-2:], "its sources were deregistered"
+        assert transport.given_up == 1
     finally:
         transport.close()

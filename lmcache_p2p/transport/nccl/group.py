@@ -15,7 +15,7 @@ Facts this code relies on (seen with torch 2.13 Gloo on the CPU machines, 2026-1
   * Gloo ``Work.is_completed()`` stays False until someone calls ``wait``;
   * a plain master TCPStore listens on every interface: we bind the socket ourselves (to the
     configured host) and hand it over with ``master_listen_fd``.
-For NCCL (seen on 2x H200, torch 2.11, NCCL 2.28): ``Work.wait()`` without a timeout only makes
+For NCCL (torch's ProcessGroupNCCL): ``Work.wait()`` without a timeout only makes
 the current CUDA stream wait; with a timeout it blocks the CPU, sleeping between checks (too coarse
 for a pipeline of sub-millisecond writes), and on expiry torch's watchdog may end the whole
 process. So NCCL ops are waited for by polling ``is_completed()`` (it reads the op's CUDA event)

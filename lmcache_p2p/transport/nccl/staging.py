@@ -6,15 +6,16 @@ the copy of piece i+1 overlaps the send of piece i. ``RecvRing`` is the mirror f
 whose buffer is in host memory. Each ring belongs to ONE pair thread: no locking.
 
 Ordering is kept on the GPU where possible: NCCL ops are issued with the ring's stream current,
-so ProcessGroupNCCL makes its stream wait for our copies; ``work.wait()`` without a timeout makes
-our stream wait for a recv. The CPU only waits (always with a deadline) before it overwrites a
-pinned buffer, and before a pageable copy that would otherwise block without a deadline.
-Runs only with CUDA: tested on the GPU machine (2x H200; tests/transport contract cases
+so ProcessGroupNCCL makes its stream wait for our copies. The CPU waits (always with a deadline)
+before it overwrites a pinned buffer, and before it copies a received piece out to host memory:
+a copy-out is issued only once its receive is known to have succeeded (see ``RecvRing``).
+Runs only with CUDA: tested on the GPU machine (tests/transport contract cases
 "nccl-cuda-staged", tests/transport/test_nccl.py gpu tests, bench/transfer.py "nccl host->vram").
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -97,7 +98,13 @@ class SendRing:
 
 
 class RecvRing:
-    """Receives into device slots and copies each piece into a host destination."""
+    """Receives into device slots and copies each piece into a host destination.
+
+    A piece's copy-out is issued only once the CPU saw its receive complete without error, never
+    queued on the GPU behind a receive that may yet fail: a failed receive (its pair aborted,
+    however long ``ncclCommAbort`` takes) copies nothing into host memory. What was issued is
+    drained (``quiesce``) before the pair reports its failed writes.
+    """
 
     def __init__(self, device: torch.device, slot_bytes: int, slots: int) -> None:
         import torch
@@ -107,43 +114,81 @@ class RecvRing:
         self._dev: list[torch.Tensor | None] = [None] * slots
         self._slot_bytes = slot_bytes
         self._next = 0
+        # Received pieces not yet copied out, in receive order: (recv Work, device piece, host piece, slot).
+        self._pending: collections.deque[tuple[Any, Any, Any, int]] = collections.deque()
 
     def recv(self, group: Any, dst: torch.Tensor, piece_bytes: int, deadline: float) -> list[Any]:
         """Receive ``dst.numel()`` bytes from rank 1 into host view ``dst``; one Work per piece."""
         import torch
 
-        pinned_dst = dst.is_pinned()
         works = []
         for off, n in pieces(dst.numel(), piece_bytes):
-            slot = self._slot(n)
+            k, slot = self._slot(n, deadline)
             with torch.cuda.stream(self._stream):
                 # NCCL waits for our stream, so this recv starts after the slot's previous copy-out.
                 work = group.recv([slot[:n]], 1, 0)
-                if pinned_dst:
-                    work.wait()  # our stream waits for the recv (GPU side, no CPU block)
-                    dst[off : off + n].copy_(slot[:n], non_blocking=True)
-                else:
-                    group_ops.wait_work(work, deadline, "staged recv", cuda=True)  # a pageable copy would block unbounded
-                    dst[off : off + n].copy_(slot[:n])
+            self._pending.append((work, slot[:n], dst[off : off + n], k))
             works.append(work)
         return works
 
-    def finish(self, deadline: float) -> None:
-        """Wait (with the deadline) until every copy-out issued so far has landed in host memory."""
+    def finish(self, deadline: float, upto: Any = None) -> None:
+        """Copy out the received pieces through the one of Work ``upto`` (all by default), each once
+        its receive completed; then wait (with the deadline) until they landed in host memory.
+        TransportError if a receive failed: nothing of it or after it is copied."""
         import torch
 
+        ahead = [p[0] for p in self._pending]
+        if upto is None:
+            count = len(ahead)
+        else:  # pieces leave in receive order: ``upto`` gone means this write's pieces all left already
+            count = next((i + 1 for i, work in enumerate(ahead) if work is upto), 0)
+        self._copy_out(deadline, count)
         event = torch.cuda.Event()
         event.record(self._stream)
         _wait_until(event.query, deadline, "staged copy to host")
 
-    def _slot(self, nbytes: int) -> torch.Tensor:
+    def quiesce(self, deadline: float) -> bool:
+        """The pair was torn down: drop pieces never copied out, wait (until ``deadline``) for the
+        copies issued. False if they did not drain: host destinations may still change then."""
+        self._pending.clear()
+        try:
+            _wait_until(self._stream.query, deadline, "staged copy-out drain")
+        except TransportTimeout:
+            return False
+        return True
+
+    def _copy_out(self, deadline: float, count: int) -> None:
+        """Copy out the first ``count`` pending pieces, in receive order."""
+        import torch
+
+        for _ in range(count):
+            work, piece, dst, _slot = self._pending[0]
+            group_ops.wait_work(work, deadline, "staged recv", cuda=True)  # raises: nothing more is copied
+            self._pending.popleft()
+            with torch.cuda.stream(self._stream):
+                dst.copy_(piece, non_blocking=dst.is_pinned())  # a pageable copy waits for the stream
+
+    def _slot(self, nbytes: int, deadline: float) -> tuple[int, torch.Tensor]:
         import torch
 
         k = self._next
         self._next = (k + 1) % len(self._dev)
+        # The slot's previous piece is copied out before the slot is received into again.
+        self._copy_out(deadline, max((i + 1 for i, p in enumerate(self._pending) if p[3] == k), default=0))
         slot = self._dev[k]
         if slot is None or slot.numel() < nbytes:
             with torch.cuda.stream(self._stream):  # freed and reused in this stream's order
                 slot = torch.empty(max(nbytes, self._slot_bytes), dtype=torch.uint8, device=self._device)
             self._dev[k] = slot
-        return slot
+        return k, slot
+
+
+class CopyOut:
+    """A write's finisher on a RecvRing: copies out its pieces, through its latest receive."""
+
+    def __init__(self, ring: RecvRing) -> None:
+        self.ring = ring
+        self.upto: Any = None
+
+    def __call__(self, deadline: float) -> None:
+        self.ring.finish(deadline, self.upto)

@@ -47,7 +47,10 @@ Emulating a one-sided write on a two-sided library:
     fail; posted ones finish or fail at their own deadline (their memory stays referenced
     until then). A pair ends with ``abort`` of its group, never a collective (the peer may be
     dead). The sender rings a BYE doorbell so the receiver's thread ends at once; a stopped
-    receiver thread is woken through its doorbell (serving) or its claim key (pairing). Threads
+    receiver thread is woken through its doorbell (serving) or its claim key (pairing), and
+    still receives the writes announced before (each by its deadline). A write the receiver
+    admitted but could not receive whole is reported by ``get_failed_writes`` once its pair
+    was torn down (group aborted, staging copies drained): nothing more of it lands. Threads
     are joined with ``close_timeout_s``; one stuck in a Gloo/NCCL wait (which cannot be
     interrupted) ends by itself at that wait's deadline.
 
@@ -63,37 +66,27 @@ see group.py ``nccl_env_for_pairs``.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmcache_p2p.errors import ClosedError, PeerUnreachable, ProtocolError, TransportError, TransportTimeout
+from lmcache_p2p.errors import ClosedError, TransportError
 from lmcache_p2p.protocol import Region, TransportInfo
+from lmcache_p2p.transport.base import Notification, Transport, WriteGuard, region_of
 from lmcache_p2p.transport.nccl import group as group_ops
-from lmcache_p2p.transport.nccl import wire
-from lmcache_p2p.transport.base import Notification, Transport, WriteGuard, WriteHandle, region_of
-from lmcache_p2p.transport.nccl.pairs import (
-    PairingReport,
-    PairSettings,
-    PendingWrite,
-    RecvHooks,
-    RecvPair,
-    SendPair,
-    Stopwatch,
-    flat_bytes,
-    new_send_ring,
-)
+from lmcache_p2p.transport.nccl.pairs import PairingReport, PairSettings, RecvHooks, RecvPair, SendPair, flat_bytes
+from lmcache_p2p.transport.nccl.receiving import ReceiveSide
+from lmcache_p2p.transport.nccl.sending import SendSide, contains
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
-OFFER_POLL_S = 0.01  # a sender that found an already-claimed offer looks again this often
 PAIRING_REPORTS_KEPT = 64  # the latest pairings' timings that ``pairings()`` returns
+FAILED_WRITES_KEPT = 4096  # failed writes kept for get_failed_writes() when nobody drains them
 
 
 def _parse_device(device: str) -> Any:
@@ -109,31 +102,10 @@ def _parse_device(device: str) -> Any:
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
 
-def _claim_offer(store: Any, me: str, peer: str, deadline: float) -> str:
-    """Wait for the receiver's offer to us and win it; stale (claimed) offers are skipped."""
-    key = wire.offer_key(me)
-    while True:
-        left = group_ops.remaining_s(deadline)
-        if left <= 0:
-            raise PeerUnreachable(
-                f"{peer} offered no pair to {me} in time: the receiver must accept() this sender for every connect()"
-            )
-        try:
-            store.wait([key], group_ops.timedelta_s(left))
-        except group_ops.dist_errors() as exc:
-            if group_ops.is_store_timeout(exc):
-                continue
-            raise PeerUnreachable(f"lost the store of {peer} while pairing: {exc}") from exc
-        pair_id = store.get(key).decode()
-        if store.add(wire.claim_key(pair_id), 1) == 1:
-            return pair_id
-        time.sleep(OFFER_POLL_S)
-
-
 # ---- the transport ---------------------------------------------------------------------------
 
 
-class NcclTransport(Transport):
+class NcclTransport(SendSide, ReceiveSide, Transport):
     """Pair groups over torch.distributed (Gloo on "cpu", NCCL on "cuda"); see the module docstring."""
 
     kind = "nccl"
@@ -168,6 +140,7 @@ class NcclTransport(Transport):
         self._recv_threads: set[RecvPair] = set()  # every live receiver pair, pairing ones included
         self._stopped: list[SendPair | RecvPair] = []  # disconnected pairs whose threads close() joins
         self._notifs: collections.deque[Notification] = collections.deque()
+        self._failed: collections.deque[Notification] = collections.deque(maxlen=FAILED_WRITES_KEPT)
         self._pairings: collections.deque[PairingReport] = collections.deque(maxlen=PAIRING_REPORTS_KEPT)
         self._guard: WriteGuard | None = None
         if timeout_s <= 0 or close_timeout_s <= 0 or stage_slot_bytes <= 0 or stage_slots <= 0:
@@ -182,7 +155,7 @@ class NcclTransport(Transport):
             )
             self._hooks = RecvHooks(
                 self._on_paired, self._on_pair_ended, self._notify, self._slot_view, self._region_bytes, self._admit,
-                self._pairings.append,
+                self._pairings.append, self._write_failed,
             )
         except BaseException:
             self.close()
@@ -212,6 +185,7 @@ class NcclTransport(Transport):
         with self._lock:
             store, self._store = self._store, None  # dropping it stops the server; stragglers' waits fail
             self._notifs.clear()
+            self._failed.clear()
         del store
         logger.debug("NCCL transport %s closed", self._name)
 
@@ -242,7 +216,7 @@ class NcclTransport(Transport):
             self._check_open()
             self._check_device(tensor, "register")
             for known in self._regions:
-                if (known.device, known.device_id) == (region.device, region.device_id) and _contains(
+                if (known.device, known.device_id) == (region.device, region.device_id) and contains(
                     known, region.addr, region.length
                 ):
                     return known
@@ -265,165 +239,6 @@ class NcclTransport(Transport):
                 regions=list(self._regions),
             )
 
-    def _region_bytes(self) -> list[int]:
-        return [r.length for r in self._regions]
-
-    def _slot_view(self, chunk: wire.ChunkDest) -> torch.Tensor:
-        return self._views[chunk.region][chunk.offset : chunk.offset + chunk.nbytes]
-
-    # ---- receiver side --------------------------------------------------------------------------
-
-    def set_write_guard(self, guard: WriteGuard | None) -> None:
-        self._guard = guard
-
-    def _admit(self, sender: str, header: wire.Header) -> None:
-        """ProtocolError if the write guard refuses ``sender``'s write (the pair thread then ends)."""
-        guard = self._guard
-        if guard is None:
-            return
-        with self._lock:
-            dests = [(self._regions[c.region].addr + c.offset, c.nbytes) for c in header.chunks]
-        reason = guard(sender, dests, header.notif)
-        if reason:
-            raise ProtocolError(f"refused a write of {header.nbytes} bytes from {sender}: {reason}")
-
-    def accept(self, peer: TransportInfo) -> None:
-        """Start pairing with sender ``peer`` in a background thread; returns at once."""
-        if peer.kind != self.kind:
-            raise PeerUnreachable(f"peer {peer.name!r} speaks transport {peer.kind!r}, we speak {self.kind!r}")
-        with self._lock:
-            self._check_open()
-            pair = RecvPair(self._hooks, self._s, peer.name)
-            self._recv_threads.add(pair)
-        pair.start()
-
-    def _on_paired(self, pair: RecvPair) -> bool:
-        """A receiver pair is up: it becomes its sender's pair (an older one is stopped)."""
-        with self._lock:
-            if self._closed or pair.stopping:
-                return False
-            old = self._receivers.get(pair.sender)
-            self._receivers[pair.sender] = pair
-        if old is not None:
-            self._stop_receiver(old)
-        return True
-
-    def _on_pair_ended(self, pair: RecvPair) -> None:
-        with self._lock:
-            self._recv_threads.discard(pair)
-            if self._receivers.get(pair.sender) is pair:
-                del self._receivers[pair.sender]
-
-    def _stop_receiver(self, pair: RecvPair) -> None:
-        """Stop a receiver pair, waking its store wait through our own store client."""
-        with self._lock:
-            store = self._store
-        pair.stop(store)
-
-    def _notify(self, sender: str, payload: bytes) -> None:
-        with self._notified:
-            self._notifs.append(Notification(peer=sender, payload=payload))
-            self._notified.notify_all()
-
-    def get_notifications(self) -> list[Notification]:
-        with self._lock:
-            self._check_open()
-            out = list(self._notifs)
-            self._notifs.clear()
-        return out
-
-    def wait_notifications(self, timeout_s: float) -> list[Notification]:
-        """Block until a notification arrives (woken by the pair threads), or [] after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        with self._notified:
-            while not self._notifs and not self._closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._notified.wait(left)
-        return self.get_notifications()
-
-    # ---- sender side ----------------------------------------------------------------------------
-
-    def connect(self, peer: TransportInfo, timeout_s: float) -> str:
-        """Join the pair the receiver offers us (it must accept() us); PeerUnreachable after ``timeout_s``.
-
-        Idempotent while the pair is up; a pair that went down is replaced by a new one.
-        """
-        if peer.kind != self.kind:
-            raise PeerUnreachable(f"peer {peer.name!r} speaks transport {peer.kind!r}, we speak {self.kind!r}")
-        if not peer.host or peer.port <= 0:
-            raise PeerUnreachable(f"peer {peer.name!r} announced no NCCL store address ({peer.host}:{peer.port})")
-        with self._connect_lock:
-            with self._lock:
-                self._check_open()
-                old = self._senders.get(peer.name)
-            if old is not None and not old.down:
-                old.regions = list(peer.regions)
-                return peer.name
-            if old is not None:
-                self._drop_sender(old)
-            pair = self._join(peer, timeout_s)
-            with self._lock:
-                closed = self._closed
-                if not closed:
-                    self._senders[peer.name] = pair
-            pair.start()
-            if closed:
-                pair.stop()  # its thread says BYE and drops the group
-                raise ClosedError(f"NCCL transport {self._name!r} closed while connecting")
-        logger.info("%s: connected to %s (pair %s)", self._name, peer.name, pair.pair_id)
-        return peer.name
-
-    def _join(self, peer: TransportInfo, timeout_s: float) -> SendPair:
-        """Pair with ``peer`` completely before returning (eager: nothing is left for the first write):
-        group and communicator, a warm-up piece, the staging ring (GPU), and the receiver's "serving"."""
-        deadline = time.monotonic() + timeout_s
-        store = group_ops.store_client(peer.host, peer.port, timeout_s)
-        group = ring = None
-        try:
-            pair_id = _claim_offer(store, self._name, peer.name, deadline)
-            group, ring, report = self._join_group(store, pair_id, peer.name, deadline)
-            store.set_timeout(group_ops.timedelta_s(self._s.timeout_s))
-        except (*group_ops.dist_errors(), TransportError) as exc:
-            group_ops.drop_group(group)
-            if isinstance(exc, PeerUnreachable):
-                raise
-            raise PeerUnreachable(f"cannot pair with {peer.name} within {timeout_s:.1f}s: {exc}") from exc
-        report.log(self._name)
-        self._pairings.append(report)
-        return SendPair(self._s, peer, pair_id, store, group, ring)
-
-    def _join_group(self, store: Any, pair_id: str, peer: str, deadline: float) -> tuple[Any, Any, PairingReport]:
-        """Build our side (rank 1) of the pair's group on our device: handshake, warm-up, the staging
-        ring (GPU only), then wait until the receiver serves the pair."""
-        import torch
-
-        on_device = torch.cuda.device(self._s.device) if self._s.cuda else contextlib.nullcontext()
-        watch = Stopwatch()
-        with on_device:
-            join_s = max(group_ops.remaining_s(deadline), 0.001)
-            group = group_ops.new_group(store, pair_id, 1, self._s.device, self._s.host, join_s, self._s.watchdog_s)
-            laps = [watch.lap()]
-            try:
-                group_ops.handshake(group, 1, self._s.device, deadline)
-                laps.append(watch.lap())
-                warmed = group_ops.warm_up(group, 1, self._s.device, deadline)
-                ring = new_send_ring(self._s) if self._s.cuda else None
-                laps.append(watch.lap())
-                group_ops.ready(group, 1, self._s.device, deadline)
-                laps.append(watch.lap())
-            except BaseException:
-                group_ops.drop_group(group)
-                raise
-        return group, ring, PairingReport("sender", peer, pair_id, *laps, warmed)
-
-    def _drop_sender(self, pair: SendPair) -> None:
-        """Stop a pair that went down; its thread ends alone (close joins it)."""
-        pair.stop()
-        with self._lock:
-            self._stopped.append(pair)
-
     def disconnect(self, peer: str) -> None:
         """Stop our pair(s) with ``peer`` (as sender and/or receiver) and return at once; their
         threads finish posted writes (or fail them at their deadline), abort the group and end
@@ -441,71 +256,3 @@ class NcclTransport(Transport):
             sender.stop()
         for receiver in receivers:
             self._stop_receiver(receiver)
-
-    # ---- writes -------------------------------------------------------------------------------
-
-    def write(self, peer: str, srcs: Sequence[torch.Tensor], dst_addrs: Sequence[int], notif: bytes) -> WriteHandle:
-        """Queue a write on the pair's sender thread; returns at once. Empty ``notif``: no notification."""
-        if len(srcs) != len(dst_addrs) or not srcs:
-            raise ValueError(f"write needs one destination per source, got {len(srcs)} and {len(dst_addrs)}")
-        with self._lock:
-            self._check_open()
-            pair = self._senders.get(peer)
-        if pair is None:
-            raise PeerUnreachable(f"not connected to peer {peer!r}: connect() it first")
-        for src in srcs:
-            self._check_device(src, "write")
-        chunks = tuple(_chunk_dest(pair, src, addr) for src, addr in zip(srcs, dst_addrs))
-        staged = self._s.cuda and any(src.device.type == "cpu" for src in srcs)
-        header = wire.Header(wire.HeaderKind.WRITE, chunks, self._s.stage_slot_bytes if staged else 0, bytes(notif))
-        write = PendingWrite(peer, header, [flat_bytes(src) for src in srcs], time.monotonic() + self._s.timeout_s)
-        pair.submit(write)
-        return WriteHandle(peer=peer, nbytes=header.nbytes, token=(pair, write))
-
-    def poll(self, handle: WriteHandle) -> bool:
-        """True once every byte was sent and received; TransportError / TransportTimeout if it failed."""
-        _, write = handle.token
-        if write.error:
-            cls = TransportTimeout if write.timed_out else TransportError
-            raise cls(f"write of {handle.nbytes} bytes to {handle.peer} failed: {write.error}")
-        if write.done:
-            return True
-        with self._lock:
-            self._check_open()
-        return False
-
-    def wait(self, handle: WriteHandle, timeout_s: float) -> None:
-        """Block (on an event the sender thread sets, no spinning) until the write finished."""
-        _, write = handle.token
-        if not write.finished.wait(max(timeout_s, 0.0)):
-            self.abort(handle)
-            raise TransportTimeout(
-                f"write of {handle.nbytes} bytes to {handle.peer} not complete after {timeout_s:.1f}s "
-                "(p2p.transfer_timeout_s)"
-            )
-        self.poll(handle)
-
-    def abort(self, handle: WriteHandle) -> None:
-        """Fail an unfinished write for its caller (see SendPair.abort); the pair stays up."""
-        pair, write = handle.token
-        pair.abort(write)
-
-    def settled(self, handle: WriteHandle) -> bool:
-        """True once no op reads the write's sources (see "settling" in the module docstring)."""
-        _, write = handle.token
-        return write.settled.is_set()
-
-
-def _contains(region: Region, addr: int, nbytes: int) -> bool:
-    return region.addr <= addr and addr + nbytes <= region.addr + region.length
-
-
-def _chunk_dest(pair: SendPair, src: torch.Tensor, addr: int) -> wire.ChunkDest:
-    """Where ``src`` lands, as (receiver region index, offset, length); ValueError outside every region."""
-    nbytes = region_of(src).length
-    if nbytes <= 0:
-        raise ValueError("cannot write an empty tensor")
-    for index, region in enumerate(pair.regions):
-        if _contains(region, addr, nbytes):
-            return wire.ChunkDest(index, addr - region.addr, nbytes)
-    raise ValueError(f"destination 0x{addr:x} (+{nbytes} bytes) is outside every region of {pair.peer}")

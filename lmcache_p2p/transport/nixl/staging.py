@@ -1,10 +1,10 @@
 """Host -> remote-GPU writes for the NIXL transport, staged through the sender's own GPU.
 
-Why: UCX moves pinned host memory into a peer's GPU slowly (0.6 GB/s measured on 2x H200 with
-``cuda_ipc,cuda_copy,tcp``: cuda_ipc only copies device memory, so UCX falls back to a pipeline
-through host bounce buffers), while a local pinned host->device copy runs at the PCIe limit
-(~55 GB/s) and cuda_ipc between two GPUs at NVLink speed (~390 GB/s). LMCache keeps a
-prefiller's chunks in host memory, so this is the path that matters.
+Why: UCX moves pinned host memory into a peer's GPU slowly (with ``cuda_ipc,cuda_copy,tcp``,
+cuda_ipc only copies device memory, so UCX falls back to a pipeline through host bounce buffers),
+while a local pinned host->device copy runs at the bus limit and cuda_ipc between two GPUs at
+the GPU link's speed (figures: bench/transfer.py, shared/FACTS.md). LMCache keeps a prefiller's
+chunks in host memory, so this is the path that matters.
 
 How: a small ring of device slots on the sender's GPU, allocated and registered with NIXL (VRAM)
 once. Each host piece is copied into a slot on a side stream; a slot whose copy finished goes out
@@ -22,8 +22,11 @@ polls its handles continuously. Writes go through the ring in submission order.
 
 Failures: a failed or aborted write stops using the ring: its queued pieces are dropped, its
 filled-but-unsent slots are freed (later copies into them are ordered on the same stream), and
-slots already on the wire are freed when their transfer ends. Host sources must stay valid until
-the write is settled: finished, and the last copy out of them landed (``StagedWrite.settled``).
+slots already on the wire are freed when their transfer ends. A slot whose transfer the transport
+gave up (NIXL failed it while its puts may still read: see transport.py) is never refilled: it is
+lost for the process's life, counted in ``lost_slots`` and logged; a ring with no slot left is
+bypassed by the transport. Host sources must stay valid until the write is settled: finished,
+and the last copy out of them landed (``StagedWrite.settled``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,7 +43,12 @@ from lmcache_p2p.errors import PeerUnreachable, TransportError
 if TYPE_CHECKING:
     import torch
 
+logger = logging.getLogger(__name__)
+
 ALIGN_BYTES = 256  # packed pieces start at this alignment inside a slot (copy-engine friendly)
+
+# Ring buffers that puts given up unfinished may still read once their ring closed.
+_KEPT_FOR_LIFE: list[Any] = []
 
 Row = tuple[int, int, int]  # (address, bytes, device id), as NIXL descriptors take them
 
@@ -54,6 +63,9 @@ class XferPort(Protocol):
         """True once the transfer completed; TransportError once it failed and ended (released then).
         A transfer failed while NIXL still runs it answers False: its slot is still being read."""
 
+    def staged_given_up(self, xfer: Any) -> tuple[str, bool] | None:
+        """(why, peer unreachable) once the transport gave the transfer up: it may read its slot for good."""
+
     def drop_staged(self, xfer: Any) -> None:
         """Release an unfinished transfer (abort); never raises."""
 
@@ -62,6 +74,7 @@ class _State(enum.Enum):
     FREE = "free"
     COPYING = "copying"  # host -> slot copy issued; ``event`` tells when it landed
     SENDING = "sending"  # a NIXL transfer reads the slot
+    LOST = "lost"  # a transfer given up unfinished may read the slot: never refilled
 
 
 @dataclasses.dataclass(eq=False)
@@ -127,6 +140,12 @@ class StagingRing:
                        for i in range(slots)]
         self._queue: collections.deque[StagedWrite] = collections.deque()  # writes with pieces left to copy
         self._copying: collections.deque[_Slot] = collections.deque()  # in fill order
+        self.lost_slots = 0
+
+    @property
+    def usable(self) -> bool:
+        """False once every slot was lost to a given-up transfer."""
+        return self.lost_slots < len(self._slots)
 
     # ---- called by the transport, under its lock ------------------------------------------------
 
@@ -172,6 +191,8 @@ class StagingRing:
         """Fail everything and release transfers still reading slots."""
         for write in self._writes():
             write.fail("transport closed")
+        if any(slot.state in (_State.SENDING, _State.LOST) for slot in self._slots):
+            _KEPT_FOR_LIFE.append(self.buffer)  # puts that never settled may still read it
         for slot in self._slots:
             if slot.state is _State.SENDING:
                 self._port.drop_staged(slot.xfer)
@@ -193,6 +214,7 @@ class StagingRing:
             write = slot.write
             try:
                 if not self._port.staged_done(slot.xfer):
+                    self._lose_if_given_up(slot)
                     continue
             except PeerUnreachable as exc:
                 write.fail(str(exc), unreachable=True)
@@ -204,6 +226,16 @@ class StagingRing:
                     write.done = True
             slot.free()
         self._drop_failed()
+
+    def _lose_if_given_up(self, slot: _Slot) -> None:
+        given_up = self._port.staged_given_up(slot.xfer)
+        if given_up is None:
+            return
+        slot.write.fail(*given_up)
+        slot.state, slot.write = _State.LOST, None
+        self.lost_slots += 1
+        logger.warning("staging slot at 0x%x lost: its transfer failed (%s) while NIXL may still read it; %d of %d "
+                       "slot(s) lost", slot.addr, given_up[0], self.lost_slots, len(self._slots))
 
     def _post_copied(self) -> None:
         for slot in list(self._copying):

@@ -14,7 +14,7 @@ NIXL/UCX behaviour this module relies on or works around (nixl 1.5.1; see shared
   * ``UCX_TLS=sm,self`` fails to create the backend unless ``ucx_error_handling_mode`` is
     ``none``; ``none`` also works for tcp, so it is the default. Even so, a peer that died is
     seen (NIXL_ERR_REMOTE_DISCONNECT -> :class:`PeerUnreachable`): at post, or by ``poll`` for
-    a write already in flight (seen within ~30 ms on tcp and sm here).
+    a write already in flight (on tcp and sm alike).
   * UCX sm moves host bytes with CMA (process_vm_writev) INSIDE ``write``: the caller's thread
     does the copy (the GIL is released meanwhile) and the handle is usually done at once.
     CMA throughput roughly doubles when the receiver's buffer (and the sources) are backed by
@@ -23,21 +23,29 @@ NIXL/UCX behaviour this module relies on or works around (nixl 1.5.1; see shared
     (``get_notifications``), so a receiver that stops polling stalls its senders' writes.
   * The receiver needs no metadata of its senders to get their notifications.
   * ``add_remote_agent`` returns bytes; ``get_new_notifs`` keys its dict by str; statuses are
-    the strings "DONE" / "PROC" / "ERR", wrapped in :class:`_Status` here.
+    the strings "DONE" / "PROC" / "ERR", wrapped in :class:`~lmcache_p2p.transport.nixl.records.Status`.
   * No write can be recalled. ``release_xfer_handle`` on an active transfer makes the UCX
     backend call ``ucp_request_cancel`` (which UCX honours for receives, not for RMA puts) and
     free the request, then reports success: the put may go on reading its source with nobody
     left to tell when it stops. And once a remote agent is removed, ``check_xfer_state`` on a
     transfer to it only answers NOT_FOUND. So ``abort`` never releases an active transfer: it
     fails the handle for the caller and keeps polling it; the write is ``settled`` once NIXL
-    reports it DONE or ERR (UCX completed every request). ``disconnect`` keeps the peer's agent
-    loaded until its writes in flight settled (then removes it). Only ``close`` (or a reconnect
+    reports it DONE (UCX completed every request). ``disconnect`` keeps the peer's agent
+    loaded until its writes in flight settled (then removes it). ``close`` (or a reconnect
     under the same name) gives up on an unsettled write: it never settles, so its caller keeps
     the memory.
+  * ERR does not mean the transfer ended: the UCX backend's handle status returns the first
+    failed request's error without looking at the transfer's other puts, and keeps answering
+    ERR while they run. Nothing in NIXL tells when they stop, so a write that NIXL failed (at
+    post, on a state check, or a state check that raised) is given up like one at ``close``:
+    failed for its caller, never settled (its sources and temporary registrations stay in use,
+    a staging ring slot it read stays busy for the process's life), counted in ``given_up``
+    and logged. A write that raises was never posted; once ``transfer`` was called it returns
+    a handle, failed or not.
 
 Host sources into a peer's GPU memory go through a :class:`~lmcache_p2p.transport.nixl.staging.StagingRing`
 on the sender's own GPU when the transport is built with ``stage_device`` (UCX alone moves them at
-~0.6 GB/s; staged, they move at PCIe speed): see staging.py. Every other combination (device
+a fraction of the speed of a local copy; staged, they move at copy-engine speed): see staging.py. Every other combination (device
 or host sources, host or device destinations) is one NIXL transfer with one descriptor per chunk.
 
 Threads: every call into the agent holds one lock (the agent is created without NIXL's own
@@ -46,100 +54,37 @@ locking), so writes, polls and notification polls may come from different thread
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from lmcache_p2p.errors import ClosedError, PeerUnreachable, TransportError
 from lmcache_p2p.protocol import Region, TransportInfo
-from lmcache_p2p.transport.base import Notification, Transport, WriteHandle, region_of
-from lmcache_p2p.transport.nixl.staging import Row, StagedWrite, StagingRing
+from lmcache_p2p.transport.base import Notification, Transport, region_of
+from lmcache_p2p.transport.nixl.records import (
+    BACKEND,
+    Peer,
+    Registration,
+    Xfer,
+    mem_type,
+    nixl_error_types,
+    span_of,
+    spans_of,
+)
+from lmcache_p2p.transport.nixl.settle import WriteSettling
+from lmcache_p2p.transport.nixl.staging import StagingRing
+from lmcache_p2p.transport.nixl.submit import WriteSubmission
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
-BACKEND = "UCX"
 DEFAULT_BACKEND_PARAMS: Mapping[str, str] = {"ucx_error_handling_mode": "none"}
 
 
-class _Status(enum.Enum):
-    """NIXL's transfer statuses, wrapped at the edge."""
-
-    DONE = "DONE"
-    PROC = "PROC"
-    ERR = "ERR"
-
-
-def _mem_type(region: Region) -> str:
-    return "VRAM" if region.device == "cuda" else "DRAM"
-
-
-class _Span(NamedTuple):
-    """A registered region as the write loop checks it: [lo, hi) on ``device`` (-1: host)."""
-
-    lo: int
-    hi: int
-    device: int
-    device_id: int
-    mem: str
-
-    def holds(self, addr: int, nbytes: int) -> bool:
-        return self.lo <= addr and addr + nbytes <= self.hi
-
-
-_NO_SPAN = _Span(0, 0, -2, 0, "")
-
-
-def _span(r: Region) -> _Span:
-    return _Span(r.addr, r.addr + r.length, r.device_id if r.device == "cuda" else -1, r.device_id, _mem_type(r))
-
-
-def _spans(regions: Iterable[Region]) -> list[_Span]:
-    return [_span(r) for r in regions]
-
-
-@dataclasses.dataclass
-class _Registration:
-    region: Region
-    descs: Any  # nixlRegDList, handed back to deregister_memory
-    tensor: torch.Tensor | None  # keeps registered memory alive while NIXL may touch it
-
-
-@dataclasses.dataclass
-class _Peer:
-    name: str
-    metadata: bytes
-    spans: list[_Span]  # the peer's registered regions: where writes may land
-
-
-@dataclasses.dataclass
-class _Xfer:
-    """The mutable state behind a WriteHandle's token."""
-
-    peer: str
-    xfer: Any  # nixl_xfer_handle, None once released
-    temp: list[_Registration]  # sources registered for this write only
-    done: bool = False
-    error: str = ""
-    settled: bool = False  # NIXL reported the transfer finished (DONE/ERR): nothing reads the sources
-
-
-def _nixl_error_types(bindings: Any) -> tuple[type[BaseException], ...]:
-    """Every exception class NIXL's bindings raise (nixlBackendError, nixlNotFoundError, ...)."""
-    found = [
-        obj
-        for name, obj in vars(bindings).items()
-        if name.startswith("nixl") and name.endswith("Error") and isinstance(obj, type)
-    ]
-    return (*found, RuntimeError)
-
-
-class NixlTransport(Transport):
+class NixlTransport(WriteSubmission, WriteSettling, Transport):
     """A NIXL agent with a UCX backend; see the module docstring."""
 
     kind = "nixl"
@@ -162,11 +107,12 @@ class NixlTransport(Transport):
         self._agent: Any = None
         self._errors: tuple[type[BaseException], ...] = (RuntimeError,)
         self._disconnected: tuple[type[BaseException], ...] = ()
-        self._regs: list[_Registration] = []
-        self._peers: dict[str, _Peer] = {}
-        self._inflight: dict[int, _Xfer] = {}  # posted and not yet settled (aborted ones included)
+        self._regs: list[Registration] = []
+        self._peers: dict[str, Peer] = {}
+        self._inflight: dict[int, Xfer] = {}  # posted and not yet settled (aborted ones included)
         self._retiring: set[str] = set()  # disconnected peers whose agents stay until their writes settled
-        self._leaked: list[_Registration] = []  # temp sources of writes NIXL refused to cancel
+        self._leaked: list[Registration] = []  # temp sources of writes NIXL refused to cancel
+        self.given_up = 0  # writes NIXL failed while their puts may still read: never settled
         self._ring: StagingRing | None = None
         params = dict(DEFAULT_BACKEND_PARAMS if backend_params is None else backend_params)
         try:
@@ -186,7 +132,7 @@ class NixlTransport(Transport):
             import nixl
         except ImportError as exc:
             raise TransportError("nixl is not importable: install nixl==1.5.1 (pyproject dependencies)") from exc
-        self._errors = _nixl_error_types(nixl._bindings)
+        self._errors = nixl_error_types(nixl._bindings)
         gone = getattr(nixl._bindings, "nixlRemoteDisconnectError", None)
         self._disconnected = (gone,) if isinstance(gone, type) else ()
         try:
@@ -254,11 +200,11 @@ class NixlTransport(Transport):
         is returned. The transport keeps a reference to each registered tensor until ``close``.
         """
         region = region_of(tensor)
-        wanted = _span(region)
+        wanted = span_of(region)
         with self._lock:
             agent = self._check_open()
             for reg in self._regs:
-                span = _span(reg.region)
+                span = span_of(reg.region)
                 if span.device == wanted.device and span.holds(region.addr, region.length):
                     return reg.region  # already registered (the same tensor, or one inside it)
             reg = self._register_regions(agent, [region])[0]
@@ -268,23 +214,23 @@ class NixlTransport(Transport):
                      region.device, region.device_id)
         return region
 
-    def _register_regions(self, agent: Any, regions: Sequence[Region]) -> list[_Registration]:
+    def _register_regions(self, agent: Any, regions: Sequence[Region]) -> list[Registration]:
         """One NIXL registration per region, so that each can be deregistered on its own."""
-        done: list[_Registration] = []
+        done: list[Registration] = []
         try:
             for region in regions:
-                descs = agent.get_reg_descs([(region.addr, region.length, region.device_id, "")], _mem_type(region))
+                descs = agent.get_reg_descs([(region.addr, region.length, region.device_id, "")], mem_type(region))
                 agent.register_memory(descs, backends=[BACKEND])
-                done.append(_Registration(region, descs, None))
+                done.append(Registration(region, descs, None))
         except self._errors as exc:
             for reg in done:
                 self._deregister(agent, reg)
             raise TransportError(
-                f"NIXL could not register {_mem_type(region)} memory 0x{region.addr:x} (+{region.length} bytes): {exc}"
+                f"NIXL could not register {mem_type(region)} memory 0x{region.addr:x} (+{region.length} bytes): {exc}"
             ) from exc
         return done
 
-    def _deregister(self, agent: Any, reg: _Registration) -> None:
+    def _deregister(self, agent: Any, reg: Registration) -> None:
         try:
             agent.deregister_memory(reg.descs, backends=[BACKEND])
         except self._errors:
@@ -318,7 +264,7 @@ class NixlTransport(Transport):
                 self._give_up_retiring(agent, peer.name)
             known = self._peers.get(peer.name)
             if known is not None and known.metadata == peer.metadata:
-                known.spans = _spans(peer.regions)
+                known.spans = spans_of(peer.regions)
                 return known.name
             if known is not None:
                 self._forget_peer(agent, peer.name)
@@ -332,7 +278,7 @@ class NixlTransport(Transport):
             if name != peer.name:
                 self._remove_remote(agent, name)
                 raise PeerUnreachable(f"peer announced itself as {peer.name!r} but its NIXL agent is {name!r}")
-            self._peers[name] = _Peer(name, bytes(peer.metadata), _spans(peer.regions))
+            self._peers[name] = Peer(name, bytes(peer.metadata), spans_of(peer.regions))
         logger.debug("%s connected to %s (%d regions)", self._name, name, len(peer.regions))
         return name
 
@@ -361,10 +307,7 @@ class NixlTransport(Transport):
         """Advance writes to disconnected peers; unload each peer whose writes all settled."""
         for peer in list(self._retiring):
             for xfer in [x for x in self._inflight.values() if x.peer == peer and x.xfer is not None]:
-                try:
-                    self._advance(agent, xfer)
-                except self._errors:
-                    pass  # the transfer ended with an error: it is settled (released in _advance)
+                self._advance(agent, xfer)
             if not any(x.peer == peer for x in self._inflight.values()):
                 self._retiring.discard(peer)
                 self._remove_remote(agent, peer)
@@ -384,257 +327,6 @@ class NixlTransport(Transport):
             agent.remove_remote_agent(name)
         except self._errors:
             logger.warning("%s: NIXL failed to remove remote agent %s", self._name, name, exc_info=True)
-
-    # ---- writes -------------------------------------------------------------------------------
-
-    def write(self, peer: str, srcs: Sequence[torch.Tensor], dst_addrs: Sequence[int], notif: bytes) -> WriteHandle:
-        """Post ONE NIXL transfer with one descriptor per source tensor.
-
-        A source outside every registered region is registered for this write only and
-        deregistered when the write completes or is aborted. That costs a NIXL/UCX
-        registration and deregistration per such tensor per write: ~5 us for host memory
-        on tcp/sm (measured; nothing is pinned), far more where UCX pins pages (RDMA, CUDA).
-        Register long-lived sources (the allocator's pool) once instead.
-        Host sources into the peer's GPU memory go through the staging ring when there is one.
-        An empty ``notif`` sends no notification.
-        """
-        if len(srcs) != len(dst_addrs) or not srcs:
-            raise ValueError(f"write needs one destination per source, got {len(srcs)} and {len(dst_addrs)}")
-        with self._lock:
-            agent = self._check_open()
-            target = self._peers.get(peer)
-            if target is None:
-                raise PeerUnreachable(f"not connected to peer {peer!r}: connect() it first")
-            if self._ring is not None and srcs[0].get_device() < 0:
-                staged = self._write_staged(target, srcs, dst_addrs, notif)
-                if staged is not None:
-                    return staged
-            # Destinations first: a refused one must not leave a source registered for nothing.
-            dst_rows, dst_mem = self._dest_rows(target, [(0, src.nbytes, 0) for src in srcs], dst_addrs)
-            src_rows, src_mem, temp = self._source_rows(agent, srcs)
-            xfer = _Xfer(peer, None, temp)
-            try:
-                self._post(agent, xfer, src_rows, src_mem, dst_rows, dst_mem, notif)
-            except BaseException:
-                self._release(agent, xfer, "post failed", ended=True)  # UCX completed what it had started
-                raise
-            nbytes = sum(row[1] for row in src_rows)
-            if not xfer.done:
-                self._inflight[id(xfer)] = xfer
-        return WriteHandle(peer=peer, nbytes=nbytes, token=xfer)
-
-    def _write_staged(self, target: _Peer, srcs: Sequence[torch.Tensor], dst_addrs: Sequence[int],
-                      notif: bytes) -> WriteHandle | None:
-        """Host sources into the peer's VRAM go through the ring; None when the destination is host memory."""
-        for src in srcs:
-            if src.get_device() >= 0 or not src.is_contiguous():
-                raise ValueError("the sources of one write must be contiguous and on one device")
-        dst_rows, dst_mem = self._dest_rows(target, [(0, src.nbytes, 0) for src in srcs], dst_addrs)
-        if dst_mem != "VRAM":
-            return None
-        write = self._ring.submit(target.name, srcs, dst_rows, notif)
-        return WriteHandle(peer=target.name, nbytes=write.nbytes, token=write)
-
-    def _source_rows(self, agent: Any, srcs: Sequence[torch.Tensor]) -> tuple[list[tuple[int, int, int]], str, list]:
-        """(addr, len, device id) per source; registers sources outside our regions (temporarily).
-
-        The hot loop of a write (one pass per chunk): plain tensor accessors, no Region objects.
-        """
-        device = srcs[0].get_device()  # -1: host memory
-        spans = [s for s in _spans(reg.region for reg in self._regs) if s.device == device]
-        device_id = max(device, 0)
-        rows: list[tuple[int, int, int]] = []
-        missing: dict[tuple[int, int], torch.Tensor] = {}
-        hit = _NO_SPAN
-        for src in srcs:
-            if src.get_device() != device or not src.is_contiguous():
-                raise ValueError("the sources of one write must be contiguous and on one device")
-            addr, nbytes = src.data_ptr(), src.nbytes
-            rows.append((addr, nbytes, device_id))
-            if not hit.holds(addr, nbytes):
-                hit = next((s for s in spans if s.holds(addr, nbytes)), _NO_SPAN)
-                if hit is _NO_SPAN:
-                    missing.setdefault((addr, nbytes), src)
-        temp = self._register_regions(agent, [region_of(t) for t in missing.values()]) if missing else []
-        if temp:
-            logger.debug("%s registered %d unregistered source(s) for one write", self._name, len(temp))
-        return rows, "DRAM" if device < 0 else "VRAM", temp
-
-    def _dest_rows(
-        self, peer: _Peer, src_rows: Sequence[tuple[int, int, int]], dst_addrs: Sequence[int]
-    ) -> tuple[list[tuple[int, int, int]], str]:
-        """Remote descriptors built from the peer's Region rows (never from pickled descriptors)."""
-        rows: list[tuple[int, int, int]] = []
-        first = hit = _NO_SPAN
-        for (_, nbytes, _), addr in zip(src_rows, dst_addrs):
-            if not hit.holds(addr, nbytes):
-                hit = next((s for s in peer.spans if s.holds(addr, nbytes)), _NO_SPAN)
-                if hit is _NO_SPAN:
-                    raise ValueError(f"destination 0x{addr:x} (+{nbytes} bytes) is outside every region of {peer.name}")
-                if first is _NO_SPAN:
-                    first = hit
-                elif hit.mem != first.mem:
-                    raise ValueError(f"the destinations of one write must be one memory type ({peer.name})")
-            rows.append((addr, nbytes, hit.device_id))
-        return rows, first.mem
-
-    def _post(self, agent: Any, xfer: _Xfer, src_rows: list, src_mem: str, dst_rows: list, dst_mem: str,
-              notif: bytes) -> None:
-        try:
-            local = agent.get_xfer_descs(src_rows, src_mem)
-            remote = agent.get_xfer_descs(dst_rows, dst_mem)
-            xfer.xfer = agent.initialize_xfer("WRITE", local, remote, xfer.peer, notif)
-            status = _Status(agent.transfer(xfer.xfer))
-        except self._disconnected as exc:
-            raise PeerUnreachable(f"peer {xfer.peer} disconnected; write of {len(src_rows)} chunk(s) not posted") from exc
-        except self._errors as exc:
-            raise TransportError(f"NIXL could not post a write of {len(src_rows)} chunk(s) to {xfer.peer}: {exc}") from exc
-        if status is _Status.ERR:
-            raise TransportError(f"NIXL failed to post a write of {len(src_rows)} chunk(s) to {xfer.peer}")
-        if status is _Status.DONE:
-            self._finish(agent, xfer)
-
-    def poll(self, handle: WriteHandle) -> bool:
-        """True once the write completed (its handle is then released); TransportError if it failed."""
-        if isinstance(handle.token, StagedWrite):
-            return self._poll_staged(handle, handle.token)
-        xfer: _Xfer = handle.token
-        with self._lock:
-            agent = self._check_open()
-            if not xfer.done and not xfer.error:
-                try:
-                    self._advance(agent, xfer)
-                except self._errors as exc:
-                    error = PeerUnreachable if isinstance(exc, self._disconnected) else TransportError
-                    raise error(f"write of {handle.nbytes} bytes to {handle.peer} failed: {exc}") from exc
-        if xfer.error:
-            raise TransportError(f"write of {handle.nbytes} bytes to {handle.peer} failed: {xfer.error}")
-        return xfer.done
-
-    def _advance(self, agent: Any, xfer: _Xfer) -> None:
-        """Ask NIXL for the state of ``xfer``; finish or release it. Raises NIXL's own errors (released)."""
-        try:
-            status = _Status(agent.check_xfer_state(xfer.xfer))
-        except self._errors as exc:
-            self._release(agent, xfer, f"state check failed: {exc}", ended=True)
-            raise
-        if status is _Status.DONE:
-            self._finish(agent, xfer)
-        elif status is _Status.ERR:
-            self._release(agent, xfer, "NIXL reported ERR", ended=True)
-
-    def _poll_staged(self, handle: WriteHandle, write: StagedWrite) -> bool:
-        with self._lock:
-            self._check_open()
-            if not write.finished:
-                self._ring.pump()
-        if write.error:
-            error = PeerUnreachable if write.unreachable else TransportError
-            raise error(f"write of {handle.nbytes} bytes to {handle.peer} failed: {write.error}")
-        return write.done
-
-    def abort(self, handle: WriteHandle) -> None:
-        """Fail an unfinished write for its caller; it stays in flight until NIXL finishes it
-        (see the module docstring: NIXL cannot recall a put), so poll ``settled``."""
-        with self._lock:
-            if isinstance(handle.token, StagedWrite):
-                if self._ring is not None and not handle.token.finished:
-                    self._ring.abort(handle.token, "aborted")
-                return
-            xfer: _Xfer = handle.token
-            if not xfer.done and not xfer.error:
-                xfer.error = "aborted"
-
-    def settled(self, handle: WriteHandle) -> bool:
-        """True once NIXL reported the write finished (DONE or ERR); advances it if need be."""
-        with self._lock:
-            agent = self._agent
-            if isinstance(handle.token, StagedWrite):
-                write: StagedWrite = handle.token
-                if agent is not None and self._ring is not None and not write.settled:
-                    self._ring.pump()
-                return write.settled
-            xfer: _Xfer = handle.token
-            if agent is not None and not xfer.settled and xfer.xfer is not None:
-                try:
-                    self._advance(agent, xfer)
-                except self._errors:
-                    pass  # it ended with an error: released (and settled) in _advance
-            if agent is not None and self._retiring:
-                self._reap_retiring(agent)
-            return xfer.settled
-
-    # ---- the staging ring's port (called by StagingRing under our lock) ---------------------------
-
-    def post_staged(self, peer: str, src_rows: list[Row], dst_rows: list[Row], notif: bytes) -> _Xfer:
-        """One VRAM -> VRAM transfer out of a ring slot."""
-        agent = self._check_open()
-        if peer not in self._peers:
-            raise PeerUnreachable(f"peer {peer} disconnected before a staged write was posted")
-        xfer = _Xfer(peer, None, [])
-        try:
-            self._post(agent, xfer, src_rows, "VRAM", dst_rows, "VRAM", notif)
-        except BaseException:
-            self._release(agent, xfer, "post failed", ended=True)
-            raise
-        if not xfer.done:
-            self._inflight[id(xfer)] = xfer
-        return xfer
-
-    def staged_done(self, xfer: _Xfer) -> bool:
-        """True once the transfer completed; TransportError once it failed AND NIXL finished it.
-
-        A transfer failed for its caller while still on the wire (its peer disconnected) keeps
-        reading its ring slot until NIXL reports DONE/ERR: False until then, so the ring does not
-        refill the slot under it. One given up unsettled (close, a reconnect) keeps its slot.
-        """
-        if not xfer.settled and xfer.xfer is not None and self._agent is not None:
-            try:
-                self._advance(self._agent, xfer)
-            except self._errors as exc:
-                error = PeerUnreachable if isinstance(exc, self._disconnected) else TransportError
-                raise error(f"staged write to {xfer.peer} failed: {exc}") from exc
-        if xfer.error:
-            if not xfer.settled:
-                return False
-            raise TransportError(f"staged write to {xfer.peer} failed: {xfer.error}")
-        return xfer.done
-
-    def drop_staged(self, xfer: _Xfer) -> None:
-        """The ring closes with ``xfer`` reading one of its slots (ring memory, not a caller's)."""
-        if not xfer.settled and xfer.xfer is not None and self._agent is not None:
-            self._release(self._agent, xfer, "aborted", ended=False)
-
-    def _finish(self, agent: Any, xfer: _Xfer) -> None:
-        self._release(agent, xfer, "", ended=True)
-        xfer.done = True
-
-    def _release(self, agent: Any, xfer: _Xfer, error: str, *, ended: bool) -> None:
-        """Free the NIXL handle and the write's temporary registrations; record ``error`` if any.
-
-        ``ended``: NIXL reported the transfer finished (DONE/ERR), so nothing reads its sources and
-        the write is settled. Otherwise (close, a reconnect) NIXL only attempts a cancel: the
-        sources may still be read, the write never settles and its temporary registrations stay
-        until close.
-        """
-        self._inflight.pop(id(xfer), None)
-        if error and not xfer.done and not xfer.error:
-            xfer.error = error
-        released = True
-        if xfer.xfer is not None:
-            try:
-                xfer.xfer.release()
-            except self._errors:
-                logger.warning("%s: NIXL could not release a write to %s (%s)", self._name, xfer.peer, error)
-                released = False
-            xfer.xfer = None
-        for reg in xfer.temp:
-            if released and ended:
-                self._deregister(agent, reg)
-            else:
-                self._leaked.append(reg)
-        xfer.temp = []
-        xfer.settled = ended
 
     # ---- notifications ------------------------------------------------------------------------
 
