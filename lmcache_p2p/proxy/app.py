@@ -27,10 +27,12 @@ A client that disconnects cancels the request's upstream calls and drops its KV 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -41,23 +43,34 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from lmcache_p2p.config import Role
+from lmcache_p2p.proxy.client_flow import ClientFlow, FlowLink
 from lmcache_p2p.proxy.errors import BadRequest, ClientDisconnected, NoInstanceAvailable, ProxyError
-from lmcache_p2p.proxy.flow import Orchestrator, RequestFlow
+from lmcache_p2p.proxy.flow import Orchestrator
 from lmcache_p2p.proxy.registry import Instance
+from lmcache_p2p.proxy.relay_messages import Count
 from lmcache_p2p.proxy.responses import SSE_DONE, Delta, Renderer, renderer_for, sse
 from lmcache_p2p.proxy.shaping import ClientRequest, Endpoint, parse_client_request
-from lmcache_p2p.proxy.upstream import forwarded_headers
+from lmcache_p2p.proxy.upstream import Upstream, forwarded_headers
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _CANCEL_WAIT_S = 2.0
+_current: contextvars.ContextVar[ClientFlow | None] = contextvars.ContextVar("proxy_flow", default=None)
 
 
 class ProxyApp:
-    def __init__(self, orchestrator: Orchestrator, chars_per_token: float, models_timeout_s: float,
-                 admin_secret: str | None = None) -> None:
-        self._o = orchestrator
+    """The endpoints; a generation request runs as a :class:`ClientFlow` over ``link`` (this process's
+    flows, or a relay worker's coordinator), so both serve it on one path. ``orchestrator``: for the
+    other endpoints (a relay worker has none: it passes them through)."""
+
+    def __init__(self, orchestrator: Orchestrator | None, link: FlowLink, upstream: Upstream, chars_per_token: float,
+                 models_timeout_s: float, admin_secret: str | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._o = orchestrator  # type: ignore[assignment]
+        self.link = link
+        self.upstream = upstream
+        self._clock = clock
         self._chars_per_token = chars_per_token
         self._models_timeout_s = models_timeout_s
         self._admin_token = f"Bearer {admin_secret}".encode() if admin_secret else None
@@ -103,12 +116,21 @@ class ProxyApp:
         return await self._generate(request, Endpoint.CHAT)
 
     async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
-        received_s = self._now()
+        received_s = self._clock()
+        _current.set(None)
         try:
             req = parse_client_request(endpoint, await _read_json(request), self._chars_per_token)
         except ProxyError as exc:
             return self._error(endpoint, exc)
-        flow = self._open_flow(req, forwarded_headers(request.headers), received_s)
+        flow = ClientFlow(self.link, self.upstream, req, forwarded_headers(request.headers), received_s, self._clock)
+        _current.set(flow)
+        response = await self._answer(request, flow)
+        if not isinstance(response, StreamingResponse):
+            await flow.closing()  # the answer goes out once the request is closed (its load released)
+        return response
+
+    async def _answer(self, request: Request, flow: ClientFlow) -> Response:
+        req, endpoint = flow.req, flow.req.endpoint
         streaming = False
         try:
             first = await unless_disconnected(request, flow.prefill(), flow.close)
@@ -136,7 +158,7 @@ class ProxyApp:
             if not streaming:
                 flow.close()
 
-    async def _stream(self, flow: RequestFlow, renderer: Renderer, decode: EarlyDecode | None
+    async def _stream(self, flow: ClientFlow, renderer: Renderer, decode: EarlyDecode | None
                       ) -> AsyncIterator[bytes]:
         """The client's events; ``decode`` (started before the first byte) gives the output after the first token."""
         req = flow.req
@@ -155,6 +177,7 @@ class ProxyApp:
             logger.warning("%s request %s failed mid-stream: %s", req.endpoint.value, flow.response_id, exc,
                            exc_info=not isinstance(exc, ProxyError))
             yield sse(error.to_body())
+        await flow.end()  # the request is closed before the client's [DONE]: its next turn may follow at once
         yield SSE_DONE
 
     # ---- other endpoints -------------------------------------------------------------------------
@@ -218,17 +241,18 @@ class ProxyApp:
         self._count_error(endpoint, error_name(exc))
         return JSONResponse(exc.to_body(), status_code=exc.status_code)
 
-    def _now(self) -> float:
-        return self._o.clock()
-
-    def _open_flow(self, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> RequestFlow:
-        return self._o.open(req, headers, received_s)
-
     def _count(self, endpoint: Endpoint, status: int) -> None:
-        self._o.metrics.requests.labels(endpoint.value, str(status)).inc()
+        self._tell_count(Count(endpoint.value, status=status))
 
     def _count_error(self, endpoint: Endpoint, name: str) -> None:
-        self._o.metrics.errors.labels(endpoint.value, name).inc()
+        self._tell_count(Count(endpoint.value, error=name))
+
+    def _tell_count(self, count: Count) -> None:
+        flow = _current.get()
+        if flow is not None:
+            flow.add_count(count)  # with its "closed"
+        else:
+            self.link.tell_later("count", count)
 
 
 class EarlyDecode:
@@ -269,7 +293,7 @@ class EarlyDecode:
 class _FlowStreamingResponse(StreamingResponse):
     """Closes the flow however the stream ends, even if it never started (early disconnect)."""
 
-    def __init__(self, flow: RequestFlow, content: AsyncIterator[bytes], decode: EarlyDecode | None) -> None:
+    def __init__(self, flow: ClientFlow, content: AsyncIterator[bytes], decode: EarlyDecode | None) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"cache-control": "no-cache"})
         self._flow = flow
         self._decode = decode
@@ -350,7 +374,7 @@ def _auth_error(status: int, message: str) -> Response:
                         status_code=status, headers=headers)
 
 
-def _response_id(req: ClientRequest, flow: RequestFlow) -> str:
+def _response_id(req: ClientRequest, flow: ClientFlow) -> str:
     return ("chatcmpl-" if req.is_chat else "cmpl-") + flow.response_id
 
 

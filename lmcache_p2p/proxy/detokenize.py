@@ -32,7 +32,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_INVALID_PREFIX_ERR_MSG = "Invalid prefix encountered"  # tokenizers' DecodeStream, see vLLM issue 17448
+_INVALID_PREFIX_ERR_MSG = "Invalid prefix encountered"  # tokenizers' DecodeStream error that vLLM works around
 _CONTEXT_MAX_IDS = 23  # the longest prompt suffix tried before the whole prompt primes the decode stream
 
 

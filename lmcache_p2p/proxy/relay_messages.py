@@ -22,7 +22,8 @@ after it, a ``PlanFailed`` line). The coordinator counts the calls it takes per 
 (``RelayCoordinator.calls``).
 
 Version history: 1: first. 2: ``plan`` folded into ``open``'s answer, ``count`` into ``closed``;
-``started`` carries the worker's decode-sent / first-output stamps.
+``started`` carries the worker's decode-sent / first-output stamps. 3: ``broken`` carries ``rewound``
+(the last output tokens the continuation generates again, ``held_text.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import msgspec
 
 from lmcache_p2p.proxy.responses import FirstToken
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 VERSION_HEADER = "x-lmcache-relay-version"
 PREFIX = "/_relay"
 
@@ -79,6 +80,7 @@ class Step(msgspec.Struct, frozen=True):
     output_ids: list[int] = []
     finished: bool = False
     connect_failed: bool = False  # broken: the connection was never made (nothing was sent)
+    rewound: int = 0  # broken: the last output tokens the continuation generates again (their text is missing)
     message: str = ""
     # time.perf_counter() stamps on the worker (one monotonic clock per machine), for the timeline
     first_byte_s: float | None = None  # the first token reached the client

@@ -28,6 +28,7 @@ from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.protocol import Codec
 from lmcache_p2p.proxy.app import ProxyApp
+from lmcache_p2p.proxy.flow_host import FlowHost, LocalLink
 from lmcache_p2p.proxy.cancel import KvCanceller
 from lmcache_p2p.proxy.control import ControlListener
 from lmcache_p2p.proxy.coordinator import RelayCoordinator
@@ -70,15 +71,15 @@ class Proxy:
         self.orchestrator = Orchestrator(
             self.registry, Router(settings.policy, settings.prefix), self.waiters, self.upstream, self.canceller,
             self.metrics,
-            FlowSettings(settings.kv_timeout_s, settings.prefill_timeout_s, settings.decode_idle_timeout_s,
-                         settings.on_kv_failure, settings.admission_timeout_s, settings.admission_queue_max,
-                         migration_limit=settings.migration_limit, tokenizer_wait_s=settings.tokenizer_wait_s),
+            FlowSettings.of(settings),
             tokenizers=TokenizerProvider(settings.tokenizer, self.upstream, settings.connect_timeout_s),
         )
         self.control = ControlListener(settings.control_host, settings.control_port, codec,
                                        self.registry, self.waiters, self.metrics)
-        self.proxy_app = ProxyApp(self.orchestrator, settings.chars_per_token, settings.connect_timeout_s,
-                                  admin_secret=settings.shared_secret)
+        self.flows = FlowHost(self.orchestrator)  # every open request, whoever serves its client
+        self.proxy_app = ProxyApp(self.orchestrator, LocalLink(self.flows), self.upstream, settings.chars_per_token,
+                                  settings.connect_timeout_s,
+                                  admin_secret=settings.shared_secret, clock=self.orchestrator.clock)
         self.app = self.proxy_app.build()
         self._tasks: set[asyncio.Task[None]] = set()
         self.workers: WorkerPool | None = None  # --workers N > 1
@@ -141,7 +142,7 @@ class Proxy:
         usock.setblocking(False)
         pool = self.workers = WorkerPool(self.settings, self.port, uds_path, on_dead=self._worker_died,
                                          on_give_up=self._give_up)
-        self.coordinator = RelayCoordinator(self.orchestrator, self.proxy_app, self.settings.chars_per_token,
+        self.coordinator = RelayCoordinator(self.flows, self.orchestrator, self.settings.chars_per_token,
                                             on_hello=pool.hello)
         await self._serve_on(Starlette(routes=[*self.coordinator.routes(), *self.app.routes]), usock, uds_path)
         await pool.start()
@@ -196,8 +197,7 @@ class Proxy:
         self._closed = True
         if self.workers is not None:
             await self.workers.stop(self.settings.graceful_shutdown_s)
-        if self.coordinator is not None:
-            self.coordinator.close_all()
+        self.flows.close_all()
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             await asyncio.wait({self._http_task}, timeout=self.settings.graceful_shutdown_s + 1.0)
@@ -312,7 +312,7 @@ def bind_http(host: str, port: int, *, listen: bool = True, reuse_port: bool = F
 
     Made with ``IPPROTO_TCP`` explicitly: asyncio sets TCP_NODELAY only on accepted sockets whose
     proto says TCP (proto 0 is skipped). Without it, Nagle held each streamed chunk written after
-    the response headers until the client's delayed ACK, ~40 ms added to a streaming client's TTFT.
+    the response headers until the client's delayed ACK, which delayed a streaming client's first token.
 
     ``reuse_port`` (``--workers N``): SO_REUSEPORT, so that each relay worker listens on the port with
     its own socket and the kernel spreads new connections over them (one shared listening socket

@@ -265,3 +265,11 @@ def _chat_estimate(body: dict[str, Any], chars_per_token: float) -> int:
 
 def _estimate(chars: int, chars_per_token: float) -> int:
     return max(1, math.ceil(chars / chars_per_token))
+
+
+def reads_output_tokens(req: ClientRequest) -> bool:
+    """Sampling that reads the request's own output tokens, not its prompt's (vLLM 0.32: presence and
+    frequency penalties, ``apply_penalties``; multi-token ``bad_words``, ``apply_bad_words``), so only
+    the instance that output a token takes it into account."""
+    penalties = (req.body.get("presence_penalty"), req.body.get("frequency_penalty"))
+    return any(isinstance(v, (int, float)) and v != 0 for v in penalties) or bool(req.body.get("bad_words"))

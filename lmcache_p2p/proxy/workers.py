@@ -1,10 +1,10 @@
 """``--workers N``: N relay processes serve the proxy's HTTP port; this process coordinates them.
 
 Every decoded token passes through the proxy (read the decoder's event, make the client's text,
-render and write the client's event): one asyncio process saturates near 25k tokens/s on a fast
-core, and once its loop is busy every request's prefill and KV handover queues behind the relay
-(issue 7: 627 ms of a 649 ms handover at 32 req/s on 2x H200). With ``--workers N`` the relay is
-spread over N processes while the routing state stays in one place:
+render and write the client's event): one asyncio process saturates at some tokens per second,
+and once its loop is busy every request's prefill and KV handover queues behind the relay
+(BENCHMARKS.md has the figures). With ``--workers N`` the relay is spread over N processes while
+the routing state stays in one place:
 
     client --HTTP--> worker i (of N; SO_REUSEPORT listeners, the kernel spreads connections)
                       |  Unix socket in a 0700 folder, msgspec JSON (relay_messages.py)

@@ -162,6 +162,8 @@ class FakeVllm:
         self.kv_sink: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         self.omit_prompt_ids = False  # behave like a vLLM without return_token_ids
         self.hold_back_text = False  # non-streaming answers' text is "" (an incomplete UTF-8 character)
+        self.held_tokens: set[int] = set()  # streamed with no text: it comes with the next token's (as vLLM holds
+        # back an incomplete UTF-8 character); a token the prompt ends with is never emitted, as in vLLM
         self.eos_at: int | None = None  # output position that becomes EOS
         self.token_delay_s = 0.0
         self.prefill_delay_s = 0.0
@@ -318,13 +320,17 @@ class FakeVllm:
     async def _stream(self, body: dict[str, Any], ids: list[int], tokens: list[int], finish: str) -> Any:
         base = {"id": f"x-{uuid.uuid4().hex}", "object": "text_completion", "created": 1700000000, "model": MODEL}
         offset = 0
+        held = ""  # the text of held tokens, sent with the next one
         try:
             for i, token in enumerate(tokens):
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
                 if self.die_after is not None and i == self.die_after:
                     raise ConnectionAbortedError("fake decoder died mid-stream")
-                choice: dict[str, Any] = {"index": 0, "text": token_text(token),
+                last = i == len(tokens) - 1
+                text, held = ("", held + token_text(token)) if token in self.held_tokens and not last else (
+                    held + token_text(token), "")
+                choice: dict[str, Any] = {"index": 0, "text": text,
                                           "logprobs": self._logprobs(body, [token], offset),
                                           "finish_reason": finish if i == len(tokens) - 1 else None,
                                           "stop_reason": None}

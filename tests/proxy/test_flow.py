@@ -507,6 +507,21 @@ async def test_a_prompt_one_token_short_of_the_context_never_sends_a_decode_of_m
 # ---- a decoder that dies mid-stream ------------------------------------------------------------------
 
 
+async def completion(c, body, stream: bool) -> tuple[str, list[int]]:
+    """The text and token ids of a completion that succeeded, streamed or not."""
+    if stream:
+        events = await c.stream("/v1/completions", body)
+        assert all("error" not in e for e in events[:-1])
+        chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+        text = "".join(ch["text"] for ch in chunks)
+        token_ids = [t for ch in chunks for t in ch["token_ids"]]
+    else:
+        resp = await c.post("/v1/completions", body)
+        assert resp.status_code == 200, resp.text
+        text, token_ids = resp.json()["choices"][0]["text"], resp.json()["choices"][0]["token_ids"]
+    return text, token_ids
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_decoder_dying_mid_stream_continues_elsewhere_with_nothing_twice(stream):
     async with make_cluster(n_decode=2) as c:
@@ -514,16 +529,7 @@ async def test_a_decoder_dying_mid_stream_continues_elsewhere_with_nothing_twice
             node.vllm.die_after = 3  # each decoder breaks after 3 tokens: the prefiller finishes colocated
         ids = tokenize(PROMPT)
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "return_token_ids": True, "stream": stream}
-        if stream:
-            events = await c.stream("/v1/completions", body)
-            assert all("error" not in e for e in events[:-1])
-            chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
-            text = "".join(ch["text"] for ch in chunks)
-            token_ids = [t for ch in chunks for t in ch["token_ids"]]
-        else:
-            resp = await c.post("/v1/completions", body)
-            assert resp.status_code == 200, resp.text
-            text, token_ids = resp.json()["choices"][0]["text"], resp.json()["choices"][0]["token_ids"]
+        text, token_ids = await completion(c, body, stream)
         assert token_ids == generate(ids, 12) and text == expected_text(ids, 12)
         first_decoder, second_decoder = sorted(c.decoders, key=lambda n: n.vllm.requests[0][1]["max_tokens"],
                                                reverse=True)
@@ -533,6 +539,25 @@ async def test_a_decoder_dying_mid_stream_continues_elsewhere_with_nothing_twice
         colocated = c.prefillers[0].vllm.calls("/v1/completions")[-1]
         assert colocated["prompt"] == ids + generate(ids, 7) and colocated["max_tokens"] == 5
         assert "kv_transfer_params" not in colocated
+        assert c.metric("lmcache_p2p_proxy_failovers_total", phase="migrate") == 2
+        assert_idle(c)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stream_broken_after_a_held_back_character_continues_with_its_text(stream):
+    """Without a proxy tokenizer the text comes from the instances: a token whose text the decoder held
+    back (an incomplete character) when its stream broke is not lost on the next instance (greedy)."""
+    async with make_cluster(n_decode=2, tokenizer="none") as c:
+        ids = tokenize(PROMPT)
+        out = generate(ids, 10)
+        for node in c.decoders:
+            node.vllm.die_after = 3  # the last token a decoder's first stream sends is out[3]
+        for node in c.prefillers + c.decoders:
+            node.vllm.held_tokens = {out[3]}
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "return_token_ids": True, "stream": stream,
+                "temperature": 0}
+        text, token_ids = await completion(c, body, stream)
+        assert text == expected_text(ids, 10) and token_ids == out
         assert c.metric("lmcache_p2p_proxy_failovers_total", phase="migrate") == 2
         assert_idle(c)
 
