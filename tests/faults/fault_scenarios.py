@@ -152,6 +152,7 @@ class Suite:
                 row.succeeded += 1
                 if not o.prompt.matches(o.ids, result.models):
                     row.wrong_outputs += 1
+                    o.error = _first_difference(o.ids, o.prompt.reference.get(result.models[0], ()))
             elif o.kind is Kind.CLEAN_ERROR:
                 row.clean_errors += 1
             elif o.kind is Kind.UNCLEAN_ERROR:
@@ -387,3 +388,10 @@ ALL = [
 BY_NAME = {s.name: s for s in ALL}
 SHORT = ["decoder_killed_mid_stream", "concurrent_8_into_8_slots", "decoder_restart_then_new_requests",
          "sender_killed_mid_transfer"]
+
+
+def _first_difference(got: Sequence[int], want: Sequence[int]) -> str:
+    """Where a wrong output leaves the reference, for the row's errors."""
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return (f"wrong output: token {i} of {len(got)} is {list(got[i:i + 3])}, the plain instance gives "
+            f"{list(want[i:i + 3])}")
