@@ -25,7 +25,7 @@ output token ids equal direct's for every prompt (``outputs_equal_single``; for 
 equal to direct at the first concurrency level, a batch-invariance check), and the decoders' LMCache
 lookups parsed from their logs (``kv_full_hits``: hit = every token but the last, i.e. the whole
 prompt; ``kv_full_chunk_hits``: every full chunk hit and the rest was recomputed, which is what
-happens when the proxy sends the prompt without the first token, see ``proxy/flow.py``
+happens when the proxy sends the prompt without the first token, see ``proxy/flow/flow.py``
 ``decoder_regenerates_first``; ``kv_misses``: the rest, i.e. recomputed prompts). Every request's
 token arrival times go to ``<log-dir>/<path>-c<N>-requests.json``.
 

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 SYSTEM_ORDER = ("single", "lmcache_p2p", "lmcache-pd")
 # One after the other from the request's arrival to its first decoded byte (stacked); the proxy's
 # first_byte runs beside kv_wait and the prefiller's store / submit / transfer inside prefill
-# (drawn as thin bars of their own, not stacked). See lmcache_p2p/proxy/timeline.py.
+# (drawn as thin bars of their own, not stacked). See lmcache_p2p/proxy/observe/timeline.py.
 SEQUENTIAL_PHASES = ("queue", "tokenize", "prefill", "kv_wait", "decode_start", "decode_first")
 SIDE_PHASES = ("first_byte", "store", "submit", "transfer")
 MARKER = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)

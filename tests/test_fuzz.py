@@ -381,9 +381,9 @@ async def test_fuzz_the_proxy_registry(secret):
     import zmq.asyncio
 
     from lmcache_p2p.proxy.control import ControlListener
-    from lmcache_p2p.proxy.metrics import ProxyMetrics
-    from lmcache_p2p.proxy.registry import Registry
-    from lmcache_p2p.proxy.waiters import KvWaiters
+    from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
+    from lmcache_p2p.proxy.router.registry import Registry
+    from lmcache_p2p.proxy.handover.waiters import KvWaiters
 
     rng = random.Random(SEED + 2)
     registry = Registry(ttl_s=3600)

@@ -75,7 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _add_deployment_args(p: argparse.ArgumentParser) -> None:
-    from lmcache_p2p.proxy.routing import Policy
+    from lmcache_p2p.proxy.router.routing import Policy
 
     p.add_argument("--prefill", type=int, default=1, help="number of prefill instances (default 1)")
     p.add_argument("--decode", type=int, default=1,

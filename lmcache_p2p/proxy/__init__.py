@@ -1,14 +1,19 @@
 """The disaggregated-serving proxy: an OpenAI-compatible router with a live instance registry.
 
-Owns: the HTTP endpoints clients call (``app.py``), one request's prefill -> wait for KV ->
-decode orchestration (``flow.py``), the request and response shapes of the OpenAI API
-(``shaping.py``, ``responses.py``), the registry of prefillers and decoders (``registry.py``),
-health gating of instances (``health.py``), routing policies and colocated serving
-(``routing.py``), the queue where requests wait for decoder buffer credit (``admission.py``), the control socket
-where instances announce themselves and report "KV ready" (``control.py``, ``waiters.py``), the
-Cancel sent to decoders for KV the proxy will not use (``cancel.py``), upstream HTTP calls
-(``upstream.py``), metrics (``metrics.py``) and the per-request timeline (``timeline.py``), flags (``settings.py``), the errors it answers with
-(``errors.py``) and process lifetime (``server.py``).
+Owns, by subpackage (each opens with what it owns and must not do):
+
+* ``http/``: the OpenAI endpoints (``app``), request and response shapes, the tokenizer and the
+  client's text made from token ids;
+* ``router/``: the registry of prefillers and decoders, health gating, routing modes and one class
+  per policy, prefix affinity, the admission queue for decoder buffer credit, one request's placement;
+* ``handover/``: KV-ready waits on every TP rank, ``Cancel`` for unused KV, one request's handover;
+* ``flow/``: one request's steps (prefill -> handover -> decode, an explicit phase), the decode
+  session with migration, and the one request path both one process and relay workers drive;
+* ``observe/``: metrics, ``/stats`` and the per-request timeline;
+* ``relay/``: ``--workers N`` relay processes and their coordinator;
+* at the top: flags (``settings``), the errors it answers with (``errors``), HTTP calls to instances
+  (``upstream``), the control socket where instances announce themselves and report KV
+  (``control``) and process lifetime (``server``).
 
 Metrics: Prometheus at ``GET /metrics``; a TTFT / handover summary line in the log every
 ``--summary-interval-s``; and for benchmarks ``GET /stats``, a read-only JSON summary of every
@@ -17,13 +22,14 @@ sample since start or the last ``POST /stats/reset`` (which answers the window i
 ``{"count", "mean", "p50", "p99"}`` in milliseconds (null without samples; nearest-rank
 percentiles). ttft = request received -> first token; handover = prefill answer received -> first
 decode byte; kv_wait = the part of the handover spent waiting for "KV ready". ``timeline_ms`` has
-one summary per phase of a disaggregated request (``timeline.py``): queue, prefill, first_byte,
+one summary per phase of a disaggregated request (``observe/timeline.py``): queue, prefill, first_byte,
 kv_wait, decode_start, decode_first at the proxy, and store, submit, transfer as the prefiller's
 sender reports them (``KvSent``); ``recent`` lists the last 256 requests' phases
 (``{"req_id", <phase>: ms | null}``); Prometheus has them as ``lmcache_p2p_proxy_phase_seconds{phase}``.
 
-Reading order: ``settings`` -> ``registry`` -> ``health`` -> ``routing`` -> ``admission`` -> ``waiters`` -> ``control``
--> ``cancel`` -> ``shaping`` -> ``responses`` -> ``flow`` -> ``app`` -> ``server``.
+Reading order: ``settings`` -> ``router.registry`` -> ``router.routing`` -> ``router.placement`` ->
+``handover.waiters`` -> ``control`` -> ``http.shaping`` -> ``flow.flow`` -> ``flow.host`` -> ``http.app``
+-> ``server``; then ``relay`` for ``--workers N``.
 
 Must not: import lmcache, vllm, torch or nixl (it speaks to instances only over HTTP and the
 control protocol); parse addresses out of request ids (routing data travels in

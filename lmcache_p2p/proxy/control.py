@@ -19,9 +19,9 @@ import zmq.asyncio
 from lmcache_p2p.errors import ClosedError, ProtocolError
 from lmcache_p2p.protocol import (MAX_MESSAGE_BYTES, Announce, Codec, Goodbye, KvFailed, KvReady, KvSent, Rejection,
                                   RejectionLog, rejection_of)
-from lmcache_p2p.proxy.metrics import ProxyMetrics
-from lmcache_p2p.proxy.registry import Registry
-from lmcache_p2p.proxy.waiters import KvWaiters
+from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
+from lmcache_p2p.proxy.router.registry import Registry
+from lmcache_p2p.proxy.handover.waiters import KvWaiters
 
 logger = logging.getLogger(__name__)
 

@@ -27,21 +27,21 @@ import uvicorn
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.protocol import Codec
-from lmcache_p2p.proxy.app import ProxyApp
-from lmcache_p2p.proxy.flow_host import FlowHost, LocalLink
-from lmcache_p2p.proxy.cancel import KvCanceller
+from lmcache_p2p.proxy.http.app import ProxyApp
+from lmcache_p2p.proxy.flow.host import FlowHost, LocalLink
+from lmcache_p2p.proxy.handover.cancel import KvCanceller
 from lmcache_p2p.proxy.control import ControlListener
-from lmcache_p2p.proxy.coordinator import RelayCoordinator
-from lmcache_p2p.proxy.flow import FlowSettings, Orchestrator
-from lmcache_p2p.proxy.tokenizer import TokenizerProvider
-from lmcache_p2p.proxy.health import HealthProber
-from lmcache_p2p.proxy.metrics import ProxyMetrics
-from lmcache_p2p.proxy.registry import Registry
-from lmcache_p2p.proxy.routing import Router
+from lmcache_p2p.proxy.relay.coordinator import RelayCoordinator
+from lmcache_p2p.proxy.flow.flow import FlowSettings, Orchestrator
+from lmcache_p2p.proxy.http.tokenizer import TokenizerProvider
+from lmcache_p2p.proxy.router.health import HealthProber
+from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
+from lmcache_p2p.proxy.router.registry import Registry
+from lmcache_p2p.proxy.router.routing import Router
 from lmcache_p2p.proxy.settings import ProxySettings, add_arguments
 from lmcache_p2p.proxy.upstream import Upstream
-from lmcache_p2p.proxy.waiters import KvWaiters
-from lmcache_p2p.proxy.workers import WorkerFailure, WorkerPool
+from lmcache_p2p.proxy.handover.waiters import KvWaiters
+from lmcache_p2p.proxy.relay.workers import WorkerFailure, WorkerPool
 
 logger = logging.getLogger(__name__)
 

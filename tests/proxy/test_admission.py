@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from lmcache_p2p.config import Role
-from lmcache_p2p.proxy.admission import AdmissionQueue, CannotAdmit, Outcome
+from lmcache_p2p.proxy.router.admission import AdmissionQueue, CannotAdmit, Outcome
 
 from .conftest import eventually, make_cluster
 from .fakes import MODEL, generate, token_text

@@ -12,9 +12,9 @@ import pytest
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Codec
-from lmcache_p2p.proxy.cancel import KvCanceller
-from lmcache_p2p.proxy.metrics import ProxyMetrics
-from lmcache_p2p.proxy.registry import Registry
+from lmcache_p2p.proxy.handover.cancel import KvCanceller
+from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
+from lmcache_p2p.proxy.router.registry import Registry
 
 from .conftest import Cluster, eventually, make_cluster
 from .fakes import MODEL, FakeReceiverControl, generate, token_text, tokenize

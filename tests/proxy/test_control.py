@@ -10,9 +10,9 @@ import pytest
 from lmcache_p2p.config import Role
 from lmcache_p2p.protocol import Codec, Hello, KvFailed, KvReady, TransportInfo
 from lmcache_p2p.proxy.control import ControlListener
-from lmcache_p2p.proxy.metrics import ProxyMetrics
-from lmcache_p2p.proxy.registry import Registry
-from lmcache_p2p.proxy.waiters import KvStatus, KvWaiters
+from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
+from lmcache_p2p.proxy.router.registry import Registry
+from lmcache_p2p.proxy.handover.waiters import KvStatus, KvWaiters
 
 from .conftest import eventually
 from .fakes import FakeAgent
@@ -173,7 +173,7 @@ async def test_a_forged_reply_to_a_cancel_is_counted_as_rejected():
     import zmq.asyncio
 
     from lmcache_p2p.protocol import PROTOCOL_VERSION, Ack, Announce
-    from lmcache_p2p.proxy.cancel import KvCanceller
+    from lmcache_p2p.proxy.handover.cancel import KvCanceller
 
     ctx = zmq.asyncio.Context()
     router = ctx.socket(zmq.ROUTER)

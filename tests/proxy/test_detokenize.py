@@ -7,9 +7,9 @@ import types
 
 import pytest
 
-from lmcache_p2p.proxy.detokenize import OutputText, TextParams
-from lmcache_p2p.proxy.shaping import Endpoint, parse_client_request
-from lmcache_p2p.proxy.tokenizer import ProxyTokenizer, load_tokenizer
+from lmcache_p2p.proxy.http.detokenize import OutputText, TextParams
+from lmcache_p2p.proxy.http.shaping import Endpoint, parse_client_request
+from lmcache_p2p.proxy.http.tokenizer import ProxyTokenizer, load_tokenizer
 
 PROMPT = "kaba shoulai tidu 中文 rest"
 

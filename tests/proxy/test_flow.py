@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from lmcache_p2p.config import Role
-from lmcache_p2p.proxy import flow as flow_module
+from lmcache_p2p.proxy.flow import flow as flow_module
 
 from .conftest import eventually, make_cluster
 from .fakes import MESSAGES, MODEL, PROMPT, chat_prompt, expected_text, generate, token_text, tokenize

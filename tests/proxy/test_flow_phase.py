@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_p2p.proxy.flow_phase import FlowPhase, PhaseError, Phases
+from lmcache_p2p.proxy.flow.phase import FlowPhase, PhaseError, Phases
 
 
 def test_a_flow_phase_moves_only_forward_along_its_legal_changes():

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_p2p.proxy.relay_worker import CoordinatorLink, WorkerApp
+from lmcache_p2p.proxy.relay.worker import CoordinatorLink, WorkerApp
 from lmcache_p2p.proxy.upstream import Upstream
 
 from .conftest import eventually, make_cluster

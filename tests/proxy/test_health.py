@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lmcache_p2p.config import Role
-from lmcache_p2p.proxy.registry import Health, Instance
+from lmcache_p2p.proxy.router.registry import Health, Instance
 
 from .conftest import Cluster, Node, eventually, make_cluster
 from .fakes import MODEL, generate, token_text, tokenize

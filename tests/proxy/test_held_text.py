@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lmcache_p2p.proxy.held_text import HeldText, Replay
-from lmcache_p2p.proxy.responses import Delta
+from lmcache_p2p.proxy.http.held_text import HeldText, Replay
+from lmcache_p2p.proxy.http.responses import Delta
 
 
 def delta(text: str, *ids: int, finish: str | None = None) -> Delta:

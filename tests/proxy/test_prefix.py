@@ -11,9 +11,9 @@ import pytest
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce
-from lmcache_p2p.proxy.prefix import PrefixIndex, PrefixSettings, chunk_hashes, none_hash, str_hash
-from lmcache_p2p.proxy.registry import Registry
-from lmcache_p2p.proxy.routing import Policy, PrefixDecision, RequestCost, Router
+from lmcache_p2p.proxy.router.prefix import PrefixIndex, PrefixSettings, chunk_hashes, none_hash, str_hash
+from lmcache_p2p.proxy.router.registry import Registry
+from lmcache_p2p.proxy.router.routing import Policy, PrefixDecision, RequestCost, Router
 
 from .conftest import eventually, make_cluster
 from .fakes import MODEL, fingerprint

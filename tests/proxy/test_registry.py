@@ -8,7 +8,7 @@ import pytest
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ProtocolError, VersionError
 from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Fingerprint, Goodbye
-from lmcache_p2p.proxy.registry import Health, Instance, InstanceState, Registry, StaticInstance
+from lmcache_p2p.proxy.router.registry import Health, Instance, InstanceState, Registry, StaticInstance
 
 
 class Clock:
@@ -216,7 +216,7 @@ def test_fingerprint_is_kept_and_mismatched_pairs_are_logged_once(registry, capl
     unknown = registry.announce(announce("p3", role="sender", url="http://p3:1"))
     assert decoder.fingerprint == fp and unknown.fingerprint is None
     assert registry.compatible(same, decoder) and registry.compatible(unknown, decoder)
-    with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.registry"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.router.registry"):
         assert not registry.compatible(other, decoder)
         assert not registry.compatible(other, decoder)
     mismatch, = [r for r in caplog.records if "fingerprints" in r.getMessage()]
@@ -232,7 +232,7 @@ def test_other_weights_under_the_same_model_name_are_never_paired(registry, capl
                                        fingerprint=msgspec.structs.replace(fp, weights="files:bb")))
     older = registry.announce(announce("p2", role="sender", url="http://p2:1",
                                        fingerprint=msgspec.structs.replace(fp, weights="")))
-    with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.registry"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.router.registry"):
         assert not registry.compatible(tuned, decoder)
     assert "weights: 'files:bb' != 'files:aa'" in caplog.text
     assert registry.compatible(older, decoder)  # a peer that cannot tell its weights: the other fields decide
@@ -353,7 +353,7 @@ def test_a_static_instance_is_never_paired_and_is_logged_once(registry, caplog):
     static = registry.add_static(StaticInstance(Role.RECEIVER, "http://127.0.0.1:8200", "127.0.0.1", (7300,),
                                                 (7400,)))
     prefiller = registry.announce(announce("p1", role="sender", url="http://p1:1"))
-    with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.registry"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.router.registry"):
         assert registry.plugin_running(prefiller) and not registry.plugin_running(static)
         assert not registry.compatible(prefiller, static) and not registry.compatible(prefiller, static)
     logged, = [r.getMessage() for r in caplog.records if "LMCache plugin" in r.getMessage()]

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 _CHILD = """
 import asyncio, logging, sys
 logging.basicConfig(level=logging.WARNING)
-from lmcache_p2p.proxy.tokenizer import TokenizerProvider
+from lmcache_p2p.proxy.http.tokenizer import TokenizerProvider
 
 async def main():
     provider = TokenizerProvider(sys.argv[1], None, 1.0)

@@ -9,8 +9,8 @@ import pytest
 from lmcache_p2p.config import Role
 from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce
 from lmcache_p2p.proxy.errors import NoCapacity, NoInstanceAvailable
-from lmcache_p2p.proxy.registry import Registry, StaticInstance
-from lmcache_p2p.proxy.routing import Policy, RequestCost, Router, chunks_needed, exceeds_every_buffer
+from lmcache_p2p.proxy.router.registry import Registry, StaticInstance
+from lmcache_p2p.proxy.router.routing import Policy, RequestCost, Router, chunks_needed, exceeds_every_buffer
 
 from .conftest import eventually, make_cluster
 from .fakes import (MESSAGES, MODEL, PROMPT, FakeReceiverControl, FakeVllm, chat_prompt, expected_text, fingerprint, generate,
@@ -265,7 +265,7 @@ async def test_prefillers_and_decoders_pair_only_when_their_fingerprints_agree(c
         other = await c.add_node(Role.SENDER, fingerprint=fingerprint("other-model"))
         same = await c.add_node(Role.SENDER, fingerprint=fingerprint())
         decoder = await c.add_node(Role.RECEIVER, fingerprint=fingerprint())
-        with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.registry"):
+        with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.router.registry"):
             for _ in range(4):
                 resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
                 assert resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), 3)
@@ -301,7 +301,7 @@ async def test_a_static_decoder_that_never_announced_is_not_paired_and_one_insta
     try:
         async with make_cluster(n_prefill=1, n_decode=0, static_instances=statics) as c:
             await eventually(lambda: c.proxy.registry.routable(Role.RECEIVER))  # its /health answered 200
-            with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.registry"):
+            with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.router.registry"):
                 for _ in range(2):
                     resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
                     assert resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), 3)

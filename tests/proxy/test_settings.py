@@ -6,8 +6,8 @@ import pytest
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ConfigError
-from lmcache_p2p.proxy.prefix import PrefixSettings
-from lmcache_p2p.proxy.routing import Policy
+from lmcache_p2p.proxy.router.prefix import PrefixSettings
+from lmcache_p2p.proxy.router.routing import Policy
 from lmcache_p2p.proxy.server import add_arguments
 from lmcache_p2p.proxy.settings import KvFailurePolicy, ProxySettings, parse_decode_flag, parse_prefill_flag
 

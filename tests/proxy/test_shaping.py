@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lmcache_p2p.proxy.errors import BadRequest, UpstreamMalformed
-from lmcache_p2p.proxy.responses import Delta, first_token, renderer_for
-from lmcache_p2p.proxy.shaping import Endpoint, decode_body, parse_client_request, prefill_body
+from lmcache_p2p.proxy.http.responses import Delta, first_token, renderer_for
+from lmcache_p2p.proxy.http.shaping import Endpoint, decode_body, parse_client_request, prefill_body
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
         "temperature": 0.5, "logprobs": True, "top_logprobs": 2, "tools": [], "min_tokens": 3,

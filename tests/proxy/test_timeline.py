@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lmcache_p2p.protocol import KvSent
-from lmcache_p2p.proxy.metrics import RECENT_TIMELINES, ProxyMetrics
-from lmcache_p2p.proxy.timeline import Phase, Timeline, prefiller_phases
+from lmcache_p2p.proxy.observe.metrics import RECENT_TIMELINES, ProxyMetrics
+from lmcache_p2p.proxy.observe.timeline import Phase, Timeline, prefiller_phases
 
 from .conftest import eventually, make_cluster
 from .fakes import MODEL, PROMPT

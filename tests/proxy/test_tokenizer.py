@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from lmcache_p2p.proxy import tokenizer as tok
+from lmcache_p2p.proxy.http import tokenizer as tok
 
 pytestmark = pytest.mark.anyio
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from lmcache_p2p.proxy.coordinator import RelayCoordinator
+from lmcache_p2p.proxy.relay.coordinator import RelayCoordinator
 
 from .conftest import ProxyProcess, eventually, make_cluster
 from .fakes import MESSAGES, MODEL, PROMPT, expected_text, generate, tokenize

@@ -1,0 +1,370 @@
+"""One request, end to end, as its owner (the proxy process that routes it) runs it: pick decoder D
+and prefiller P, prefill on P (its KV goes to D), wait until every TP rank of D reports the KV
+ready, then name the decode on D and follow it (migration) until the request closes.
+
+    flow = orchestrator.open(request)        # flow_host.FlowHost holds it under the client side's handle
+    try:
+        first = await flow.prefill()         # the first token (the client side sends it at once)
+        target = await flow.plan_decode()    # KV ready (or retried / recomputed): where the decode goes
+        ...                                  # the client side streams it (flow/decode.py), reporting
+                                             # decode_started / decode_unreachable / decode_broken
+        flow.decode_ended(output_ids)
+    finally:
+        flow.close()                         # never awaits: safe in a cancelled task
+
+The waiter for "KV ready" is registered before the prefill is sent. On a KV failure or timeout
+(``--kv-timeout-s``) the policy decides: ``retry`` prefills once more (token ids, another pair
+when there is one) and then recomputes, ``recompute`` sends the decode at once (the decoder
+recomputes what it lacks), ``fail`` answers 502/504. Nothing waits without a deadline.
+
+The parts, each in its module: where the request runs and where it moves on a failure
+(``router/placement.py``), the prefill attempts (``flow/prefill.py``), the KV handover (``handover/request.py``), the
+decode stream and migration (``flow/decode.py``, the same loop for relay workers), the output's
+text and what it teaches the router and the metrics (``flow/output.py``), the request's phase
+(``flow/phase.py``). This module holds them together behind the step API the client side drives
+(``flow/client.py``, in this process through ``flow_host.LocalLink``, in a relay worker through the
+coordinator): ``prefill``, ``plan_decode``, ``decode_unreachable``, ``decode_started``,
+``decode_broken``, ``decode_ended``, ``close``.
+
+Routing (``router/routing.py`` has the policy): a disaggregated request first waits in the admission
+queue (``router/admission.py``) for buffer credit on a decoder whose KV fingerprint matches a prefiller's,
+then prefills on a compatible prefiller. When that is not possible the request is served colocated
+(one instance, no KV transfer, ``colocated_total{reason}``): on a prefiller when no decoder is
+routable or compatible, on a decoder (it computes the prompt itself) when no prefiller is routable or
+reachable, when admission timed out, its queue was full, or the KV is larger than every buffer. A
+colocated request gets no first token from a prefill: ``prefill()`` learns the prompt ids (the
+client's, else ``/tokenize`` on that instance) and the instance generates the whole output in
+``decode()``. The proxy answers 503 only when no instance at all is routable.
+
+A prefill or decode whose connection failed (refused / connect timeout: the instance got nothing)
+goes to another routable instance of that role, each tried once; a decode that moves to another
+decoder recomputes there. A prefill whose connection broke after it was sent (the prefiller died
+with the request in hand: ``UpstreamUnreachable``, not a connect error) is retried once, invisibly (the client has received nothing yet):
+its KV on the decoder is cancelled, then it goes to another compatible prefiller, or the decoder
+computes the prompt itself (``colocated{reason=prefill_failed}``); a second break fails the request
+(a request that kills every engine it reaches must not go round the cluster). Every failed or broken
+connection counts towards taking the instance out of rotation (``registry.note_connect_failure``).
+
+The decoder always gets the prompt ids + the first token, so it loads the whole prompt's KV. With
+the model's tokenizer (``http/tokenizer.py``) the proxy makes the client's text from token ids as one
+vLLM instance would (``http/detokenize.py``); without one the text comes from the instances, and a
+text prompt whose first token has no text of its own (an incomplete UTF-8 character) falls back
+to "the decoder regenerates the first token" (prompt alone; its last chunk is recomputed).
+
+A decode stream that breaks (the decoder died, answered 5xx, or went silent) continues on another
+decoder, else on a prefiller serving colocated, prompted with prompt ids + every token the client
+already has (remaining ``max_tokens``, same sampling params: with greedy sampling the output
+equals one instance's), at most ``--migration-limit`` times per request; nothing is sent twice.
+
+Except under sampling that reads the request's own OUTPUT tokens (vLLM 0.32: presence and frequency
+penalties count output tokens only; ``bad_words`` match their prefix against output tokens only): an
+instance prompted with tokens already output does not see them as output, so its output differs from
+one instance's, even at temperature 0. Such a request is served whole by one instance
+(``colocated{reason=output_aware_sampling}``), and a stream of it that breaks after its first output
+token ends with an error rather than continue elsewhere (a wrong answer is worse than an error).
+
+A request's KV handover (its ``req_id`` on decoder D) ends in one of two ways: the decode request
+reaches D (once D produced its first token the proxy cancels the ``req_id``, so that slots the
+engine did not load, e.g. an unused partial last chunk, are freed now rather than at lease
+expiry), or the proxy abandons it (KV failed or timed out, the decode moved elsewhere, the first
+token ended the output, the client left, an error) and tells every rank of D to free it
+(``handover/cancel.py``), unless the prefill never reached a prefiller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+
+from lmcache_p2p.config import Role
+from lmcache_p2p.proxy.router.admission import AdmissionQueue
+from lmcache_p2p.proxy.handover.cancel import KvCanceller
+from lmcache_p2p.proxy.errors import UpstreamConnectError, UpstreamError
+from lmcache_p2p.proxy.flow.context import FlowSettings, RequestContext, Services
+from lmcache_p2p.proxy.flow.phase import FlowPhase, Phases
+from lmcache_p2p.proxy.handover.request import KvHandover
+from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
+from lmcache_p2p.proxy.flow.output import RequestOutput
+from lmcache_p2p.proxy.router.placement import Placement
+from lmcache_p2p.proxy.flow.prefill import PrefillAttempts
+from lmcache_p2p.proxy.router.registry import Registry
+from lmcache_p2p.proxy.relay.messages import Target
+from lmcache_p2p.proxy.http.responses import FirstToken
+from lmcache_p2p.proxy.router.routing import ColocatedReason, RequestCost, Router
+from lmcache_p2p.proxy.http.shaping import ClientRequest, decode_body, reads_output_tokens
+from lmcache_p2p.proxy.observe.timeline import Timeline
+from lmcache_p2p.proxy.http.tokenizer import ProxyTokenizer, TokenizerProvider
+from lmcache_p2p.proxy.upstream import Upstream
+from lmcache_p2p.proxy.handover.waiters import KvWaiters
+
+__all__ = ["FlowSettings", "Orchestrator", "RequestFlow"]
+
+logger = logging.getLogger(__name__)
+
+_INLINE_TOKENIZE_MAX_TOKENS = 2048  # estimated prompt tokens (--chars-per-token) tokenized on the event loop
+
+
+class Orchestrator:
+    def __init__(self, registry: Registry, router: Router, waiters: KvWaiters, upstream: Upstream,
+                 canceller: KvCanceller, metrics: ProxyMetrics, settings: FlowSettings,
+                 clock: Callable[[], float] = time.perf_counter, tokenizers: TokenizerProvider | None = None) -> None:
+        self.registry = registry
+        self.router = router
+        self.waiters = waiters
+        self.upstream = upstream
+        self.canceller = canceller
+        self.metrics = metrics
+        self.settings = settings
+        self.clock = clock
+        self.admission = AdmissionQueue(settings.admission_timeout_s, settings.admission_queue_max)
+        registry.on_credit.append(self.admission.poke)
+        metrics.admission_waiting.set_function(lambda: len(self.admission))
+        registry.on_forgotten.append(router.forget)  # its caches are gone with it
+        registry.on_pending.append(router.forget)  # new, restarted, moved or down: caches may be gone
+        router.on_prefix_decision.append(lambda role, d: metrics.reuse.observe_decision(role.value, d.value))
+        self.tokenizers = tokenizers or TokenizerProvider.fixed(None)
+
+    def services(self) -> Services:
+        return Services(self.registry, self.router, self.waiters, self.upstream, self.canceller, self.metrics,
+                        self.settings, self.clock, self.admission, self.tokenizers)
+
+    def open(self, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> RequestFlow:
+        return RequestFlow(self.services(), req, headers, received_s)
+
+
+class RequestFlow:
+    def __init__(self, services: Services, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> None:
+        self._s = services
+        ctx = self._ctx = RequestContext(req, headers, received_s, uuid.uuid4().hex, Timeline(received_s))
+        self._phases = Phases(ctx.response_id)
+        self._placement = Placement(services, ctx)
+        self._handover = KvHandover(services, ctx, self._placement)
+        self._prefill = PrefillAttempts(services, ctx, self._placement, self._handover)
+        self._output = RequestOutput(services, ctx)
+        self.first: FirstToken | None = None
+        self._finished = False  # the output ended (a finish reason) before its stream broke
+        self._rewound = 0  # the last output tokens a continuation generates again (http/held_text.py)
+        self._connect_failed: set[str] = set()  # decoders that refused this stream's connection
+        self._migrated_from: set[str] = set()  # decoders whose stream broke
+        self._migrations = 0
+
+    # ---- the request's facts ---------------------------------------------------------------------
+
+    @property
+    def req(self) -> ClientRequest:
+        return self._ctx.req
+
+    @property
+    def response_id(self) -> str:
+        return self._ctx.response_id
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self._ctx.prompt_ids
+
+    @property
+    def colocated(self) -> ColocatedReason | None:
+        return self._ctx.colocated
+
+    @property
+    def timeline(self) -> Timeline:
+        return self._ctx.timeline
+
+    @property
+    def phase(self) -> FlowPhase:
+        return self._phases.now
+
+    @property
+    def proxy_text(self) -> bool:
+        """The proxy makes the client's text (it has the tokenizer) rather than the instances."""
+        return self._output.text is not None
+
+    @property
+    def tokenizer_source(self) -> str | None:
+        return self._output.tokenizer_source
+
+    @property
+    def tokenizer(self) -> ProxyTokenizer | None:
+        return self._output.tokenizer
+
+    # ---- phase 1: prefill ----------------------------------------------------------------------
+
+    async def prefill(self) -> FirstToken:
+        """Route, prefill on the client's endpoint, learn the prompt ids; returns the first token.
+
+        Colocated (``self.colocated``), no prefill runs: the returned first token is empty and the
+        serving instance generates the whole output in the decode.
+        """
+        ctx = self._ctx
+        req = ctx.req = await self._measure(ctx.req)
+        first = await self._prefill.run(RequestCost(req.prompt_tokens, req.output_tokens_estimate))
+        self.first = self._output.shape_first(first)
+        ctx.prefill_done_s = self._s.clock()
+        if self._phases.now is FlowPhase.CLOSED:  # its handler gave up (client gone): close() frees what it took
+            return self.first
+        self._phases.advance(FlowPhase.PREFILLED)
+        if ctx.colocated is None:
+            self._s.metrics.observe_ttft(req.endpoint.value, ctx.prefill_done_s - ctx.received_s)
+        return self.first
+
+    @property
+    def decoder_regenerates_first(self) -> bool:
+        """The proxy has no tokenizer, the prompt is text and the first token has no text of its own.
+
+        A decoder prompted with prompt ids + such a token starts detokenizing mid-character and emits
+        the prompt's text with its first output (a byte-level BPE). Without a tokenizer the proxy cannot
+        make the text itself, so the decoder gets the prompt alone and generates the whole output,
+        first token included (its last chunk is recomputed). Token-id prompts (``--skip-tokenizer-init``
+        instances have no text at all) always get prompt + first.
+        """
+        if self.colocated is not None:
+            return True  # the serving instance generates the whole output
+        first = self._first_or_raise()
+        return self.needs_decode and self._output.text is None and self.req.prompt_ids is None and not first.text
+
+    @property
+    def needs_decode(self) -> bool:
+        """False when the first token already ended the output (max_tokens 1, EOS, a stop string, or the
+        prompt + first token fill the context: ``max_model_len`` from the instances' /v1/models)."""
+        if self.colocated is not None:
+            return True  # the serving instance generates the whole output
+        return self._output.needs_decode_after(self._first_or_raise())
+
+    def close(self) -> None:
+        """Abandon a KV handover the decode did not take (cancel it), release the decoder; never awaits.
+        Called again (a prefill that ended after its handler gave up), it releases what was taken since."""
+        if self._handover.pending:
+            ended = self.first is not None and not self.needs_decode
+            self._handover.abandon("no decode needed: the first token ended the output" if ended
+                                   else "the request ended before its decode (client gone or an error)")
+        self._handover.free_taken()
+        lease = self._placement.leased
+        if self._phases.now is not FlowPhase.CLOSED:
+            if self._phases.now is not FlowPhase.ENDED:
+                self._output.remember(lease)
+            self._output.observe_reuse(self._handover.outcome, lease)
+            self._output.record_timeline()
+            self._phases.advance(FlowPhase.CLOSED)
+        self._placement.release()
+
+    # ---- the decode's steps (this process's session, or a relay worker's through the coordinator) ----
+
+    async def plan_decode(self) -> Target:
+        """Wait for the KV (retrying or recomputing per policy), then where the first decode goes."""
+        await self._handover.settle(self._prefill.retry)
+        if self.decoder_regenerates_first:
+            self._output.ids.clear()
+        self._phases.advance(FlowPhase.PLANNED)
+        return self._target()
+
+    def decode_unreachable(self, exc: UpstreamConnectError) -> Target | None:
+        """The target refused the connection (nothing was sent): another decoder recomputes; None when none."""
+        decoder = self._placement.lease().instance
+        self._connect_failed.add(decoder.instance_id)
+        self._placement.connect_failed(decoder, exc)
+        self._handover.free_taken()
+        try:
+            self._placement.next_decoder(self._connect_failed, exc)
+        except UpstreamConnectError:
+            return None
+        return self._target()
+
+    def decode_started(self, decode_sent_s: float | None = None, first_decoded_s: float | None = None) -> None:
+        """The target sent its first output: it has loaded the request's KV. The stamps (same machine,
+        same monotonic clock) of its decode request and that first output, when the caller has them."""
+        if self._phases.now is not FlowPhase.PLANNED:
+            return  # its first output was seen already (or the request is over)
+        self._phases.advance(FlowPhase.DECODING)
+        if decode_sent_s is not None:
+            self.timeline.decode_sent_s = decode_sent_s
+        lease = self._placement.lease()
+        self._s.registry.note_connected(lease.instance)
+        self._output.first_output(self._s.clock() if first_decoded_s is None else first_decoded_s, lease)
+        self._handover.free_taken()
+
+    def decode_broken(self, output_ids: list[int], finished: bool, exc: UpstreamError,
+                      rewound: int = 0) -> Target | None:
+        """The stream broke after ``output_ids``: where it continues (its last ``rewound`` generated again);
+        None when it may not (finished, the migration limit, sampling that reads the output)."""
+        self._output.ids[:] = output_ids
+        self._finished, self._rewound = finished, rewound
+        if finished or self._migrations >= self._s.settings.migration_limit or not self._may_continue_elsewhere():
+            return None
+        decoder = self._placement.lease().instance
+        self._migrated_from.add(decoder.instance_id)
+        self._handover.free_taken()
+        try:
+            self._placement.migrate(decoder, self._migrated_from, exc, len(output_ids))
+        except UpstreamError:
+            return None
+        self._migrations += 1
+        self._connect_failed = set()
+        return self._target()
+
+    def decode_ended(self, output_ids: list[int]) -> None:
+        """The output is complete (before the client's [DONE]: its next turn may follow at once)."""
+        self._output.ids[:] = output_ids
+        if self._phases.may(FlowPhase.ENDED):
+            self._phases.advance(FlowPhase.ENDED)
+            self._output.remember(self._placement.leased)
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _target(self) -> Target:
+        """The current decoder and the decode request that continues after the output so far. The decoder
+        holding the KV takes the handover now (the decode goes to it)."""
+        ids = self._output.ids
+        body = decode_body(self.req, self.prompt_ids, ids[:len(ids) - self._rewound], proxy_text=self.proxy_text)
+        if self.timeline.decode_sent_s is None:
+            self.timeline.decode_sent_s = self._s.clock()
+        self._handover.take()
+        return Target(self._placement.lease().instance.http_url, body)
+
+    def _may_continue_elsewhere(self) -> bool:
+        """Another instance prompted with prompt + output so far would decode as this one did."""
+        if self._output.ids and reads_output_tokens(self.req):
+            logger.warning("request %s: its sampling (penalties / bad_words) reads the %d output token(s) so far, "
+                           "which another instance would take as prompt: the output ends here with an error",
+                           self.response_id, len(self._output.ids))
+            return False
+        return True
+
+    def _first_or_raise(self) -> FirstToken:
+        if self.first is None:
+            raise RuntimeError("prefill() first")
+        return self.first
+
+    async def _measure(self, req: ClientRequest) -> ClientRequest:
+        """``req`` with its exact prompt token count when the proxy has the tokenizer (kept for the text).
+
+        A text completion's ids go to the prefiller in place of its text (``prefill_body``): the
+        prompt is then tokenized once per request, here, not again in the prefiller's API server.
+        """
+        s = self._s
+        instances = [] if s.tokenizers.settled else s.registry.routable(Role.SENDER) + s.registry.routable(Role.RECEIVER)
+        self._output.tokenizer = await s.tokenizers.get(instances, s.settings.tokenizer_wait_s)
+        ids = await self._prompt_ids(req)
+        if ids and s.router.uses_prefix:
+            self._ctx.prefix = s.router.prompt_prefix(ids)
+        if ids is None or req.prompt_ids is not None:
+            return req
+        return dataclasses.replace(req, exact_prompt_tokens=len(ids),
+                                   tokenized_ids=None if req.is_chat else tuple(ids))
+
+    async def _prompt_ids(self, req: ClientRequest) -> list[int] | None:
+        """The prompt's ids: the client's, else as the proxy's tokenizer makes them (None: no tokenizer,
+        or a prompt it cannot render). A short prompt is tokenized on the event loop: its encoding costs
+        less than the hop to a thread and back; a long one in a thread, so that the loop keeps serving
+        other requests."""
+        if req.prompt_ids is not None:
+            return list(req.prompt_ids)
+        tokenizer = self._output.tokenizer
+        if tokenizer is None:
+            return None
+        if req.prompt_tokens_estimate <= _INLINE_TOKENIZE_MAX_TOKENS:
+            return tokenizer.prompt_ids(req)
+        return await asyncio.to_thread(tokenizer.prompt_ids, req)

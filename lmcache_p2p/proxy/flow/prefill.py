@@ -1,0 +1,273 @@
+"""One request's prefill attempts: disaggregated (admission for decoder credit, then a compatible
+prefiller, KV to the leased decoder), alone (max_tokens 1: no decoder), or colocated (one instance
+serves the whole request; its prompt ids learned here), and the retry prefill a KV failure asks for.
+
+A refused connection goes to another instance of that role; a prefill whose connection broke after
+it was sent is retried once elsewhere (the client has received nothing yet), then fails. It owns
+these attempts. It must not choose instances itself (``router/placement.py``), wait for the KV
+(``handover/request.py``) or shape the client's output (``flow/output.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lmcache_p2p.config import Role
+from lmcache_p2p.proxy.router.admission import Admission, Outcome
+from lmcache_p2p.proxy.errors import UpstreamConnectError, UpstreamMalformed, UpstreamUnreachable
+from lmcache_p2p.proxy.flow.context import RequestContext, Services, nothing_routable
+from lmcache_p2p.proxy.handover.request import KvHandover
+from lmcache_p2p.proxy.observe.metrics import RequestReuse
+from lmcache_p2p.proxy.router.placement import Placement
+from lmcache_p2p.proxy.router.registry import Instance, Lease
+from lmcache_p2p.proxy.http.responses import FirstToken, first_token
+from lmcache_p2p.proxy.router.routing import ColocatedReason, RequestCost, chunks_needed
+from lmcache_p2p.proxy.http.shaping import (
+    Endpoint,
+    prefill_body,
+    reads_output_tokens,
+    retry_prefill_body,
+    tokenize_body,
+)
+
+logger = logging.getLogger(__name__)
+
+_RETRIES_AFTER_BROKEN_PREFILL = 1  # a prefill whose connection broke after it was sent is retried once
+_ADMISSION_REASONS = {
+    Outcome.TIMEOUT: ColocatedReason.ADMISSION_TIMEOUT,
+    Outcome.QUEUE_FULL: ColocatedReason.ADMISSION_QUEUE_FULL,
+}
+
+
+class _PrefillBroken(Exception):
+    """A prefill's connection broke after it was sent (the prefiller died): retry it elsewhere."""
+
+    def __init__(self, prefiller: Instance, cause: UpstreamUnreachable) -> None:
+        super().__init__(str(cause))
+        self.prefiller = prefiller
+        self.cause = cause
+
+
+class PrefillAttempts:
+    def __init__(self, services: Services, ctx: RequestContext, placement: Placement, handover: KvHandover) -> None:
+        self._s = services
+        self._ctx = ctx
+        self._placement = placement
+        self._handover = handover
+
+    async def run(self, cost: RequestCost) -> FirstToken:
+        """The first token (colocated: an empty one; the serving instance generates the whole output)."""
+        if self._ctx.req.max_tokens == 1:  # nothing to decode: no decoder, no KV transfer
+            return await self._alone(cost)
+        return await self._routed(cost)
+
+    async def retry(self) -> None:
+        """The KV failed: prefill once more (token ids), on another pair when there is one."""
+        ctx = self._ctx
+        cost = RequestCost(len(ctx.prompt_ids), ctx.req.output_tokens_estimate)
+        decoder = self._placement.lease_decoder(cost)
+        prefiller = self._placement.pick_prefiller(decoder, exclude=self._placement.tried)
+        try:
+            await self._send(prefiller, Endpoint.COMPLETIONS.value,
+                             lambda kv: retry_prefill_body(ctx.req, ctx.prompt_ids, kv), cost.prompt_tokens)
+        except _PrefillBroken as broke:
+            raise broke.cause from None
+
+    async def _alone(self, cost: RequestCost) -> FirstToken:
+        """max_tokens 1: the prefill's answer is the whole output and no KV goes anywhere. A prefiller
+        answers it, else a decoder; a refused connection goes to the next instance, a broken one is
+        retried once."""
+        req = self._ctx.req
+        body = prefill_body(req, None)
+        failed: set[str] = set()
+        broken = 0
+        last: UpstreamUnreachable | None = None
+        while True:
+            inst = self._placement.pick_any(cost, failed)
+            if inst is None:
+                raise last or nothing_routable()
+            if last is not None:
+                self._s.metrics.failovers.labels("prefill").inc()
+            try:
+                answer = await self._post(inst, req.endpoint.value, body, cost.prompt_tokens)
+                break
+            except UpstreamUnreachable as exc:
+                failed.add(inst.instance_id)
+                broken += not isinstance(exc, UpstreamConnectError)
+                if broken > _RETRIES_AFTER_BROKEN_PREFILL:
+                    raise
+                last = exc
+        if inst.role is Role.RECEIVER:
+            self._placement.note_colocated(inst, ColocatedReason.NO_PREFILLER)
+        first = first_token(req, answer)
+        self._ctx.prompt_ids = first.prompt_ids or list(req.prompt_ids or ()) or await self._tokenize(inst)
+        return first
+
+    async def _routed(self, cost: RequestCost) -> FirstToken:
+        """Disaggregated when a compatible pair has room (after waiting for it), else colocated."""
+        ctx = self._ctx
+        _, reason = self._placement.pairable()
+        if reason is None and reads_output_tokens(ctx.req):
+            reason = ColocatedReason.OUTPUT_AWARE_SAMPLING
+        if reason is not None:
+            return await self._colocate(cost, reason)
+        admission = await self._s.admission.admit(lambda: self._placement.grant_decoder(cost))
+        self._count_admission(admission)
+        if admission.granted is None:
+            reason = (admission.refusal.reason if admission.refusal is not None
+                      else _ADMISSION_REASONS[admission.outcome])
+            logger.info("request %s: no decoder buffer credit for ~%d prompt tokens (%s after %.2f s): %s",
+                        ctx.response_id, cost.prompt_tokens, admission.outcome.value, admission.wait_s,
+                        admission.message)
+            return await self._colocate(cost, reason)
+        self._placement.take(admission.granted)
+        return await self._disaggregated(cost)
+
+    async def _disaggregated(self, cost: RequestCost) -> FirstToken:
+        """Prefill on a prefiller compatible with the leased decoder, KV to that decoder."""
+        req = self._ctx.req
+        decoder = self._placement.lease().instance
+        if not self._placement.compatible_prefillers(decoder):  # gone while the request waited for admission
+            return await self._colocate_on(decoder, cost, ColocatedReason.NO_PREFILLER)
+        prefiller = self._placement.pick_prefiller(decoder)
+        broken = 0
+        while True:
+            try:
+                prefiller, answer = await self._send(prefiller, req.endpoint.value, lambda kv: prefill_body(req, kv),
+                                                     cost.prompt_tokens)
+                break
+            except UpstreamConnectError as exc:  # every compatible prefiller refused: nothing was sent
+                logger.warning("request %s: no prefiller reachable (%s); decoder %s computes the prompt",
+                               self._ctx.response_id, exc, decoder.instance_id)
+                return await self._colocate_on(decoder, cost, ColocatedReason.NO_PREFILLER)
+            except _PrefillBroken as broke:  # sent, then the connection broke: nothing reached the client
+                broken += 1
+                retry_on = self._after_broken(broke, broken, decoder)
+                if retry_on is None:
+                    return await self._colocate_on(decoder, cost, ColocatedReason.PREFILL_FAILED)
+                self._placement.hold(decoder, cost.decode_tokens, self._placement.lease().chunks)  # credit, new KV
+                prefiller = retry_on
+        first = first_token(req, answer)
+        self._ctx.prompt_ids = first.prompt_ids or list(req.prompt_ids or ()) or await self._tokenize(prefiller)
+        self._placement.lease().resize_commit(chunks_needed(len(self._ctx.prompt_ids), decoder.chunk_tokens))
+        self._note_prefill(prefiller, decoder, answer)
+        return first
+
+    def _after_broken(self, broke: _PrefillBroken, broken: int, decoder: Instance) -> Instance | None:
+        """Where a broken prefill is retried (None: the decoder computes the prompt); raises after the last."""
+        self._handover.abandon(f"the prefill on {broke.prefiller.instance_id} broke: {broke.cause}")
+        if broken > _RETRIES_AFTER_BROKEN_PREFILL:
+            raise broke.cause from None
+        retry_on = self._placement.untried_prefiller(decoder)
+        rid, on = self._ctx.response_id, broke.prefiller.instance_id
+        if retry_on is None:
+            logger.warning("request %s: the prefill on %s broke before its first token (%s); decoder %s computes the "
+                           "prompt", rid, on, broke.cause, decoder.instance_id)
+            return None
+        logger.warning("request %s: the prefill on %s broke before its first token (%s); retrying on %s", rid, on,
+                       broke.cause, retry_on.instance_id)
+        self._s.metrics.failovers.labels("prefill").inc()
+        return retry_on
+
+    async def _colocate(self, cost: RequestCost, reason: ColocatedReason) -> FirstToken:
+        """One instance serves the whole request: a prefiller when decoders are missing or incompatible,
+        else a decoder (it computes the prompt); the other role when the preferred one has none."""
+        failed: set[str] = set()
+        on_prefiller = reason in (ColocatedReason.NO_DECODER, ColocatedReason.NO_COMPATIBLE_DECODER)
+        roles = (Role.SENDER, Role.RECEIVER) if on_prefiller else (Role.RECEIVER, Role.SENDER)
+        while True:
+            inst = self._placement.pick_any(cost, failed, roles)
+            if inst is None:
+                raise nothing_routable()
+            try:
+                return await self._colocate_on(inst, cost, reason)
+            except UpstreamUnreachable as exc:  # /tokenize failed: that instance is gone
+                self._placement.connect_failed(inst, exc)
+                failed.add(inst.instance_id)
+
+    async def _colocate_on(self, inst: Instance, cost: RequestCost, reason: ColocatedReason) -> FirstToken:
+        """Lease ``inst`` for the whole request and learn the prompt ids; the output comes in the decode."""
+        ctx = self._ctx
+        self._handover.abandon(f"the request is served colocated instead ({reason.value})")
+        self._placement.hold(inst, cost.decode_tokens, chunks=0)
+        req = ctx.req
+        ctx.prompt_ids = list(req.prompt_ids) if req.prompt_ids is not None else await self._tokenize(inst)
+        ctx.colocated = reason
+        self._placement.note_colocated(inst, reason)
+        ctx.reuse = RequestReuse(ctx.response_id, len(ctx.prompt_ids), decoder=inst.instance_id, kv_bytes=0)
+        return FirstToken(token_id=-1, text="", finish_reason=None, stop_reason=None, logprobs=None,
+                          prompt_ids=ctx.prompt_ids, model=str(req.body.get("model") or ""), created=int(time.time()))
+
+    async def _send(self, prefiller: Instance, path: str, build: Callable[[dict[str, Any]], dict[str, Any]],
+                    prompt_tokens: int) -> tuple[Instance, dict[str, Any]]:
+        """Register a fresh waiter for a fresh req_id, THEN send the prefill."""
+        decoder = self._placement.lease().instance
+        body = build(self._handover.begin())
+        logger.debug("prefill %s on %s, KV to %s", self._ctx.timeline.req_id, prefiller.http_url, decoder.instance_id)
+        try:
+            return await self._post_prefill(prefiller, path, body, prompt_tokens, decoder)
+        except UpstreamConnectError:
+            self._handover.not_sent()
+            raise
+
+    async def _post_prefill(self, prefiller: Instance, path: str, body: dict[str, Any], prompt_tokens: int,
+                            decoder: Instance) -> tuple[Instance, dict[str, Any]]:
+        """POST the prefill; on a refused connection, to the next compatible prefiller. Returns who
+        answered; raises _PrefillBroken when a connection broke after the prefill was sent."""
+        failed: set[str] = set()
+        while True:
+            try:
+                return prefiller, await self._post(prefiller, path, body, prompt_tokens)
+            except UpstreamConnectError as exc:
+                failed.add(prefiller.instance_id)
+                prefiller = self._placement.next_prefiller(failed, exc, decoder)
+            except UpstreamUnreachable as exc:
+                raise _PrefillBroken(prefiller, exc) from exc
+
+    async def _post(self, inst: Instance, path: str, body: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
+        """One POST to ``inst`` under a lease of its load; failed connections are counted against it."""
+        s, timeline = self._s, self._ctx.timeline
+        timeline.prefill_sent_s = s.clock()
+        try:
+            with s.registry.lease(inst, prompt_tokens):
+                answer = await s.upstream.post_json(inst.http_url, path, body, timeout_s=s.settings.prefill_timeout_s,
+                                                    headers=self._ctx.headers)
+        except UpstreamUnreachable as exc:
+            self._placement.connect_failed(inst, exc)
+            raise
+        timeline.prefill_answered_s = s.clock()
+        s.registry.note_connected(inst)
+        return answer
+
+    async def _tokenize(self, inst: Instance) -> list[int]:
+        answer = await self._s.upstream.post_json(inst.http_url, "/tokenize", tokenize_body(self._ctx.req),
+                                                  timeout_s=self._s.settings.prefill_timeout_s,
+                                                  headers=self._ctx.headers)
+        tokens = answer.get("tokens")
+        if not isinstance(tokens, list) or not tokens:
+            raise UpstreamMalformed(f"{inst.http_url}/tokenize answered without tokens")
+        return tokens
+
+    def _count_admission(self, admission: Admission[Lease]) -> None:
+        m = self._s.metrics
+        m.admission.labels(admission.outcome.value).inc()
+        if admission.outcome is not Outcome.IMMEDIATE:
+            m.admission_wait.observe(admission.wait_s)
+
+    def _note_prefill(self, prefiller: Instance, decoder: Instance, answer: dict[str, Any]) -> None:
+        """The prefill answered: both instances now hold the prompt; note what the prefiller reused."""
+        ctx, router = self._ctx, self._s.router
+        router.remember(prefiller, ctx.prefix)
+        router.remember(decoder, ctx.prefix)
+        ctx.reuse = RequestReuse(ctx.response_id, len(ctx.prompt_ids), prefiller=prefiller.instance_id,
+                                 decoder=decoder.instance_id, cached_tokens=_cached_tokens(answer))
+
+
+def _cached_tokens(answer: dict[str, Any]) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a vLLM answer (``--enable-prompt-tokens-details``)."""
+    details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and cached >= 0 else None

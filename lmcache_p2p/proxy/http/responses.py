@@ -1,0 +1,268 @@
+"""Response shapes: the first token from the prefill answer, decode events, and what the client sees.
+
+The decoder always answers in ``/v1/completions`` stream format; a renderer turns the prefiller's
+first token plus those events into the client's format (``text_completion`` or
+``chat.completion``, chunks when streaming), so the client receives the whole output, first token
+included, exactly once. Chat output is plain ``content`` (no reasoning / tool-call parsing on
+this path). The text of every chunk is the one ``flow/flow.py`` gives (made in the proxy from token ids
+when it has the tokenizer). Usage is recomputed: prompt = the prompt's ids, completion = the
+output's token ids (first token included). Completion logprobs' ``text_offset`` is recomputed as
+vLLM does: the running length of the token strings reported so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+
+from lmcache_p2p.proxy.errors import UpstreamMalformed
+from lmcache_p2p.proxy.http.shaping import ClientRequest
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(event) + b"\n\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstToken:
+    """The prefiller's one output token, as the client's endpoint rendered it."""
+
+    token_id: int
+    text: str
+    finish_reason: str | None
+    stop_reason: Any
+    logprobs: Any  # already in the client's format (the prefill ran on the client's endpoint)
+    prompt_ids: list[int] | None
+    model: str
+    created: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """One decode event's output (completion format)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+    stop_reason: Any
+
+
+def first_token(req: ClientRequest, answer: dict[str, Any]) -> FirstToken:
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise UpstreamMalformed(f"prefill answer without choices: {str(answer)[:300]}")
+    choice = choices[0]
+    kv_params = answer.get("kv_transfer_params")
+    token_id = kv_params.get("first_tok") if isinstance(kv_params, dict) else None
+    if token_id is None and choice.get("token_ids"):
+        token_id = choice["token_ids"][0]
+    if not isinstance(token_id, int):
+        raise UpstreamMalformed("prefill answer carries no first token (kv_transfer_params.first_tok): is the "
+                                "prefiller running LMCacheConnectorV1 as kv_producer?")
+    if req.is_chat:
+        message = choice.get("message") or {}
+        text = message.get("content") or message.get("reasoning_content") or ""
+        prompt_ids = answer.get("prompt_token_ids")
+    else:
+        text = choice.get("text") or ""
+        prompt_ids = choice.get("prompt_token_ids")
+    return FirstToken(
+        token_id=token_id,
+        text=text,
+        finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("stop_reason"),
+        logprobs=choice.get("logprobs"),
+        prompt_ids=prompt_ids if isinstance(prompt_ids, list) and prompt_ids else None,
+        model=str(answer.get("model", "")),
+        created=int(answer.get("created") or 0),
+    )
+
+
+def decode_delta(event: dict[str, Any]) -> Delta | None:
+    """The output of one decode stream event (None for the usage-only event)."""
+    choices = event.get("choices") or []
+    if not choices:
+        return None
+    choice = choices[0]
+    return Delta(
+        text=choice.get("text") or "",
+        token_ids=list(choice.get("token_ids") or ()),
+        logprobs=choice.get("logprobs"),
+        finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("stop_reason"),
+    )
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Renderer:
+    """Turns a first token and decode deltas into the client's format."""
+
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, req: ClientRequest, response_id: str, first: FirstToken, prompt_ids: list[int],
+                 include_first: bool = True) -> None:
+        """``include_first=False``: the decoder regenerates the first token (see ``flow/flow.py``)."""
+        self._req = req
+        self._id = response_id
+        self._first = first
+        self._prompt_ids = prompt_ids
+        self._include_first = include_first
+        self._text: list[str] = [first.text] if include_first else []
+        self._token_ids: list[int] = [first.token_id] if include_first else []
+        self._logprob_parts: list[Any] = [first.logprobs] if include_first else []
+        self._finish_reason = first.finish_reason
+        self._stop_reason = first.stop_reason
+        self._prompt_ids_sent = not req.return_token_ids  # the first chunk carries them
+        self._text_offset = _token_strings_length(first.logprobs) if include_first else 0
+
+    # ---- streaming -----------------------------------------------------------------------------
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        if not self._include_first:
+            return []
+        first = self._first
+        return [self._chunk([self._stream_choice(first.text, first.logprobs, [first.token_id], first.finish_reason,
+                                                 first.stop_reason)])]
+
+    def delta_chunk(self, delta: Delta) -> dict[str, Any]:
+        logprobs = self._convert_logprobs(delta.logprobs)
+        return self._chunk([self._stream_choice(delta.text, logprobs, delta.token_ids, delta.finish_reason,
+                                                delta.stop_reason)])
+
+    def usage_chunk(self, usage_info: dict[str, int]) -> dict[str, Any]:
+        return {**self._chunk([]), "usage": usage_info}
+
+    # ---- whole answer --------------------------------------------------------------------------
+
+    def add(self, delta: Delta) -> None:
+        """Keep a delta for ``response``."""
+        self._text.append(delta.text)
+        self._token_ids.extend(delta.token_ids)
+        self._logprob_parts.append(self._convert_logprobs(delta.logprobs))
+        if delta.finish_reason is not None:
+            self._finish_reason = delta.finish_reason
+            self._stop_reason = delta.stop_reason
+
+    def response(self, usage_info: dict[str, int]) -> dict[str, Any]:
+        logprobs = self._merge_logprobs([p for p in self._logprob_parts if p])
+        choice: dict[str, Any] = {"index": 0, **self._final_content(), "logprobs": logprobs,
+                                  "finish_reason": self._finish_reason, "stop_reason": self._stop_reason}
+        if self._req.return_token_ids:
+            choice["token_ids"] = self._token_ids
+        answer = {"id": self._id, "object": self.object_name, "created": self._first.created,
+                  "model": self._first.model, "choices": [choice], "usage": usage_info}
+        if self._req.return_token_ids:
+            self._place_prompt_ids(answer, choice)
+        return answer
+
+    # ---- per format ----------------------------------------------------------------------------
+
+    def _stream_choice(self, text: str, logprobs: Any, token_ids: list[int], finish_reason: str | None,
+                       stop_reason: Any) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
+        if self._req.return_token_ids:
+            choice["token_ids"] = token_ids
+            if not self._prompt_ids_sent:
+                choice["prompt_token_ids"] = self._prompt_ids
+                self._prompt_ids_sent = True
+        return choice
+
+    def _final_content(self) -> dict[str, Any]:
+        return {"text": "".join(self._text)}
+
+    def _place_prompt_ids(self, answer: dict[str, Any], choice: dict[str, Any]) -> None:
+        choice["prompt_token_ids"] = self._prompt_ids
+
+    def _convert_logprobs(self, logprobs: dict[str, Any] | None) -> Any:
+        """Completion logprobs of the decoder's output, ``text_offset`` continuing the client's output."""
+        if not logprobs:
+            return None
+        offsets = []
+        for token in logprobs.get("tokens") or ():
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        return {**logprobs, "text_offset": offsets}
+
+    def _merge_logprobs(self, parts: list[Any]) -> Any:
+        if not parts:
+            return None
+        keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        return {k: [item for part in parts for item in part.get(k) or ()] for k in keys}
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self._id, "object": self.chunk_object_name, "created": self._first.created,
+                "model": self._first.model, "choices": choices}
+
+
+class ChatRenderer(Renderer):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        role = self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+        if not self._prompt_ids_sent:
+            role["prompt_token_ids"] = self._prompt_ids
+            self._prompt_ids_sent = True
+        return [role, *super().first_chunks()]
+
+    def _stream_choice(self, text: str, logprobs: Any, token_ids: list[int], finish_reason: str | None,
+                       stop_reason: Any) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
+        if self._req.return_token_ids:
+            choice["token_ids"] = token_ids
+        return choice
+
+    def _final_content(self) -> dict[str, Any]:
+        return {"message": {"role": "assistant", "content": "".join(self._text)}}
+
+    def _place_prompt_ids(self, answer: dict[str, Any], choice: dict[str, Any]) -> None:
+        answer["prompt_token_ids"] = self._prompt_ids
+
+    def _convert_logprobs(self, logprobs: dict[str, Any] | None) -> Any:
+        """Completion-format logprobs -> chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+        if not logprobs:
+            return None
+        top_n = self._req.top_logprobs or 0
+        content = []
+        for i, token in enumerate(logprobs.get("tokens") or []):
+            top = (logprobs.get("top_logprobs") or [None] * (i + 1))[i] or {}
+            ranked = sorted(top.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
+            content.append({
+                "token": token,
+                "logprob": (logprobs.get("token_logprobs") or [None] * (i + 1))[i],
+                "bytes": list(token.encode()),
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in ranked],
+            })
+        return {"content": content}
+
+    def _merge_logprobs(self, parts: list[Any]) -> Any:
+        if not parts:
+            return None
+        return {"content": [item for part in parts for item in part.get("content") or ()]}
+
+
+def _token_strings_length(logprobs: Any) -> int:
+    """Characters of the completion-format token strings in ``logprobs`` (0 for chat or none)."""
+    tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+    return sum(len(t) for t in tokens) if isinstance(tokens, list) else 0
+
+
+def renderer_for(req: ClientRequest, response_id: str, first: FirstToken, prompt_ids: list[int],
+                 include_first: bool = True) -> Renderer:
+    cls = ChatRenderer if req.is_chat else Renderer
+    return cls(req, response_id, first, prompt_ids, include_first)

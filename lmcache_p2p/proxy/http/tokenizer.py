@@ -1,0 +1,279 @@
+"""The model's tokenizer in the proxy: exact prompt token counts, and the client's output text.
+
+Where it comes from (``--tokenizer``):
+
+* a path: that folder (or hub-style name already in the local cache) is loaded;
+* ``auto`` (default): the model folder an instance serves (``root`` of its ``GET /v1/models``),
+  when that path exists on the proxy's machine (``lmcache-p2p launch`` runs everything on one host);
+* ``none``: no tokenizer.
+
+It is loaded once, lazily (at the first request), in a thread (``transformers`` takes seconds
+to import), and shared by every request. Only fast tokenizers (``tokenizers``-backed, as vLLM's
+own fast detokenizer) are used; a slow one is treated as no tokenizer, with a warning.
+
+With a tokenizer the proxy counts prompt tokens exactly (text prompts as vLLM tokenizes them;
+chat messages through the model's chat template, as vLLM renders them) and makes the output text
+from token ids (``http/detokenize.py``), so the decoder always gets prompt ids + the first token.
+Without one, counts are estimates (``--chars-per-token``) and the text comes from the instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import importlib
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lmcache_p2p.proxy.http.detokenize import OutputText, TextParams
+from lmcache_p2p.proxy.errors import ProxyError
+from lmcache_p2p.proxy.router.registry import Instance
+from lmcache_p2p.proxy.http.shaping import ClientRequest
+from lmcache_p2p.proxy.upstream import Upstream
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+NONE = "none"
+# mixed scripts, digits, whitespace runs, punctuation and markup: where two tokenizers of one vocabulary differ
+_PROBE_TEXT = "Hello, world!  12 345.6 ünïcödé 中文 ½ <b>x</b>\n\tEnd"
+
+
+class ProxyTokenizer:
+    """A loaded Hugging Face fast tokenizer."""
+
+    def __init__(self, hf_tokenizer: Any, source: str) -> None:
+        self.hf = hf_tokenizer
+        self.backend = hf_tokenizer._tokenizer  # tokenizers.Tokenizer: what DecodeStream steps with
+        self.source = source
+
+    def prompt_tokens(self, req: ClientRequest) -> int | None:
+        """The prompt's exact token count as vLLM would tokenize it (None: cannot tell here)."""
+        ids = self.prompt_ids(req)
+        return None if ids is None else len(ids)
+
+    def prompt_ids(self, req: ClientRequest) -> list[int] | None:
+        """The prompt's token ids as vLLM would make them (None: a prompt this proxy cannot render)."""
+        if req.prompt_ids is not None:
+            return list(req.prompt_ids)
+        try:
+            return self.chat_prompt_ids(req.body) if req.is_chat else self.text_prompt_ids(req.body)
+        except Exception as exc:  # a template or content this proxy cannot render: the estimate stands
+            logger.debug("cannot tokenize the prompt in the proxy (%s: %s): using the estimate",
+                         type(exc).__name__, exc)
+            return None
+
+    def text_prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        prompt = body["prompt"]
+        if isinstance(prompt, list):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise TypeError("the prompt is not a string")
+        return list(self.hf.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True))))
+
+    def chat_prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        """vLLM's chat path: render the template to text, then tokenize (add_special_tokens false by default)."""
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        kwargs.update(add_generation_prompt=body.get("add_generation_prompt", True),
+                      continue_final_message=body.get("continue_final_message", False))
+        if body.get("chat_template"):
+            kwargs["chat_template"] = body["chat_template"]
+        if body.get("tools"):
+            kwargs["tools"] = body["tools"]
+        text = self.hf.apply_chat_template([_string_content(m) for m in body["messages"]], tokenize=False, **kwargs)
+        return list(self.hf.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False))))
+
+    def output_text(self, prompt_ids: Sequence[int], params: TextParams) -> OutputText:
+        return OutputText(self.backend, prompt_ids, params)
+
+
+def _string_content(message: Any) -> dict[str, Any]:
+    """vLLM's "string" content format: text parts joined by newlines; anything else is refused."""
+    if not isinstance(message, dict):
+        raise TypeError("a message is not an object")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise TypeError("non-text content")
+            texts.append(part.get("text") or "")
+        return {**message, "content": "\n".join(texts)}
+    return message
+
+
+def load_tokenizer(path: str) -> ProxyTokenizer | None:
+    """Load the tokenizer in ``path`` (blocking: call it in a thread). None when it is not a fast one."""
+    from transformers import AutoTokenizer  # lazy: seconds to import
+
+    hf = AutoTokenizer.from_pretrained(path)
+    if not hasattr(hf, "_tokenizer"):
+        logger.warning("the tokenizer in %s is not a fast (tokenizers-backed) one: the proxy cannot detokenize "
+                       "as vLLM's fast detokenizer does; text comes from the instances (--tokenizer)", path)
+        return None
+    return ProxyTokenizer(hf, path)
+
+
+class TokenizerProvider:
+    """Loads the tokenizer once, at first use, off the event loop; ``get`` is cheap afterwards.
+
+    It also learns the served context length (``max_model_len`` of ``GET /v1/models``), which
+    tells when a prompt + the output so far fill the context (no decode can follow).
+    """
+
+    def __init__(self, source: str, upstream: Upstream | None, timeout_s: float) -> None:
+        self._source = source or AUTO
+        self._upstream = upstream
+        self._timeout_s = timeout_s
+        self._loading: asyncio.Task[ProxyTokenizer | None] | None = None
+        self._done = upstream is None and self._source in (AUTO, NONE)
+        self._tokenizer: ProxyTokenizer | None = None
+        self._prefetch: asyncio.Task[Any] | None = None
+        self.max_model_len: int | None = None
+
+    @classmethod
+    def fixed(cls, tokenizer: ProxyTokenizer | None, max_model_len: int | None = None) -> TokenizerProvider:
+        """A provider that already holds ``tokenizer`` (tests, embedding)."""
+        provider = cls(NONE, None, 0.0)
+        provider._tokenizer, provider.max_model_len, provider._done = tokenizer, max_model_len, True
+        return provider
+
+    @property
+    def settled(self) -> bool:
+        """Loaded, or known to be absent: ``get`` answers at once."""
+        return self._done
+
+    @property
+    def loaded_source(self) -> str | None:
+        """Where the loaded tokenizer came from (None: not loaded, or none)."""
+        return self._tokenizer.source if self._tokenizer is not None else None
+
+    def prefetch(self) -> None:
+        """Import ``transformers`` in a thread now (seconds), so the first request waits for the load alone."""
+        if not self._done and self._prefetch is None and self._source != NONE:
+            self._prefetch = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(importlib.import_module, "transformers"), name="proxy-tokenizer-import")
+            self._prefetch.add_done_callback(_log_prefetch_failure)
+
+    async def get(self, instances: Sequence[Instance], wait_s: float | None = None) -> ProxyTokenizer | None:
+        """The tokenizer, loading it if needed; waits at most ``wait_s`` (None: until loaded) and answers
+        None meanwhile: a request never stalls behind a slow first load (seen: 36 s of TTFT on the
+        first GPU requests), it just goes without exact counts and proxy-made text."""
+        if self._done:
+            return self._tokenizer
+        if self._loading is None:
+            self._loading = asyncio.get_running_loop().create_task(self._load(instances), name="proxy-tokenizer")
+        loading = self._loading
+        try:
+            tokenizer = await asyncio.wait_for(asyncio.shield(loading), wait_s)
+        except TimeoutError:
+            return None  # still loading: this request goes without; the load carries on
+        except Exception as exc:  # no instance answered /v1/models yet: try again with the next request
+            logger.debug("tokenizer not loaded yet: %s", exc)
+            if self._loading is loading:
+                self._loading = None
+            return None
+        self._tokenizer, self._done = tokenizer, True
+        _freeze_heap()
+        return tokenizer
+
+    async def load_in_background(self, instances: Callable[[], Sequence[Instance]],
+                                 retry_s: float = 0.5) -> None:
+        """Load as soon as an instance can tell what it serves, before any request needs it (a task
+        of the proxy; ends once settled)."""
+        self.prefetch()
+        while not self._done:
+            found = instances()
+            if found or self._source not in (AUTO,):
+                await self.get(found)
+            if not self._done:
+                await asyncio.sleep(retry_s)
+
+    async def _load(self, instances: Sequence[Instance]) -> ProxyTokenizer | None:
+        root = await self._served_model(instances) if self._upstream is not None else None
+        path = self._source
+        if path == NONE:
+            return None
+        if path == AUTO:
+            if root is None or not os.path.isdir(root):
+                logger.warning("the served model %r is not a folder on the proxy's machine: no tokenizer in the "
+                               "proxy (pass --tokenizer DIR for exact prompt counts and every prompt's KV used)", root)
+                return None
+            path = root
+        if self._prefetch is not None:  # a second thread importing transformers meanwhile sees it half-initialized
+            await asyncio.wait({self._prefetch})  # ("cannot import name 'AutoTokenizer'"); the import has no deadline
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, path)
+        except Exception as exc:
+            logger.warning("cannot load the tokenizer from %s (%s: %s): prompt counts are estimates and text comes "
+                           "from the instances; pass --tokenizer DIR", path, type(exc).__name__, exc)
+            return None
+        if tokenizer is None or not await self._agrees_with_instances(tokenizer, instances):
+            return None
+        logger.info("tokenizer loaded from %s: exact prompt counts, prompt ids to the prefillers, output text made "
+                    "in the proxy", path)
+        return tokenizer
+
+    async def _agrees_with_instances(self, tokenizer: ProxyTokenizer, instances: Sequence[Instance]) -> bool:
+        """The instances tokenize a probe text as ``tokenizer`` does (one ``/tokenize``).
+
+        The proxy sends the prefillers the prompt ids it made and makes the client's text from ids, so a
+        tokenizer other than the instances' (vLLM started with its own ``--tokenizer`` or
+        ``--tokenizer-mode``) would give wrong answers, not only wrong text: such a tokenizer is not
+        used. An instance that cannot tokenize (``--skip-tokenizer-init``) or does not answer leaves it
+        unchecked.
+        """
+        if self._upstream is None:
+            return True
+        ours = tokenizer.hf.encode(_PROBE_TEXT, add_special_tokens=True)
+        for inst in instances:
+            try:
+                answer = await self._upstream.post_json(inst.http_url, "/tokenize",
+                                                        {"prompt": _PROBE_TEXT, "add_special_tokens": True},
+                                                        timeout_s=self._timeout_s)
+            except ProxyError as exc:
+                logger.debug("%s cannot check the tokenizer (%s)", inst.instance_id, exc)
+                continue
+            theirs = answer.get("tokens")
+            if theirs == ours:
+                return True
+            logger.warning("the tokenizer in %s makes %d ids of a probe text, %s's vLLM makes %s: not used (prompt "
+                           "counts are estimates, prompts go to the instances as text and text comes from them); "
+                           "pass --tokenizer DIR naming the tokenizer the instances use", tokenizer.source, len(ours),
+                           inst.instance_id, f"{len(theirs)} other ones" if isinstance(theirs, list) else "none")
+            return False
+        logger.info("no instance could tokenize a probe text: the tokenizer in %s is used unchecked", tokenizer.source)
+        return True
+
+    async def _served_model(self, instances: Sequence[Instance]) -> str | None:
+        """``root`` of an instance's /v1/models (and its ``max_model_len``). Raises when no instance answers."""
+        assert self._upstream is not None
+        error: Exception = ProxyError("no instance to ask for its model")
+        for inst in instances:
+            try:
+                answer = await self._upstream.get_json(inst.http_url, "/v1/models", timeout_s=self._timeout_s)
+            except ProxyError as exc:
+                error = exc
+                continue
+            data = answer.get("data")
+            card = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
+            if isinstance(card.get("max_model_len"), int):
+                self.max_model_len = card["max_model_len"]
+            root = card.get("root")
+            return root if isinstance(root, str) else None
+        raise error
+
+
+def _log_prefetch_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("importing transformers failed (%s): the proxy will have no tokenizer", task.exception())
+
+
+def _freeze_heap() -> None:
+    """Put every object alive now out of the garbage collector's reach (``gc.freeze``, as vLLM's
+    API server does after start-up). ``transformers`` and its imports leave hundreds of thousands of
+    long-lived objects; each full collection would walk them all while the event loop, and every
+    request in it, stands still."""
+    gc.freeze()

@@ -1,0 +1,141 @@
+"""What the proxy knows of one prefiller or decoder: its ranks, its state and health, its load.
+
+Owns the data of an instance (:class:`Instance`, one :class:`RankInfo` per TP rank as it last
+announced, :class:`StaticInstance` from flags) and what follows from that data alone (complete,
+routable, chunk size, capacity, credit through ``router/credit.py``).
+Must not: add, forget or change instances (that is ``router/registry.py``'s), log, or await.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Callable
+
+from lmcache_p2p.config import Role
+from lmcache_p2p.protocol import Fingerprint
+from lmcache_p2p.proxy.router import credit
+from lmcache_p2p.proxy.router.credit import Commit
+
+class InstanceState(str, enum.Enum):
+    ACTIVE = "active"
+    DRAINING = "draining"
+
+
+class Health(str, enum.Enum):
+    PENDING = "pending"  # not seen healthy since it (re)appeared: its GET /health is being probed
+    UP = "up"  # GET /health answered 200 and connections since succeeded
+    DOWN = "down"  # --max-connect-failures connections in a row failed: probed until healthy again
+
+
+InstanceCallback = Callable[["Instance"], None]
+CreditCallback = Callable[[], None]
+
+__all__ = ["Commit", "CreditCallback", "Health", "Instance", "InstanceCallback", "InstanceState", "RankInfo",
+           "StaticInstance", "role_name"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticInstance:
+    """An instance named by a flag (``--prefill`` / ``--decode``, see ``settings.py``)."""
+
+    role: Role
+    http_url: str
+    control_host: str = ""
+    control_ports: tuple[int, ...] = ()
+    transport_ports: tuple[int, ...] = ()
+
+    @property
+    def tp_size(self) -> int:
+        return max(1, len(self.control_ports))
+
+
+@dataclasses.dataclass
+class RankInfo:
+    tp_rank: int
+    control_port: int = 0
+    transport_port: int = 0
+    capacity_slots: int = 0
+    free_slots: int = 0
+    slot_bytes: int = 0
+    chunk_tokens: int = 0
+    last_seen_s: float = math.inf
+    fingerprint: Fingerprint | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Instance:
+    instance_id: str
+    role: Role
+    http_url: str
+    tp_size: int
+    control_host: str = ""
+    static: bool = False
+    ranks: dict[int, RankInfo] = dataclasses.field(default_factory=dict)
+    state: InstanceState = InstanceState.ACTIVE
+    goodbye_ranks: set[int] = dataclasses.field(default_factory=set)
+    health: Health = Health.PENDING
+    connect_failures: int = 0  # in a row
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
+    commits: list[Commit] = dataclasses.field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """Every TP rank announced (and, for a decoder, said where its receiver listens)."""
+        if len(self.ranks) < self.tp_size or any(r not in self.ranks for r in range(self.tp_size)):
+            return False
+        if self.role is Role.RECEIVER:
+            return bool(self.control_host) and all(
+                self.ranks[r].control_port > 0 and self.ranks[r].transport_port > 0 for r in range(self.tp_size)
+            )
+        return True
+
+    @property
+    def routable(self) -> bool:
+        return self.state is InstanceState.ACTIVE and self.complete and self.health is Health.UP
+
+    @property
+    def role_name(self) -> str:
+        return role_name(self.role)
+
+    @property
+    def control_ports(self) -> list[int]:
+        return [self.ranks[r].control_port for r in range(self.tp_size)]
+
+    @property
+    def transport_ports(self) -> list[int]:
+        return [self.ranks[r].transport_port for r in range(self.tp_size)]
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per KV chunk (0 when unknown)."""
+        return max((r.chunk_tokens for r in self.ranks.values()), default=0)
+
+    @property
+    def capacity_slots(self) -> int | None:
+        """The smallest rank buffer, in chunks; None when not announced (static decoders)."""
+        known = [r.capacity_slots for r in self.ranks.values() if r.capacity_slots > 0]
+        return min(known) if known and len(known) == len(self.ranks) else None
+
+    @property
+    def fingerprint(self) -> Fingerprint | None:
+        """What its KV means (rank 0's; ranks differ only in ``tp_rank``); None when not announced."""
+        first = self.ranks.get(0) or next(iter(self.ranks.values()), None)
+        return first.fingerprint if first is not None else None
+
+    def free_slots(self) -> int | None:
+        """Buffer credit: announced free slots - promised + returned since (see ``router/credit.py``); None
+        when unknown."""
+        if self.capacity_slots is None:
+            return None
+        return credit.free_slots(list(self.ranks.values()), self.commits)
+
+    def _absorb_commits(self) -> None:
+        """Forget returned commits that every rank's announcement already reflects."""
+        self.commits = credit.unabsorbed(list(self.ranks.values()), self.commits)
+
+
+def role_name(role: Role) -> str:
+    return "prefiller" if role is Role.SENDER else "decoder"
