@@ -8,32 +8,19 @@ one NIXL failed (ERR, or a state check that raised) is given up: it never settle
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 from lmcache_p2p.errors import PeerUnreachable, TransportError
 from lmcache_p2p.transport.base import WriteHandle
-from lmcache_p2p.transport.nixl.records import Peer, Registration, Status, Xfer
-from lmcache_p2p.transport.nixl.staging import StagedWrite, StagingRing
+from lmcache_p2p.transport.nixl.records import NixlState, Peer, Status, Xfer
+from lmcache_p2p.transport.nixl.staging import StagedWrite
 
 logger = logging.getLogger(__name__)
 
 
-class WriteSettling:
+class WriteSettling(NixlState):
     """NixlTransport's poll/abort/settle path and the staging ring's port (a mixin)."""
 
-    _name: str
-    _lock: threading.RLock
-    _agent: Any
-    _errors: tuple[type[BaseException], ...]
-    _disconnected: tuple[type[BaseException], ...]
-    _regs: list[Registration]
-    _peers: dict[str, Peer]
-    _inflight: dict[int, Xfer]
-    _retiring: set[str]
-    _leaked: list[Registration]
-    _ring: StagingRing | None
-    given_up: int
 
     def poll(self, handle: WriteHandle) -> bool:
         """True once the write completed (its handle is then released); TransportError if it failed."""

@@ -8,14 +8,13 @@ once NIXL's ``transfer`` was called it returns a handle (see settle.py for what 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmcache_p2p.errors import PeerUnreachable, TransportError
 from lmcache_p2p.transport.base import WriteHandle, region_of
-from lmcache_p2p.transport.nixl.records import NO_SPAN, Peer, Registration, Status, Xfer, spans_of
-from lmcache_p2p.transport.nixl.staging import Row, StagingRing
+from lmcache_p2p.transport.nixl.records import NixlState, NO_SPAN, Peer, Status, Xfer, spans_of
+from lmcache_p2p.transport.nixl.staging import Row
 
 if TYPE_CHECKING:
     import torch
@@ -23,21 +22,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class WriteSubmission:
+class WriteSubmission(NixlState):
     """NixlTransport's write path (a mixin: the state is NixlTransport's)."""
 
-    _name: str
-    _lock: threading.RLock
-    _agent: Any
-    _errors: tuple[type[BaseException], ...]
-    _disconnected: tuple[type[BaseException], ...]
-    _regs: list[Registration]
-    _peers: dict[str, Peer]
-    _inflight: dict[int, Xfer]
-    _retiring: set[str]
-    _leaked: list[Registration]
-    _ring: StagingRing | None
-    given_up: int
 
     def write(self, peer: str, srcs: Sequence[torch.Tensor], dst_addrs: Sequence[int], notif: bytes) -> WriteHandle:
         """Post ONE NIXL transfer with one descriptor per source tensor.
