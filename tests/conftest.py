@@ -10,6 +10,15 @@ REPO_DIR = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = REPO_DIR / "models" / "tiny-llama"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here rather than in pyproject.toml, whose hash keys the venv's set-up stamp.
+    config.addinivalue_line(
+        "markers",
+        "long: the full matrix of an expensive test (many vLLM starts); `make test-long` runs it, "
+        "`make test` (CI) runs the short form beside it",
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The tiny Llama of FACTS.md, built once into models/ (gitignored) and reused (same as the demo's)."""
