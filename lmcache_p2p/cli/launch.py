@@ -55,16 +55,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     description = __doc__.replace("``", "")  # the module docstring, without reST markup
     p = subparsers.add_parser("launch", help="start XpYd: prefillers, decoders and the proxy",
                               description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_deployment_args(p)
-    _add_port_args(p.add_argument_group("ports (each one is checked free before anything starts)"))
-    _add_instance_args(p)
-    _add_gpu_args(p.add_argument_group("GPUs (--device cuda)"))
+    add_plan_args(p, local=True)
     _add_supervision_args(p.add_argument_group("supervision"))
     p.set_defaults(func=run)
     return p
 
 
-def _add_deployment_args(p: argparse.ArgumentParser) -> None:
+def add_plan_args(p: argparse.ArgumentParser, local: bool) -> None:
+    """The flags the plan is made of (``local``: also those of processes on this host; without them
+    the flags ``deploy`` shares with ``launch``, so both make the same instances from them)."""
+    _add_deployment_args(p, local)
+    ports_title = "ports (each one is checked free before anything starts)" if local else "ports (in each pod)"
+    _add_port_args(p.add_argument_group(ports_title))
+    _add_instance_args(p, local)
+    _add_gpu_args(p.add_argument_group("GPUs (--device cuda)"), local)
+
+
+def _add_deployment_args(p: argparse.ArgumentParser, local: bool) -> None:
     from lmcache_p2p.proxy.router.routing import Policy
 
     p.add_argument("--prefill", type=int, default=1, help="number of prefill instances (default 1)")
@@ -85,15 +92,18 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the proxy (see lmcache-p2p proxy --help), e.g. "
                         "--proxy-arg=--kv-timeout-s=30; repeatable")
-    p.add_argument("--log-dir", type=Path, default=None, help="where every child's log goes (default logs/<time>)")
+    if local:
+        p.add_argument("--log-dir", type=Path, default=None,
+                       help="where every child's log goes (default logs/<time>)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0,
                    help="how long each start-up wave may take until every child answers as itself "
                         "(default %(default)s)")
     p.add_argument("--shared-secret", default=os.environ.get("LMCACHE_P2P_SECRET"),
                    help="authenticate control messages (default: $LMCACHE_P2P_SECRET)")
-    p.add_argument("--demo", action="store_true",
-                   help="send one completion through the proxy, print it and what proves it was disaggregated "
-                        "(the tokens the decoder loaded from the prefiller), then stop everything")
+    if local:
+        p.add_argument("--demo", action="store_true",
+                       help="send one completion through the proxy, print it and what proves it was "
+                            "disaggregated (the tokens the decoder loaded from the prefiller), then stop everything")
 
 
 def _add_port_args(g: argparse._ArgumentGroup) -> None:
@@ -109,17 +119,18 @@ def _add_port_args(g: argparse._ArgumentGroup) -> None:
                         f"(7400 + {KV_PORT_STRIDE}*i by default) (default %(default)s)")
 
 
-def _add_instance_args(p: argparse.ArgumentParser) -> None:
+def _add_instance_args(p: argparse.ArgumentParser, local: bool) -> None:
     p.add_argument("--buffer-size", default="1GB", help="receive buffer per decoder rank (p2p.buffer_size)")
     p.add_argument("--send-buffer-size", default="2GB",
                    help="--device cuda: VRAM arena per prefiller rank that LMCache stores chunks in before they are "
                         "sent (the sender's p2p.buffer_size with buffer_device cuda: no host round trip); 0 keeps "
                         "them in host memory (default %(default)s)")
-    p.add_argument("--cpu-placement", choices=[c.value for c in CpuPlacement], default=CpuPlacement.ROLES.value,
-                   help="vLLM-CPU: roles (default): besides its worker (pinned to its core by vLLM), a decoder's "
-                        "API server and engine core stay off the prefillers' worker cores (decode steps and token "
-                        "streaming never take the core a prefill, and so time to first token, waits for); "
-                        "workers: only the workers are pinned, everything else runs anywhere")
+    if local:
+        p.add_argument("--cpu-placement", choices=[c.value for c in CpuPlacement], default=CpuPlacement.ROLES.value,
+                       help="vLLM-CPU: roles (default): besides its worker (pinned to its core by vLLM), a "
+                            "decoder's API server and engine core stay off the prefillers' worker cores (decode steps "
+                            "and token streaming never take the core a prefill, and so time to first token, waits "
+                            "for); workers: only the workers are pinned, everything else runs anywhere")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="every vLLM server's --max-model-len: the longest prompt + output (default %(default)s)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -132,15 +143,20 @@ def _add_instance_args(p: argparse.ArgumentParser) -> None:
                         "e.g. --p2p alloc_timeout_s=20; repeatable")
 
 
-def _add_gpu_args(g: argparse._ArgumentGroup) -> None:
+def _add_gpu_args(g: argparse._ArgumentGroup, local: bool) -> None:
+    if local:
+        _add_gpu_placement_args(g)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="vLLM's share of each GPU; a decoder's is lowered by its receive buffer's share "
+                        "(default 0.85; a --gpu-memory-utilization among the vLLM args sets it too)")
+
+
+def _add_gpu_placement_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--gpus", default=None,
                    help="comma list of GPU indices, one per instance, prefillers first (default 0,1,...)")
     g.add_argument("--share-gpus", action="store_true",
                    help="let --gpus name a GPU more than once (e.g. --gpus 0,0: 1P1D on one GPU, NIXL only): its "
                         "instances split --gpu-memory-utilization evenly (development and small models)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.85,
-                   help="vLLM's share of each GPU; a decoder's is lowered by its receive buffer's share "
-                        "(default 0.85; a --gpu-memory-utilization among the vLLM args sets it too)")
 
 
 def _add_supervision_args(s: argparse._ArgumentGroup) -> None:
