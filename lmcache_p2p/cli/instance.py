@@ -40,9 +40,11 @@ SECRET_ENV = "LMCACHE_P2P_SECRET"
 class Site:
     """Where an instance runs, as its command and its LMCache YAML spell what is known only there."""
 
-    bind_host: str = HOST  # what vLLM (--host) and the receiver's listeners (p2p.host) bind
-    advertise_host: str | None = None  # what peers and the proxy dial (None: bind_host)
-    config_host: str | None = None  # the bind address as the LMCache YAML spells it (None: bind_host)
+    # What vLLM (--host) and the receiver's listeners (p2p.host) bind; None: the plan's address for the
+    # instance (Instance.host where the plan has one, else loopback).
+    bind_host: str | None = None
+    advertise_host: str | None = None  # what peers and the proxy dial (None: the bind address)
+    config_host: str | None = None  # the bind address as the LMCache YAML spells it (None: the bind address)
     instance_id: str | None = None  # p2p.instance_id (None: the plan's name, e.g. decoder-1)
     proxy_host: str = HOST  # where the instances find the proxy's registry
     shared_secret: str | None = None  # p2p.shared_secret as the YAML spells it
@@ -53,10 +55,16 @@ class Site:
     # Values for the references above, only to validate the LMCache YAML when it is made.
     sample_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-    def advertised(self, in_config: bool) -> str:
+    def bind(self, inst: Instance | None = None) -> str:
+        return self.bind_host or (getattr(inst, "host", HOST) if inst is not None else HOST)
+
+    def config_bind(self, inst: Instance) -> str:
+        return self.config_host or self.bind(inst)
+
+    def advertised(self, inst: Instance, in_config: bool) -> str:
         if self.advertise_host is not None:
             return self.advertise_host
-        return (self.config_host or self.bind_host) if in_config else self.bind_host
+        return self.config_bind(inst) if in_config else self.bind(inst)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,16 +120,19 @@ def lmcache_config(inst: Instance, args: argparse.Namespace, site: Site) -> dict
     base = "prefiller.yaml" if inst.role == "prefiller" else "decoder.yaml"
     cfg = yaml.safe_load((CONFIGS / base).read_text())
     p2p = cfg["extra_config"]["p2p"]
-    advertised = site.advertised(in_config=True)
+    advertised = site.advertised(inst, in_config=True)
     p2p.update(transport=args.transport, instance_id=site.instance_id or inst.name,
                http_url=f"http://{advertised}:{inst.http_port}",
                proxy_url=f"tcp://{site.proxy_host}:{args.proxy_control_port}")
     if site.shared_secret:
         p2p["shared_secret"] = site.shared_secret
-    if inst.role == "prefiller" and args.device == "cuda" and send_buffer_bytes(args):
-        p2p.update(buffer_size=args.send_buffer_size, buffer_device="cuda")
+    if inst.role == "prefiller":
+        # a sender listens on nothing of ours, but Gloo (--transport nccl on CPU) binds its pair's socket here
+        p2p["host"] = advertised
+        if args.device == "cuda" and send_buffer_bytes(args):
+            p2p.update(buffer_size=args.send_buffer_size, buffer_device="cuda")
     if inst.role == "decoder":
-        p2p["host"] = site.config_host or site.bind_host
+        p2p["host"] = site.config_bind(inst)
         if site.advertise_host is not None:
             p2p["advertise_host"] = site.advertise_host
         p2p.update(buffer_size=args.buffer_size, buffer_device=args.device, control_ports=inst.control_port,
@@ -175,20 +186,21 @@ def instance_spec(inst: Instance, model: Path | str, args: argparse.Namespace, s
     argv = vllm_argv(model, inst.http_port, *cache_flags(getattr(args, "prefix_caching", True)),
                      "--max-model-len", str(args.max_model_len),
                      "--kv-transfer-config", json.dumps(transfer_config(inst)), *gpu_args,
-                     *(passthrough if gpu is not None else args.vllm_arg), host=site.bind_host, python=site.python)
+                     *(passthrough if gpu is not None else args.vllm_arg), host=site.bind(inst), python=site.python)
     config_file = site.config_file.format(name=inst.name, role=inst.role)
     env = vllm_env(cpu_core=cpu_core, gpu=None if gpu is None else gpu.index, on_gpu=gpu is not None,
                    lmcache_config=config_file, logging_config=site.logging_file, base=base,
                    extra={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})  # a failed NCCL op must not kill the server
     env.update(site.env)
     return InstanceSpec(inst, tp_of(inst, args), argv, env, lmcache_config(inst, args, site), config_file,
-                        f"http://{site.advertised(in_config=False)}:{inst.http_port}/health")
+                        f"http://{site.advertised(inst, in_config=False)}:{inst.http_port}/health")
 
 
 def proxy_command(args: argparse.Namespace, site: Site, tokenizer: str | None = None) -> list[str]:
     """The proxy's command line: HTTP on --proxy-port, the registry on --proxy-control-port."""
     named = any(a.startswith("--tokenizer") for a in args.proxy_arg)
-    return [site.python, "-m", "lmcache_p2p.cli.main", "proxy", "--host", site.bind_host,
+    host = site.bind_host or getattr(args, "host", HOST)
+    return [site.python, "-m", "lmcache_p2p.cli.main", "proxy", "--host", host,
             "--port", str(args.proxy_port), "--control-port", str(args.proxy_control_port), "--policy", args.policy,
             "--workers", str(args.proxy_workers),
             *(["--tokenizer", tokenizer] if tokenizer and not named else []), *args.proxy_arg]
