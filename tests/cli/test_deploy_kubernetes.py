@@ -277,3 +277,55 @@ def test_checked_in_example_equals_a_fresh_render(example: Path, capsys) -> None
 
 def test_there_is_a_checked_in_example() -> None:
     assert [p.name for p in EXAMPLES if "2p2d" in p.name], "deploy/kubernetes/ holds no 2P2D example"
+
+
+def pod_containers(objects: list[dict]) -> list[dict]:
+    return [o["spec"]["template"]["spec"]["containers"][0] for o in objects
+            if o["kind"] in ("StatefulSet", "Deployment")]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_reference_a_pod_makes_is_defined_in_its_environment(shape: str) -> None:
+    """The kubelet leaves an unknown $(X) as it is and P2PConfig refuses an unknown ${X}: neither may slip in."""
+    import re
+
+    objects = render(*SHAPES[shape])
+    for c in pod_containers(objects):
+        names = [e["name"] for e in c["env"]]
+        for arg in c["command"]:
+            for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", arg):
+                assert ref in names, f"{c['name']}: {arg!r} refers to $({ref}), which its env does not define"
+        for e in c["env"]:
+            assert "$(" not in e.get("value", ""), e
+        if c["name"] == "vllm":
+            config = next(o for o in objects if o["kind"] == "ConfigMap")["data"]
+            role = Path(next(e["value"] for e in c["env"] if e["name"] == "LMCACHE_CONFIG_FILE")).name
+            for ref in re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", config[role]):
+                assert ref in names, f"{role} refers to ${{{ref}}}, which the pod's env does not define"
+
+
+def test_the_proxy_pod_command_parses_and_refuses_to_run_beyond_loopback_without_the_secret(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmcache_p2p.errors import ConfigError
+    from lmcache_p2p.proxy.settings import ProxySettings
+
+    objects = render(*SHAPES["1p3d-gpu-rdma"])
+    command = [expand(a, {"POD_IP": "10.0.0.7"}) for a in by_kind(objects, "Deployment")["lmcache-p2p-proxy"]
+               ["spec"]["template"]["spec"]["containers"][0]["command"]]
+    assert command[:4] == ["python3", "-m", "lmcache_p2p.cli.main", "proxy"]
+    args = build_parser().parse_args(command[3:])
+    with pytest.raises(ConfigError, match="--shared-secret"):
+        ProxySettings.from_args(args)  # the pod's env without LMCACHE_P2P_SECRET (its Secret missing)
+    monkeypatch.setenv("LMCACHE_P2P_SECRET", SECRET)  # what its secretKeyRef gives it
+    settings = ProxySettings.from_args(args)
+    assert (settings.host, settings.control_host, settings.port, settings.control_port, settings.workers) == (
+        "10.0.0.7", "10.0.0.7", 9100, 9101, 4)
+
+
+def test_the_prestop_hook_is_a_drain_command_that_parses() -> None:
+    c = container(render(*SHAPES["2p2d-gpu"]), "decoder")
+    words = shlex.split(c["lifecycle"]["preStop"]["exec"]["command"][2].replace('"$POD_NAME"', "lmcache-p2p-decoder-1"))
+    assert words[:4] == ["exec", "python3", "-m", "lmcache_p2p.cli.main"]
+    args = build_parser().parse_args(words[4:])
+    assert (args.command, args.instance, args.proxy, args.timeout_s) == (
+        "drain", "lmcache-p2p-decoder-1", "http://lmcache-p2p-proxy:9100", 120.0)
