@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -49,14 +50,17 @@ GPU_DEFAULTS = {
 
 
 def vllm_env(*, cpu_core: int | None = None, gpu: int | None = None, kv_cache_gib: int = 1,
-             lmcache_config: Path | None = None, logging_config: Path | None = None,
-             extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The process environment for one vLLM instance, on top of ``os.environ``.
+             lmcache_config: Path | str | None = None, logging_config: Path | str | None = None,
+             extra: Mapping[str, str] | None = None, on_gpu: bool | None = None,
+             base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The process environment for one vLLM instance, on top of ``base`` (default ``os.environ``).
 
     Loopback only, no hub, no usage stats, a fixed hash seed (LMCache chunk keys must match across
-    processes); on vLLM-CPU a small KV space and a core of its own; on GPU one device.
+    processes); on vLLM-CPU a small KV space and a core of its own; on GPU one device (``gpu``), or
+    whichever the host gives it (``on_gpu`` without ``gpu``: a pod's GPUs come from its device plugin).
+    ``base={}`` gives only what this function sets (a rendered deployment's environment).
     """
-    env = dict(os.environ)
+    env = dict(os.environ if base is None else base)
     env.update({
         "VLLM_HOST_IP": HOST,
         "HF_HUB_OFFLINE": "1",
@@ -65,12 +69,13 @@ def vllm_env(*, cpu_core: int | None = None, gpu: int | None = None, kv_cache_gi
         "PYTHONHASHSEED": "0",
         "PYTHONUNBUFFERED": "1",
     })
-    if gpu is None:
+    if not (gpu is not None if on_gpu is None else on_gpu):
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core) if cpu_core is not None else "auto"
         defaults = CPU_DEFAULTS
     else:
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         defaults = GPU_DEFAULTS
     for key, value in defaults.items():
         env.setdefault(key, value)
@@ -83,7 +88,14 @@ def vllm_env(*, cpu_core: int | None = None, gpu: int | None = None, kv_cache_gi
 
 
 def write_logging_config(path: Path, packages: Sequence[str] = ("lmcache_p2p",), level: str = "INFO") -> Path:
-    """A ``VLLM_LOGGING_CONFIG_PATH`` file: vLLM's console format for ``vllm`` and ``packages``.
+    """A ``VLLM_LOGGING_CONFIG_PATH`` file (:func:`logging_config_text`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(logging_config_text(packages, level))
+    return path
+
+
+def logging_config_text(packages: Sequence[str] = ("lmcache_p2p",), level: str = "INFO") -> str:
+    """vLLM's logging config: its console format for ``vllm`` and ``packages``.
 
     vLLM configures only its own logger; without this our plugin's records are lost.
     """
@@ -98,14 +110,10 @@ def write_logging_config(path: Path, packages: Sequence[str] = ("lmcache_p2p",),
         "handlers": {"vllm": handler},
         "loggers": {name: dict(logger_config) for name in ("vllm", *packages)},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=2))
-    return path
+    return json.dumps(config, indent=2)
 
 
-def vllm_argv(model: Path, port: int, *extra: str) -> list[str]:
+def vllm_argv(model: Path | str, port: int, *extra: str, host: str = HOST, python: str = sys.executable) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` script of vllm-cpu fails)."""
-    import sys
-
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", HOST, "--port", str(port), *extra]
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--host", host, "--port", str(port), *extra]
