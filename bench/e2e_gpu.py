@@ -208,11 +208,10 @@ def start_single_neighbour(cfg: Config) -> Deployment:
                                              query_gpus()[0].total_bytes) if cfg.device == "cuda" else share
     children = [plain_vllm(cfg, "single", SINGLE_PORT, util, log_dir),
                 plain_vllm(cfg, "neighbour", NEIGHBOUR_PORT, neighbour_util, log_dir)]
-    for child in children:
-        child.start()
-    load: subprocess.Popen | None = None
     try:
-        wait_healthy(children, STARTUP_TIMEOUT_S)
+        for child in children:  # one after the other: vLLM sizes its KV cache from what it sees free
+            child.start()
+            wait_healthy([child], STARTUP_TIMEOUT_S)
         load = start_neighbour_load(cfg, log_dir)
     except BaseException:
         stop_all(children, STOP_GRACE_S)
