@@ -60,11 +60,19 @@ from lmcache_p2p.config import parse_size_bytes
 logger = logging.getLogger("bench.e2e_gpu")
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = ("single", "lmcache_p2p-nixl", "lmcache_p2p-nccl", "lmcache-pd", "lmcache_p2p-nixl-hostsend")
-GPUS = {"single": 1, "lmcache_p2p-nixl": 2, "lmcache_p2p-nccl": 2, "lmcache-pd": 2, "lmcache_p2p-nixl-hostsend": 2}
+SYSTEMS = ("single", "lmcache_p2p-nixl", "lmcache_p2p-nccl", "lmcache-pd", "lmcache_p2p-nixl-hostsend",
+           "single-neighbour")
+GPUS = {"single": 1, "lmcache_p2p-nixl": 2, "lmcache_p2p-nccl": 2, "lmcache-pd": 2, "lmcache_p2p-nixl-hostsend": 2,
+        "single-neighbour": 1}
+# single-neighbour (--one-gpu): the single instance measured while a second plain vLLM on the same GPU (the
+# decoder's share of it) decodes a steady background load: what one-GPU 1P1D's prefill loses to time-slicing
+# the GPU with a decoding process, with nothing of lmcache_p2p in either.
+NEIGHBOUR_PORT = 8400
+NEIGHBOUR_LOAD = {"input_len": 16000, "output_len": 4096, "concurrency": 1, "prompts": 64, "settle_s": 15.0}
 # lmcache_p2p-nixl-hostsend: the prefiller's chunks in host memory (launch --send-buffer-size 0), as before the
 # VRAM send arena; the A/B of that arena.
 STARTUP_TIMEOUT_S = 600.0
+DIRECT_MAX_OUTPUT = 16  # --direct-prefiller runs only the rows whose decoder is (nearly) idle: prefill-side figures
 STOP_GRACE_S = 30.0
 BENCH_TIMEOUT_S = 1800.0
 HTTP_TIMEOUT_S = 10.0
@@ -93,21 +101,26 @@ class Point:
     input_len: int
     rate: float
     prompts: int
+    output_len: int | None = None  # None: --output-len
 
     @property
     def key(self) -> str:
-        return f"{self.input_len}@{'seq' if self.rate == 0 else f'{self.rate:g}'}"
+        key = f"{self.input_len}@{'seq' if self.rate == 0 else f'{self.rate:g}'}"
+        return key if self.output_len is None else f"{key}/{self.output_len}"
 
 
 def parse_long(spec: str) -> tuple[Point, ...]:
-    """``TOKENS:RATE:PROMPTS,...`` (RATE ``seq``: one request at a time) as points; ValueError names the item."""
+    """``TOKENS:RATE:PROMPTS[:OUTPUT],...`` (RATE ``seq``: one request at a time; OUTPUT: output tokens, default
+    --output-len) as points; ValueError names the item."""
     points = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
         fields = item.split(":")
-        if len(fields) != 3:
-            raise ValueError(f"--long item {item!r}: expected TOKENS:RATE:PROMPTS, e.g. 16000:0.5:12 or 16000:seq:8")
-        tokens, rate, prompts = fields
-        points.append(Point(int(tokens), 0.0 if rate == "seq" else float(rate), int(prompts)))
+        if len(fields) not in (3, 4):
+            raise ValueError(f"--long item {item!r}: expected TOKENS:RATE:PROMPTS[:OUTPUT], e.g. 16000:0.5:12, "
+                             "16000:seq:8 or 16000:0.5:12:256")
+        tokens, rate, prompts = fields[:3]
+        points.append(Point(int(tokens), 0.0 if rate == "seq" else float(rate), int(prompts),
+                            int(fields[3]) if len(fields) == 4 else None))
     return tuple(points)
 
 
@@ -162,15 +175,18 @@ class Deployment:
 # ---- starting each system -------------------------------------------------------------------------
 
 
-def start_single(cfg: Config) -> Deployment:
-    log_dir = cfg.log_dir / "single"
+def plain_vllm(cfg: Config, name: str, port: int, util: float, log_dir: Path) -> Child:
     logging_config = write_logging_config(log_dir / "logging.json")
-    util = cfg.single_gpu_memory_utilization or cfg.gpu_memory_utilization
-    argv = vllm_argv(cfg.model, SINGLE_PORT, "--no-enable-prefix-caching", "--max-model-len", str(cfg.max_model_len),
+    argv = vllm_argv(cfg.model, port, "--no-enable-prefix-caching", "--max-model-len", str(cfg.max_model_len),
                      "--gpu-memory-utilization", f"{util:.2f}", *cfg.vllm_args)
     gpu = 0 if cfg.device == "cuda" else None
-    child = Child("single", argv, vllm_env(gpu=gpu, logging_config=logging_config), log_dir / "single.log",
-                  f"http://127.0.0.1:{SINGLE_PORT}/health")
+    return Child(name, argv, vllm_env(gpu=gpu, logging_config=logging_config), log_dir / f"{name}.log",
+                 f"http://127.0.0.1:{port}/health")
+
+
+def start_single(cfg: Config) -> Deployment:
+    util = cfg.single_gpu_memory_utilization or cfg.gpu_memory_utilization
+    child = plain_vllm(cfg, "single", SINGLE_PORT, util, cfg.log_dir / "single")
     child.start()
     try:
         wait_healthy([child], STARTUP_TIMEOUT_S)
@@ -179,6 +195,56 @@ def start_single(cfg: Config) -> Deployment:
         raise
     return Deployment("single", f"http://127.0.0.1:{SINGLE_PORT}", child.stop, None, False,
                       (("single", SINGLE_PORT),))
+
+
+def start_single_neighbour(cfg: Config) -> Deployment:
+    """The single instance and, on the same GPU, a plain vLLM with the decoder's share that decodes
+    ``NEIGHBOUR_LOAD`` (long contexts, long outputs, one at a time: the busy decoder of one-GPU 1P1D) for as
+    long as the deployment runs; rows measure the single instance."""
+    log_dir = cfg.log_dir / "single-neighbour"
+    util = cfg.single_gpu_memory_utilization or cfg.gpu_memory_utilization
+    share = math.floor(cfg.gpu_memory_utilization / 2 * 100 + 1e-6) / 100
+    neighbour_util = utilization_with_buffer(share, parse_size_bytes("--buffer-size", cfg.buffer_size),
+                                             query_gpus()[0].total_bytes) if cfg.device == "cuda" else share
+    children = [plain_vllm(cfg, "single", SINGLE_PORT, util, log_dir),
+                plain_vllm(cfg, "neighbour", NEIGHBOUR_PORT, neighbour_util, log_dir)]
+    try:
+        for child in children:  # one after the other: vLLM sizes its KV cache from what it sees free
+            child.start()
+            wait_healthy([child], STARTUP_TIMEOUT_S)
+        load = start_neighbour_load(cfg, log_dir)
+    except BaseException:
+        stop_all(children, STOP_GRACE_S)
+        raise
+
+    def stop() -> None:
+        if load.poll() is None:
+            load.terminate()
+            try:
+                load.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                load.kill()
+        stop_all(children, STOP_GRACE_S)
+
+    return Deployment("single-neighbour", f"http://127.0.0.1:{SINGLE_PORT}", stop, None, False,
+                      (("single", SINGLE_PORT), ("neighbour", NEIGHBOUR_PORT)))
+
+
+def start_neighbour_load(cfg: Config, log_dir: Path) -> subprocess.Popen:
+    """``vllm bench serve`` against the neighbour, in the background; returns once its first prompt had time to
+    be prefilled (the neighbour is decoding), raises if it exited by then."""
+    n = NEIGHBOUR_LOAD
+    load_cfg = dataclasses.replace(cfg, input_len=n["input_len"], output_len=n["output_len"], num_prompts=n["prompts"])
+    argv = bench_argv(load_cfg, f"http://127.0.0.1:{NEIGHBOUR_PORT}", 0, log_dir, "neighbour-load.json")
+    at = argv.index("--max-concurrency")
+    argv[at + 1] = str(n["concurrency"])
+    log = (log_dir / "neighbour-load.log").open("w")
+    load = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    time.sleep(n["settle_s"])
+    if load.poll() is not None:
+        raise StartupError(f"the neighbour's load exited with {load.returncode}; see {log_dir / 'neighbour-load.log'}")
+    logger.info("single-neighbour: the neighbour decodes %s", n)
+    return load
 
 
 def start_p2p(cfg: Config, transport: str, on_exit: str = "stop", log_name: str | None = None,
@@ -301,7 +367,9 @@ def pd_receive_buffer_bytes(cfg: Config, gpu_total_bytes: int) -> int:
     pass (each rate has its own prompts: ``prompt_seed``) plus 2 GiB, at most half the GPU."""
     if cfg.lmcache_pd_receive_buffer_size != "auto":
         return parse_size_bytes("--lmcache-pd-receive-buffer-size", cfg.lmcache_pd_receive_buffer_size)
-    wanted = kv_bytes_per_token(cfg.model) * cfg.input_len * cfg.num_prompts * len(cfg.rates) + (2 << 30)
+    tokens = (sum(p.input_len * p.prompts for p in cfg.long_points) if cfg.long_points
+              else cfg.input_len * cfg.num_prompts * len(cfg.rates))
+    wanted = kv_bytes_per_token(cfg.model) * tokens + (2 << 30)
     if wanted > gpu_total_bytes // 2:
         logger.warning("lmcache-pd: %d rates x %d prompts need a %.0f GiB receive buffer; capped at half the GPU: "
                        "its later prompts will hang (fewer --rates per call)", len(cfg.rates), cfg.num_prompts,
@@ -312,6 +380,8 @@ def pd_receive_buffer_bytes(cfg: Config, gpu_total_bytes: int) -> int:
 def start(system: str, cfg: Config) -> Deployment:
     if system == "single":
         return start_single(cfg)
+    if system == "single-neighbour":
+        return start_single_neighbour(cfg)
     if system == "lmcache_p2p-nixl-hostsend":
         return start_p2p(cfg, "nixl", send_buffer_size="0")
     if system.startswith("lmcache_p2p-"):
@@ -363,7 +433,7 @@ def run_rate(cfg: Config, dep: Deployment, rate: float, key: str | None = None) 
     lookups = lookups_in_log(dep.decoder_log)[seen:] if dep.decoder_log and dep.decoder_log.exists() else []
     row = make_row(dep.system, rate, result, stats, lookups, cfg.output_len, 1 if cfg.one_gpu else None)
     if cfg.long_points:
-        row.update(input_len=cfg.input_len, point=key, sequential=rate == 0)
+        row.update(input_len=cfg.input_len, output_len=cfg.output_len, point=key, sequential=rate == 0)
     if cfg.trace:
         row["trace_window"] = [traced_from, time.perf_counter()]
         row["prefill_trace"] = trace_rows(cfg, dep, *row["trace_window"])
@@ -382,7 +452,7 @@ def run_rate(cfg: Config, dep: Deployment, rate: float, key: str | None = None) 
         row["p2p_args"] = list(cfg.p2p_args)
     if cfg.send_buffer_size is not None and dep.system.startswith("lmcache_p2p-") and not dep.system.endswith("hostsend"):
         row["send_buffer_size"] = cfg.send_buffer_size
-    if cfg.direct_prefiller and dep.system.startswith("lmcache_p2p-"):
+    if cfg.direct_prefiller and dep.system.startswith("lmcache_p2p-") and cfg.output_len <= DIRECT_MAX_OUTPUT:
         row["direct_prefiller"] = run_direct(cfg, dep, rate, key)
     return row
 
@@ -651,8 +721,9 @@ def make_row(system: str, rate: float, result: dict[str, Any], stats: dict[str, 
         "handover_ms_p50": stat("handover_ms", "p50"), "handover_ms_p99": stat("handover_ms", "p99"),
         "kv_wait_ms_p50": stat("kv_wait_ms", "p50"), "kv_wait_ms_p99": stat("kv_wait_ms", "p99"),
         "kv_hit_ratio": round(sum(lk.hit_tokens for lk in lookups) / looked_up, 4) if looked_up else None,
-        "kv_lookups": len(lookups) if system != "single" else None,
-        "kv_full_hits": sum(lk.hit_tokens == lk.total_tokens - 1 for lk in lookups) if system != "single" else None,
+        "kv_lookups": len(lookups) if not system.startswith("single") else None,
+        "kv_full_hits": (sum(lk.hit_tokens == lk.total_tokens - 1 for lk in lookups)
+                         if not system.startswith("single") else None),
         "failed": n - len(ok), "completed": len(ok),
         "bench_output_lens_off": sum(1 for i in ok if i < len(reported) and reported[i] != output_len),
         "first_error": next((e[:300] for e in errors if e), None),
@@ -673,7 +744,7 @@ def workload(cfg: Config, system: str | None = None) -> dict[str, Any]:
            "prompt_seed": "rate * 100"}
     if cfg.long_points:
         out.update(long_points=[dataclasses.asdict(p) for p in cfg.long_points], input_len=None, num_prompts=None)
-    if system == "single" and cfg.single_gpu_memory_utilization is not None:
+    if system in ("single", "single-neighbour") and cfg.single_gpu_memory_utilization is not None:
         out["single_gpu_memory_utilization"] = cfg.single_gpu_memory_utilization
     if system == "lmcache-pd":
         out["lmcache_pd_receive_buffer_size"] = cfg.lmcache_pd_receive_buffer_size
@@ -704,16 +775,18 @@ def steps_of(cfg: Config) -> list[tuple[str, Config, float]]:
     """(row key, the config it runs with, rate) of every row of a system: --rates, or the --long points."""
     if not cfg.long_points:
         return [(f"{r:g}", cfg, r) for r in cfg.rates]
-    return [(p.key, dataclasses.replace(cfg, input_len=p.input_len, num_prompts=p.prompts), p.rate)
+    return [(p.key, dataclasses.replace(cfg, input_len=p.input_len, num_prompts=p.prompts,
+                                        output_len=p.output_len or cfg.output_len), p.rate)
             for p in cfg.long_points]
 
 
 def row_order(key: str) -> tuple[float, float]:
     """Rows in order of prompt length, then rate (``16000@0.5``; ``seq`` first), or of rate alone."""
     if "@" not in key:
-        return (0.0, float(key))
+        return (0.0, float(key), 0.0)
     tokens, rate = key.split("@")
-    return (float(tokens), -1.0 if rate == "seq" else float(rate))
+    rate, _, output = rate.partition("/")
+    return (float(tokens), -1.0 if rate == "seq" else float(rate), float(output or 0))
 
 
 def time_left_s(cfg: Config) -> float:
@@ -1072,7 +1145,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
     p.add_argument("--trace", action="store_true",
                    help="per-step trace of every vLLM engine (bench/gpu_trace): each row's prefill_trace")
     p.add_argument("--direct-prefiller", action="store_true",
-                   help="lmcache_p2p: each row's load also sent to the prefiller alone (no proxy, nothing sent)")
+                   help="lmcache_p2p: each row's load also sent to the prefiller alone (no proxy, nothing sent); only "
+                        f"rows of at most {DIRECT_MAX_OUTPUT} output tokens")
     p.add_argument("--single-gpu-memory-utilization", default=None,
                    help="the single instance's --gpu-memory-utilization (default --gpu-memory-utilization; "
                         "'prefiller': the lmcache_p2p prefiller's, as the launcher computes it)")

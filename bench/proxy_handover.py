@@ -315,6 +315,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--streams", type=int, nargs="+", default=[4, 16], help="concurrent clients, one point each")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=_PROMPT_TOKENS,
+                   help="token ids per prompt (default %(default)s; a long prompt's first byte: e.g. 16000)")
     p.add_argument("--token-delay-ms", type=float, default=10.0, help="the fake decoder's step after its first token")
     p.add_argument("--kv-delay-ms", type=float, default=0.0, help="KV ready this long after the prefill answered")
     p.add_argument("--warmup-s", type=float, default=1.5)
@@ -324,7 +326,9 @@ def parse_args() -> argparse.Namespace:
 
 
 async def main() -> None:
+    global _PROMPT_TOKENS
     args = parse_args()
+    _PROMPT_TOKENS = args.prompt_tokens
     load_before = os.getloadavg()[0]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="proxy_handover_") as tmp:

@@ -133,6 +133,10 @@ class P2PConfig:
     # round trip; backend/send_buffer.py); cpu keeps them in LocalCPUBackend's host memory.
     buffer_size_bytes: int = 1 << 30
     buffer_device: str = "cpu"
+    # Sender with buffer_device cuda: gather each store's chunks into the arena in one pass (LMCache's
+    # kernel straight into each page, the layers' view derived once per store; backend/send_gather.py)
+    # instead of LMCache's per-chunk from_gpu. false: LMCache's own path.
+    batched_gather: bool = True
     # Receiver: keep chunks the engine loaded as an LRU cache in the receive buffer, so a later
     # request sharing a prefix is told not to send them again (evicted when a reservation needs room).
     buffer_cache: bool = True
@@ -312,7 +316,7 @@ def _convert(key: str, name: str, value: Any) -> Any:
         return _ports(key, value)
     if name.endswith("_s"):
         return _positive_float(key, value)
-    if name in ("insecure", "buffer_cache"):
+    if name in ("insecure", "buffer_cache", "batched_gather"):
         if not isinstance(value, bool):
             raise ConfigError(key, f"must be true or false, got {value!r}")
         return value

@@ -180,39 +180,48 @@ def _patch_engine(module) -> None:
     cls.store = _timed("store", _store_details)(cls.store)
 
 
+def _timed_gather(orig):
+    """``orig(connector, memory_objs, ...)`` timed as a "gather" event (wall, CPU, span on the store stream)."""
+    def batched_from_gpu(self, memory_objs, *args, _orig=orig, **kwargs):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        start = end = None
+        stream = getattr(self, "store_stream", None)
+        try:
+            if stream is not None:
+                start = _event()
+                start.record(stream)
+        except Exception:  # noqa: BLE001
+            start = None
+        try:
+            return _orig(self, memory_objs, *args, **kwargs)
+        finally:
+            fields = {"ev": "gather", "t0": t0, "t1": time.perf_counter(), "chunks": len(memory_objs),
+                      "cpu_ms": round((time.thread_time() - c0) * 1e3, 3)}
+            try:
+                if start is not None:
+                    end = _event()
+                    end.record(stream)
+                    _pending.append(("gather", fields, start, end, None))
+                else:
+                    _emit(fields)
+            except Exception:  # noqa: BLE001
+                _emit(fields)
+
+    return functools.wraps(orig)(batched_from_gpu)
+
+
 def _patch_gpu_connectors(module) -> None:
     for name in ("VLLMPagedMemGPUConnectorV2", "VLLMPagedMemGPUConnectorV3"):
         cls = getattr(module, name, None)
         if cls is None or "batched_from_gpu" not in cls.__dict__:
             continue
-        orig = cls.batched_from_gpu
+        cls.batched_from_gpu = _timed_gather(cls.batched_from_gpu)
 
-        def batched_from_gpu(self, memory_objs, *args, _orig=orig, **kwargs):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            start = end = None
-            stream = getattr(self, "store_stream", None)
-            try:
-                if stream is not None:
-                    start = _event()
-                    start.record(stream)
-            except Exception:  # noqa: BLE001
-                start = None
-            try:
-                return _orig(self, memory_objs, *args, **kwargs)
-            finally:
-                fields = {"ev": "gather", "t0": t0, "t1": time.perf_counter(), "chunks": len(memory_objs),
-                          "cpu_ms": round((time.thread_time() - c0) * 1e3, 3)}
-                try:
-                    if start is not None:
-                        end = _event()
-                        end.record(stream)
-                        _pending.append(("gather", fields, start, end, None))
-                    else:
-                        _emit(fields)
-                except Exception:  # noqa: BLE001
-                    _emit(fields)
 
-        cls.batched_from_gpu = functools.wraps(orig)(batched_from_gpu)
+def _patch_send_gather(module) -> None:
+    """lmcache_p2p's store pass replaces the connector's batched_from_gpu (and so the wrapper above): its own
+    body is timed the same way."""
+    module.gather_store = _timed_gather(module.gather_store)
 
 
 def _submit_details(self, keys, objs, *args, **kwargs):
@@ -252,6 +261,7 @@ _PATCHES = {
     "lmcache.v1.cache_engine": _patch_engine,
     "lmcache.v1.gpu_connector.gpu_connectors": _patch_gpu_connectors,
     "lmcache_p2p.backend.sender": _patch_sender,
+    "lmcache_p2p.backend.send_gather": _patch_send_gather,
 }
 
 

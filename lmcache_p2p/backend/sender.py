@@ -21,6 +21,7 @@ from lmcache_p2p.backend.common import (build_transport, chunk_key, dtype_name, 
                                         worker_gpu)
 from lmcache_p2p.backend.plugin_base import P2PPlugin
 from lmcache_p2p.backend.send_buffer import SendArena, lend, store_stream_of
+from lmcache_p2p.backend.send_gather import install as install_batched_gather
 from lmcache_p2p.backend.send_service import Chunk, SendService, Target
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ClosedError, ConfigError, P2PError
@@ -91,7 +92,14 @@ class SenderBackend(P2PPlugin):
         dtypes = metadata.get_dtypes() if hasattr(metadata, "get_dtypes") else [metadata.kv_dtype]
         self._arena = SendArena(self.cfg.buffer_size_bytes, gpu, shapes, dtypes)
         self._transport.register(self._arena.buffer)
-        self._unlend = lend(self.local_cpu_backend, self._arena)
+        unlend = lend(self.local_cpu_backend, self._arena)
+        ungather = install_batched_gather() if self.cfg.batched_gather else (lambda: None)
+
+        def undo() -> None:
+            ungather()
+            unlend()
+
+        self._unlend = undo
 
     def _wait_for_store(self, device: str) -> None:
         """VRAM chunks: LMCache's connector gathered them on its store stream without waiting."""

@@ -281,9 +281,31 @@ def restart_policy(args: argparse.Namespace) -> RestartPolicy:
                          args.restart_backoff_max_s)
 
 
+def buffer_sizing(buffer_size: str, model: Path) -> str | None:
+    """What one decoder's receive buffer holds of ``model``'s KV, and how to size it for longer prompts
+    (None when the model's config.json does not say its KV shape)."""
+    try:
+        config = json.loads((model / "config.json").read_text())
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        per_token = 2 * int(config["num_hidden_layers"]) * kv_heads * head_dim * 2  # K and V, 16-bit
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+    nbytes = parse_size_bytes("--buffer-size", buffer_size)
+    tokens = nbytes // per_token
+    return (f"decoder receive buffer --buffer-size {buffer_size}: ~{tokens} prompt tokens of this model's KV "
+            f"({per_token // 1024} KiB per token); a prompt whose KV fits no decoder buffer is served colocated "
+            f"(no disaggregation), and one that fills most of it makes the next request wait for room. For prompts "
+            f"of N tokens give each decoder at least 2 x N x {per_token // 1024} KiB (--buffer-size)")
+
+
 def build_children(args: argparse.Namespace, model: Path, log_dir: Path) -> list[Child]:
     """The proxy first, then every vLLM instance (prefillers, then decoders)."""
     instances = plan(args)
+    sizing = buffer_sizing(args.buffer_size, model) if args.decode > 0 else None
+    if sizing:
+        logger.info("%s", sizing)
     gpus = plan_gpus(instances, args) if args.device == "cuda" else {}
     for inst in instances:
         if inst.name in gpus:

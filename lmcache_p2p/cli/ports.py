@@ -130,7 +130,8 @@ def _session_of(pid: int) -> int | None:
 
 
 def session_listens(session_id: int, port: int, proc: Path = PROC) -> bool | None:
-    """Whether a process of session ``session_id`` owns the socket listening on ``port``.
+    """Whether a process of session ``session_id``, or a descendant of one that made its own session
+    (the proxy's relay workers do), owns the socket listening on ``port``.
 
     True/False when /proc shows the listener; None when it cannot tell (no /proc/net, or nothing
     listed on the port).
@@ -138,4 +139,25 @@ def session_listens(session_id: int, port: int, proc: Path = PROC) -> bool | Non
     inodes = listening_inodes(port, proc)
     if not inodes:
         return None
-    return any(_session_of(pid) == session_id and _socket_inodes(pid, proc) & inodes for pid in _pids(proc))
+    return any(_socket_inodes(pid, proc) & inodes and _of_session(pid, session_id, proc) for pid in _pids(proc))
+
+
+def _of_session(pid: int, session_id: int, proc: Path, depth: int = 32) -> bool:
+    """``pid`` or one of its ancestors (``depth`` at most) is in session ``session_id``."""
+    for _ in range(depth):
+        if _session_of(pid) == session_id:
+            return True
+        parent = _parent_of(pid, proc)
+        if parent is None or parent <= 1:
+            return False
+        pid = parent
+    return False
+
+
+def _parent_of(pid: int, proc: Path) -> int | None:
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # after "(comm)", which may hold spaces: state, ppid, ...
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None

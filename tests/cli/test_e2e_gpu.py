@@ -395,3 +395,28 @@ def test_read_traces_keys_each_engine_by_its_port_and_skips_cut_lines(e2e_gpu, t
     (tmp_path / "trace-2.jsonl").write_text(json.dumps({"ev": "proc", "argv": ["proxy"]}) + "\n")  # no steps
     traces = e2e_gpu.read_traces(tmp_path)
     assert list(traces) == [7100] and [e["ev"] for e in traces[7100]] == ["proc", "exec"]
+
+
+def test_a_long_point_may_name_its_output_length_and_lmcache_pd_buffers_its_points(e2e_gpu, tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": 8,
+                                                      "hidden_size": 4096, "num_hidden_layers": 32}))
+    cfg, _ = e2e_gpu.parse_args(["--model", str(tmp_path), "--long", "16000:0.5:12:256,16000:seq:4",
+                                 "--output-len", "2"])
+    assert cfg.long_points == (e2e_gpu.Point(16000, 0.5, 12, 256), e2e_gpu.Point(16000, 0.0, 4))
+    steps = e2e_gpu.steps_of(cfg)
+    assert [(key, pcfg.output_len) for key, pcfg, _ in steps] == [("16000@0.5/256", 256), ("16000@seq", 2)]
+    assert sorted(["16000@0.5/256", "16000@0.5", "16000@seq"], key=e2e_gpu.row_order) == [
+        "16000@seq", "16000@0.5", "16000@0.5/256"]
+    # LMCache PD's decoder keeps every prompt it received: the points' prompts (16 x 16000 tokens) + 2 GiB
+    assert e2e_gpu.pd_receive_buffer_bytes(cfg, 1 << 40) == 131072 * 16000 * 16 + (2 << 30)
+    with pytest.raises(SystemExit):
+        e2e_gpu.parse_args(["--model", str(tmp_path), "--long", "16000:0.5:12:256:9"])
+
+
+def test_single_neighbour_is_a_one_gpu_system_measured_like_single(e2e_gpu, tmp_path, monkeypatch) -> None:
+    cfg, _ = e2e_gpu.parse_args(["--model", str(tmp_path), "--systems", "single-neighbour", "--one-gpu"])
+    started = []
+    monkeypatch.setattr(e2e_gpu, "start_single_neighbour", lambda c: started.append(c.systems) or "dep")
+    assert e2e_gpu.start("single-neighbour", cfg) == "dep" and started == [("single-neighbour",)]
+    row = e2e_gpu.make_row("single-neighbour", 0.5, bench_result(["x"]), None, [], OUTPUT_LEN)
+    assert row["gpus"] == 1 and row["kv_lookups"] is None and row["kv_full_hits"] is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from lmcache_p2p.cli import launch
 from cluster import plain_vllm_child
 from lmcache_p2p.cli.main import build_parser
+from lmcache_p2p.config import parse_size_bytes
 
 
 def children(tmp_path: Path, *argv: str) -> dict:
@@ -127,3 +129,13 @@ def test_launched_children_carry_their_cpu_sets(tmp_path: Path, monkeypatch: pyt
         == ("0", "1")
     off = build_parser().parse_args(["launch", "--prefill", "1", "--decode", "1", "--cpu-placement", "workers"])
     assert all(launch.vllm_child(i, tmp_path / "model", off, tmp_path).cpus is None for i in launch.plan(off))
+
+
+def test_launch_says_how_many_prompt_tokens_a_decoder_buffer_holds_and_how_to_size_it(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": 8,
+                                                      "hidden_size": 4096, "num_hidden_layers": 32}))
+    note = launch.buffer_sizing("4GB", tmp_path)  # 128 KiB of KV per token
+    assert f"~{parse_size_bytes('x', '4GB') // 131072} prompt tokens" in note
+    assert "128 KiB per token" in note and "served colocated" in note and "2 x N x 128 KiB (--buffer-size)" in note
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"]}))  # no KV shape: nothing said
+    assert launch.buffer_sizing("4GB", tmp_path) is None

@@ -104,3 +104,21 @@ def test_the_childs_own_server_is_counted_up(tmp_path) -> None:
         assert child.healthy() and pids_of(pid_dir, port) == [child.proc.pid]
     finally:
         child.stop(grace_s=5)
+
+
+def test_a_server_the_child_started_in_its_own_session_is_counted_up(tmp_path) -> None:
+    """The proxy's relay workers: the child's children, each in a session of its own, listen on its port."""
+    port = free_port()
+    spawn = ("import subprocess, sys, time; subprocess.Popen([sys.executable, sys.argv[1], '--port', sys.argv[2]], "
+             "start_new_session=True, stdout=subprocess.DEVNULL); time.sleep(60)")
+    child = Child("proxy", [sys.executable, "-c", spawn, str(FAKE_SERVER), str(port)], {}, tmp_path / "p.log",
+                  f"http://127.0.0.1:{port}/health")
+    child.start()
+    try:
+        wait_healthy([child], timeout_s=30)
+        (worker,) = ports.holders_of(port)
+        assert worker.pid != child.proc.pid and os.getsid(worker.pid) == worker.pid and child.healthy()
+    finally:
+        for holder in ports.holders_of(port):
+            os.kill(holder.pid, 9)
+        child.stop(grace_s=5)

@@ -314,3 +314,14 @@ async def test_a_static_decoder_that_never_announced_is_not_paired_and_one_insta
             assert_idle(c)
     finally:
         await decoder.server.stop()
+
+
+def test_a_prompt_larger_than_every_buffer_is_refused_with_how_to_size_the_buffer():
+    from lmcache_p2p.proxy.router.credit import no_capacity
+
+    registry = Registry(10)
+    small = add(registry, "b", free=3, capacity=3)
+    message = str(no_capacity([small], COST.prompt_tokens))
+    needed = chunks_needed(COST.prompt_tokens, small.chunk_tokens)
+    assert f"needs {needed} KV chunks" in message and "holds 3 chunks" in message
+    assert f"lmcache-p2p launch --buffer-size) to at least {needed} chunks' worth" in message

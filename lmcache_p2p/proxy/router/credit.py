@@ -162,7 +162,8 @@ def no_capacity(decoders: list[Instance], prompt_tokens: int) -> NoCapacity:
         largest = max(decoders, key=lambda d: d.capacity_slots or 0)
         return NoCapacity(
             f"request needs {needs[largest.instance_id]} KV chunks (~{prompt_tokens} prompt tokens) but the largest "
-            f"decoder buffer holds {largest.capacity_slots} chunks: raise p2p.buffer_size on the decoders"
+            f"decoder buffer holds {largest.capacity_slots} chunks: raise p2p.buffer_size on the decoders "
+            f"(lmcache-p2p launch --buffer-size) to at least {needs[largest.instance_id]} chunks' worth"
         )
     freest = max(decoders, key=lambda d: d.free_slots() or 0)
     return NoCapacity(
