@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from cluster import free_port as cluster_free_port
+from engine_zygote import ForkedChild, Zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PROC = Path(__file__).with_name("engine_proc.py")
@@ -30,6 +31,7 @@ ENGINE_START_TIMEOUT_S = 180.0  # an engine loads torch + LMCache + NIXL: ~20 s 
 REPLY_TIMEOUT_S = 120.0
 QUIT_TIMEOUT_S = 30.0
 CLEAN_TIMEOUT_S = 30.0  # a shared pair must be clean (every slot free, nothing pending) within this
+USE_ZYGOTE = os.environ.get("P2P_ENGINE_ZYGOTE", "1") != "0"  # 0: every engine a fresh interpreter
 
 
 def free_port() -> int:
@@ -58,6 +60,22 @@ class EngineStartError(AssertionError):
     """An engine process did not come up; it has been killed. The message names its log."""
 
 
+def _start(name: str, env: dict[str, str], log) -> subprocess.Popen | ForkedChild:
+    """``python engine_proc.py NAME``, forked from the session's zygote where that is equivalent."""
+    zygote = Zygote.shared(env) if USE_ZYGOTE else None
+    if zygote is None or not zygote.usable_for(env):
+        return subprocess.Popen([sys.executable, str(ENGINE_PROC), name], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
+    stdin_r, stdin_w = os.pipe()
+    stdout_r, stdout_w = os.pipe()
+    try:
+        pid = zygote.spawn([name], env, stdin_r, stdout_w, log.fileno())
+    finally:
+        os.close(stdin_r)
+        os.close(stdout_w)
+    return ForkedChild(pid, os.fdopen(stdin_w, "w"), os.fdopen(stdout_r, "r"))
+
+
 class EngineProc:
     """A child process running engine_proc.py; ``call`` sends one command and waits for its reply.
 
@@ -74,9 +92,7 @@ class EngineProc:
         self.name = name
         self.log_path = log
         self._log = log.open("w")
-        self.proc = subprocess.Popen([sys.executable, str(ENGINE_PROC), name], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
-                                     start_new_session=True)
+        self.proc = _start(name, env, self._log)
         self._replies: queue.Queue[dict] = queue.Queue()
         threading.Thread(target=self._read, name=f"engine-{name}-reader", daemon=True).start()
         try:
