@@ -15,7 +15,9 @@ Each row is one (transport, prefiller TP, decoder TP) over ``--requests`` reques
 with the bytes every sender rank moved per request (``bytes_moved``: the decoder's KV, once),
 ``equal`` (every decoder rank loaded exactly its heads' slice for every chunk) and ``failed``.
 ``vs_equal`` compares ready_ms p50 with the equal split that feeds the same decoder (P TP2 ->
-D TP1 against P TP1 -> D TP1; P TP1 -> D TP2 against P TP2 -> D TP2).
+D TP1 against P TP1 -> D TP1; P TP1 -> D TP2 against P TP2 -> D TP2); ``vs_same_prefiller`` with
+the same prefiller into a decoder of its own split (P TP2 -> D TP1 against P TP2 -> D TP2): the
+re-layout's own cost, without the prefiller's TP in it.
 
     flock /tmp/lmcache_p2p_vllm.lock .venv/bin/python bench/tp_engine.py [--transports nixl nccl]
 
@@ -91,6 +93,7 @@ def measure(transport: str, shape: str, tokens: int, requests: int, tmp: Path) -
     specs = [dict(name=f"p{tp}", role="sender", tp=tp, heads=heads, env=env, lmcache={"max_local_cpu_size": 0.5})
              for tp in (1, 2)]
     specs += [dict(name=f"d{tp}", role="receiver", tp=tp, heads=heads, env=env, buffer="512MB") for tp in (1, 2)]
+    (tmp / transport).mkdir(parents=True, exist_ok=True)
     engines = start_instances(tmp / transport, specs, transport=transport)
     rows = []
     try:
@@ -125,6 +128,9 @@ def measure(transport: str, shape: str, tokens: int, requests: int, tmp: Path) -
         base = by.get((r["d_tp"], r["d_tp"]))
         if r["p_tp"] != r["d_tp"] and base and base["ready_ms_p50"] and r["ready_ms_p50"]:
             r["vs_equal"] = round(r["ready_ms_p50"] / base["ready_ms_p50"], 3)
+        same = by.get((r["p_tp"], r["p_tp"]))  # the same prefiller into a decoder of its own split
+        if r["p_tp"] != r["d_tp"] and same and same["ready_ms_p50"] and r["ready_ms_p50"]:
+            r["vs_same_prefiller"] = round(r["ready_ms_p50"] / same["ready_ms_p50"], 3)
     return rows
 
 
