@@ -11,10 +11,15 @@ Supervision: a child that exits is logged with its exit code and restarted after
 while the others keep serving (``--on-exit restart``, bounded by ``--max-restarts`` per
 ``--restart-window-s``); ``--on-exit stop`` stops everything at the first exit.
 
-GPUs (``--device cuda``): instance k (prefillers first) gets ``--gpus``[k] (default GPU k) as its
-only visible device; the decoder's receive buffer lives in VRAM and its vLLM gets
-``--gpu-memory-utilization`` minus the buffer's share of the GPU. Extra vLLM flags go after
-``--`` or in ``--vllm-arg=...`` (every instance gets them).
+Tensor parallelism: ``--tp N`` for every instance, ``--prefill-tp`` / ``--decode-tp`` per role.
+On vLLM-CPU each rank gets a core (``VLLM_CPU_OMP_THREADS_BIND``, ``|`` between ranks; instances
+share cores when there are fewer cores than ranks); a decoder rank r listens on its own control
+port (7300+10*i+r).
+
+GPUs (``--device cuda``): the instances' ranks (prefillers first) get the GPUs of ``--gpus`` (default
+0,1,...) in order, one per rank, as their visible devices; a decoder rank's receive buffer lives in
+VRAM and its vLLM gets ``--gpu-memory-utilization`` minus the buffer's share of the GPU. Extra vLLM
+flags go after ``--`` or in ``--vllm-arg=...`` (every instance gets them).
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ from lmcache_p2p.cli import demo
 from lmcache_p2p.cli import gpu as gpu_plan
 from lmcache_p2p.cli import ports
 from lmcache_p2p.cli.layout import (  # noqa: F401 (the launcher's plan, as tests and bench/ import it)
-    KV_PORT_STRIDE, TRANSPORT_PORT_OFFSET, CpuPlacement, Instance, cpu_core_of, cpu_sets, decoder_instance,
-    plan, planned_ports, slot_of, tp_size_of,
+    KV_PORT_STRIDE, TRANSPORT_PORT_OFFSET, CpuPlacement, Instance, cpu_core_of, cpu_cores_of, cpu_sets,
+    decoder_instance, plan, planned_ports, rank_slots_of, slot_of,
 )
+from lmcache_p2p.cli.tensor_parallel import add_tp_args, check_tp_fits_model, model_heads, split_tp_arg, tp_sizes
 from lmcache_p2p.cli.processes import Child, StartupError, startup_waves, stop_all, wait_healthy
 from lmcache_p2p.cli.supervise import OnExit, RestartPolicy, SupervisionError, Supervisor
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
@@ -57,8 +63,13 @@ REGISTER_TIMEOUT_S = 60.0
 class GpuAssignment:
     """Where one instance runs on a GPU host."""
 
-    index: int  # the CUDA device the instance sees as its only one
-    memory_utilization: float  # vLLM's --gpu-memory-utilization for it
+    indices: tuple[int, ...]  # the CUDA devices the instance sees, one per TP rank
+    memory_utilization: float  # vLLM's --gpu-memory-utilization for it (the same share on each of its GPUs)
+
+    @property
+    def index(self) -> int:
+        """Its first GPU (rank 0's)."""
+        return self.indices[0]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -66,6 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("launch", help="start XpYd: prefillers, decoders and the proxy",
                               description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_deployment_args(p)
+    add_tp_args(p)
     _add_port_args(p.add_argument_group("ports (each one is checked free before anything starts)"))
     _add_instance_args(p)
     _add_gpu_args(p.add_argument_group("GPUs (--device cuda)"))
@@ -208,29 +220,52 @@ def send_buffer_bytes(args: argparse.Namespace) -> int:
 
 def plan_gpus(instances: list[Instance], args: argparse.Namespace,
               available: list[gpu_plan.GpuSlot] | None = None) -> dict[str, GpuAssignment]:
-    """One GPU per instance and each one's vLLM memory share (``available`` from nvidia-smi if None)."""
+    """A GPU per TP rank of each instance and each one's vLLM memory share (``available`` from nvidia-smi if None)."""
     check_ucx_for_gpus(args, os.environ)
     base, _ = gpu_plan.split_utilization_arg(args.vllm_arg)
     base = args.gpu_memory_utilization if base is None else base
     wanted = [int(i) for i in args.gpus.split(",")] if args.gpus else None
-    slots = gpu_plan.pick_gpus(len(instances), gpu_plan.query_gpus() if available is None else available, wanted)
+    ranks = sum(inst.tp_size for inst in instances)
+    slots = gpu_plan.pick_gpus(ranks, gpu_plan.query_gpus() if available is None else available, wanted,
+                               *gpus_needed(instances, ranks))
     buffer_bytes = parse_size_bytes("--buffer-size", args.buffer_size)
     send_bytes = send_buffer_bytes(args)
-    placed = [slots[slot_of(inst, args)] for inst in instances]
-    sharing = gpu_plan.shared_gpus(placed, [i.name for i in instances], getattr(args, "share_gpus", False),
-                                   args.transport)
+    placed = {inst.name: [slots[s] for s in rank_slots_of(inst, args)] for inst in instances}
+    for name, on in placed.items():
+        if len({slot.index for slot in on}) < len(on):
+            raise gpu_plan.GpuPlanError(f"--gpus puts two TP ranks of {name} on one GPU ({[s.index for s in on]}): "
+                                        "each rank of an instance needs a GPU of its own")
+    sharing = gpu_plan.shared_gpus([s for on in placed.values() for s in on],
+                                   [name for name, on in placed.items() for _ in on],
+                                   getattr(args, "share_gpus", False), args.transport)
     plan: dict[str, GpuAssignment] = {}
-    for inst, slot in zip(instances, placed):
-        share = math.floor(base / sharing[slot.index] * 100 + 1e-6) / 100  # the instance's part of its GPU
-        if inst.role == "decoder":
-            util = gpu_plan.utilization_with_buffer(share, buffer_bytes, slot.total_bytes)
+    for inst in instances:
+        on = placed[inst.name]
+        crowd = max(sharing[slot.index] for slot in on)
+        share = math.floor(base / crowd * 100 + 1e-6) / 100  # the instance's part of each of its GPUs
+        total = min(slot.total_bytes for slot in on)
+        if inst.role == "decoder":  # every rank has its own receive buffer on its own GPU
+            util = gpu_plan.utilization_with_buffer(share, buffer_bytes, total)
         elif send_bytes:
-            util = gpu_plan.utilization_with_buffer(share, send_bytes, slot.total_bytes, "--send-buffer-size",
+            util = gpu_plan.utilization_with_buffer(share, send_bytes, total, "--send-buffer-size",
                                                     "the prefiller's send arena")
         else:
             util = share
-        plan[inst.name] = GpuAssignment(slot.index, util)
+        plan[inst.name] = GpuAssignment(tuple(slot.index for slot in on), util)
     return plan
+
+
+def gpus_needed(instances: list[Instance], ranks: int) -> tuple[str | None, str]:
+    """What the GPU count asks for, and the flags that lower it (for pick_gpus' errors)."""
+    if all(inst.tp_size == 1 for inst in instances):
+        return None, "lower --prefill/--decode"
+    parts = []
+    for role in ("prefiller", "decoder"):
+        of_role = [i for i in instances if i.role == role]
+        if of_role:
+            parts.append(f"{len(of_role)} {role}{'s' if len(of_role) > 1 else ''} at TP {of_role[0].tp_size}")
+    return (f"{' and '.join(parts)} need {ranks} GPUs (one per TP rank)",
+            "lower --prefill/--decode or --prefill-tp/--decode-tp (--tp)")
 
 
 def check_ucx_for_gpus(args: argparse.Namespace, environ: dict[str, str] | os._Environ) -> None:
@@ -266,20 +301,26 @@ def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: P
         # A chunk missing at retrieve after the lookup counted it (cancelled or expired in between) is
         # computed by vLLM instead of failing the request (vLLM's default policy is "fail").
         transfer["kv_load_failure_policy"] = "recompute"
-    _, passthrough = gpu_plan.split_utilization_arg(args.vllm_arg)
+    _, vllm_args = split_tp_arg(args.vllm_arg)  # each instance gets its own role's TP size below
+    _, passthrough = gpu_plan.split_utilization_arg(vllm_args)
     gpu_args = [] if gpu is None else ["--gpu-memory-utilization", f"{gpu.memory_utilization:.2f}"]
     argv = vllm_argv(model, inst.http_port, *cache_flags(getattr(args, "prefix_caching", True)),
-                     "--max-model-len", str(args.max_model_len),
+                     "--max-model-len", str(args.max_model_len), *tp_flags(inst.tp_size),
                      "--kv-transfer-config", json.dumps(transfer), *gpu_args,
-                     *(passthrough if gpu is not None else args.vllm_arg))
+                     *(passthrough if gpu is not None else vllm_args))
     on_cpu = args.device == "cpu"
-    env = vllm_env(cpu_core=cpu_core_of(inst, args) if on_cpu else None,
-                   gpu=None if gpu is None else gpu.index,
+    env = vllm_env(cpu_core=cpu_cores_of(inst, args) if on_cpu else None,
+                   gpu=None if gpu is None else gpu.indices,
                    lmcache_config=write_lmcache_config(inst, args, log_dir),
                    logging_config=log_dir / "logging.json",
                    extra={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})  # a failed NCCL op must not kill the server
     return Child(inst.name, argv, env, log_dir / f"{inst.name}.log", f"http://127.0.0.1:{inst.http_port}/health",
-                 cpus=cpu_sets(args).get(inst.name), gpu=None if gpu is None else gpu.index)
+                 cpus=cpu_sets(args).get(inst.name), gpus=() if gpu is None else gpu.indices)
+
+
+def tp_flags(tp_size: int) -> list[str]:
+    """vLLM's flag for an instance's TP size (none at TP 1, vLLM's default: a TP1 argv stays as it was)."""
+    return [] if tp_size == 1 else ["--tensor-parallel-size", str(tp_size)]
 
 
 def proxy_child(args: argparse.Namespace, log_dir: Path) -> Child:
@@ -346,11 +387,13 @@ def restart_policy(args: argparse.Namespace) -> RestartPolicy:
 def build_children(args: argparse.Namespace, model: Path, log_dir: Path) -> list[Child]:
     """The proxy first, then every vLLM instance (prefillers, then decoders)."""
     instances = plan(args)
+    check_tp_fits_model(tp_sizes(args), model_heads(model),
+                        [role for role in ("prefiller", "decoder") if any(i.role == role for i in instances)])
     gpus = plan_gpus(instances, args) if args.device == "cuda" else {}
     for inst in instances:
         if inst.name in gpus:
-            logger.info("%s: GPU %d, --gpu-memory-utilization %.2f", inst.name, gpus[inst.name].index,
-                        gpus[inst.name].memory_utilization)
+            logger.info("%s: GPU %s, --gpu-memory-utilization %.2f", inst.name,
+                        ",".join(map(str, gpus[inst.name].indices)), gpus[inst.name].memory_utilization)
     return [proxy_child(args, log_dir)] + [vllm_child(i, model, args, log_dir, gpus.get(i.name)) for i in instances]
 
 
@@ -399,7 +442,9 @@ def run(args: argparse.Namespace) -> int:
                 child.start()
             wait_healthy(wave, args.startup_timeout_s)
         wait_registered(proxy_url, [i.name for i in plan(args)], timeout_s=REGISTER_TIMEOUT_S)
-        print(f"\nlmcache_p2p is serving {args.prefill}P{args.decode}D: {proxy_url}/v1  (model {model})", flush=True)
+        sizes = tp_sizes(args)
+        tp = "" if (sizes.prefill, sizes.decode) == (1, 1) else f" (prefill TP {sizes.prefill}, decode TP {sizes.decode})"
+        print(f"\nlmcache_p2p is serving {args.prefill}P{args.decode}D{tp}: {proxy_url}/v1  (model {model})", flush=True)
         print(f"logs: {log_dir}\nCtrl-C stops everything.", flush=True)
         if args.demo:
             print("\n".join(demo.demo_request(proxy_url, model, log_dir, tiny_model=args.model is None)), flush=True)
