@@ -205,3 +205,27 @@ def test_launch_refuses_a_tp_size_the_model_cannot_take_before_starting_anything
     assert launch.run(args) == 2
     assert list(pid_dir.iterdir()) == []
     assert "--prefill-tp 3 does not divide the model's 4 attention heads" in caplog.text
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize(("script", "env", "want"), [
+    ("disagg_example_1p1d.sh", {"PREFILL_TP": "2", "DECODE_TP": "1"}, TpSizes(2, 1)),
+    ("disagg_example_1p1d.sh", {"TP": "2"}, TpSizes(2, 2)),
+    ("disagg_example_1p1d.sh", {}, TpSizes(1, 1)),
+    ("disagg_example_xpyd.sh", {"TP": "2", "DECODE_TP": "4"}, TpSizes(2, 4)),
+])
+def test_example_launchers_pass_the_tp_sizes_on(tmp_path: Path, script: str, env: dict[str, str],
+                                                want: TpSizes) -> None:
+    import os
+    import subprocess
+
+    echo = tmp_path / "python"
+    echo.write_text("#!/bin/sh\nshift 2\nprintf '%s\\n' \"$@\"\n")  # drops "-m lmcache_p2p.cli.main"
+    echo.chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if k not in ("TP", "PREFILL_TP", "DECODE_TP")}
+    out = subprocess.run(["bash", str(EXAMPLES / script)], env={**clean, **env, "PYTHON": str(echo)},
+                         capture_output=True, text=True, check=True, timeout=30).stdout.splitlines()
+    assert out[0] == "launch"
+    assert tp_sizes(parse(*out[1:])) == want
