@@ -170,6 +170,9 @@ class P2PConfig:
     # Receiver: a sender silent this long (no control message, no landed write) is forgotten and
     # its transport pair torn down; it says Hello again on its next request.
     sender_idle_timeout_s: float = 600.0
+    # The model's KV heads over all TP ranks (0: from the model folder's config.json, else this rank's
+    # heads x TP size). Needed only when heads are replicated (fewer KV heads than TP ranks).
+    kv_heads_total: int = 0
     # NIXL: UCX backend parameters, e.g. {"ucx_error_handling_mode": "none"}.
     nixl_backend_params: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -297,6 +300,10 @@ def _convert(key: str, name: str, value: Any) -> Any:
         return _ports(key, value)
     if name.endswith("_s"):
         return _positive_float(key, value)
+    if name == "kv_heads_total":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(key, f"must be a whole number of KV heads (0: read the model's config), got {value!r}")
+        return value
     if name in ("insecure", "buffer_cache"):
         if not isinstance(value, bool):
             raise ConfigError(key, f"must be true or false, got {value!r}")

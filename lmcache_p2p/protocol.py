@@ -31,6 +31,10 @@ Version history:
      ``receiver_id``, replies the ``sender_id``; the proxy's Cancel names the control address.
      Refused: ``misaddressed`` (replayed from another conversation) and ``spoofed``. A peer of
      version 2 is refused at Hello, and under a secret at its first frame (``auth``).
+  (3, additive) Fingerprint.kv_heads_total and the TP split: a receiver accepts a sender of another
+     TP size when the splits reconcile (``kv_layout``); Welcome carries the receiver's fingerprint;
+     a decoder rank fed by several sender ranks gets each one's share as ``req_id~index/count``;
+     KvSent carries the sender's tp_size.
 Framing under a shared secret (versioned with the protocol since 3): before 2, ``auth`` was the
   bare HMAC of the payload; 2 signed identity, nonce and timestamp too; 3 adds the recipient.
 """
@@ -97,11 +101,9 @@ class ChunkShape(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Fingerprint(msgspec.Struct, frozen=True):
-    """What a chunk's bytes mean. Two peers exchange KV only when every field agrees.
-
-    A chunk hash names tokens, not the model that turned them into KV: a decoder must never load
-    KV computed by another model, chunk size, dtype, layout or tensor-parallel split.
-    """
+    """What a chunk's bytes mean. Two peers exchange KV only when every field but the TP split
+    agrees and the two splits are reconcilable (``kv_layout.kv_mismatch``): a chunk hash names
+    tokens, not the model, chunk size, dtype or layout that turned them into KV."""
 
     model: str  # the model name as LMCache sees it (metadata.model_name)
     num_layers: int
@@ -115,6 +117,7 @@ class Fingerprint(msgspec.Struct, frozen=True):
     # Which weights (lmcache_p2p.weights_id): two fine-tunes served under the same path differ here.
     # "" = unknown (an older peer, an unreadable model): not compared.
     weights: str = ""
+    kv_heads_total: int = 0  # the model's KV heads over all ranks (0: an older peer, kv_heads * tp_size)
 
     def differing_fields(self, other: Fingerprint, *, ignore: tuple[str, ...] = ()) -> list[str]:
         """The names of the fields that differ (empty: compatible); an unknown ``weights`` matches any."""
@@ -125,11 +128,6 @@ class Fingerprint(msgspec.Struct, frozen=True):
             if getattr(self, name) != getattr(other, name):
                 out.append(name)
         return out
-
-    def differences(self, other: Fingerprint, *, ignore: tuple[str, ...] = ()) -> list[str]:
-        """``field: ours != theirs`` for every field that differs (empty: compatible)."""
-        return [f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
-                for name in self.differing_fields(other, ignore=ignore)]
 
 
 # ---- sender <-> receiver -----------------------------------------------------------------------
@@ -153,6 +151,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     # The receiver's p2p.transfer_timeout_s (0: unknown): a slot it gives up stays quarantined this long (plus
     # a margin) after the grant, so a sender times each write from its Alloc with the smaller of this and its own.
     transfer_timeout_s: float = 0.0
+    fingerprint: Fingerprint | None = None  # the receiver rank's KV layout: the sender checks its plan
 
 
 class Alloc(msgspec.Struct, tag="alloc", frozen=True):
@@ -264,6 +263,7 @@ class KvSent(msgspec.Struct, tag="kv_sent", frozen=True):
     pickup_s: float = 0.0  # first chunk submitted -> the sender's thread took it
     grant_s: float = 0.0  # first Alloc sent -> its Grant back (the receiver's round trip)
     write_s: float = 0.0  # first write posted -> last write seen complete
+    tp_size: int = 0  # the sender's TP size: the proxy's timeline waits for one KvSent per rank (0: unknown)
 
 
 Message = (Hello | Welcome | Alloc | Grant | Refused | Written | Cancel | Ack | ErrorReply

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from lmcache_p2p.config import P2PConfig, Role, check_lmcache_settings
 from lmcache_p2p.protocol import Fingerprint
 from lmcache_p2p.errors import ConfigError
+from lmcache_p2p.kv_layout import MLA_FORMAT, KvLayout
 from lmcache_p2p.transport import Transport, create_transport
 from lmcache_p2p.weights_id import weights_identity
 
@@ -32,8 +35,10 @@ def chunk_key(key: Any) -> str:
     """The wire identity of a chunk (an LMCache ``CacheEngineKey``): its content hash.
 
     The hash names tokens, not the model: it is enough only because every sender a receiver
-    accepts passed the KV fingerprint check at Hello (same model, layers, heads, dtype, chunk size,
-    TP layout and format), so one key means the same KV from any of them.
+    accepts passed the KV fingerprint check at Hello (same model, layers, heads, dtype, chunk size
+    and format, a reconcilable TP split), so one key means the same KV from any of them. The key's
+    ``world_size`` / ``worker_id`` are left out on purpose: LMCache hashes tokens only, so a decoder
+    rank's own key for a chunk has this same hash whatever the prefiller's TP rank and size were.
     """
     return f"{key.chunk_hash:x}"
 
@@ -76,20 +81,56 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def fingerprint_of(metadata: Any) -> Fingerprint | None:
-    """What this worker's KV bytes mean, from LMCache's metadata (``LMCacheMetadata`` in 0.5.x).
+def fingerprint_of(metadata: Any, kv_heads_total: int = 0) -> Fingerprint | None:
+    """What this worker's KV bytes mean and how they are split, from LMCache's metadata
+    (``LMCacheMetadata`` in 0.5.x): its TP rank and size (``worker_id`` / ``world_size``).
 
     ``kv_shape`` is (layers, 2 or 1, chunk_tokens, kv_heads, head_size) for this TP rank; MLA
-    models hold one latent instead of K and V (LMCache's KV_MLA_FMT). None without metadata.
+    models hold one latent instead of K and V (LMCache's KV_MLA_FMT). The model's total KV heads:
+    ``kv_heads_total`` (``p2p.kv_heads_total``) if set, else the model folder's config.json, else
+    this rank's heads x TP size. None without metadata. ConfigError for a split that cannot be.
     """
     if metadata is None:
         return None
     layers, _, chunk_tokens, kv_heads, head_size = (int(x) for x in metadata.kv_shape)
     rank, size = tp_rank_of(metadata)
     model = str(getattr(metadata, "model_name", "") or "")
+    mla = bool(getattr(metadata, "use_mla", False))
+    total = 1 if mla else kv_heads_total or model_kv_heads(model, kv_heads, size) or kv_heads * size
+    layout = KvLayout(total, size, rank, mla)
+    if layout.problem() or layout.heads_per_rank != kv_heads:
+        raise ConfigError("p2p.kv_heads_total", f"{total} KV heads on TP {size} cannot give rank {rank} the "
+                                                f"{kv_heads} heads LMCache reports ({layout.problem() or 'mismatch'})")
     return Fingerprint(
         model=model, num_layers=layers, kv_heads=kv_heads,
         head_size=head_size, dtype=dtype_name(metadata.kv_dtype), chunk_tokens=chunk_tokens, tp_size=size,
-        tp_rank=rank, kv_format="KV_MLA_FMT" if getattr(metadata, "use_mla", False) else "KV_2LTD",
-        weights=weights_identity(model),
+        tp_rank=rank, kv_format=MLA_FORMAT if mla else "KV_2LTD",
+        weights=weights_identity(model), kv_heads_total=total,
     )
+
+
+def model_kv_heads(model: str, rank_heads: int, tp_size: int) -> int:
+    """The total KV heads a local model folder's config.json declares, when it agrees with this rank's
+    share (vLLM gives each rank max(1, total // tp) heads); 0 when unknown or it does not agree."""
+    try:
+        config = json.loads((Path(model).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    total = text.get("num_key_value_heads") or text.get("num_attention_heads")
+    if isinstance(total, int) and total > 0 and max(1, total // tp_size) == rank_heads:
+        return total
+    return 0
+
+
+def check_rank_stores(lmcache_config: Any, metadata: Any) -> None:
+    """Every TP rank must run the plugin: LMCache's ``save_only_first_rank`` (on by default for MLA)
+    stores and loads on rank 0 only, and the other ranks would never announce or load."""
+    rank, size = tp_rank_of(metadata)
+    if size <= 1 or not getattr(metadata, "use_mla", False):
+        return
+    get = getattr(lmcache_config, "get_extra_config_value", None)
+    if get is None or get("save_only_first_rank", True):
+        raise ConfigError("extra_config.save_only_first_rank",
+                          f"must be false for an MLA model on TP {size}: every rank loads its own copy of the "
+                          "latent (lmcache_p2p sends it once per decoder rank)")

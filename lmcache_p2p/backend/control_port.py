@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import zmq
 
-from lmcache_p2p import protocol
+from lmcache_p2p import kv_layout, protocol
 from lmcache_p2p.backend.grant_table import GrantTable
 from lmcache_p2p.backend.receiver_counters import Counters, WarnOnce
 from lmcache_p2p.errors import ClosedError, P2PError, ProtocolError, VersionError
@@ -37,6 +37,9 @@ class _Sender:
     sender_id: str
     writer: str  # its TransportInfo.name: the peer of its transport notifications and pair
     last_seen: float
+    # What it feeds this rank when its TP split differs from ours (None: the same split, rank r -> r;
+    # ``()``: nothing, another of its ranks feeds us); see kv_layout.
+    pieces: tuple[kv_layout.Piece, ...] | None = None
 
 
 def _claimed_name(identity: bytes) -> str:
@@ -166,6 +169,8 @@ class ControlPort:
             return self._on_alloc(identity, msg)
         if isinstance(msg, protocol.Cancel):
             self._grants.cancel(msg.req_id, msg.reason)
+            for share in self._shares_of(msg.req_id):
+                self._grants.cancel(share, msg.reason)
             return protocol.Ack(msg.seq)
         if isinstance(msg, protocol.Goodbye):
             self.sender_gone(identity, "sender said goodbye")
@@ -178,6 +183,11 @@ class ControlPort:
             return self._grants.refuse(msg, protocol.RefusalCode.UNKNOWN_PEER, "say Hello first (receiver restarted?)")
         if self._closing.is_set():
             return self._grants.refuse(msg, protocol.RefusalCode.CLOSED, "receiver is shutting down")
+        refusal = self._piece_refusal(sender, msg)
+        if refusal:
+            return protocol.ErrorReply(msg.seq, refusal)
+        if sender.pieces and kv_layout.parse_sub_request(msg.req_id)[0] in self._grants.cancelled:
+            return self._grants.refuse(msg, protocol.RefusalCode.FINISHED, "request was cancelled or failed here")
         return self._grants.alloc(sender.sender_id, sender.writer, msg)
 
     # ---- senders ------------------------------------------------------------------------------
@@ -196,26 +206,53 @@ class ControlPort:
             self._warn_once("fingerprint", msg.sender_id, "refused sender %s (rank %d): %s",
                             msg.sender_id, msg.tp_rank, mismatch)
             return protocol.ErrorReply(seq=-1, message=mismatch)
-        self._register(identity, _Sender(msg.sender_id, msg.transport.name, time.monotonic()))
+        self._register(identity, _Sender(msg.sender_id, msg.transport.name, time.monotonic(),
+                                         self._pieces_from(msg.fingerprint)))
         self._transport.accept(msg.transport)
         logger.info("sender %s connected (rank %d)", msg.sender_id, msg.tp_rank)
         return self._welcome()
 
     def _fingerprint_mismatch(self, theirs: protocol.Fingerprint | None) -> str:
-        """Why a sender's KV cannot be loaded here ("" when it can)."""
+        """Why a sender's KV cannot be loaded here ("" when it can): see ``kv_layout.kv_mismatch``."""
         ours = self._fingerprint
         if ours is None:
             return ""
         if theirs is None:
             return (f"KV fingerprint mismatch: the sender sent none, this decoder serves {ours}; "
                     "a decoder loads KV only from a prefiller of the same model and layout")
-        fields = ours.differing_fields(theirs)
-        if not fields:
-            return ""
-        sides = "; ".join(f"{name}: decoder {getattr(ours, name)!r}, prefiller {getattr(theirs, name)!r}"
-                          for name in fields)
-        return (f"KV fingerprint mismatch in {', '.join(fields)} ({sides}): this decoder cannot load that "
-                "prefiller's KV; serve the same model (same weights), dtype, chunk_size and tensor-parallel layout on both")
+        return kv_layout.kv_mismatch(theirs, ours)
+
+    def _pieces_from(self, theirs: protocol.Fingerprint | None) -> tuple[kv_layout.Piece, ...] | None:
+        """The pieces a sender of another TP split feeds this rank (None for the same split)."""
+        ours = self._fingerprint
+        if ours is None or theirs is None or theirs.tp_size == ours.tp_size:
+            return None
+        sender = kv_layout.layout_of(theirs)
+        return tuple(p for p in kv_layout.pieces_for(kv_layout.layout_of(ours), sender) if p.src_rank == theirs.tp_rank)
+
+    def _shares_of(self, req_id: str) -> set[str]:
+        """The wire ids under which the senders we know may send us shares of ``req_id``."""
+        return {kv_layout.sub_request_id(req_id, p) for s in self.senders.values() for p in s.pieces or ()
+                if p.count > 1}
+
+    def _piece_refusal(self, sender: _Sender, msg: protocol.Alloc) -> str:
+        """Why this Alloc is not the share this sender owes this rank ("" when it is)."""
+        try:
+            _, index, count = kv_layout.parse_sub_request(msg.req_id)
+        except ValueError as exc:
+            return str(exc)
+        if sender.pieces is None:
+            return "" if count == 1 else f"request {msg.req_id} is a share of a request, but the TP splits are equal"
+        mine = [p for p in sender.pieces if (p.index, p.count) == (index, count)]
+        if not mine:
+            return (f"sender {sender.sender_id} feeds this decoder rank {list(sender.pieces) or 'nothing'}, not "
+                    f"share {index} of {count} (request {msg.req_id})")
+        width = mine[0].heads * self._fingerprint.head_size if self._fingerprint is not None else 0
+        for shape in msg.shapes:
+            if self._fingerprint is not None and self._fingerprint.kv_format != kv_layout.MLA_FORMAT \
+                    and shape.shape[-1:] != [width]:
+                return f"chunk of shape {shape.shape} is not {mine[0].heads} KV heads of {width // mine[0].heads}"
+        return ""
 
     def _register(self, identity: bytes, sender: _Sender) -> None:
         """Record a Hello. An older incarnation on this identity is gone (its requests fail); another

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from lmcache_p2p import protocol
 from lmcache_p2p.backend.chunk_index import ChunkIndex
+from lmcache_p2p.backend.piece_merge import PieceMerger, caches_key
 from lmcache_p2p.backend.receiver_counters import Counters, WarnOnce
 from lmcache_p2p.buffer import SlotPool
 from lmcache_p2p.config import P2PConfig
@@ -61,7 +62,7 @@ class Reporter:
 class GrantTable:
     """The requests of one receiver rank: their grants, arrivals, cancellation and expiry."""
 
-    def __init__(self, cfg: P2PConfig, pool: SlotPool, index: ChunkIndex, counters: Counters, *,
+    def __init__(self, cfg: P2PConfig, pool: SlotPool, index: ChunkIndex | PieceMerger, counters: Counters, *,
                  slot_bytes: int, dtype: str, reporter: Reporter, warn_once: WarnOnce) -> None:
         self._cfg = cfg
         self._pool = pool
@@ -131,7 +132,8 @@ class GrantTable:
             return refusal
         try:
             slots = self._pool.reserve(msg.req_id, len(new), self._cfg.reserve_lease_s,
-                                       writer=(req.writer, msg.req_id), keys=[msg.keys[i] for i in new])
+                                       writer=(req.writer, msg.req_id),
+                                       keys=[msg.keys[i] for i in new] if caches_key(msg.req_id) else None)
         except BufferFull as exc:
             self._unpin_locked(req.req_id, held.values())
             if not req.keys and not req.held:
@@ -253,9 +255,12 @@ class GrantTable:
     def loaded(self, req_id: str) -> None:
         """The engine let one of ``req_id``'s chunks go: forget a reported request with none left."""
         with self.lock:
-            req = self.requests.get(req_id)
-            if req is not None and req.reported and not self._pool.slots_of(req.req_id):
-                del self.requests[req.req_id]
+            self.forget_if_done_locked(req_id)
+
+    def forget_if_done_locked(self, req_id: str) -> None:
+        req = self.requests.get(req_id)
+        if req is not None and req.reported and not self._pool.slots_of(req.req_id):
+            del self.requests[req.req_id]
 
     # ---- endings ------------------------------------------------------------------------------
 

@@ -31,10 +31,12 @@ Integrity (a wrong answer is worse than a slow one):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 import uuid
+from typing import Any
 
 import zmq
 
@@ -43,6 +45,7 @@ from lmcache_p2p.backend.announcer import Announcer
 from lmcache_p2p.backend.chunk_index import Chunk, ChunkIndex
 from lmcache_p2p.backend.control_port import ControlPort
 from lmcache_p2p.backend.grant_table import GrantTable, Reporter
+from lmcache_p2p.backend.piece_merge import PieceMerger
 from lmcache_p2p.backend.receiver_counters import Counters, WarnOnce
 from lmcache_p2p.backend.write_guard import WriteGuard
 from lmcache_p2p.buffer import SlotPool
@@ -63,7 +66,7 @@ class ReceiveService:
 
     def __init__(self, cfg: P2PConfig, *, tp_rank: int, tp_size: int, transport: Transport, pool: SlotPool,
                  slot_bytes: int, region_addr: int, chunk_tokens: int, dtype: str,
-                 fingerprint: protocol.Fingerprint | None = None) -> None:
+                 fingerprint: protocol.Fingerprint | None = None, buffer: Any = None) -> None:
         self._cfg = cfg
         self._tp_rank = tp_rank
         self._tp_size = tp_size
@@ -94,8 +97,12 @@ class ReceiveService:
         self.index = ChunkIndex(pool, cfg.ready_lease_s, self.counters)
         reporter = Reporter(self.instance_id, tp_rank, self._report,
                             lambda: self._codec.count_rejected(protocol.Rejection.FOREIGN))
-        self.grants = GrantTable(cfg, pool, self.index, self.counters, slot_bytes=slot_bytes, dtype=dtype,
+        # Requests fed by several sender ranks (a larger prefiller TP) are merged; see piece_merge.py.
+        self.merger = PieceMerger(self.index, pool, buffer=buffer, slot_bytes=slot_bytes, report=self._report)
+        reporter = dataclasses.replace(reporter, send=self.merger.report)
+        self.grants = GrantTable(cfg, pool, self.merger, self.counters, slot_bytes=slot_bytes, dtype=dtype,
                                  reporter=reporter, warn_once=warn_once)
+        self.merger.attach(self.grants.forget_if_done_locked)
         self._lock = self.grants.lock  # one lock for the grant table and the chunk index
         self.guard = WriteGuard(pool, region_addr=region_addr, slot_bytes=slot_bytes,
                                 write_window_s=cfg.write_window_s, counters=self.counters, lock=self._lock)
@@ -178,6 +185,7 @@ class ReceiveService:
                 if sock in events:
                     self.control.drain()
                 self._drain_notifications()
+                self.merger.flush(self.grants.cancel)
                 now = time.monotonic()
                 if now >= next_expire:
                     self.grants.expire()
@@ -280,7 +288,7 @@ class ReceiveService:
         return protocol.Welcome(
             version=protocol.PROTOCOL_VERSION, receiver_id=self.receiver_id, buffer_addr=self._region_addr,
             slot_bytes=self._slot_bytes, num_slots=self._pool.num_slots, transport=self._transport.info(),
-            transfer_timeout_s=self._cfg.transfer_timeout_s,
+            transfer_timeout_s=self._cfg.transfer_timeout_s, fingerprint=self.fingerprint,
         )
 
     def _announce(self) -> protocol.Announce:

@@ -20,6 +20,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj, MemoryObjMetad
 
 from lmcache_p2p.backend.common import (
     build_transport,
+    check_rank_stores,
     chunk_key,
     dtype_name,
     fingerprint_of,
@@ -80,6 +81,7 @@ class ReceiverBackend(P2PPlugin):
         if num_slots < 1:
             raise ConfigError("p2p.buffer_size", f"{self.cfg.buffer_size_bytes} bytes is smaller than one chunk of "
                                                  f"this model ({slot_bytes} bytes); raise it")
+        check_rank_stores(config, metadata)
         try:
             self._memory = Memory(num_slots * slot_bytes, self.cfg.buffer_device)
             self._buffer = self._memory.tensor
@@ -90,7 +92,7 @@ class ReceiverBackend(P2PPlugin):
                 self.cfg, tp_rank=tp_rank, tp_size=tp_size, transport=self._transport,
                 pool=SlotPool(num_slots, write_window_s=self.cfg.write_window_s, cache=self.cfg.buffer_cache),
                 slot_bytes=slot_bytes, region_addr=region.addr, chunk_tokens=chunk_tokens, dtype=dtype_name(dtype),
-                fingerprint=fingerprint_of(metadata),
+                fingerprint=fingerprint_of(metadata, self.cfg.kv_heads_total), buffer=self._buffer,
             )
             self._service.start()
         except Exception:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import zmq
 
-from lmcache_p2p import protocol
+from lmcache_p2p import kv_layout, protocol
 from lmcache_p2p.backend.send_types import Target
 from lmcache_p2p.config import P2PConfig
 from lmcache_p2p.errors import P2PError, ProtocolError
@@ -167,6 +167,10 @@ class PeerSessions:
         if msg.num_slots <= 0 or msg.slot_bytes <= 0:
             return (f"receiver {peer.target.endpoint} offers {msg.num_slots} slots of "
                     f"{msg.slot_bytes} bytes: nothing can be granted")
+        if msg.fingerprint is not None and self._fingerprint is not None:
+            problem = kv_layout.kv_mismatch(self._fingerprint, msg.fingerprint)
+            if problem:
+                return f"receiver {peer.target.endpoint}: {problem}"
         peer.state = PeerState.CONNECTING
         peer.receiver_id = msg.receiver_id
         peer.buffer_addr, peer.slot_bytes, peer.num_slots = msg.buffer_addr, msg.slot_bytes, msg.num_slots

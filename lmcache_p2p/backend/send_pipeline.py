@@ -51,13 +51,15 @@ class AllocPipeline:
     """Every in-flight request of one sender rank, from its first batch to KvSent or KvFailed."""
 
     def __init__(self, cfg: P2PConfig, peers: PeerSessions, writes: WriteTracker, *,
-                 report: Callable[[protocol.Message], object], instance_id: str, tp_rank: int) -> None:
+                 report: Callable[[protocol.Message], object], instance_id: str, tp_rank: int,
+                 tp_size: int = 1) -> None:
         self._cfg = cfg
         self._peers = peers
         self._writes = writes
         self._report = report
         self._instance_id = instance_id
         self._tp_rank = tp_rank
+        self._tp_size = tp_size
         self._seq = itertools.count(1)
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, str] = {}
@@ -71,10 +73,11 @@ class AllocPipeline:
             logger.exception("request %s (receiver %s): unexpected error while %s", req_id, peer, what)
             self.fail(req_id, f"internal error while {what}: {type(exc).__name__}: {exc}")
 
-    def queue_batch(self, req_id: str, target: Target, batch: Batch) -> None:
+    def queue_batch(self, req_id: str, target: Target, batch: Batch, wire_id: str = "", base_id: str = "") -> None:
+        """Queue a store batch of ``req_id`` (the pipeline's key; ``wire_id`` / ``base_id``: see Request)."""
         req = self.requests.get(req_id)
         if req is None:
-            req = self.requests[req_id] = Request(req_id, target)
+            req = self.requests[req_id] = Request(req_id, target, wire_id, base_id)
         elif req.target != target:
             logger.error("request %s changed receiver mid-way (%s -> %s); ignoring batch",
                          req_id, req.target.endpoint, target.endpoint)
@@ -113,7 +116,7 @@ class AllocPipeline:
         if not req.alloc_deadline:
             req.alloc_deadline = req.alloc_sent_at + self._cfg.alloc_timeout_s
         self._by_seq[seq] = req.req_id
-        self._peers.send(peer, protocol.Alloc(seq, req.req_id, [c.key for c in batch.chunks],
+        self._peers.send(peer, protocol.Alloc(seq, req.wire, [c.key for c in batch.chunks],
                                               [c.shape for c in batch.chunks], batch.last))
 
     # ---- replies -------------------------------------------------------------------------------
@@ -306,11 +309,12 @@ class AllocPipeline:
         def span(start: float, end: float) -> float:
             return max(0.0, end - start) if start and end else 0.0
 
-        return protocol.KvSent(req.req_id, self._instance_id, self._tp_rank,
+        return protocol.KvSent(req.base, self._instance_id, self._tp_rank,
                                store_s=req.last_stored_s - req.first_called_s, submit_s=req.submit_s,
                                transfer_s=now - req.first_called_s, chunks=req.chunks_sent, nbytes=req.nbytes,
                                pickup_s=span(req.first_called_s, req.picked_s),
-                               grant_s=span(req.alloc_s, req.granted_s), write_s=span(req.posted_s, now))
+                               grant_s=span(req.alloc_s, req.granted_s), write_s=span(req.posted_s, now),
+                               tp_size=self._tp_size)
 
     def fail(self, req_id: str, reason: str, *, cancel: bool = True, expected: bool = False) -> None:
         req = self.requests.pop(req_id, None)
@@ -327,8 +331,8 @@ class AllocPipeline:
         logger.log(logging.INFO if expected else logging.ERROR, "%s", err)
         peer = self._peers.get(req.target)
         if cancel and peer is not None and peer.state is PeerState.READY:
-            self._peers.send(peer, protocol.Cancel(next(self._seq), req_id, reason))
-        self._report(protocol.KvFailed(req_id, self._instance_id, self._tp_rank, reason))
+            self._peers.send(peer, protocol.Cancel(next(self._seq), req.wire, reason))
+        self._report(protocol.KvFailed(req.base, self._instance_id, self._tp_rank, reason))
 
     def fail_peer(self, peer: Peer, reason: str) -> None:
         for req_id in [r.req_id for r in self.requests.values() if r.target == peer.target]:

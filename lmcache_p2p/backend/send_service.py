@@ -72,7 +72,8 @@ class SendService:
         self.sender_id = f"{self.instance_id}/r{tp_rank}/{uuid.uuid4().hex[:8]}"
         self._codec = protocol.Codec(cfg.shared_secret, identity=self.sender_id, window_s=cfg.auth_window_s,
                                      names=[self.sender_id])
-        self._inbox: deque[tuple[str, Target, Batch]] = deque()
+        # (pipeline key, target, batch, wire id, base id); target None: the base request needs nothing from us
+        self._inbox: deque[tuple[str, Target | None, Batch, str, str]] = deque()
         self._connected: deque[Connected] = deque()  # results of pairing threads (under _inbox_lock)
         self._inbox_lock = threading.Lock()
         self._wake_r = self._wake_w = -1
@@ -87,7 +88,7 @@ class SendService:
                                    transport=transport, fingerprint=fingerprint, handoff=self._handoff)
         self._writes = WriteTracker(cfg, transport, self.sender_id)
         self._pipeline = AllocPipeline(cfg, self._peers, self._writes, report=self._report,
-                                       instance_id=self.instance_id, tp_rank=tp_rank)
+                                       instance_id=self.instance_id, tp_rank=tp_rank, tp_size=tp_size)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -144,20 +145,32 @@ class SendService:
 
     # ---- engine-facing -----------------------------------------------------------------------
 
-    def submit(self, req_id: str, target: Target, chunks: list[Chunk], last: bool, called_s: float = 0.0) -> None:
+    def submit(self, req_id: str, target: Target, chunks: list[Chunk], last: bool, called_s: float = 0.0,
+               wire_id: str = "") -> None:
         """Queue one store batch of a request; returns immediately. ClosedError if the service
         cannot send it (closed, not started, or its thread stopped): the chunks are released then.
-        ``called_s``: ``time.perf_counter()`` when the engine's store call began (the proxy's timeline)."""
+        ``called_s``: ``time.perf_counter()`` when the engine's store call began (the proxy's timeline).
+        ``wire_id``: the receiver's id of this share of the request when the TP splits differ
+        (``kv_layout.sub_request_id``); one request may then go to several receivers."""
         called_s = called_s or time.perf_counter()
+        key = f"{wire_id}@{target.address}" if wire_id else req_id
         with self._inbox_lock:
             refusal = self._refusal()
             if not refusal:
-                self._inbox.append((req_id, target, Batch(chunks, last, called_s, time.perf_counter() - called_s)))
+                self._inbox.append((key, target, Batch(chunks, last, called_s, time.perf_counter() - called_s),
+                                    wire_id, req_id if wire_id else ""))
                 self._wake_locked()
         if refusal:
             for c in chunks:
                 c.done()
             raise ClosedError(f"request {req_id}: KV not sent to {target.endpoint}: {refusal}")
+
+    def nothing_to_send(self, req_id: str) -> None:
+        """Another rank feeds every decoder rank this request's KV: report it done (KvSent, no chunks)."""
+        with self._inbox_lock:
+            if not self._refusal():
+                self._inbox.append((req_id, None, Batch([], True), "", ""))
+                self._wake_locked()
 
     def _refusal(self) -> str:
         if self._closed:
@@ -262,7 +275,7 @@ class SendService:
         self._pipeline.shutdown()
         with self._inbox_lock:
             pending, self._inbox = list(self._inbox), deque()
-        for _, _, batch in pending:
+        for _, _, batch, _, _ in pending:
             for c in batch.chunks:
                 c.done()
         self._writes.progress_unsettled(final=True)
@@ -284,9 +297,13 @@ class SendService:
     def _take_inbox(self) -> None:
         with self._inbox_lock:
             items, self._inbox = self._inbox, deque()
-        for req_id, target, batch in items:
-            self._pipeline.guarded(req_id, target.endpoint, "queueing a store batch",
-                                   lambda r=req_id, t=target, b=batch: self._pipeline.queue_batch(r, t, b))
+        for key, target, batch, wire_id, base_id in items:
+            if target is None:
+                self._report(protocol.KvSent(key, self.instance_id, self._tp_rank, tp_size=self._tp_size))
+                continue
+            self._pipeline.guarded(key, target.endpoint, "queueing a store batch",
+                                   lambda r=key, t=target, b=batch, w=wire_id, i=base_id:
+                                   self._pipeline.queue_batch(r, t, b, w, i))
 
     def _take_connected(self) -> None:
         with self._inbox_lock:

@@ -55,8 +55,10 @@ Write = tuple[WriteHandle, list[Chunk], float]  # a posted write, its chunks, it
 
 @dataclasses.dataclass
 class Request:
-    req_id: str
+    req_id: str  # the pipeline's key: the request's id, or ``wire_id@receiver`` for a share of it
     target: Target
+    wire_id: str = ""  # what the receiver knows it by, when not req_id (a piece of another TP split)
+    base_id: str = ""  # what the proxy knows it by (KvSent, KvFailed), when not req_id
     queue: deque[Batch] = dataclasses.field(default_factory=deque)
     alloc_seq: int | None = None  # outstanding Alloc
     alloc_batch: Batch | None = None
@@ -80,6 +82,14 @@ class Request:
     alloc_s: float = 0.0  # its first Alloc left
     granted_s: float = 0.0  # its first Grant came back
     posted_s: float = 0.0  # its first write was posted
+
+    @property
+    def wire(self) -> str:
+        return self.wire_id or self.req_id
+
+    @property
+    def base(self) -> str:
+        return self.base_id or self.req_id
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,7 +74,7 @@ class WriteTracker:
             return (f"grant from {req.target.endpoint} came {time.monotonic() - asked_at:.1f}s after its Alloc, "
                     f"past the {deadline - asked_at:.1f}s write window (p2p.transfer_timeout_s): not written, the "
                     "receiver may have given those slots up")
-        notif = protocol.encode(protocol.Written(self._sender_id, req.req_id, slots))
+        notif = protocol.encode(protocol.Written(self._sender_id, req.wire, slots))
         try:
             handle = self._transport.write(peer.name, [c.tensor for c in chunks],
                                            [peer.buffer_addr + s * peer.slot_bytes for s in slots], notif)

@@ -17,8 +17,10 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 
 from lmcache_p2p import protocol
-from lmcache_p2p.backend.common import (build_transport, chunk_key, dtype_name, fingerprint_of, load_config, tp_rank_of,
-                                        worker_gpu)
+from lmcache_p2p import kv_layout
+from lmcache_p2p.backend.common import (build_transport, check_rank_stores, chunk_key, dtype_name, fingerprint_of,
+                                        load_config, tp_rank_of, worker_gpu)
+from lmcache_p2p.backend.relayout import pack_heads
 from lmcache_p2p.backend.plugin_base import P2PPlugin
 from lmcache_p2p.backend.send_buffer import SendArena, lend, store_stream_of
 from lmcache_p2p.backend.send_service import Chunk, SendService, Target
@@ -52,6 +54,7 @@ class SenderBackend(P2PPlugin):
         self.cfg = load_config(config, Role.SENDER)
         self._tp_rank, tp_size = tp_rank_of(metadata)
         self._warned_no_spec = False
+        self._layout: kv_layout.KvLayout | None = None  # our rank's KV split (None: unknown, rank r -> r)
         self._arena: SendArena | None = None
         self._unlend: Callable[[], None] | None = None
         self._store_stream: Any = None  # LMCache's store stream, once looked up (False: none found)
@@ -61,8 +64,11 @@ class SenderBackend(P2PPlugin):
             self._register_allocator_memory()
             if self.cfg.buffer_device != "cpu":
                 self._start_arena(metadata, gpu)
+            fingerprint = fingerprint_of(metadata, self.cfg.kv_heads_total)
+            check_rank_stores(config, metadata)
+            self._layout = kv_layout.layout_of(fingerprint) if fingerprint is not None else None
             self._service = SendService(self.cfg, tp_rank=self._tp_rank, tp_size=tp_size, transport=self._transport,
-                                        fingerprint=fingerprint_of(metadata))
+                                        fingerprint=fingerprint)
             self._service.start()
         except Exception:
             logger.exception("lmcache_p2p sender failed to start (p2p.* in LMCACHE_CONFIG_FILE)")
@@ -124,31 +130,51 @@ class SenderBackend(P2PPlugin):
         service = self._service
         if service is None:
             raise ClosedError("sender backend is closed")
-        try:
-            target = target_of(transfer_spec, self._tp_rank)
-        except ValueError as exc:
-            logger.error("request %s: bad transfer_spec, KV not sent: %s", getattr(transfer_spec, "req_id", "?"), exc)
-            return None
+        ports = getattr(transfer_spec, "receiver_alloc_port", None)
+        receiver_tp = len(ports) if isinstance(ports, (list, tuple)) else 1
         if self._arena is not None and any(obj.tensor.is_cuda for obj in objs):
             self._wait_for_store(self._arena.device)
-        chunks = []
-        for key, obj in zip(keys, objs):
-            obj.ref_count_up()
-            tensor = obj.tensor
-            chunks.append(Chunk(chunk_key(key), _shape_of(obj, tensor), tensor, obj.ref_count_down))
-        # One write moves sources of one device: a store that found the arena full midway (some chunks
-        # in VRAM, the rest in host memory) goes as consecutive batches, ``last`` on the final one.
-        runs = _runs_by_device(chunks) or [chunks]  # an empty store still carries its last flag
-        for i, run in enumerate(runs):
+        req_id, last = str(transfer_spec.req_id), bool(transfer_spec.is_last_prefill)
+        layout = self._layout
+        if layout is None or receiver_tp == layout.tp_size:  # the same split: rank r -> rank r, as is
             try:
-                service.submit(str(transfer_spec.req_id), target, run,
-                               bool(transfer_spec.is_last_prefill) and i == len(runs) - 1, called_s)
-            except P2PError as exc:
-                logger.error("request %s: KV not sent: %s", transfer_spec.req_id, exc)
-                for c in (c for later in runs[i + 1:] for c in later):
-                    c.done()  # submit released its own batch's chunks
-                break
+                target = target_of(transfer_spec, self._tp_rank)
+            except ValueError as exc:
+                logger.error("request %s: bad transfer_spec, KV not sent: %s", req_id, exc)
+                return None
+            chunks = []
+            for key, obj in zip(keys, objs):
+                obj.ref_count_up()
+                tensor = obj.tensor
+                chunks.append(Chunk(chunk_key(key), _shape_of(obj, tensor), tensor, obj.ref_count_down))
+            _submit_runs(service, req_id, target, chunks, last, called_s)
+            return None
+        routes = kv_layout.routes_of(layout, receiver_tp)
+        if not routes and last:
+            service.nothing_to_send(req_id)
+        for piece in routes:
+            try:
+                target = target_of(transfer_spec, piece.dst_rank)
+            except ValueError as exc:
+                logger.error("request %s: bad transfer_spec, KV not sent: %s", req_id, exc)
+                return None
+            chunks = [self._piece_chunk(key, obj, piece) for key, obj in zip(keys, objs)]
+            _submit_runs(service, req_id, target, chunks, last, called_s, kv_layout.sub_request_id(req_id, piece))
         return None
+
+    def _piece_chunk(self, key: CacheEngineKey, obj: MemoryObj, piece: kv_layout.Piece) -> Chunk:
+        """One chunk's share for one decoder rank: the chunk itself when it is all of our heads (or
+        the MLA latent), else a packed copy of those heads (split on the sender: one copy, and the
+        decoder rank's slot gets exactly its own chunk)."""
+        layout = self._layout
+        if layout.mla or (piece.head_lo, piece.head_hi) == (layout.head_start, layout.head_end):
+            obj.ref_count_up()
+            return Chunk(chunk_key(key), _shape_of(obj, obj.tensor), obj.tensor, obj.ref_count_down)
+        packed = pack_heads(obj.tensor, piece.head_lo - layout.head_start, piece.head_hi - layout.head_start,
+                            layout.heads_per_rank)
+        shape = protocol.ChunkShape(shape=list(packed.shape), dtype=dtype_name(packed.dtype), nbytes=int(packed.nbytes),
+                                    fmt=int(obj.get_memory_format().value))
+        return Chunk(chunk_key(key), shape, packed, _no_reference)
 
     # ---- the sender serves no lookups ----
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
@@ -177,6 +203,26 @@ class SenderBackend(P2PPlugin):
     @property
     def service(self) -> SendService:
         return self._svc()
+
+
+def _no_reference() -> None:
+    """A packed copy holds no reference of LMCache's: nothing to drop."""
+
+
+def _submit_runs(service: SendService, req_id: str, target: Target, chunks: list[Chunk], last: bool,
+                 called_s: float, wire_id: str = "") -> None:
+    """Submit ``chunks`` to ``target``. One write moves sources of one device: a store that found the
+    arena full midway (some chunks in VRAM, the rest in host memory) goes as consecutive batches,
+    ``last`` on the final one."""
+    runs = _runs_by_device(chunks) or [chunks]  # an empty store still carries its last flag
+    for i, run in enumerate(runs):
+        try:
+            service.submit(req_id, target, run, last and i == len(runs) - 1, called_s, wire_id)
+        except P2PError as exc:
+            logger.error("request %s: KV not sent to %s: %s", req_id, target.endpoint, exc)
+            for c in (c for later in runs[i + 1:] for c in later):
+                c.done()  # submit released its own batch's chunks
+            break
 
 
 def _runs_by_device(chunks: list[Chunk]) -> list[list[Chunk]]:

@@ -137,11 +137,13 @@ class Sender:
 
     def hello(self, fingerprint: protocol.Fingerprint | None = FINGERPRINT) -> protocol.Message:
         info = protocol.TransportInfo(kind="loopback", name=self.writer)
-        return self.call(protocol.Hello(protocol.PROTOCOL_VERSION, self.sender_id, 0, info, fingerprint))
+        rank = fingerprint.tp_rank if fingerprint is not None else 0
+        return self.call(protocol.Hello(protocol.PROTOCOL_VERSION, self.sender_id, rank, info, fingerprint))
 
-    def alloc(self, req_id: str, keys: list[str], last: bool = True) -> protocol.Message:
+    def alloc(self, req_id: str, keys: list[str], last: bool = True,
+              shape: protocol.ChunkShape = SHAPE) -> protocol.Message:
         self.seq += 1
-        return self.call(protocol.Alloc(self.seq, req_id, keys, [SHAPE] * len(keys), last))
+        return self.call(protocol.Alloc(self.seq, req_id, keys, [shape] * len(keys), last))
 
     def cancel(self, req_id: str) -> protocol.Message:
         self.seq += 1
@@ -149,7 +151,8 @@ class Sender:
 
 
 class Rig:
-    def __init__(self, num_slots: int = 2, fingerprint: protocol.Fingerprint | None = FINGERPRINT, **cfg) -> None:
+    def __init__(self, num_slots: int = 2, fingerprint: protocol.Fingerprint | None = FINGERPRINT, buffer=None,
+                 **cfg) -> None:
         self.cfg = P2PConfig.from_mapping({"role": "receiver", "control_ports": [free_port()],
                                            "transfer_timeout_s": 30, "quarantine_margin_s": 5, **cfg})
         self.clock = Clock()
@@ -157,7 +160,7 @@ class Rig:
         self.transport = FakeTransport()
         self.service = ReceiveService(self.cfg, tp_rank=0, tp_size=1, transport=self.transport, pool=self.pool,
                                       slot_bytes=SLOT_BYTES, region_addr=REGION_ADDR, chunk_tokens=16,
-                                      dtype="bfloat16", fingerprint=fingerprint).start()
+                                      dtype="bfloat16", fingerprint=fingerprint, buffer=buffer).start()
         self.ctx = zmq.Context()
         self.senders: list[Sender] = []
 
@@ -355,7 +358,6 @@ def test_write_admitted_into_a_slot_keeps_it_quarantined_until_its_receive_deadl
 
 
 @pytest.mark.parametrize(("field", "value"), [("dtype", "float16"), ("model", "other-model"), ("chunk_tokens", 256),
-                                              ("tp_size", 2), ("kv_format", "KV_MLA_FMT"),
                                               ("weights", "files:4567")])
 def test_hello_with_another_fingerprint_is_refused_naming_the_field(make_rig, field, value) -> None:
     import msgspec
@@ -371,6 +373,36 @@ def test_hello_with_another_fingerprint_is_refused_naming_the_field(make_rig, fi
     refused = s.alloc("req-x", ["k1"])  # nothing registered, nothing reserved
     assert isinstance(refused, protocol.Refused) and refused.code is protocol.RefusalCode.UNKNOWN_PEER
     assert rig.pool.free_slots == 2
+
+
+@pytest.mark.parametrize(("changes", "says"), [
+    ({"tp_size": 3, "kv_heads": 1, "kv_heads_total": 3}, "3 KV heads vs 2"),
+    ({"tp_size": 2, "kv_heads": 2, "kv_heads_total": 4}, "4 KV heads vs 2"),
+    ({"tp_size": 2, "kv_heads_total": 2}, "should hold 1 heads"),
+    ({"kv_format": "KV_MLA_FMT", "kv_heads": 1, "head_size": 32}, "MLA on one side only"),
+])
+def test_hello_with_an_irreconcilable_tp_layout_is_refused_naming_both(make_rig, changes, says) -> None:
+    import msgspec
+
+    rig = make_rig(num_slots=2)
+    s = rig.sender("sender-x", "tx-x", hello=False)
+    reply = s.hello(msgspec.structs.replace(FINGERPRINT, **changes))
+    assert isinstance(reply, protocol.ErrorReply) and says in reply.message
+    if "should hold" not in says:
+        assert "prefiller " in reply.message and "decoder KV heads [0, 2) of 2 on TP 1 (rank 0)" in reply.message
+    assert rig.service.counters.hello_refused_fingerprint == 1
+    refused = s.alloc("req-x", ["k1"])
+    assert isinstance(refused, protocol.Refused) and refused.code is protocol.RefusalCode.UNKNOWN_PEER
+    assert rig.pool.free_slots == 2
+
+
+def test_a_sender_of_a_reconcilable_tp_layout_is_welcomed_and_told_ours(make_rig) -> None:
+    import msgspec
+
+    rig = make_rig(num_slots=2)
+    s = rig.sender("sender-x", "tx-x", hello=False)
+    welcome = s.hello(msgspec.structs.replace(FINGERPRINT, tp_size=2, kv_heads=1, kv_heads_total=2))
+    assert isinstance(welcome, protocol.Welcome) and welcome.fingerprint == FINGERPRINT
 
 
 def test_a_sender_that_does_not_know_its_weights_is_judged_by_the_other_fields(make_rig) -> None:

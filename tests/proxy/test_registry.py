@@ -219,9 +219,10 @@ def test_fingerprint_is_kept_and_mismatched_pairs_are_logged_once(registry, capl
     with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.router.registry"):
         assert not registry.compatible(other, decoder)
         assert not registry.compatible(other, decoder)
-    mismatch, = [r for r in caplog.records if "fingerprints" in r.getMessage()]
+    mismatch, = [r for r in caplog.records if "never paired" in r.getMessage()]
     assert "p2" in mismatch.getMessage() and "d1" in mismatch.getMessage()
-    assert "model: 'n' != 'm'" in mismatch.getMessage() and "dtype: 'float16' != 'bfloat16'" in mismatch.getMessage()
+    assert "model: decoder 'm', prefiller 'n'" in mismatch.getMessage()
+    assert "dtype: decoder 'bfloat16', prefiller 'float16'" in mismatch.getMessage()
 
 
 def test_other_weights_under_the_same_model_name_are_never_paired(registry, caplog):
@@ -234,7 +235,7 @@ def test_other_weights_under_the_same_model_name_are_never_paired(registry, capl
                                        fingerprint=msgspec.structs.replace(fp, weights="")))
     with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.router.registry"):
         assert not registry.compatible(tuned, decoder)
-    assert "weights: 'files:bb' != 'files:aa'" in caplog.text
+    assert "weights: decoder 'files:aa', prefiller 'files:bb'" in caplog.text
     assert registry.compatible(older, decoder)  # a peer that cannot tell its weights: the other fields decide
 
 
@@ -244,6 +245,33 @@ def test_a_tp_rank_alone_is_no_mismatch(registry):
     decoder = registry.announce(announce("d1", rank=1, tp=2, fingerprint=msgspec.structs.replace(fp, tp_rank=1)))
     prefiller = registry.announce(announce("p1", role="sender", url="http://p1:1", tp=2, fingerprint=fp))
     assert registry.compatible(prefiller, decoder)
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2), (4, 2), (2, 4)])
+def test_tp_sizes_that_divide_each_other_are_paired(registry, p_tp, d_tp):
+    fp = Fingerprint(model="m", num_layers=2, kv_heads=4 // p_tp, head_size=32, dtype="bfloat16",
+                     chunk_tokens=256, tp_size=p_tp, tp_rank=0, kv_format="KV_2LTD", kv_heads_total=4)
+    decoder = registry.announce(announce("d1", tp=d_tp, fingerprint=msgspec.structs.replace(
+        fp, tp_size=d_tp, kv_heads=4 // d_tp)))
+    prefiller = registry.announce(announce("p1", role="sender", url="http://p1:1", tp=p_tp, fingerprint=fp))
+    assert registry.compatible(prefiller, decoder)
+
+
+@pytest.mark.parametrize("decoder_change, says", [
+    ({"tp_size": 3, "kv_heads": 2, "kv_heads_total": 6}, "TP 2 and TP 3, neither divides the other"),
+    ({"tp_size": 1, "kv_heads": 8, "kv_heads_total": 8}, "4 KV heads vs 8"),
+    ({"tp_size": 1, "kv_heads": 1, "kv_heads_total": 1, "kv_format": "KV_MLA_FMT"}, "MLA on one side only"),
+])
+def test_irreconcilable_layouts_are_never_paired_and_the_log_names_both(registry, caplog, decoder_change, says):
+    total = 6 if decoder_change["tp_size"] == 3 else 4
+    fp = Fingerprint(model="m", num_layers=2, kv_heads=total // 2, head_size=32, dtype="bfloat16",
+                     chunk_tokens=256, tp_size=2, tp_rank=0, kv_format="KV_2LTD", kv_heads_total=total)
+    decoder = registry.announce(announce("d1", tp=decoder_change["tp_size"],
+                                         fingerprint=msgspec.structs.replace(fp, **decoder_change)))
+    prefiller = registry.announce(announce("p1", role="sender", url="http://p1:1", tp=2, fingerprint=fp))
+    with caplog.at_level(logging.WARNING, logger="lmcache_p2p.proxy.router.pairing"):
+        assert not registry.compatible(prefiller, decoder)
+    assert says in caplog.text and "prefiller KV heads [0, " in caplog.text and "decoder " in caplog.text
 
 
 def test_resize_commit_replaces_the_estimate(registry):

@@ -272,8 +272,8 @@ async def test_prefillers_and_decoders_pair_only_when_their_fingerprints_agree(c
         assert not other.vllm.requests and len(same.vllm.calls("/v1/completions")) == 4
         assert len(decoder.vllm.calls("/v1/completions")) == 4
         assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 4
-        mismatch, = [r.getMessage() for r in caplog.records if "fingerprints" in r.getMessage()]
-        assert other.agent.instance_id in mismatch and "model: 'other-model' != 'fake-model'" in mismatch
+        mismatch, = [r.getMessage() for r in caplog.records if "never paired" in r.getMessage()]
+        assert other.agent.instance_id in mismatch and "model: decoder 'fake-model', prefiller 'other-model'" in mismatch
         listed = {i["instance_id"]: i for i in (await c.client.get("/instances")).json()}
         assert listed[decoder.agent.instance_id]["fingerprint"]["model"] == MODEL
         assert listed[other.agent.instance_id]["fingerprint"]["model"] == "other-model"
@@ -289,6 +289,19 @@ async def test_a_prefiller_with_no_compatible_decoder_serves_colocated():
         assert resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), 3)
         call, = prefiller.vllm.calls("/v1/completions")
         assert "kv_transfer_params" not in call and not decoder.vllm.requests and not c.network.specs
+        assert c.metric("lmcache_p2p_proxy_colocated_total", reason="no_compatible_decoder", role="sender") == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_prefiller_whose_tp_split_cannot_be_reconciled_serves_colocated():
+    async with make_cluster(n_prefill=0, n_decode=0) as c:
+        prefiller = await c.add_node(Role.SENDER, fingerprint=fingerprint(kv_heads=3, tp_size=2, kv_heads_total=6))
+        decoder = await c.add_node(Role.RECEIVER, fingerprint=fingerprint(kv_heads=2, tp_size=3, kv_heads_total=6))
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
+        assert resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), 3)
+        assert not decoder.vllm.requests and not c.network.specs
+        assert "kv_transfer_params" not in prefiller.vllm.calls("/v1/completions")[0]
         assert c.metric("lmcache_p2p_proxy_colocated_total", reason="no_compatible_decoder", role="sender") == 1
 
 

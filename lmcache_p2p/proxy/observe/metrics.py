@@ -270,7 +270,8 @@ class _TimelineBook:
 
     def _maybe_complete(self, req_id: str, complete: Callable[[_Entry, list[KvSent]], None]) -> None:
         entry, reports = self._entries.get(req_id), self._reports.get(req_id)
-        if entry is None or reports is None or len(reports) < entry.tp_size:
+        # One report per sender rank: the prefiller's TP size (its reports say it), else the decoder's.
+        if entry is None or not reports or len(reports) < (reports[0].tp_size or entry.tp_size):
             return
         del self._entries[req_id], self._reports[req_id]
         complete(entry, reports)

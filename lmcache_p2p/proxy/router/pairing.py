@@ -8,9 +8,12 @@ instance (it has no announcement of its own: an announced one takes its place wh
 instance without one may still serve a request alone (colocated); it is logged once.
 
 Fingerprints: an instance announces its KV :class:`~lmcache_p2p.protocol.Fingerprint` (model, layers,
-heads, dtype, chunk size, TP split, layout). :meth:`PairingCheck.compatible` holds when both plugins
-run and, when both fingerprints are known, they agree (an announcement without one, from old or
-test peers, counts as agreeing). A mismatched pair is logged once with the fields that differ.
+heads, dtype, chunk size, format, and its TP split: total KV heads, TP size and rank, MLA or not).
+:meth:`PairingCheck.compatible` holds when both plugins run and, when both fingerprints are known,
+every field but the split agrees and the two splits reconcile (``kv_layout.kv_mismatch``: same heads,
+one TP size dividing the other); an announcement without one, from old or test peers, counts as
+agreeing. A mismatched pair is logged once with the reason, naming both layouts; the router then
+serves the request on one instance (``colocated_total{reason="no_compatible_decoder"}``).
 
 Owns: these two checks and their logged-once memory. Must not: change instances, choose among
 them (``router/routing.py``), or await.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from lmcache_p2p.kv_layout import kv_mismatch
 from lmcache_p2p.protocol import Fingerprint
 from lmcache_p2p.proxy.router.instances import Instance
 
@@ -58,15 +62,14 @@ class PairingCheck:
         ours, theirs = prefiller.fingerprint, decoder.fingerprint
         if ours is None or theirs is None:
             return True
-        differences = ours.differences(theirs, ignore=("tp_rank",))
-        if not differences:
+        mismatch = kv_mismatch(ours, theirs)
+        if not mismatch:
             return True
         key = (prefiller.instance_id, decoder.instance_id, ours, theirs)
         if key not in self._mismatches:
             self._mismatches.add(key)
-            logger.warning("prefiller %s and decoder %s announce different KV fingerprints (%s): they are never "
-                           "paired; run the same model, dtype, chunk size and TP size on both",
-                           prefiller.instance_id, decoder.instance_id, "; ".join(differences))
+            logger.warning("prefiller %s and decoder %s are never paired: %s", prefiller.instance_id,
+                           decoder.instance_id, mismatch)
         return False
 
     def forget(self, inst: Instance) -> None:
