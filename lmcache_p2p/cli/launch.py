@@ -194,6 +194,8 @@ def write_lmcache_config(inst: Instance, args: argparse.Namespace, out_dir: Path
                    transport_ports=inst.transport_port)
         if not getattr(args, "prefix_caching", True):
             p2p["buffer_cache"] = False
+    if inst.tp_size > 1:  # every rank stores and loads its own KV (LMCache keeps an MLA latent on rank 0 only)
+        cfg["extra_config"]["save_only_first_rank"] = False
     p2p.update(p2p_overrides(getattr(args, "p2p", [])))
     P2PConfig.from_mapping(p2p)  # a bad --p2p fails here, naming the key, not in every instance's log
     path = out_dir / f"{inst.name}.yaml"

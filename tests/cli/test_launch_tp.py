@@ -100,6 +100,15 @@ def test_each_decoder_rank_reads_its_own_ports_from_the_instance_yaml(tmp_path: 
     assert [cfg.transport_port(r) for r in range(2)] == list(decoder_1.transport_ports) == [7410, 7411]
 
 
+def test_every_rank_of_a_tp_instance_stores_and_loads_its_own_kv(tmp_path: Path) -> None:
+    """LMCache keeps an MLA model's latent on rank 0 only unless told otherwise; every rank must load it."""
+    args = parse("--prefill-tp", "2", "--decode-tp", "1")
+    extra = {i.name: yaml.safe_load(launch.write_lmcache_config(i, args, tmp_path).read_text())["extra_config"]
+             for i in launch.plan(args)}
+    assert extra["prefiller-0"]["save_only_first_rank"] is False
+    assert "save_only_first_rank" not in extra["decoder-0"]  # TP 1: LMCache's own default, as before
+
+
 @pytest.mark.parametrize(("argv", "cores", "want"), [
     # 2 cores: the ranks of a TP2 instance on both; instances share them, decoder ranks counted from the last core
     (["--tp", "2"], 2, {"prefiller-0": "0|1", "decoder-0": "1|0"}),
