@@ -276,22 +276,21 @@ def decoder_hits(dep: e2e_gpu.Deployment, seen: int, decode_tp: int = 1) -> dict
             **rank_retrieves(dep, decode_tp)}
 
 
-RETRIEVED_RE = re.compile(r"pid=(\d+)\).*\[req_id=(\S+)\] Retrieved (\d+) out of")
+RETRIEVED_RE = re.compile(r"\[req_id=(\S+)\] Retrieved (\d+) out of")
 LOOKUP_RE = re.compile(r"Reqid: (\S+), Total tokens \d+, Inference Engine computed tokens: \d+, LMCache hit tokens: (\d+)")
 
 
 def rank_retrieves(dep: e2e_gpu.Deployment, decode_tp: int) -> dict[str, Any]:
-    """How many of the decoder's requests every one of its ``decode_tp`` ranks (worker pids) retrieved the
-    scheduler's whole hit for (LMCache logs each rank's retrieve)."""
+    """How many of the decoder's requests every one of its ``decode_tp`` ranks retrieved the scheduler's whole
+    hit for: LMCache logs one retrieve line per rank (each worker holds one engine) and names no rank."""
     if not dep.decoder_log or not dep.decoder_log.exists():
         return {}
     text = dep.decoder_log.read_text(errors="replace")
-    per_rank: dict[str, dict[str, int]] = {}
-    for pid, req, got in RETRIEVED_RE.findall(text):
-        per_rank.setdefault(req, {})[pid] = per_rank.get(req, {}).get(pid, 0) + int(got)
+    per_rank: dict[str, list[int]] = {}
+    for req, got in RETRIEVED_RE.findall(text):
+        per_rank.setdefault(req, []).append(int(got))
     hits = dict(LOOKUP_RE.findall(text))
-    every = sum(len(ranks) == decode_tp and set(ranks.values()) == {int(hits.get(req, -1))}
-                for req, ranks in per_rank.items())
+    every = sum(ranks == [int(hits.get(req, -1))] * decode_tp for req, ranks in per_rank.items())
     return {"decoder_tp": decode_tp, "decoder_requests_loaded_on_every_rank": every,
             "decoder_requests_retrieved": len(per_rank)}
 

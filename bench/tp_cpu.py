@@ -82,7 +82,7 @@ class Measured:
     stats: dict[str, Any] | None = None
     kv_bytes: float | None = None
     lookups: tuple[e2e.Lookup, ...] = ()
-    rank_loads: tuple[tuple[int, ...], ...] = ()  # per decoder request: tokens each rank retrieved
+    rank_loads: tuple[tuple[int, ...], ...] = ()  # per decoder request: tokens each rank's retrieve got
     hits: tuple[int, ...] = ()  # the scheduler's hit per decoder request, in the same order
 
 
@@ -144,7 +144,7 @@ def decoder_loads(cluster: Cluster, seen: set[str]) -> tuple[list[e2e.Lookup], l
     lookups = {r: lk for r, lk in lookups_by_request(log).items() if r not in seen}
     retrieved = rank_retrievals(log)
     seen.update(lookups)
-    return (list(lookups.values()), [tuple(sorted(retrieved.get(r, {}).values())) for r in lookups],
+    return (list(lookups.values()), [tuple(retrieved.get(r, [])) for r in lookups],
             [lk.hit_tokens for lk in lookups.values()])
 
 

@@ -27,18 +27,19 @@ from lmcache_p2p.cli.main import build_parser
 from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
 
-# Logged by every TP rank's LMCache engine for each retrieve (the process's pid comes from our log format).
-RETRIEVED_RE = re.compile(r"pid=(\d+)\).*\[req_id=(\S+)\] Retrieved (\d+) out of (\d+) required tokens")
+# Logged by every TP rank's LMCache engine for each retrieve (LMCache's own log format names no rank or process:
+# each worker process holds one engine and retrieves once per request, so a request's lines are its ranks').
+RETRIEVED_RE = re.compile(r"\[req_id=(\S+)\] Retrieved (\d+) out of (\d+) required tokens")
 LOOKUP_RE = re.compile(r"Reqid: (\S+), Total tokens (\d+), Inference Engine computed tokens: \d+, "
                        r"LMCache hit tokens: (\d+)")
 RANKS_DIFFER = "differ across (TP and PP) ranks"  # LMCache's warning when the ranks' lookups disagree
 
 
-def rank_retrievals(log_path: Path) -> dict[str, dict[int, int]]:
-    """Tokens each TP rank (by worker pid) retrieved from LMCache, per request id, from an instance's log."""
-    out: dict[str, dict[int, int]] = {}
-    for pid, req_id, retrieved, _ in RETRIEVED_RE.findall(log_path.read_text(errors="replace")):
-        out.setdefault(req_id, {})[int(pid)] = out.get(req_id, {}).get(int(pid), 0) + int(retrieved)
+def rank_retrievals(log_path: Path) -> dict[str, list[int]]:
+    """Tokens retrieved from LMCache per request id, one entry per TP rank's retrieve, from an instance's log."""
+    out: dict[str, list[int]] = {}
+    for req_id, retrieved, _ in RETRIEVED_RE.findall(log_path.read_text(errors="replace")):
+        out.setdefault(req_id, []).append(int(retrieved))
     return out
 
 

@@ -87,8 +87,8 @@ def test_rank_retrieves_count_requests_every_decoder_rank_loaded_whole(equal, tm
     log = tmp_path / "decoder-0.log"
     lookup = ("(EngineCore pid=10) INFO [vllm_v1_adapter.py:1476] Reqid: {r}, Total tokens {t}, Inference Engine "
               "computed tokens: 0, LMCache hit tokens: {h}, need to load: {h}\n")
-    retrieved = ("(Worker_TP{rank} pid={pid}) INFO [cache_engine.py:985] [req_id={r}] Retrieved {n} out of {n} required "
-                 "tokens (from {t} total tokens). size: 0.0001 gb, cost 1.0 ms, throughput: 0.1 GB/s;\n")
+    retrieved = ("[2026-12-02 07:49:33,750] LMCache INFO: [req_id={r}] Retrieved {n} out of {n} required tokens (from {t} "
+                 "total tokens). size: 0.0001 gb, cost 1.0 ms, throughput: 0.1 GB/s; (cache_engine.py:985)\n")
     log.write_text(lookup.format(r="a", t=301, h=300) + retrieved.format(rank=0, pid=21, r="a", n=300, t=301)
                    + retrieved.format(rank=1, pid=22, r="a", n=300, t=301)
                    + lookup.format(r="b", t=101, h=100) + retrieved.format(rank=0, pid=21, r="b", n=100, t=101))

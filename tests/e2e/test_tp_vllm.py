@@ -9,8 +9,9 @@ chunks of 256 tokens:
   summed in another order), the disagreement is printed and the output must equal one of the two:
   the first token comes from the prefiller's TP size, the rest from the decoder's;
 - every decoder rank loaded the whole prompt: the scheduler's LMCache lookup (the minimum over the
-  ranks' own lookups) hits prompt + first token - 1, each of the decoder's d ranks retrieved exactly
-  that many tokens, and LMCache never warned that the ranks' lookups differ;
+  ranks' own lookups) hits prompt + first token - 1, the decoder's log has one LMCache retrieve of
+  exactly that many tokens per rank (d lines: each worker process holds one engine and retrieves once
+  per request), and LMCache never warned that the ranks' lookups differ;
 - the KV the decoder received per request is the model's KV for the prompt, no more (the proxy's
   ``lmcache_p2p_proxy_kv_bytes_total``).
 
@@ -145,8 +146,8 @@ def assert_every_rank_loaded_every_prompt(cluster: Cluster, decode_tp: int, seen
         else:
             assert lookup.total_tokens in prompt_tokens, (req, lookup)
             assert lookup.hit_tokens == (lookup.total_tokens - 1) // CHUNK_TOKENS * CHUNK_TOKENS, (req, lookup)
-        ranks = retrieved.get(req, {})
-        assert len(ranks) == decode_tp and set(ranks.values()) == {lookup.hit_tokens}, (req, lookup, ranks)
+        ranks = retrieved.get(req, [])
+        assert ranks == [lookup.hit_tokens] * decode_tp, (req, lookup, ranks)  # one retrieve per rank, all of it
     assert RANKS_DIFFER not in log.read_text(errors="replace")
     seen.update(lookups)
     return len(lookups)
