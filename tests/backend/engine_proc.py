@@ -10,6 +10,13 @@ tensor lives there; LMCache then keeps chunks in pinned host memory and passes d
 "cuda:N" to the plugin); ``P2P_ENGINE_SHAPE=llama8b`` uses Llama-3.1-8B's KV shape (32 layers,
 8 KV heads x 128: one 256-token bf16 chunk is 32 MiB) instead of the tiny default.
 
+Tensor parallelism: ``P2P_ENGINE_TP=SIZE:RANK`` makes the engine rank RANK of a TP group of SIZE
+(LMCache's world_size / worker_id); it holds that rank's KV heads of the model's
+``P2P_ENGINE_KV_HEADS`` (default: the shape's), split as vLLM splits them (``kv_layout``), and every
+comparison is against that rank's slice of the model's KV. ``P2P_ENGINE_MLA=1``: an MLA model (one
+latent of ``MLA_WIDTH`` values per token and layer, the same on every rank). A store's ``ports``
+lists the decoder's control port of each of its TP ranks.
+
 Commands (one JSON object per line; each gets one JSON reply line):
   {"op": "store", "seed", "num_tokens", "end", "skip", "req_id", "last", "port"}
   {"op": "lookup", "seed", "num_tokens"}                 -> {"hit_tokens"}
@@ -37,10 +44,20 @@ import time
 import msgspec
 import torch
 
-SHAPES = {"tiny": (2, 2, 32), "llama8b": (32, 8, 128)}  # layers, KV heads, head size
-LAYERS, KV_HEADS, HEAD_SIZE = SHAPES[os.environ.get("P2P_ENGINE_SHAPE", "tiny")]
+SHAPES = {"tiny": (2, 2, 32), "medium": (8, 8, 128), "llama8b": (32, 8, 128)}  # layers, KV heads, head size
+LAYERS, MODEL_KV_HEADS, HEAD_SIZE = SHAPES[os.environ.get("P2P_ENGINE_SHAPE", "tiny")]
+MODEL_KV_HEADS = int(os.environ.get("P2P_ENGINE_KV_HEADS") or MODEL_KV_HEADS)
+MLA = os.environ.get("P2P_ENGINE_MLA") == "1"
+MLA_WIDTH = 96  # the latent's values per token and layer (a real MLA model: 576)
+TP_SIZE, TP_RANK = (int(x) for x in (os.environ.get("P2P_ENGINE_TP") or "1:0").split(":"))
 CHUNK = 256
 DEVICE = torch.device(os.environ.get("P2P_ENGINE_DEVICE") or "cpu")
+KV_SIZE = 1 if MLA else 2  # K and V, or the one latent
+if MLA:
+    KV_HEADS, HEAD_SIZE, HEAD_LO = 1, MLA_WIDTH, 0
+else:
+    KV_HEADS = max(1, MODEL_KV_HEADS // TP_SIZE)
+    HEAD_LO = (TP_RANK * KV_HEADS if TP_SIZE <= MODEL_KV_HEADS else TP_RANK // (TP_SIZE // MODEL_KV_HEADS))
 HIDDEN = KV_HEADS * HEAD_SIZE
 DTYPE = torch.bfloat16
 VOCAB = 1000
@@ -50,9 +67,16 @@ def tokens_of(seed: int, n: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def kv_of(seed: int, n: int) -> torch.Tensor:
+def model_kv_of(seed: int, n: int) -> torch.Tensor:
+    """The whole model's KV of a sequence (every head): what a TP1 instance holds."""
     g = torch.Generator().manual_seed(seed + 1)
-    return torch.randn(2, LAYERS, n, HIDDEN, generator=g).to(DTYPE)
+    return torch.randn(KV_SIZE, LAYERS, n, (1 if MLA else MODEL_KV_HEADS) * HEAD_SIZE, generator=g).to(DTYPE)
+
+
+def kv_of(seed: int, n: int) -> torch.Tensor:
+    """This rank's KV of a sequence: its heads' slice of the model's."""
+    kv = model_kv_of(seed, n)
+    return kv if MLA else kv[..., HEAD_LO * HEAD_SIZE:(HEAD_LO + KV_HEADS) * HEAD_SIZE].contiguous()
 
 
 def settle() -> None:
@@ -87,7 +111,7 @@ def make_connector(kv_shape):
         """Moves KV between one flat [2, L, T, H] tensor and LMCache chunks (KV_2LTD)."""
 
         def __init__(self) -> None:
-            self.kv = torch.zeros(2, LAYERS, 0, HIDDEN, dtype=DTYPE, device=DEVICE)
+            self.kv = torch.zeros(KV_SIZE, LAYERS, 0, HIDDEN, dtype=DTYPE, device=DEVICE)
 
         def from_gpu(self, memory_obj, start, end, **kwargs):
             memory_obj.tensor.copy_(self.kv[:, :, start:end])
@@ -106,7 +130,7 @@ def make_connector(kv_shape):
                 self.to_gpu(obj, s, e)
 
         def get_shape(self, num_tokens):
-            return torch.Size([2, LAYERS, num_tokens, HIDDEN])
+            return torch.Size([KV_SIZE, LAYERS, num_tokens, HIDDEN])
 
     return FlatKVConnector()
 
@@ -117,10 +141,11 @@ def build_engine(name: str):
     from lmcache.v1.metadata import LMCacheMetadata
 
     config = LMCacheEngineConfig.from_file(os.environ["LMCACHE_CONFIG_FILE"])
-    kv_shape = (LAYERS, 2, CHUNK, KV_HEADS, HEAD_SIZE)
+    kv_shape = (LAYERS, KV_SIZE, CHUNK, KV_HEADS, HEAD_SIZE)
     model = os.environ.get("ENGINE_PROC_MODEL_NAME", "tiny")  # another name: another KV fingerprint
-    metadata = LMCacheMetadata(model_name=model, world_size=1, local_world_size=1, worker_id=0,
-                               local_worker_id=0, kv_dtype=DTYPE, kv_shape=kv_shape, role="worker")
+    metadata = LMCacheMetadata(model_name=model, world_size=TP_SIZE, local_world_size=TP_SIZE, worker_id=TP_RANK,
+                               local_worker_id=TP_RANK, kv_dtype=DTYPE, kv_shape=kv_shape, use_mla=MLA,
+                               role="worker")
     connector = make_connector(kv_shape)
     engine = LMCacheEngineBuilder.get_or_create(name, config, metadata, connector,
                                                 lambda t, r: None, lambda o, r: o)
@@ -159,22 +184,24 @@ def handle(cmd: dict, engine, connector, backend) -> dict:
         mask = torch.ones(len(tokens), dtype=torch.bool)
         mask[: cmd.get("skip", 0)] = False
         spec = DisaggSpec(req_id=cmd["req_id"], receiver_id="r", receiver_host="127.0.0.1",
-                          receiver_init_port=[cmd["port"] + 100], receiver_alloc_port=[cmd["port"]],
+                          receiver_init_port=[p + 100 for p in cmd.get("ports", [cmd.get("port")])],
+                          receiver_alloc_port=list(cmd.get("ports", [cmd.get("port")])),
                           is_last_prefill=cmd["last"])
+        started = time.monotonic()
         engine.store(tokens, mask=mask, transfer_spec=spec if cmd.get("spec", True) else None)
-        return {"ok": True}
+        return {"ok": True, "started": started, "returned": time.monotonic()} if cmd.get("stamp") else {"ok": True}
     if op in ("lookup", "wait_ready"):
         tokens = tokens_of(cmd["seed"], cmd["num_tokens"])[: cmd.get("end", cmd["num_tokens"])]
         deadline = time.monotonic() + cmd.get("timeout_s", 0)
         while True:
             hit = engine.lookup(tokens)
             if op == "lookup" or hit == len(tokens) or time.monotonic() > deadline:
-                return {"hit_tokens": hit}
-            time.sleep(0.01)
+                return {"hit_tokens": hit, "at": time.monotonic()} if cmd.get("stamp") else {"hit_tokens": hit}
+            time.sleep(0.0005 if cmd.get("stamp") else 0.01)
     if op == "retrieve":
         n = cmd["num_tokens"]
         tokens = tokens_of(cmd["seed"], n)
-        connector.kv = torch.zeros(2, LAYERS, n, HIDDEN, dtype=DTYPE, device=DEVICE)
+        connector.kv = torch.zeros(KV_SIZE, LAYERS, n, HIDDEN, dtype=DTYPE, device=DEVICE)
         ret = engine.retrieve(tokens)
         retrieved = int(ret.sum())
         expected = kv_of(cmd["seed"], n)
@@ -215,13 +242,16 @@ def load_like_vllm(cmd: dict, engine, connector) -> dict:
     masked = cmd.get("vllm_hit", 0) // CHUNK * CHUNK
     mask = torch.ones(hit, dtype=torch.bool)
     mask[:masked] = False
-    connector.kv = torch.zeros(2, LAYERS, end, HIDDEN, dtype=DTYPE, device=DEVICE)
+    connector.kv = torch.zeros(KV_SIZE, LAYERS, end, HIDDEN, dtype=DTYPE, device=DEVICE)
+    started = time.monotonic()
     ret = engine.retrieve(tokens[:hit], mask, req_id=req_id) if hit > masked else torch.zeros(0, dtype=torch.bool)
+    retrieve_s = time.monotonic() - started
     engine.lookup_unpin(req_id)
     retrieved = int(ret.sum())
     expected = kv_of(cmd["seed"], n)[:, :, masked:masked + retrieved]
     equal = bool(torch.equal(connector.kv[:, :, masked:masked + retrieved].cpu(), expected))
-    return {"hit_tokens": hit, "retrieved": retrieved, "equal": equal}
+    out = {"hit_tokens": hit, "retrieved": retrieved, "equal": equal}
+    return {**out, "retrieve_s": retrieve_s} if cmd.get("stamp") else out
 
 
 def reply(obj: dict) -> None:
