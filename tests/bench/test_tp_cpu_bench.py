@@ -46,3 +46,18 @@ def test_model_kv_per_token(tp_cpu, tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 4,
                                                       "num_key_value_heads": 2, "num_hidden_layers": 2}))
     assert tp_cpu.kv_bytes_per_token(tmp_path) == 2 * 2 * 2 * 32 * 2
+
+
+def test_output_rules_where_the_references_disagree(tp_cpu) -> None:
+    def run(*ids):
+        return tp_cpu.Measured("x", 1, tuple(result(tp_cpu, i, x) for i, x in enumerate(ids)), 1.0)
+
+    tp1, tp2 = run((1, 2), (3, 4), (5, 6)), run((1, 2), (3, 9), (7, 6))  # request 0 agrees, 1 and 2 do not
+    # P TP2 -> D TP1: request 1's first token is the TP2 prefill's (3), request 2's is not (5 != 7)
+    mixed = tp_cpu.output_rules(run((1, 2), (3, 0), (5, 6)), tp1, tp2, equal_tp=False)
+    assert mixed == {"references_agree": 1, "equal_where_references_agree": 1, "output_rule_violations": 1}
+    # equal TP: the whole output must be the decoder's size's
+    same = tp_cpu.output_rules(run((1, 2), (3, 4), (5, 0)), tp1, tp2, equal_tp=True)
+    assert same["output_rule_violations"] == 1
+    broken = tp_cpu.output_rules(run((1, 0), (3, 4), (5, 6)), tp1, tp2, equal_tp=True)
+    assert broken == {"references_agree": 1, "equal_where_references_agree": 0, "output_rule_violations": 1}
