@@ -138,6 +138,8 @@ class PieceMerger:
 
     def flush(self, cancel: Callable[[str, str], None]) -> None:
         """Cancel the other shares of requests one share of which failed (outside the lock)."""
+        if not self._failed:
+            return
         failed, self._failed = self._failed, {}
         for base, count in failed.items():
             for index in range(count):

@@ -35,13 +35,16 @@ def start_instances(tmp: Path, specs: list[dict], transport: str = "nixl") -> di
     for spec in specs:
         ports = free_ports(2 * spec["tp"]) if spec["role"] == "receiver" else []
         extra = {"save_only_first_rank": False} if spec.get("mla") else {}
+        # the model's total heads, as vLLM would know them (a replicated head is not heads x TP size)
+        p2p = {} if spec.get("mla") else {"kv_heads_total": spec.get("heads", 2)}
+        p2p.update(spec.get("p2p", {}))
         if spec["role"] == "receiver":
             config = write_config(tmp / f"{spec['name']}.yaml", "decoder.yaml", buffer_size=spec.get("buffer", "64MB"),
                                   transport=transport, control_ports=ports[:spec["tp"]],
-                                  transport_ports=ports[spec["tp"]:], **spec.get("p2p", {}))
+                                  transport_ports=ports[spec["tp"]:], **p2p)
         else:
             config = write_config(tmp / f"{spec['name']}.yaml", "prefiller.yaml", alloc_timeout_s=5.0,
-                                  transport=transport, lmcache_overrides=spec.get("lmcache"), **spec.get("p2p", {}))
+                                  transport=transport, lmcache_overrides=spec.get("lmcache"), **p2p)
         _extra_config(config, extra)
         for rank in range(spec["tp"]):
             plans.append((spec, rank, config, ports[:spec["tp"]]))
