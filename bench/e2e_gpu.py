@@ -156,6 +156,8 @@ class Config:
     long_points: tuple[Point, ...] = ()  # --long: (prompt tokens, rate, prompts) per row instead of --rates
     trace: bool = False  # per-step engine trace of every vLLM (bench/gpu_trace): each row's prefill_trace
     direct_prefiller: bool = False  # lmcache_p2p: each point also sent to the prefiller alone (no proxy, no send)
+    prefill_tp: int = 1  # lmcache_p2p: launch --prefill-tp (a GPU per rank)
+    decode_tp: int = 1  # lmcache_p2p: launch --decode-tp; the single instance runs at this TP size too
     single_gpu_memory_utilization: float | None = None  # the single instance's (None: --gpu-memory-utilization)
 
 
@@ -177,9 +179,10 @@ class Deployment:
 
 def plain_vllm(cfg: Config, name: str, port: int, util: float, log_dir: Path) -> Child:
     logging_config = write_logging_config(log_dir / "logging.json")
+    tp = ["--tensor-parallel-size", str(cfg.decode_tp)] if cfg.decode_tp > 1 else []  # the decoder's TP size
     argv = vllm_argv(cfg.model, port, "--no-enable-prefix-caching", "--max-model-len", str(cfg.max_model_len),
-                     "--gpu-memory-utilization", f"{util:.2f}", *cfg.vllm_args)
-    gpu = 0 if cfg.device == "cuda" else None
+                     "--gpu-memory-utilization", f"{util:.2f}", *tp, *cfg.vllm_args)
+    gpu = tuple(range(cfg.decode_tp)) if cfg.device == "cuda" else None
     return Child(name, argv, vllm_env(gpu=gpu, logging_config=logging_config), log_dir / f"{name}.log",
                  f"http://127.0.0.1:{port}/health")
 
@@ -262,6 +265,7 @@ def start_p2p(cfg: Config, transport: str, on_exit: str = "stop", log_name: str 
             *(["--proxy-workers", str(cfg.proxy_workers)] if cfg.proxy_workers and cfg.proxy_workers > 1 else []),
             *(["--send-buffer-size", send_buffer_size] if send_buffer_size is not None else []),
             *(["--gpus", "0,0", "--share-gpus"] if cfg.one_gpu else []),
+            "--prefill-tp", str(cfg.prefill_tp), "--decode-tp", str(cfg.decode_tp),
             *(arg for kv in cfg.p2p_args for arg in ("--p2p", kv)),
             # explicit, whatever the launcher's default: every system runs with the single instance's flags (random
             # prompts share no prefix); vLLM takes the last of --enable/--no-enable-prefix-caching
@@ -1150,6 +1154,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
     p.add_argument("--single-gpu-memory-utilization", default=None,
                    help="the single instance's --gpu-memory-utilization (default --gpu-memory-utilization; "
                         "'prefiller': the lmcache_p2p prefiller's, as the launcher computes it)")
+    p.add_argument("--prefill-tp", type=int, default=1, help="lmcache_p2p: the prefiller's TP size (a GPU per rank)")
+    p.add_argument("--decode-tp", type=int, default=1,
+                   help="lmcache_p2p: the decoder's TP size; the single instance runs at it too (GPUs 0..N-1)")
     a = p.parse_args(argv)
     try:
         long_points = parse_long(a.long)
@@ -1172,7 +1179,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                   device=a.device, proxy_workers=a.proxy_workers, run_label=a.run_label,
                   ceiling=not a.no_ceiling and not a.one_gpu, one_gpu=a.one_gpu,
                   p2p_args=tuple(a.p2p_arg), send_buffer_size=a.send_buffer_size, long_points=long_points,
-                  trace=a.trace, direct_prefiller=a.direct_prefiller,
+                  trace=a.trace, direct_prefiller=a.direct_prefiller, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
                   single_gpu_memory_utilization=single_utilization(a)), a.logs_archive
 
 

@@ -16,6 +16,10 @@ of the prefiller (its API server and engine) the moment it logs a store after ``
 processes are the same and healthy, its log has no NCCL watchdog teardown, its receive slots all
 return, and requests succeed (whole-prompt KV) once the launcher restarted the prefiller.
 
+With ``--prefill-tp`` / ``--decode-tp`` (bench/e2e_gpu.py's flags) the single instance runs at the
+decoder's TP size and each row also counts the decode requests that every decoder rank retrieved
+whole (``decoder_requests_loaded_on_every_rank``).
+
 Results: ``--results-dir``/equality.json and killed_peer.json (bench/e2e_gpu.py puts them into
 ``e2e_gpu.json``; a rerun skips the (model, system) pairs already there), ``--out`` for both.
 
@@ -33,6 +37,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -261,13 +266,33 @@ def compare(cases: Sequence[Case], ref: Sequence[Output], got: Sequence[Output])
             "mismatches": mismatches[:8]}
 
 
-def decoder_hits(dep: e2e_gpu.Deployment, seen: int) -> dict[str, Any]:
+def decoder_hits(dep: e2e_gpu.Deployment, seen: int, decode_tp: int = 1) -> dict[str, Any]:
     lookups = lookups_in_log(dep.decoder_log)[seen:] if dep.decoder_log and dep.decoder_log.exists() else []
     full = sum(lk.hit_tokens == lk.total_tokens - 1 for lk in lookups)
     looked = sum(lk.total_tokens - 1 for lk in lookups)
     return {"decoder_lookups": len(lookups), "decoder_full_prompt_hits": full,
             "decoder_hit_ratio": round(sum(lk.hit_tokens for lk in lookups) / looked, 4) if looked else None,
-            "decoder_lookups_detail": [[lk.total_tokens, lk.hit_tokens] for lk in lookups]}
+            "decoder_lookups_detail": [[lk.total_tokens, lk.hit_tokens] for lk in lookups],
+            **rank_retrieves(dep, decode_tp)}
+
+
+RETRIEVED_RE = re.compile(r"\[req_id=(\S+)\] Retrieved (\d+) out of")
+LOOKUP_RE = re.compile(r"Reqid: (\S+), Total tokens \d+, Inference Engine computed tokens: \d+, LMCache hit tokens: (\d+)")
+
+
+def rank_retrieves(dep: e2e_gpu.Deployment, decode_tp: int) -> dict[str, Any]:
+    """How many of the decoder's requests every one of its ``decode_tp`` ranks retrieved the scheduler's whole
+    hit for: LMCache logs one retrieve line per rank (each worker holds one engine) and names no rank."""
+    if not dep.decoder_log or not dep.decoder_log.exists():
+        return {}
+    text = dep.decoder_log.read_text(errors="replace")
+    per_rank: dict[str, list[int]] = {}
+    for req, got in RETRIEVED_RE.findall(text):
+        per_rank.setdefault(req, []).append(int(got))
+    hits = dict(LOOKUP_RE.findall(text))
+    every = sum(ranks == [int(hits.get(req, -1))] * decode_tp for req, ranks in per_rank.items())
+    return {"decoder_tp": decode_tp, "decoder_requests_loaded_on_every_rank": every,
+            "decoder_requests_retrieved": len(per_rank)}
 
 
 def run_equal(cfg: e2e_gpu.Config, models: Sequence[Model], systems: Sequence[str]) -> dict[str, Any]:
@@ -301,7 +326,7 @@ def run_equal(cfg: e2e_gpu.Config, models: Sequence[Model], systems: Sequence[st
                 seen = len(lookups_in_log(dep.decoder_log)) if dep.decoder_log and dep.decoder_log.exists() else 0
                 got = run_cases(dep.url, cases)
                 time.sleep(1.0)  # the decoder's last log lines
-                hits = decoder_hits(dep, seen) if system != "single" else {}
+                hits = decoder_hits(dep, seen, mcfg.decode_tp) if system != "single" else {}
             finally:
                 dep.stop()
             outputs[system] = [dataclasses.asdict(o) for o in got]

@@ -16,6 +16,13 @@
 #   bash scripts/gpu_pass.sh equal ARGS    the same set-up, then bench/e2e_gpu_equal.py --mode equal ARGS (greedy
 #                                          equality through 1P1D against a single instance)
 #   bash scripts/gpu_pass.sh kill ARGS     ... --mode kill ARGS (NCCL: the prefiller killed under load)
+#   bash scripts/gpu_pass.sh tp [ARGS]     the same set-up, then the TP rows of bench/e2e_gpu_equal.py --mode equal (greedy
+#                                          equality against a single instance at the decoder's TP size, every decoder
+#                                          rank's LMCache retrieve checked): P TP1 -> D TP2 (3 GPUs), P TP2 -> D TP2
+#                                          (4 GPUs); a row needing more GPUs than the machine has is skipped (said so);
+#                                          TP_ROWS ("P:D:GPUS ...", default "1:2:3 2:2:4") replaces the rows, TP_MODEL
+#                                          (default tiny=/tmp/models/tiny) the model; ARGS go to every row; results
+#                                          $OUT/tp_p<P>_d<D>.json
 #
 # Results: $OUT/e2e_gpu.json, $OUT/e2e_gpu_parts.tar.gz (<system>.json per system, peer_copy_ceiling.json:
 # unpack them into build/e2e_gpu_parts here and carry that folder next time: rates already measured are
@@ -42,7 +49,8 @@ case "${1:-}" in
   run) shift; BENCH=bench/e2e_gpu.py ;;
   long) shift; BENCH=bench/e2e_gpu.py; LONG=1 ;;
   equal|kill) MODE=$1; shift; BENCH=bench/e2e_gpu_equal.py; set -- --mode "$MODE" "$@" ;;
-  *) echo "usage: gpu_pass.sh stage | run|long [bench/e2e_gpu.py arguments] | equal|kill bench/e2e_gpu_equal.py arguments" >&2
+  tp) shift; BENCH=bench/e2e_gpu_equal.py; TP=1 ;;
+  *) echo "usage: gpu_pass.sh stage | run|long [bench/e2e_gpu.py arguments] | equal|kill|tp bench/e2e_gpu_equal.py arguments" >&2
      exit 2 ;;
 esac
 stage
@@ -89,8 +97,25 @@ PY
     fi
     set -- --out "$OUT/e2e_gpu.json" --lmcache-pd-proxy "$GPU_BUILD/gpu-kit/pd_proxy.py" "$@"
   fi
-  python3 "$BENCH" --results-dir "$KEEP" --log-dir /tmp/e2e_gpu_logs --logs-archive "$OUT/logs.tar.gz" "$@"
-  rc=$?
+  if [ -n "${TP:-}" ]; then  # one equality run per TP row that fits the machine's GPUs
+    ngpu=$(nvidia-smi -L | wc -l)
+    rc=0
+    for row in ${TP_ROWS:-1:2:3 2:2:4}; do
+      IFS=: read -r ptp dtp need <<<"$row"
+      if [ "$ngpu" -lt "$need" ]; then
+        echo "[gpu_pass] TP row P TP$ptp -> D TP$dtp skipped: it needs $need GPUs, this machine has $ngpu"
+        continue
+      fi
+      echo "[gpu_pass] TP row P TP$ptp -> D TP$dtp on $need GPUs"
+      python3 "$BENCH" --mode equal --model "${TP_MODEL:-tiny=/tmp/models/tiny}" --prefill-tp "$ptp" --decode-tp "$dtp" \
+        --results-dir "$KEEP/tp-p$ptp-d$dtp" --log-dir "/tmp/e2e_gpu_logs/tp-p$ptp-d$dtp" \
+        --out "$OUT/tp_p${ptp}_d${dtp}.json" "$@" || rc=$?
+    done
+    tar -czf "$OUT/logs.tar.gz" -C /tmp/e2e_gpu_logs . 2>/dev/null
+  else
+    python3 "$BENCH" --results-dir "$KEEP" --log-dir /tmp/e2e_gpu_logs --logs-archive "$OUT/logs.tar.gz" "$@"
+    rc=$?
+  fi
   tar -czf "$OUT/e2e_gpu_parts.tar.gz" -C "$KEEP" .  # one file: the device tool returns 8 at most
   echo "[gpu_pass] $BENCH rc=$rc after $(($(date +%s) - start))s"
   ps -eo pid,args | grep -E "vllm|lmcache_p2p|pd_proxy" | grep -v grep | head -5

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -24,6 +26,28 @@ from lmcache_p2p.cli.demo import HIT_RE, Lookup, lookups_in_log  # noqa: F401 (i
 from lmcache_p2p.cli.main import build_parser
 from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
+
+# Logged by every TP rank's LMCache engine for each retrieve (LMCache's own log format names no rank or process:
+# each worker process holds one engine and retrieves once per request, so a request's lines are its ranks').
+RETRIEVED_RE = re.compile(r"\[req_id=(\S+)\] Retrieved (\d+) out of (\d+) required tokens")
+LOOKUP_RE = re.compile(r"Reqid: (\S+), Total tokens (\d+), Inference Engine computed tokens: \d+, "
+                       r"LMCache hit tokens: (\d+)")
+RANKS_DIFFER = "differ across (TP and PP) ranks"  # LMCache's warning when the ranks' lookups disagree
+
+
+def rank_retrievals(log_path: Path) -> dict[str, list[int]]:
+    """Tokens retrieved from LMCache per request id, one entry per TP rank's retrieve, from an instance's log."""
+    out: dict[str, list[int]] = {}
+    for req_id, retrieved, _ in RETRIEVED_RE.findall(log_path.read_text(errors="replace")):
+        out.setdefault(req_id, []).append(int(retrieved))
+    return out
+
+
+def lookups_by_request(log_path: Path) -> dict[str, Lookup]:
+    """The scheduler's LMCache lookup per request id (the minimum over the TP ranks' own lookups)."""
+    return {req: Lookup(int(total), int(hit))
+            for req, total, hit in LOOKUP_RE.findall(log_path.read_text(errors="replace"))}
+
 
 # Below the kernel's ephemeral range: a port the kernel may hand to any outgoing connection (vLLM's
 # and LMCache's own sockets, the proxy's clients) between our check and the instance's bind was taken
@@ -77,13 +101,16 @@ class Cluster:
     """Proxy + prefillers + decoders; ``add_decoder`` joins one while the rest keeps serving."""
 
     def __init__(self, model: Path, log_dir: Path, *, prefill: int = 1, decode: int = 1,
-                 proxy_args: tuple[str, ...] = (), buffer_size: str = "256MB", prefix_caching: bool = True) -> None:
+                 proxy_args: tuple[str, ...] = (), buffer_size: str = "256MB", prefix_caching: bool = True,
+                 prefill_tp: int = 1, decode_tp: int = 1, transport: str = "nixl",
+                 vllm_args: tuple[str, ...] = ()) -> None:
         base = free_base_port()
         argv = ["launch", "--model", str(model), "--prefill", str(prefill), "--decode", str(decode),
                 "--proxy-port", str(base), "--proxy-control-port", str(base + 1), "--prefill-port", str(base + 10),
                 "--decode-port", str(base + 30), "--kv-port", str(base + 50), "--log-dir", str(log_dir),
                 "--buffer-size", buffer_size, *[f"--proxy-arg={a}" for a in proxy_args],
-                *([] if prefix_caching else ["--no-prefix-caching"])]
+                *([] if prefix_caching else ["--no-prefix-caching"]), "--prefill-tp", str(prefill_tp),
+                "--decode-tp", str(decode_tp), "--transport", transport, *[f"--vllm-arg={a}" for a in vllm_args]]
         self.args: argparse.Namespace = build_parser().parse_args(argv)
         self.model = model
         self.log_dir = log_dir
@@ -141,12 +168,15 @@ class Cluster:
         wait_healthy([child], timeout_s)
 
 
-def plain_vllm_child(model: Path, log_dir: Path, *, port: int, cpu_core: int | None, name: str = "direct",
-                     max_model_len: int = 2048, prefix_caching: bool = True) -> Child:
+def plain_vllm_child(model: Path, log_dir: Path, *, port: int, cpu_core: int | Sequence[int] | None,
+                     name: str = "direct", max_model_len: int = 2048, prefix_caching: bool = True, tp_size: int = 1,
+                     vllm_args: Sequence[str] = ()) -> Child:
     """One vLLM server without LMCache or a KV-transfer config, with the PD instances' other flags
-    (the same prefix-caching setting and prompt-token details, context length, environment and logging)."""
+    (the same prefix-caching setting and prompt-token details, context length, TP flag, environment and
+    logging); ``cpu_core``: one core, or one per TP rank."""
     log_dir.mkdir(parents=True, exist_ok=True)
     logging_config = write_logging_config(log_dir / "logging.json")
-    argv = vllm_argv(model, port, *launch.cache_flags(prefix_caching), "--max-model-len", str(max_model_len))
+    argv = vllm_argv(model, port, *launch.cache_flags(prefix_caching), "--max-model-len", str(max_model_len),
+                     *launch.tp_flags(tp_size), *vllm_args)
     env = vllm_env(cpu_core=cpu_core, logging_config=logging_config)
     return Child(name, argv, env, log_dir / f"{name}.log", f"http://127.0.0.1:{port}/health")

@@ -51,21 +51,24 @@ def parse_nvidia_smi(text: str) -> list[GpuSlot]:
     return slots
 
 
-def pick_gpus(count: int, available: Sequence[GpuSlot], wanted: Sequence[int] | None) -> list[GpuSlot]:
-    """``count`` GPUs, one per instance: ``wanted`` (``--gpus``) or the first ``count`` of the host.
+def pick_gpus(count: int, available: Sequence[GpuSlot], wanted: Sequence[int] | None,
+              need: str | None = None, lower: str = "lower --prefill/--decode") -> list[GpuSlot]:
+    """``count`` GPUs, one per instance (or per TP rank): ``wanted`` (``--gpus``) or the first ``count`` of the host.
 
-    ``--gpus`` may name a GPU more than once only with ``--share-gpus``: the caller splits its memory."""
+    ``need`` says what asks for them (default "N instances need N GPUs (one each)"), ``lower`` which flags to
+    change. ``--gpus`` may name a GPU more than once only with ``--share-gpus``: the caller splits its memory."""
+    need = need or f"{count} instances need {count} GPUs (one each)"
     by_index = {slot.index: slot for slot in available}
     if wanted:
         missing = [i for i in wanted if i not in by_index]
         if missing:
             raise GpuPlanError(f"--gpus names GPU(s) {missing} but this host has {sorted(by_index)}")
         if len(wanted) < count:
-            raise GpuPlanError(f"{count} instances need {count} GPUs (one each) but --gpus lists {len(wanted)}")
+            raise GpuPlanError(f"{need} but --gpus lists {len(wanted)}: name more GPUs in --gpus or {lower[0].lower()}"
+                               f"{lower[1:]}")
         return [by_index[i] for i in wanted[:count]]
     if len(available) < count:
-        raise GpuPlanError(f"{count} instances need {count} GPUs (one each) but this host has {len(available)}: "
-                           f"lower --prefill/--decode")
+        raise GpuPlanError(f"{need} but this host has {len(available)}: {lower}")
     return list(available[:count])
 
 

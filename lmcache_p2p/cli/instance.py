@@ -20,7 +20,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import yaml
 
 from lmcache_p2p.cli import gpu as gpu_plan
 from lmcache_p2p.cli.layout import Instance, tp_of
+from lmcache_p2p.cli.tensor_parallel import split_tp_arg
 from lmcache_p2p.cli.vllm_env import HOST, vllm_argv, vllm_env
 from lmcache_p2p.config import P2PConfig, parse_size_bytes
 from lmcache_p2p.errors import ConfigError
@@ -71,8 +72,13 @@ class Site:
 class GpuAssignment:
     """Where one instance runs on a GPU host."""
 
-    index: int | None  # the CUDA device it sees as its only one (None: the ones its pod is given)
-    memory_utilization: float  # vLLM's --gpu-memory-utilization for it
+    indices: tuple[int, ...]  # the CUDA devices it sees, one per TP rank (empty: the ones its pod is given)
+    memory_utilization: float  # vLLM's --gpu-memory-utilization for it (the same share on each of its GPUs)
+
+    @property
+    def index(self) -> int | None:
+        """Its first GPU (rank 0's); None when the pod's device plugin chooses."""
+        return self.indices[0] if self.indices else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +145,8 @@ def lmcache_config(inst: Instance, args: argparse.Namespace, site: Site) -> dict
                    transport_ports=inst.transport_port)
         if not getattr(args, "prefix_caching", True):
             p2p["buffer_cache"] = False
+    if inst.tp_size > 1:  # every rank stores and loads its own KV (LMCache keeps an MLA latent on rank 0 only)
+        cfg["extra_config"]["save_only_first_rank"] = False
     p2p.update(p2p_overrides(getattr(args, "p2p", [])))
     # a bad --p2p fails here, naming the key, not in every instance's log
     P2PConfig.from_mapping(p2p, environ={**os.environ, **site.sample_env})
@@ -174,26 +182,33 @@ def instance_utilization(inst: Instance, args: argparse.Namespace, total_bytes: 
 
 
 def instance_spec(inst: Instance, model: Path | str, args: argparse.Namespace, site: Site,
-                  gpu: GpuAssignment | None = None, cpu_core: int | None = None,
+                  gpu: GpuAssignment | None = None, cpu_core: int | Sequence[int] | None = None,
                   base: Mapping[str, str] | None = None) -> InstanceSpec:
     """The instance's command, environment and LMCache config (``gpu``: on a GPU, with its share).
 
     ``base``: the environment the instance starts over (default ``os.environ``, whose values win over
     the defaults of vllm_env); ``{}`` gives only what we set (a rendered pod's environment).
     """
-    _, passthrough = gpu_plan.split_utilization_arg(args.vllm_arg)
+    _, vllm_args = split_tp_arg(args.vllm_arg)  # each instance gets its own role's TP size below
+    _, passthrough = gpu_plan.split_utilization_arg(vllm_args)
     gpu_args = [] if gpu is None else ["--gpu-memory-utilization", f"{gpu.memory_utilization:.2f}"]
     argv = vllm_argv(model, inst.http_port, *cache_flags(getattr(args, "prefix_caching", True)),
-                     "--max-model-len", str(args.max_model_len),
+                     "--max-model-len", str(args.max_model_len), *tp_flags(inst.tp_size),
                      "--kv-transfer-config", json.dumps(transfer_config(inst)), *gpu_args,
-                     *(passthrough if gpu is not None else args.vllm_arg), host=site.bind(inst), python=site.python)
+                     *(passthrough if gpu is not None else vllm_args), host=site.bind(inst), python=site.python)
     config_file = site.config_file.format(name=inst.name, role=inst.role)
-    env = vllm_env(cpu_core=cpu_core, gpu=None if gpu is None else gpu.index, on_gpu=gpu is not None,
+    env = vllm_env(cpu_core=cpu_core, gpu=gpu.indices if gpu is not None and gpu.indices else None,
+                   on_gpu=gpu is not None,
                    lmcache_config=config_file, logging_config=site.logging_file, base=base,
                    extra={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})  # a failed NCCL op must not kill the server
     env.update(site.env)
     return InstanceSpec(inst, tp_of(inst, args), argv, env, lmcache_config(inst, args, site), config_file,
                         f"http://{site.advertised(inst, in_config=False)}:{inst.http_port}/health")
+
+
+def tp_flags(tp_size: int) -> list[str]:
+    """vLLM's flag for an instance's TP size (none at TP 1, vLLM's default: a TP1 argv stays as it was)."""
+    return [] if tp_size == 1 else ["--tensor-parallel-size", str(tp_size)]
 
 
 def proxy_command(args: argparse.Namespace, site: Site, tokenizer: str | None = None) -> list[str]:

@@ -24,6 +24,7 @@ from lmcache_p2p.cli.instance import (
 )
 from lmcache_p2p.cli.layout import Instance, decoder_instance, instance_ports
 from lmcache_p2p.cli.vllm_env import logging_config_text
+from lmcache_p2p.cli.tensor_parallel import tp_sizes
 
 CONFIG_DIR = "/etc/lmcache-p2p"
 MODEL_DIR = "/models"
@@ -71,12 +72,13 @@ def pod_site(args: argparse.Namespace, names: Names) -> Site:
 
 def role_specs(args: argparse.Namespace, site: Site) -> dict[str, InstanceSpec]:
     """The instance every pod of a role runs: the plan's first of that role."""
-    first = {"prefiller": Instance("prefiller", 0, args.prefill_port), "decoder": decoder_instance(args, 0)}
+    first = {"prefiller": Instance("prefiller", 0, args.prefill_port, tp_size=tp_sizes(args).prefill),
+             "decoder": decoder_instance(args, 0)}
     specs = {}
     for role, inst in first.items():
         gpu = None
         if args.device == "cuda":
-            gpu = GpuAssignment(None, instance_utilization(inst, args, int(args.gpu_memory_gib * 2**30)))
+            gpu = GpuAssignment((), instance_utilization(inst, args, int(args.gpu_memory_gib * 2**30)))
         specs[role] = instance_spec(inst, args.model, args, site, gpu, base={})
     return specs
 

@@ -11,15 +11,21 @@ Supervision: a child that exits is logged with its exit code and restarted after
 while the others keep serving (``--on-exit restart``, bounded by ``--max-restarts`` per
 ``--restart-window-s``); ``--on-exit stop`` stops everything at the first exit.
 
-GPUs (``--device cuda``): instance k (prefillers first) gets ``--gpus``[k] (default GPU k) as its
-only visible device; the decoder's receive buffer lives in VRAM and its vLLM gets
-``--gpu-memory-utilization`` minus the buffer's share of the GPU. Extra vLLM flags go after
-``--`` or in ``--vllm-arg=...`` (every instance gets them).
+Tensor parallelism: ``--tp N`` for every instance, ``--prefill-tp`` / ``--decode-tp`` per role.
+On vLLM-CPU each rank gets a core (``VLLM_CPU_OMP_THREADS_BIND``, ``|`` between ranks; instances
+share cores when there are fewer cores than ranks); a decoder rank r listens on its own control
+port (7300+10*i+r).
+
+GPUs (``--device cuda``): the instances' ranks (prefillers first) get the GPUs of ``--gpus`` (default
+0,1,...) in order, one per rank, as their visible devices; a decoder rank's receive buffer lives in
+VRAM and its vLLM gets ``--gpu-memory-utilization`` minus the buffer's share of the GPU. Extra vLLM
+flags go after ``--`` or in ``--vllm-arg=...`` (every instance gets them).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -33,15 +39,17 @@ from lmcache_p2p.cli import gpu as gpu_plan
 from lmcache_p2p.cli import ports
 from lmcache_p2p.cli.instance import (  # noqa: F401 (launch's own names for them, as tests import them)
     GpuAssignment, Site, cache_flags, instance_spec, instance_utilization, lmcache_config, p2p_overrides, proxy_command,
-    send_buffer_bytes,
+    send_buffer_bytes, tp_flags,
 )
 from lmcache_p2p.cli.layout import (  # noqa: F401 (the launcher's plan, as tests and bench/ import it)
-    KV_PORT_STRIDE, TRANSPORT_PORT_OFFSET, CpuPlacement, Instance, cpu_core_of, cpu_sets, decoder_instance,
-    plan, planned_ports, slot_of, tp_size_of,
+    KV_PORT_STRIDE, TRANSPORT_PORT_OFFSET, CpuPlacement, Instance, cpu_core_of, cpu_cores_of, cpu_sets,
+    decoder_instance, plan, planned_ports, rank_slots_of, slot_of,
 )
+from lmcache_p2p.cli.tensor_parallel import add_tp_args, check_tp_fits_model, model_heads, tp_sizes
 from lmcache_p2p.cli.processes import Child, StartupError, startup_waves, stop_all, wait_healthy
 from lmcache_p2p.cli.supervise import OnExit, RestartPolicy, SupervisionError, Supervisor
 from lmcache_p2p.cli.vllm_env import write_logging_config
+from lmcache_p2p.config import parse_size_bytes
 from lmcache_p2p.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -65,6 +73,7 @@ def add_plan_args(p: argparse.ArgumentParser, local: bool) -> None:
     """The flags the plan is made of (``local``: also those of processes on this host; without them
     the flags ``deploy`` shares with ``launch``, so both make the same instances from them)."""
     _add_deployment_args(p, local)
+    add_tp_args(p)
     ports_title = "ports (each one is checked free before anything starts)" if local else "ports (in each pod)"
     _add_port_args(p.add_argument_group(ports_title))
     _add_instance_args(p, local)
@@ -187,16 +196,41 @@ def write_lmcache_config(inst: Instance, args: argparse.Namespace, out_dir: Path
 
 def plan_gpus(instances: list[Instance], args: argparse.Namespace,
               available: list[gpu_plan.GpuSlot] | None = None) -> dict[str, GpuAssignment]:
-    """One GPU per instance and each one's vLLM memory share (``available`` from nvidia-smi if None)."""
+    """A GPU per TP rank of each instance and each one's vLLM memory share (``available`` from nvidia-smi if None)."""
     check_ucx_for_gpus(args, os.environ)
     wanted = [int(i) for i in args.gpus.split(",")] if args.gpus else None
-    slots = gpu_plan.pick_gpus(len(instances), gpu_plan.query_gpus() if available is None else available, wanted)
-    placed = [slots[slot_of(inst, args)] for inst in instances]
-    sharing = gpu_plan.shared_gpus(placed, [i.name for i in instances], getattr(args, "share_gpus", False),
-                                   args.transport)
-    return {inst.name: GpuAssignment(slot.index, instance_utilization(inst, args, slot.total_bytes,
-                                                                      sharing[slot.index]))
-            for inst, slot in zip(instances, placed)}
+    ranks = sum(inst.tp_size for inst in instances)
+    slots = gpu_plan.pick_gpus(ranks, gpu_plan.query_gpus() if available is None else available, wanted,
+                               *gpus_needed(instances, ranks))
+    placed = {inst.name: [slots[s] for s in rank_slots_of(inst, args)] for inst in instances}
+    for name, on in placed.items():
+        if len({slot.index for slot in on}) < len(on):
+            raise gpu_plan.GpuPlanError(f"--gpus puts two TP ranks of {name} on one GPU ({[s.index for s in on]}): "
+                                        "each rank of an instance needs a GPU of its own")
+    sharing = gpu_plan.shared_gpus([s for on in placed.values() for s in on],
+                                   [name for name, on in placed.items() for _ in on],
+                                   getattr(args, "share_gpus", False), args.transport)
+    plan: dict[str, GpuAssignment] = {}
+    for inst in instances:
+        on = placed[inst.name]
+        crowd = max(sharing[slot.index] for slot in on)
+        total = min(slot.total_bytes for slot in on)  # every rank has its own buffer on its own GPU
+        plan[inst.name] = GpuAssignment(tuple(slot.index for slot in on),
+                                        instance_utilization(inst, args, total, crowd))
+    return plan
+
+
+def gpus_needed(instances: list[Instance], ranks: int) -> tuple[str | None, str]:
+    """What the GPU count asks for, and the flags that lower it (for pick_gpus' errors)."""
+    if all(inst.tp_size == 1 for inst in instances):
+        return None, "lower --prefill/--decode"
+    parts = []
+    for role in ("prefiller", "decoder"):
+        of_role = [i for i in instances if i.role == role]
+        if of_role:
+            parts.append(f"{len(of_role)} {role}{'s' if len(of_role) > 1 else ''} at TP {of_role[0].tp_size}")
+    return (f"{' and '.join(parts)} need {ranks} GPUs (one per TP rank)",
+            "lower --prefill/--decode or --prefill-tp/--decode-tp (--tp)")
 
 
 def check_ucx_for_gpus(args: argparse.Namespace, environ: dict[str, str] | os._Environ) -> None:
@@ -217,10 +251,10 @@ def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: P
                gpu: GpuAssignment | None = None) -> Child:
     on_cpu = args.device == "cpu"
     spec = instance_spec(inst, model, args, local_site(args, log_dir), gpu,
-                         cpu_core=cpu_core_of(inst, args) if on_cpu else None)
+                         cpu_core=cpu_cores_of(inst, args) if on_cpu else None)
     Path(spec.lmcache_config_file).write_text(yaml.safe_dump(spec.lmcache_config, sort_keys=False))
     return Child(inst.name, spec.argv, spec.env, log_dir / f"{inst.name}.log", spec.health_url,
-                 cpus=cpu_sets(args).get(inst.name), gpu=None if gpu is None else gpu.index)
+                 cpus=cpu_sets(args).get(inst.name), gpus=() if gpu is None else gpu.indices)
 
 
 def proxy_child(args: argparse.Namespace, log_dir: Path) -> Child:
@@ -303,14 +337,16 @@ def buffer_sizing(buffer_size: str, model: Path) -> str | None:
 def build_children(args: argparse.Namespace, model: Path, log_dir: Path) -> list[Child]:
     """The proxy first, then every vLLM instance (prefillers, then decoders)."""
     instances = plan(args)
+    check_tp_fits_model(tp_sizes(args), model_heads(model),
+                        [role for role in ("prefiller", "decoder") if any(i.role == role for i in instances)])
     sizing = buffer_sizing(args.buffer_size, model) if args.decode > 0 else None
     if sizing:
         logger.info("%s", sizing)
     gpus = plan_gpus(instances, args) if args.device == "cuda" else {}
     for inst in instances:
         if inst.name in gpus:
-            logger.info("%s: GPU %d, --gpu-memory-utilization %.2f", inst.name, gpus[inst.name].index,
-                        gpus[inst.name].memory_utilization)
+            logger.info("%s: GPU %s, --gpu-memory-utilization %.2f", inst.name,
+                        ",".join(map(str, gpus[inst.name].indices)), gpus[inst.name].memory_utilization)
     return [proxy_child(args, log_dir)] + [vllm_child(i, model, args, log_dir, gpus.get(i.name)) for i in instances]
 
 
@@ -359,7 +395,9 @@ def run(args: argparse.Namespace) -> int:
                 child.start()
             wait_healthy(wave, args.startup_timeout_s)
         wait_registered(proxy_url, [i.name for i in plan(args)], timeout_s=REGISTER_TIMEOUT_S)
-        print(f"\nlmcache_p2p is serving {args.prefill}P{args.decode}D: {proxy_url}/v1  (model {model})", flush=True)
+        sizes = tp_sizes(args)
+        tp = "" if (sizes.prefill, sizes.decode) == (1, 1) else f" (prefill TP {sizes.prefill}, decode TP {sizes.decode})"
+        print(f"\nlmcache_p2p is serving {args.prefill}P{args.decode}D{tp}: {proxy_url}/v1  (model {model})", flush=True)
         print(f"logs: {log_dir}\nCtrl-C stops everything.", flush=True)
         if args.demo:
             print("\n".join(demo.demo_request(proxy_url, model, log_dir, tiny_model=args.model is None)), flush=True)

@@ -1,8 +1,10 @@
-"""Where each instance of a launch runs: its name, its ports and (on vLLM-CPU) its cores.
+"""Where each instance of a launch runs: its name, its TP size, its ports and (on vLLM-CPU) its cores.
 
 Ports follow LMCache's 1p1d example (--proxy-port 9100, --prefill-port 7100+i, --decode-port
-7200+i, --kv-port 7300+10*i, the NCCL store 100 above); :func:`planned_ports` lists every one a
-launch will listen on, with what it is for, so that the launcher checks them before it starts.
+7200+i, --kv-port 7300+10*i, the NCCL store 100 above); a decoder of TP size k listens on k control
+ports (and k NCCL store ports) from there, one per rank, and decoders sit max(10, k) ports apart.
+:func:`planned_ports` lists every port a launch will listen on, with what it is for, so that the
+launcher checks them before it starts.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import enum
 import os
 
 from lmcache_p2p.cli import ports
+from lmcache_p2p.cli.tensor_parallel import tp_sizes
 
 KV_PORT_STRIDE = 10  # decoder i's KV ports start at --kv-port + 10*i (one per TP rank from there)
 TRANSPORT_PORT_OFFSET = 100  # a decoder's NCCL store ports sit this far above its control ports
@@ -30,42 +33,47 @@ class Instance:
     role: str  # "prefiller" | "decoder"
     index: int
     http_port: int
-    control_port: int = 0
-    transport_port: int = 0
+    control_port: int = 0  # a decoder's rank 0; rank r listens on control_port + r
+    transport_port: int = 0  # a decoder's rank 0 NCCL store; rank r on transport_port + r
+    tp_size: int = 1  # vLLM's --tensor-parallel-size for this instance
 
     @property
     def name(self) -> str:
         return f"{self.role}-{self.index}"
 
+    @property
+    def control_ports(self) -> tuple[int, ...]:
+        """A decoder's KV control port per TP rank (empty for a prefiller: it listens on none)."""
+        return tuple(self.control_port + r for r in range(self.tp_size)) if self.role == "decoder" else ()
+
+    @property
+    def transport_ports(self) -> tuple[int, ...]:
+        """A decoder's NCCL store port per TP rank (used with --transport nccl only)."""
+        return tuple(self.transport_port + r for r in range(self.tp_size)) if self.role == "decoder" else ()
+
 
 def plan(args: argparse.Namespace) -> list[Instance]:
-    prefillers = [Instance("prefiller", i, args.prefill_port + i) for i in range(args.prefill)]
+    sizes = tp_sizes(args)
+    prefillers = [Instance("prefiller", i, args.prefill_port + i, tp_size=sizes.prefill) for i in range(args.prefill)]
     decoders = [decoder_instance(args, i) for i in range(args.decode)]
     return prefillers + decoders
 
 
+def kv_port_stride(args: argparse.Namespace) -> int:
+    """How far apart two decoders' first KV ports are: 10, or the decoders' TP size when larger."""
+    return max(KV_PORT_STRIDE, tp_sizes(args).decode)
+
+
 def decoder_instance(args: argparse.Namespace, index: int) -> Instance:
-    """Decoder ``index``: HTTP on --decode-port + i, KV control on --kv-port + 10*i, NCCL store 100 above."""
-    control = args.kv_port + KV_PORT_STRIDE * index
-    return Instance("decoder", index, args.decode_port + index, control, control + TRANSPORT_PORT_OFFSET)
-
-
-def tp_size_of(vllm_args: list[str]) -> int:
-    """The tensor-parallel size among the vLLM arguments (1 when not given)."""
-    for i, arg in enumerate(vllm_args):
-        name, sep, value = arg.partition("=")
-        if name in ("--tensor-parallel-size", "-tp"):
-            raw = value if sep else (vllm_args[i + 1] if i + 1 < len(vllm_args) else "1")
-            try:
-                return max(1, int(raw))
-            except ValueError:
-                return 1
-    return 1
+    """Decoder ``index``: HTTP on --decode-port + i, KV control on --kv-port + 10*i (+ rank), NCCL store 100 above."""
+    control = args.kv_port + kv_port_stride(args) * index
+    return Instance("decoder", index, args.decode_port + index, control, control + TRANSPORT_PORT_OFFSET,
+                    tp_size=tp_sizes(args).decode)
 
 
 def tp_of(inst: Instance, args: argparse.Namespace) -> int:
-    """The instance's tensor-parallel size: its ranks, GPUs and per-rank ports."""
-    return tp_size_of(args.vllm_arg)
+    """The instance's tensor-parallel size: its ranks, GPUs and per-rank ports (its role's, from the plan)."""
+    return inst.tp_size
 
 
 def instance_ports(inst: Instance, args: argparse.Namespace) -> list[ports.PortUse]:
@@ -73,14 +81,11 @@ def instance_ports(inst: Instance, args: argparse.Namespace) -> list[ports.PortU
     port and (NCCL) its store."""
     flag = "--prefill-port" if inst.role == "prefiller" else "--decode-port"
     uses = [ports.PortUse(inst.http_port, f"{inst.name}'s HTTP ({flag})")]
-    if inst.role != "decoder":
-        return uses
-    ranks = range(tp_of(inst, args))
-    uses += [ports.PortUse(inst.control_port + r, f"{inst.name} rank {r}'s KV control port (--kv-port)")
-             for r in ranks]
+    uses += [ports.PortUse(port, f"{inst.name} rank {r}'s KV control port (--kv-port)")
+             for r, port in enumerate(inst.control_ports)]
     if args.transport == "nccl":
-        uses += [ports.PortUse(inst.transport_port + r, f"{inst.name} rank {r}'s NCCL store (--kv-port + "
-                               f"{TRANSPORT_PORT_OFFSET})") for r in ranks]
+        uses += [ports.PortUse(port, f"{inst.name} rank {r}'s NCCL store (--kv-port + {TRANSPORT_PORT_OFFSET})")
+                 for r, port in enumerate(inst.transport_ports)]
     return uses
 
 
@@ -94,23 +99,45 @@ def planned_ports(args: argparse.Namespace) -> list[ports.PortUse]:
 
 
 def slot_of(inst: Instance, args: argparse.Namespace) -> int:
-    """The instance's place in the launch order (prefillers first): its CPU core or GPU."""
+    """The instance's place in the launch order (prefillers first)."""
     return inst.index if inst.role == "prefiller" else args.prefill + inst.index
 
 
-def cpu_core_of(inst: Instance, args: argparse.Namespace, cores: int | None = None) -> int:
-    """The vLLM-CPU instance's core. With a core per instance, one each in launch order. With fewer
-    cores than instances, prefillers and decoders get separate cores (prefillers the first
-    ``max(1, cores * P // (P + D))``) and share within their role: a prefill burst then never slows
-    a decoder's steps, and a decoder never slows a prefill (time to first token)."""
+def rank_slots_of(inst: Instance, args: argparse.Namespace) -> range:
+    """The places of the instance's TP ranks among every rank of the launch (prefillers first): with
+    ``--device cuda`` the positions in ``--gpus`` of its GPUs, one per rank."""
+    first = 0 if inst.role == "prefiller" else args.prefill * tp_sizes(args).prefill
+    start = first + inst.index * inst.tp_size
+    return range(start, start + inst.tp_size)
+
+
+def cpu_cores_of(inst: Instance, args: argparse.Namespace, cores: int | None = None) -> tuple[int, ...]:
+    """The vLLM-CPU instance's core per TP rank (its ``VLLM_CPU_OMP_THREADS_BIND``, ``|`` between ranks).
+
+    With a core per rank, one each in launch order. With fewer cores than ranks, prefillers and
+    decoders get separate cores (prefillers the first ``max(1, cores * P ranks // all ranks)``) and
+    share within their role: a prefill burst then never slows a decoder's steps, and a decoder never
+    slows a prefill (time to first token). Where a role's share has fewer cores than its TP size, the
+    roles share every core instead (an instance's ranks on cores of their own matter more): prefiller
+    ranks count up from core 0, decoder ranks down from the last core."""
     cores = cores or os.cpu_count() or 1
-    total = args.prefill + args.decode
-    if total <= cores or cores < 2:
-        return slot_of(inst, args) % cores
-    prefill_cores = min(cores - 1, max(1, cores * args.prefill // total))
-    if inst.role == "prefiller":
-        return inst.index % prefill_cores
-    return prefill_cores + inst.index % (cores - prefill_cores)
+    sizes = tp_sizes(args)
+    prefill_ranks, decode_ranks = args.prefill * sizes.prefill, args.decode * sizes.decode
+    if prefill_ranks + decode_ranks <= cores or cores < 2:
+        return tuple(slot % cores for slot in rank_slots_of(inst, args))
+    prefill_cores = min(cores - 1, max(1, cores * prefill_ranks // (prefill_ranks + decode_ranks)))
+    within = [inst.index * inst.tp_size + r for r in range(inst.tp_size)]
+    if sizes.prefill > prefill_cores or sizes.decode > cores - prefill_cores:
+        if inst.role == "prefiller":
+            return tuple(n % cores for n in within)
+        return tuple(cores - 1 - n % cores for n in within)
+    pool = range(prefill_cores) if inst.role == "prefiller" else range(prefill_cores, cores)
+    return tuple(pool[n % len(pool)] for n in within)
+
+
+def cpu_core_of(inst: Instance, args: argparse.Namespace, cores: int | None = None) -> int:
+    """The core of the instance's first TP rank (see :func:`cpu_cores_of`)."""
+    return cpu_cores_of(inst, args, cores)[0]
 
 
 def cpu_sets(args: argparse.Namespace, cores: int | None = None,
@@ -133,8 +160,8 @@ def cpu_sets(args: argparse.Namespace, cores: int | None = None,
         return {}
     cores = cores or os.cpu_count() or 1
     instances = plan(args)
-    prefill_cores = {cpu_core_of(i, args, cores) for i in instances if i.role == "prefiller"}
-    decode_cores = {cpu_core_of(i, args, cores) for i in instances if i.role == "decoder"}
+    prefill_cores = {c for i in instances if i.role == "prefiller" for c in cpu_cores_of(i, args, cores)}
+    decode_cores = {c for i in instances if i.role == "decoder" for c in cpu_cores_of(i, args, cores)}
     if prefill_cores & decode_cores:
         return {}
     mine = frozenset(os.sched_getaffinity(0) if usable is None else usable)

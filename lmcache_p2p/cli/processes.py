@@ -42,7 +42,7 @@ class Child:
     proc: subprocess.Popen | None = None
     # CPUs the child and everything it spawns may run on (set before it execs; None: the launcher's own)
     cpus: frozenset[int] | None = None
-    gpu: int | None = None  # the GPU it runs on (children sharing one start one after another)
+    gpus: tuple[int, ...] = ()  # the GPUs it runs on, one per TP rank (children sharing one start one after another)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,7 +145,8 @@ def wait_healthy(children: Sequence[Child], timeout_s: float, progress_every_s: 
 
 def startup_waves(children: Sequence[Child]) -> list[list[Child]]:
     """The children in the groups they start in, in order: every child without a GPU and the first on
-    each GPU at once, then the next on each GPU once those are healthy, and so on.
+    each GPU at once, then the next on each GPU once those are healthy, and so on (a child on several
+    GPUs waits for the latest of them).
 
     vLLM sizes its KV cache from what its memory profiling sees: a second instance starting on the
     same GPU at the same moment counts the first one's allocations as its own and fails ("No
@@ -154,10 +155,9 @@ def startup_waves(children: Sequence[Child]) -> list[list[Child]]:
     waves: list[list[Child]] = []
     seen: dict[int, int] = {}
     for child in children:
-        at = 0
-        if child.gpu is not None:
-            at = seen.get(child.gpu, 0)
-            seen[child.gpu] = at + 1
+        at = max((seen.get(g, 0) for g in child.gpus), default=0)
+        for g in child.gpus:
+            seen[g] = at + 1
         while len(waves) <= at:
             waves.append([])
         waves[at].append(child)

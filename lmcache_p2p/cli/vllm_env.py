@@ -49,15 +49,21 @@ GPU_DEFAULTS = {
 }
 
 
-def vllm_env(*, cpu_core: int | None = None, gpu: int | None = None, kv_cache_gib: int = 1,
-             lmcache_config: Path | str | None = None, logging_config: Path | str | None = None,
-             extra: Mapping[str, str] | None = None, on_gpu: bool | None = None,
-             base: Mapping[str, str] | None = None) -> dict[str, str]:
+def omp_threads_bind(cores: int | Sequence[int]) -> str:
+    """vLLM-CPU's ``VLLM_CPU_OMP_THREADS_BIND`` for one instance: a core per TP rank, ``|`` between ranks."""
+    return str(cores) if isinstance(cores, int) else "|".join(str(c) for c in cores)
+
+
+def vllm_env(*, cpu_core: int | Sequence[int] | None = None, gpu: int | Sequence[int] | None = None,
+             kv_cache_gib: int = 1, lmcache_config: Path | str | None = None,
+             logging_config: Path | str | None = None, extra: Mapping[str, str] | None = None,
+             on_gpu: bool | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The process environment for one vLLM instance, on top of ``base`` (default ``os.environ``).
 
     Loopback only, no hub, no usage stats, a fixed hash seed (LMCache chunk keys must match across
-    processes); on vLLM-CPU a small KV space and a core of its own; on GPU one device (``gpu``), or
-    whichever the host gives it (``on_gpu`` without ``gpu``: a pod's GPUs come from its device plugin).
+    processes); on vLLM-CPU a small KV space and a core of its own per TP rank (``cpu_core``: one core
+    or one per rank); on GPU its devices (``gpu``: one index or one per rank), or whichever the host
+    gives it (``on_gpu`` without ``gpu``: a pod's GPUs come from its device plugin).
     ``base={}`` gives only what this function sets (a rendered deployment's environment).
     """
     env = dict(os.environ if base is None else base)
@@ -71,11 +77,11 @@ def vllm_env(*, cpu_core: int | None = None, gpu: int | None = None, kv_cache_gi
     })
     if not (gpu is not None if on_gpu is None else on_gpu):
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core) if cpu_core is not None else "auto"
+        env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(cpu_core) if cpu_core is not None else "auto"
         defaults = CPU_DEFAULTS
     else:
         if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu) if isinstance(gpu, int) else ",".join(str(g) for g in gpu)
         defaults = GPU_DEFAULTS
     for key, value in defaults.items():
         env.setdefault(key, value)

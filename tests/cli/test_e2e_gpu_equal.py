@@ -81,3 +81,21 @@ def test_prompts_span_one_to_eight_chunks_and_never_end_on_a_boundary(equal) -> 
     cases = equal.make_cases(equal.Model("ids", Path("."), tokenizer=False), vocab_size=128256)
     assert [len(c.prompt) for c in cases if not c.stream] == lengths
     assert {c.endpoint for c in cases} == {"completions"}  # no chat without a tokenizer
+
+
+def test_rank_retrieves_count_requests_every_decoder_rank_loaded_whole(equal, tmp_path) -> None:
+    log = tmp_path / "decoder-0.log"
+    lookup = ("(EngineCore pid=10) INFO [vllm_v1_adapter.py:1476] Reqid: {r}, Total tokens {t}, Inference Engine "
+              "computed tokens: 0, LMCache hit tokens: {h}, need to load: {h}\n")
+    retrieved = ("[2026-12-02 07:49:33,750] LMCache INFO: [req_id={r}] Retrieved {n} out of {n} required tokens (from {t} "
+                 "total tokens). size: 0.0001 gb, cost 1.0 ms, throughput: 0.1 GB/s; (cache_engine.py:985)\n")
+    log.write_text(lookup.format(r="a", t=301, h=300) + retrieved.format(rank=0, pid=21, r="a", n=300, t=301)
+                   + retrieved.format(rank=1, pid=22, r="a", n=300, t=301)
+                   + lookup.format(r="b", t=101, h=100) + retrieved.format(rank=0, pid=21, r="b", n=100, t=101))
+
+    class Dep:
+        decoder_log = log
+
+    got = equal.rank_retrieves(Dep(), decode_tp=2)
+    # request b was retrieved by one rank only: not loaded on every rank
+    assert got == {"decoder_tp": 2, "decoder_requests_loaded_on_every_rank": 1, "decoder_requests_retrieved": 2}
