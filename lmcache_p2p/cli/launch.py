@@ -42,7 +42,7 @@ from lmcache_p2p.cli.layout import (  # noqa: F401 (the launcher's plan, as test
 from lmcache_p2p.cli.processes import Child, StartupError, startup_waves, stop_all, wait_healthy
 from lmcache_p2p.cli.supervise import OnExit, RestartPolicy, SupervisionError, Supervisor
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
-from lmcache_p2p.config import P2PConfig, parse_size_bytes
+from lmcache_p2p.config import P2PConfig, is_loopback, parse_size_bytes
 from lmcache_p2p.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,11 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
                    help="how long each start-up wave may take until every child answers as itself "
                         "(default %(default)s)")
     p.add_argument("--shared-secret", default=os.environ.get("LMCACHE_P2P_SECRET"),
-                   help="authenticate control messages (default: $LMCACHE_P2P_SECRET)")
+                   help="authenticate control messages (default: $LMCACHE_P2P_SECRET); required with a --host "
+                        "beyond loopback")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address every listener binds (vLLM's HTTP, the proxy, the decoders' KV ports) and "
+                        "peers dial; beyond loopback it needs --shared-secret (default %(default)s)")
     p.add_argument("--demo", action="store_true",
                    help="send one completion through the proxy, print it and what proves it was disaggregated "
                         "(the tokens the decoder loaded from the prefiller), then stop everything")
@@ -171,8 +175,10 @@ def write_lmcache_config(inst: Instance, args: argparse.Namespace, out_dir: Path
     base = "prefiller.yaml" if inst.role == "prefiller" else "decoder.yaml"
     cfg = yaml.safe_load((CONFIGS / base).read_text())
     p2p = cfg["extra_config"]["p2p"]
-    p2p.update(transport=args.transport, instance_id=inst.name, http_url=f"http://127.0.0.1:{inst.http_port}",
-               proxy_url=f"tcp://127.0.0.1:{args.proxy_control_port}")
+    p2p.update(transport=args.transport, instance_id=inst.name, http_url=f"http://{inst.host}:{inst.http_port}",
+               proxy_url=f"tcp://{proxy_host(args)}:{args.proxy_control_port}")
+    if not is_loopback(inst.host):  # a decoder's KV ports, a prefiller's Gloo pairs: on the host's address
+        p2p["host"] = inst.host
     if args.shared_secret:
         p2p["shared_secret"] = args.shared_secret
     if inst.role == "prefiller" and args.device == "cuda" and send_buffer_bytes(args):
@@ -187,6 +193,11 @@ def write_lmcache_config(inst: Instance, args: argparse.Namespace, out_dir: Path
     path = out_dir / f"{inst.name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def proxy_host(args: argparse.Namespace) -> str:
+    """Where the proxy binds its HTTP port and registry, and the instances reach it."""
+    return getattr(args, "proxy_host", None) or getattr(args, "host", "127.0.0.1")
 
 
 def p2p_overrides(items: list[str]) -> dict[str, object]:
@@ -258,7 +269,8 @@ def cache_flags(prefix_caching: bool = True) -> list[str]:
 
 
 def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: Path,
-               gpu: GpuAssignment | None = None) -> Child:
+               gpu: GpuAssignment | None = None, env: dict[str, str] | None = None) -> Child:
+    """The instance's vLLM server; ``env``: variables set over the launcher's (e.g. UCX_NET_DEVICES)."""
     transfer = {"kv_connector": "LMCacheConnectorV1",
                 "kv_role": "kv_producer" if inst.role == "prefiller" else "kv_consumer"}
     if inst.role == "decoder":
@@ -271,14 +283,15 @@ def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: P
     argv = vllm_argv(model, inst.http_port, *cache_flags(getattr(args, "prefix_caching", True)),
                      "--max-model-len", str(args.max_model_len),
                      "--kv-transfer-config", json.dumps(transfer), *gpu_args,
-                     *(passthrough if gpu is not None else args.vllm_arg))
+                     *(passthrough if gpu is not None else args.vllm_arg), host=inst.host)
     on_cpu = args.device == "cpu"
     env = vllm_env(cpu_core=cpu_core_of(inst, args) if on_cpu else None,
                    gpu=None if gpu is None else gpu.index,
                    lmcache_config=write_lmcache_config(inst, args, log_dir),
-                   logging_config=log_dir / "logging.json",
-                   extra={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})  # a failed NCCL op must not kill the server
-    return Child(inst.name, argv, env, log_dir / f"{inst.name}.log", f"http://127.0.0.1:{inst.http_port}/health",
+                   logging_config=log_dir / "logging.json", host=inst.host,
+                   # a failed NCCL op must not kill the server
+                   extra={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", **(env or {})})
+    return Child(inst.name, argv, env, log_dir / f"{inst.name}.log", f"http://{inst.host}:{inst.http_port}/health",
                  cpus=cpu_sets(args).get(inst.name), gpu=None if gpu is None else gpu.index)
 
 
@@ -288,13 +301,14 @@ def proxy_child(args: argparse.Namespace, log_dir: Path) -> Child:
     model = Path(args.model) if args.model is not None else DEFAULT_MODEL_DIR
     tokenizer = (["--tokenizer", str(model.resolve())] if args.proxy_workers > 1 and model.is_dir()
                  and not any(a.startswith("--tokenizer") for a in args.proxy_arg) else [])
-    argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "proxy", "--host", "127.0.0.1",
+    host = proxy_host(args)
+    argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "proxy", "--host", host,
             "--port", str(args.proxy_port), "--control-port", str(args.proxy_control_port), "--policy", args.policy,
             "--workers", str(args.proxy_workers), *tokenizer, *args.proxy_arg]
     env = dict(os.environ)
     if args.shared_secret:
         env["LMCACHE_P2P_SECRET"] = args.shared_secret
-    return Child("proxy", argv, env, log_dir / "proxy.log", f"http://127.0.0.1:{args.proxy_port}/health")
+    return Child("proxy", argv, env, log_dir / "proxy.log", f"http://{host}:{args.proxy_port}/health")
 
 
 def resolve_model(args: argparse.Namespace) -> Path:
@@ -307,16 +321,22 @@ def resolve_model(args: argparse.Namespace) -> Path:
     return build_tiny_model(DEFAULT_MODEL_DIR).resolve()
 
 
-def wait_registered(proxy_url: str, instance_ids: list[str], timeout_s: float) -> None:
+def wait_registered(proxy_url: str, instance_ids: list[str], timeout_s: float, secret: str | None = None) -> None:
     """Wait until the proxy's registry lists every instance by its id: each one's plugin started and
-    announced itself (an instance whose plugin is not running never shows up)."""
+    announced itself (an instance whose plugin is not running never shows up). ``secret``: the
+    proxy's shared secret (``/instances`` is an admin endpoint then: a Bearer token)."""
     import httpx
 
+    headers = {"authorization": f"Bearer {secret}"} if secret else {}
     deadline = time.monotonic() + timeout_s
     missing = list(instance_ids)
     while time.monotonic() < deadline:
         try:
-            listed = {i.get("instance_id") for i in httpx.get(f"{proxy_url}/instances", timeout=2).json()}
+            resp = httpx.get(f"{proxy_url}/instances", headers=headers, timeout=2, trust_env=False)
+            if resp.status_code in (401, 403):
+                raise StartupError(f"the proxy refused {proxy_url}/instances ({resp.status_code}): the launcher's "
+                                   "--shared-secret differs from the proxy's")
+            listed = {i.get("instance_id") for i in resp.json()}
             missing = [name for name in instance_ids if name not in listed]
             if not missing:
                 return
@@ -391,14 +411,15 @@ def run(args: argparse.Namespace) -> int:
     # SIGINT too: a launcher started in the background from a script inherits SIGINT ignored.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    proxy_url = f"http://127.0.0.1:{args.proxy_port}"
+    proxy_url = f"http://{proxy_host(args)}:{args.proxy_port}"
     try:
-        ports.check_ports_free(planned_ports(args))
+        ports.check_ports_free(planned_ports(args), host=args.host)
         for wave in startup_waves(children):  # instances sharing a GPU one after another
             for child in wave:
                 child.start()
             wait_healthy(wave, args.startup_timeout_s)
-        wait_registered(proxy_url, [i.name for i in plan(args)], timeout_s=REGISTER_TIMEOUT_S)
+        wait_registered(proxy_url, [i.name for i in plan(args)], timeout_s=REGISTER_TIMEOUT_S,
+                        secret=args.shared_secret)
         print(f"\nlmcache_p2p is serving {args.prefill}P{args.decode}D: {proxy_url}/v1  (model {model})", flush=True)
         print(f"logs: {log_dir}\nCtrl-C stops everything.", flush=True)
         if args.demo:

