@@ -284,3 +284,6 @@ class NetRig:
         _ip("link", "set", "eth0", "up", ns=ns)
         k = self._index[host]
         _ip("route", "replace", "default", "via", f"198.18.{k}.1", ns=ns)
+        # Neighbour entries that failed while the link was down would hold packets back for a while.
+        _ip("neigh", "flush", "dev", f"h{k}", ns=self.router, check=False)
+        _ip("neigh", "flush", "dev", "eth0", ns=ns, check=False)
