@@ -33,6 +33,8 @@ class Announcer:
             self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)  # PUSH reads nothing; bound anyway
             self._sock.setsockopt(zmq.SNDHWM, 1000)
             self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing until the proxy is connected
+            self._sock.setsockopt(zmq.HEARTBEAT_IVL, protocol.HEARTBEAT_IVL_MS)
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, protocol.HEARTBEAT_TIMEOUT_MS)
             self._sock.connect(proxy_url)
 
     @property

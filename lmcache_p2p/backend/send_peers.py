@@ -96,6 +96,8 @@ class PeerSessions:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, protocol.HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, protocol.HEARTBEAT_TIMEOUT_MS)
             sock.setsockopt(zmq.IDENTITY, f"{self._sender_id}@{uuid.uuid4().hex[:6]}".encode())
             sock.connect(target.endpoint)
             self.poller.register(sock, zmq.POLLIN)
