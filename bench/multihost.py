@@ -198,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("fault_rows", "rtt_rows"):  # a partial run keeps the other part of the last file
         if key not in result and key in previous:
             result[key] = previous[key]
+    if not args.no_faults:  # rows of another transport, or of scenarios not run now, are kept
+        ran = {(r["transport"], r["scenario"]) for r in result["fault_rows"]}
+        kept = [r for r in previous.get("fault_rows", []) if (r.get("transport"), r.get("scenario")) not in ran]
+        result["fault_rows"] = kept + result["fault_rows"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}; logs in {log_dir}")
