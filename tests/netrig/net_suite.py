@@ -25,13 +25,15 @@ from pathlib import Path
 import mh_cluster  # noqa: F401 (puts tests/faults on sys.path)
 from fault_cluster import ClusterSpec
 from fault_scenarios import Row, Suite, SuiteConfig
-from fault_suite import SPEC, attach_references, build_workload
+from fault_client import make_prompts
+from fault_suite import SPEC, attach_references, build_workload, prompt_vocab
 from mh_cluster import HostSpec, MultiHostCluster
 from rig import NetRig, _run
 
 logger = logging.getLogger(__name__)
 
 LISTEN = "0A"
+STREAM_TOKENS = 200
 
 
 @dataclasses.dataclass
@@ -73,6 +75,9 @@ def open_deployment(rig: NetRig, model: Path, log_dir: Path, *, prefill: int, de
     Call inside the client host (``rig.inside(CLIENT)``)."""
     model = Path(model).resolve()
     w = build_workload(model, with_model_b=False, models_dir=model.parent)
+    # Streams to cut: 200 output tokens (the fault suite's 1200-token streams, decoded in batches,
+    # leave a plain one-at-a-time instance's output on this CPU; see RELIABILITY.md).
+    w.stream = make_prompts(prompt_vocab(model), 8, 100, 300, STREAM_TOKENS, seed=4)
     if references:  # a plain instance on the client host's loopback (or read from the cache)
         attach_references(w, model, log_dir / "reference", model.parent / ".fault-reference")
     spec = spec_for(prefill, decode)
