@@ -115,7 +115,7 @@ def rtt_rows(args: argparse.Namespace, log_dir: Path) -> list[dict]:
     warm = make_prompts(vocab, 4, 100, 300, 4, seed=12)
     rows = []
     with NetRig(hosts_for(1, 1, single=True)) as rig, rig.inside(CLIENT):
-        single = single_child(rig, model, log_dir / "single", spec_for(1, 1), cpu_core=None)
+        single = single_child(rig, model, log_dir / "single", spec_for(1, 1), cpu_core=0)  # as the prefiller
         single_url = start_single(single)
         try:
             with open_deployment(rig, model, log_dir / "sweep", prefill=1, decode=1, transport=args.transport,
@@ -179,6 +179,11 @@ def print_rtt(rows: list[dict]) -> None:
         print("  ".join(str(r.get(c)) for c in cols))
 
 
+def write(out: Path, result: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
@@ -189,21 +194,18 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = (args.log_dir or ROOT / "logs" / f"multihost-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     result: dict = {"meta": collect(), "round_trips": ROUND_TRIPS}
     previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    if not args.no_faults:
-        result["fault_rows"] = fault_rows(args, log_dir)
-    if not args.no_sweep:
+    result.update({k: previous[k] for k in ("fault_rows", "rtt_rows") if k in previous})
+    if not args.no_sweep:  # first: the shorter part
         result["rtt_rows"] = rtt_rows(args, log_dir)
         judge(result["rtt_rows"])
         print_rtt(result["rtt_rows"])
-    for key in ("fault_rows", "rtt_rows"):  # a partial run keeps the other part of the last file
-        if key not in result and key in previous:
-            result[key] = previous[key]
+        write(args.out, result)
     if not args.no_faults:  # rows of another transport, or of scenarios not run now, are kept
-        ran = {(r["transport"], r["scenario"]) for r in result["fault_rows"]}
-        kept = [r for r in previous.get("fault_rows", []) if (r.get("transport"), r.get("scenario")) not in ran]
-        result["fault_rows"] = kept + result["fault_rows"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+        rows = fault_rows(args, log_dir)
+        ran = {(r["transport"], r["scenario"]) for r in rows}
+        kept = [r for r in result.get("fault_rows", []) if (r.get("transport"), r.get("scenario")) not in ran]
+        result["fault_rows"] = kept + rows
+        write(args.out, result)
     print(f"wrote {args.out}; logs in {log_dir}")
     failed = [r["scenario"] for r in result.get("fault_rows", []) if not r.get("passed")]
     return 1 if failed else 0
