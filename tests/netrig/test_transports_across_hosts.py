@@ -69,7 +69,7 @@ def rig():
         yield built
 
 
-@pytest.fixture(params=["nixl-tcp", "nccl-gloo"])
+@pytest.fixture(scope="module", params=["nixl-tcp", "nccl-gloo"])  # the cut test, last, ends its pair
 def pair(request, rig):
     if netpeer.TRANSPORT_TESTS not in sys.path:
         sys.path.insert(0, netpeer.TRANSPORT_TESTS)
