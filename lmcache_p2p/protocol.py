@@ -287,11 +287,6 @@ def decode(payload: bytes) -> Message:
 # ---- framing -----------------------------------------------------------------------------------
 
 MAX_MESSAGE_BYTES = 4 << 20  # the largest control frame any socket accepts (also its zmq.MAXMSGSIZE)
-# Every connecting control socket pings its peer (ZMTP heartbeats) and drops a connection whose peer
-# answers nothing this long, then dials again: after a network cut the next frame goes out on a new
-# connection at once, not when TCP's retransmission backoff (doubling, up to minutes) next tries.
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 5000
 AUTH_WINDOW_S = 30.0  # default of p2p.auth_window_s / --auth-window-s
 REPLAY_CACHE_ENTRIES = 1 << 17  # nonces remembered per Codec; older ones raise the timestamp floor
 MAX_IDENTITY_BYTES = 256  # the signer's identity and the recipient's name, each

@@ -94,3 +94,14 @@ def test_everything_is_deleted_also_after_a_failure():
             assert all((NETNS_DIR / n).exists() for n in names)
             raise RuntimeError("inside")
     assert not any((NETNS_DIR / n).exists() for n in names)
+
+
+def test_an_instance_beyond_loopback_runs_ucx_on_the_device_holding_its_address(rig, monkeypatch):
+    from lmcache_p2p.cli.vllm_env import net_device_of, vllm_env
+
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    with rig.inside("a"):
+        assert net_device_of(rig.addr("a")) == "eth0"
+        assert net_device_of("127.0.0.1") == "lo"
+        assert vllm_env(host=rig.addr("a"))["UCX_NET_DEVICES"] == "eth0"
+        assert vllm_env()["UCX_NET_DEVICES"] == "lo"
