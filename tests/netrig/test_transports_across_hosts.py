@@ -18,7 +18,7 @@ import netpeer
 from rig import NETNS_DIR, NetRig, unavailable
 
 REASON = unavailable()
-pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.long, pytest.mark.timeout(300)]
 
 NIXL = "lmcache_p2p.transport.nixl.transport:NixlTransport"
 NCCL = "lmcache_p2p.transport.nccl.transport:NcclTransport"
