@@ -127,3 +127,28 @@ def test_launched_children_carry_their_cpu_sets(tmp_path: Path, monkeypatch: pyt
         == ("0", "1")
     off = build_parser().parse_args(["launch", "--prefill", "1", "--decode", "1", "--cpu-placement", "workers"])
     assert all(launch.vllm_child(i, tmp_path / "model", off, tmp_path).cpus is None for i in launch.plan(off))
+
+
+def test_host_binds_every_listener_there_and_needs_the_secret_beyond_loopback(tmp_path: Path) -> None:
+    import yaml
+
+    from lmcache_p2p.errors import ConfigError
+
+    args = build_parser().parse_args(["launch", "--host", "198.18.0.7", "--shared-secret", "s3"])
+    for inst in launch.plan(args):
+        child = launch.vllm_child(inst, tmp_path / "model", args, tmp_path)
+        assert child.argv[child.argv.index("--host") + 1] == "198.18.0.7"
+        assert child.health_url == f"http://198.18.0.7:{inst.http_port}/health"
+        p2p = yaml.safe_load(launch.write_lmcache_config(inst, args, tmp_path).read_text())["extra_config"]["p2p"]
+        assert (p2p["host"], p2p["http_url"], p2p["proxy_url"], p2p["shared_secret"]) == (
+            "198.18.0.7", f"http://198.18.0.7:{inst.http_port}", f"tcp://198.18.0.7:{args.proxy_control_port}", "s3")
+    proxy = launch.proxy_child(args, tmp_path)
+    assert proxy.argv[proxy.argv.index("--host") + 1] == "198.18.0.7" and proxy.env["LMCACHE_P2P_SECRET"] == "s3"
+    open_args = build_parser().parse_args(["launch", "--host", "198.18.0.7"])
+    open_args.shared_secret = None  # whatever $LMCACHE_P2P_SECRET says
+    decoder = next(i for i in launch.plan(open_args) if i.role == "decoder")
+    with pytest.raises(ConfigError, match=r"p2p\.shared_secret"):
+        launch.write_lmcache_config(decoder, open_args, tmp_path)
+    loopback = build_parser().parse_args(["launch"])
+    p2p = yaml.safe_load(launch.write_lmcache_config(launch.plan(loopback)[0], loopback, tmp_path).read_text())
+    assert "host" not in p2p["extra_config"]["p2p"]  # the shipped default, 127.0.0.1
