@@ -1,7 +1,7 @@
 # The two commands of the README. Both set up .venv on a fresh machine first (scripts/setup_env.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-long test-fast bench bench-anchor figures
+.PHONY: setup demo test test-long test-fast bench bench-anchor figures deploy-examples
 
 setup:
 	scripts/setup_env.sh
@@ -35,3 +35,10 @@ bench-anchor: setup
 # Every table (printed, and BENCHMARKS.md's <!-- table:NAME --> blocks) and plot (docs/*.png) from bench/results/.
 figures: setup
 	$(PY) bench/report.py
+
+# The Kubernetes examples (deploy/kubernetes/*.yaml) rendered again, each by the command on its first line
+# (tests/cli/test_deploy_kubernetes.py fails when one is stale).
+deploy-examples:
+	for f in deploy/kubernetes/*.yaml; do \
+		env -u LMCACHE_P2P_SECRET $(PY) -m lmcache_p2p.cli.main $$(head -1 $$f | sed 's/^# Rendered by: lmcache-p2p //') \
+			> $$f.tmp 2>/dev/null && mv $$f.tmp $$f || exit 1; done

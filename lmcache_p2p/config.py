@@ -39,6 +39,7 @@ from lmcache_p2p.errors import ConfigError
 
 SECTION = "p2p"
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 logger = logging.getLogger(__name__)
 
@@ -253,8 +254,8 @@ class P2PConfig:
         return _rank_port("p2p.transport_ports", self.transport_ports, tp_rank)
 
     @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any] | None) -> P2PConfig:
-        """Validate the ``extra_config.p2p`` map."""
+    def from_mapping(cls, raw: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> P2PConfig:
+        """Validate the ``extra_config.p2p`` map (``${NAME}`` read from ``environ``, default os.environ)."""
         if raw is None:
             raise ConfigError(SECTION, "missing: add a `p2p:` map under extra_config (role: sender|receiver)")
         if not isinstance(raw, Mapping):
@@ -272,7 +273,7 @@ class P2PConfig:
         for name, value in raw.items():
             key = f"{SECTION}.{name}"
             name = aliases.get(name, name)
-            values[name] = _convert(key, name, value)
+            values[name] = _convert(key, name, expand_env(key, value, os.environ if environ is None else environ))
         if "reserve_lease_s" not in values:
             transfer = values.get("transfer_timeout_s", cls.transfer_timeout_s)
             margin = values.get("quarantine_margin_s", cls.quarantine_margin_s)
@@ -287,6 +288,20 @@ class P2PConfig:
         """Read and validate our section of an ``LMCacheEngineConfig``."""
         extra = getattr(lmcache_config, "extra_config", None) or {}
         return cls.from_mapping(extra.get(SECTION))
+
+
+def expand_env(key: str, value: Any, environ: Mapping[str, str]) -> Any:
+    """``value`` with each ``${NAME}`` replaced by ``environ[NAME]`` (strings only; others as they are)."""
+    if not isinstance(value, str):
+        return value
+
+    def one(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in environ:
+            raise ConfigError(key, f"refers to ${{{name}}} but the environment variable {name} is not set")
+        return environ[name]
+
+    return _ENV_REF.sub(one, value)
 
 
 def _convert(key: str, name: str, value: Any) -> Any:

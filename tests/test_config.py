@@ -193,3 +193,22 @@ def test_write_poll_interval_defaults_by_where_chunks_live_and_is_bounded() -> N
         P2PConfig.from_mapping({"role": "sender", "write_poll_interval_s": 1})
     with pytest.raises(ConfigError, match=r"p2p\.write_poll_interval_s"):
         P2PConfig.from_mapping({"role": "sender", "write_poll_interval_s": 0})
+
+
+def test_env_references_are_filled_in_at_load():
+    raw = {"role": "receiver", "host": "${POD_IP}", "http_url": "http://${POD_IP}:7200", "instance_id": "${POD_NAME}",
+           "shared_secret": "${LMCACHE_P2P_SECRET}", "control_ports": 7300}
+    cfg = P2PConfig.from_mapping(raw, environ={"POD_IP": "10.1.2.3", "POD_NAME": "decoder-1",
+                                               "LMCACHE_P2P_SECRET": "k"})
+    assert (cfg.host, cfg.advertised_host(), cfg.http_url, cfg.instance_id, cfg.shared_secret) == (
+        "10.1.2.3", "10.1.2.3", "http://10.1.2.3:7200", "decoder-1", "k")
+
+
+def test_an_env_reference_to_an_unset_variable_names_the_key_and_the_variable():
+    raw = {"role": "receiver", "host": "${POD_IP}", "shared_secret": "x"}
+    with pytest.raises(ConfigError, match=r"p2p\.host: refers to \$\{POD_IP\} but the environment variable POD_IP "
+                                          r"is not set"):
+        P2PConfig.from_mapping(raw, environ={})
+    # beyond loopback the secret stays required, also when it comes from the environment
+    with pytest.raises(ConfigError, match=r"p2p\.shared_secret"):
+        P2PConfig.from_mapping({"role": "receiver", "host": "${POD_IP}"}, environ={"POD_IP": "10.1.2.3"})

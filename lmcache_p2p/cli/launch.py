@@ -20,13 +20,9 @@ only visible device; the decoder's receive buffer lives in VRAM and its vLLM get
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
-import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -35,46 +31,47 @@ import yaml
 from lmcache_p2p.cli import demo
 from lmcache_p2p.cli import gpu as gpu_plan
 from lmcache_p2p.cli import ports
+from lmcache_p2p.cli.instance import (  # noqa: F401 (launch's own names for them, as tests import them)
+    GpuAssignment, Site, cache_flags, instance_spec, instance_utilization, lmcache_config, p2p_overrides, proxy_command,
+    send_buffer_bytes,
+)
 from lmcache_p2p.cli.layout import (  # noqa: F401 (the launcher's plan, as tests and bench/ import it)
     KV_PORT_STRIDE, TRANSPORT_PORT_OFFSET, CpuPlacement, Instance, cpu_core_of, cpu_sets, decoder_instance,
     plan, planned_ports, slot_of, tp_size_of,
 )
 from lmcache_p2p.cli.processes import Child, StartupError, startup_waves, stop_all, wait_healthy
 from lmcache_p2p.cli.supervise import OnExit, RestartPolicy, SupervisionError, Supervisor
-from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
-from lmcache_p2p.config import P2PConfig, is_loopback, parse_size_bytes
+from lmcache_p2p.cli.vllm_env import HOST, ucx_devices_for, write_logging_config
 from lmcache_p2p.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_MODEL_DIR = Path("models/tiny-llama")
 SUPERVISE_EVERY_S = 1.0
 REGISTER_TIMEOUT_S = 60.0
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuAssignment:
-    """Where one instance runs on a GPU host."""
-
-    index: int  # the CUDA device the instance sees as its only one
-    memory_utilization: float  # vLLM's --gpu-memory-utilization for it
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     description = __doc__.replace("``", "")  # the module docstring, without reST markup
     p = subparsers.add_parser("launch", help="start XpYd: prefillers, decoders and the proxy",
                               description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_deployment_args(p)
-    _add_port_args(p.add_argument_group("ports (each one is checked free before anything starts)"))
-    _add_instance_args(p)
-    _add_gpu_args(p.add_argument_group("GPUs (--device cuda)"))
+    add_plan_args(p, local=True)
     _add_supervision_args(p.add_argument_group("supervision"))
     p.set_defaults(func=run)
     return p
 
 
-def _add_deployment_args(p: argparse.ArgumentParser) -> None:
+def add_plan_args(p: argparse.ArgumentParser, local: bool) -> None:
+    """The flags the plan is made of (``local``: also those of processes on this host; without them
+    the flags ``deploy`` shares with ``launch``, so both make the same instances from them)."""
+    _add_deployment_args(p, local)
+    ports_title = "ports (each one is checked free before anything starts)" if local else "ports (in each pod)"
+    _add_port_args(p.add_argument_group(ports_title))
+    _add_instance_args(p, local)
+    _add_gpu_args(p.add_argument_group("GPUs (--device cuda)"), local)
+
+
+def _add_deployment_args(p: argparse.ArgumentParser, local: bool) -> None:
     from lmcache_p2p.proxy.router.routing import Policy
 
     p.add_argument("--prefill", type=int, default=1, help="number of prefill instances (default 1)")
@@ -95,19 +92,21 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the proxy (see lmcache-p2p proxy --help), e.g. "
                         "--proxy-arg=--kv-timeout-s=30; repeatable")
-    p.add_argument("--log-dir", type=Path, default=None, help="where every child's log goes (default logs/<time>)")
+    if local:
+        p.add_argument("--log-dir", type=Path, default=None,
+                       help="where every child's log goes (default logs/<time>)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0,
                    help="how long each start-up wave may take until every child answers as itself "
                         "(default %(default)s)")
     p.add_argument("--shared-secret", default=os.environ.get("LMCACHE_P2P_SECRET"),
-                   help="authenticate control messages (default: $LMCACHE_P2P_SECRET); required with a --host "
-                        "beyond loopback")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="the address every listener binds (vLLM's HTTP, the proxy, the decoders' KV ports) and "
-                        "peers dial; beyond loopback it needs --shared-secret (default %(default)s)")
-    p.add_argument("--demo", action="store_true",
-                   help="send one completion through the proxy, print it and what proves it was disaggregated "
-                        "(the tokens the decoder loaded from the prefiller), then stop everything")
+                   help="authenticate control messages (default: $LMCACHE_P2P_SECRET); required beyond loopback")
+    if local:
+        p.add_argument("--host", default=HOST,
+                       help="the address every listener binds (vLLM's HTTP, the proxy, the decoders' KV ports) and "
+                            "peers dial; beyond loopback it needs --shared-secret (default %(default)s)")
+        p.add_argument("--demo", action="store_true",
+                       help="send one completion through the proxy, print it and what proves it was "
+                            "disaggregated (the tokens the decoder loaded from the prefiller), then stop everything")
 
 
 def _add_port_args(g: argparse._ArgumentGroup) -> None:
@@ -123,17 +122,18 @@ def _add_port_args(g: argparse._ArgumentGroup) -> None:
                         f"(7400 + {KV_PORT_STRIDE}*i by default) (default %(default)s)")
 
 
-def _add_instance_args(p: argparse.ArgumentParser) -> None:
+def _add_instance_args(p: argparse.ArgumentParser, local: bool) -> None:
     p.add_argument("--buffer-size", default="1GB", help="receive buffer per decoder rank (p2p.buffer_size)")
     p.add_argument("--send-buffer-size", default="2GB",
                    help="--device cuda: VRAM arena per prefiller rank that LMCache stores chunks in before they are "
                         "sent (the sender's p2p.buffer_size with buffer_device cuda: no host round trip); 0 keeps "
                         "them in host memory (default %(default)s)")
-    p.add_argument("--cpu-placement", choices=[c.value for c in CpuPlacement], default=CpuPlacement.ROLES.value,
-                   help="vLLM-CPU: roles (default): besides its worker (pinned to its core by vLLM), a decoder's "
-                        "API server and engine core stay off the prefillers' worker cores (decode steps and token "
-                        "streaming never take the core a prefill, and so time to first token, waits for); "
-                        "workers: only the workers are pinned, everything else runs anywhere")
+    if local:
+        p.add_argument("--cpu-placement", choices=[c.value for c in CpuPlacement], default=CpuPlacement.ROLES.value,
+                       help="vLLM-CPU: roles (default): besides its worker (pinned to its core by vLLM), a "
+                            "decoder's API server and engine core stay off the prefillers' worker cores (decode steps "
+                            "and token streaming never take the core a prefill, and so time to first token, waits "
+                            "for); workers: only the workers are pinned, everything else runs anywhere")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="every vLLM server's --max-model-len: the longest prompt + output (default %(default)s)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -146,15 +146,20 @@ def _add_instance_args(p: argparse.ArgumentParser) -> None:
                         "e.g. --p2p alloc_timeout_s=20; repeatable")
 
 
-def _add_gpu_args(g: argparse._ArgumentGroup) -> None:
+def _add_gpu_args(g: argparse._ArgumentGroup, local: bool) -> None:
+    if local:
+        _add_gpu_placement_args(g)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="vLLM's share of each GPU; a decoder's is lowered by its receive buffer's share "
+                        "(default 0.85; a --gpu-memory-utilization among the vLLM args sets it too)")
+
+
+def _add_gpu_placement_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--gpus", default=None,
                    help="comma list of GPU indices, one per instance, prefillers first (default 0,1,...)")
     g.add_argument("--share-gpus", action="store_true",
                    help="let --gpus name a GPU more than once (e.g. --gpus 0,0: 1P1D on one GPU, NIXL only): its "
                         "instances split --gpu-memory-utilization evenly (development and small models)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.85,
-                   help="vLLM's share of each GPU; a decoder's is lowered by its receive buffer's share "
-                        "(default 0.85; a --gpu-memory-utilization among the vLLM args sets it too)")
 
 
 def _add_supervision_args(s: argparse._ArgumentGroup) -> None:
@@ -170,78 +175,38 @@ def _add_supervision_args(s: argparse._ArgumentGroup) -> None:
     s.add_argument("--restart-backoff-max-s", type=float, default=60.0, help="cap of that delay (default 60)")
 
 
-def write_lmcache_config(inst: Instance, args: argparse.Namespace, out_dir: Path) -> Path:
-    """The instance's LMCache YAML: the shipped file with this instance's addresses filled in."""
-    base = "prefiller.yaml" if inst.role == "prefiller" else "decoder.yaml"
-    cfg = yaml.safe_load((CONFIGS / base).read_text())
-    p2p = cfg["extra_config"]["p2p"]
-    p2p.update(transport=args.transport, instance_id=inst.name, http_url=f"http://{inst.host}:{inst.http_port}",
-               proxy_url=f"tcp://{proxy_host(args)}:{args.proxy_control_port}")
-    if not is_loopback(inst.host):  # a decoder's KV ports, a prefiller's Gloo pairs: on the host's address
-        p2p["host"] = inst.host
-    if args.shared_secret:
-        p2p["shared_secret"] = args.shared_secret
-    if inst.role == "prefiller" and args.device == "cuda" and send_buffer_bytes(args):
-        p2p.update(buffer_size=args.send_buffer_size, buffer_device="cuda")
-    if inst.role == "decoder":
-        p2p.update(buffer_size=args.buffer_size, buffer_device=args.device, control_ports=inst.control_port,
-                   transport_ports=inst.transport_port)
-        if not getattr(args, "prefix_caching", True):
-            p2p["buffer_cache"] = False
-    p2p.update(p2p_overrides(getattr(args, "p2p", [])))
-    P2PConfig.from_mapping(p2p)  # a bad --p2p fails here, naming the key, not in every instance's log
-    path = out_dir / f"{inst.name}.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+def local_site(args: argparse.Namespace, log_dir: Path) -> Site:
+    """Instances on this host: the plan's addresses (--host, loopback by default), the proxy's, files in
+    the log folder, the secret written as given, UCX on the network device of --host."""
+    return Site(proxy_host=proxy_host(args), shared_secret=args.shared_secret or None,
+                config_file=str(log_dir / "{name}.yaml"), logging_file=str(log_dir / "logging.json"),
+                env=ucx_devices_for(getattr(args, "host", HOST)))
 
 
 def proxy_host(args: argparse.Namespace) -> str:
     """Where the proxy binds its HTTP port and registry, and the instances reach it."""
-    return getattr(args, "proxy_host", None) or getattr(args, "host", "127.0.0.1")
+    return getattr(args, "proxy_host", None) or getattr(args, "host", HOST)
 
 
-def p2p_overrides(items: list[str]) -> dict[str, object]:
-    """``--p2p KEY=VALUE`` pairs as a map (VALUE parsed as YAML: numbers, booleans, lists)."""
-    out: dict[str, object] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError("--p2p", f"expects KEY=VALUE (a key of extra_config.p2p), got {item!r}")
-        out[key.strip()] = yaml.safe_load(value)
-    return out
-
-
-def send_buffer_bytes(args: argparse.Namespace) -> int:
-    """The prefillers' VRAM send arena (--send-buffer-size; 0: chunks stay in host memory)."""
-    value = getattr(args, "send_buffer_size", "0")
-    return 0 if str(value).strip() == "0" else parse_size_bytes("--send-buffer-size", value)
+def write_lmcache_config(inst: Instance, args: argparse.Namespace, out_dir: Path) -> Path:
+    """The instance's LMCache YAML (instance.lmcache_config), written into ``out_dir``."""
+    path = out_dir / f"{inst.name}.yaml"
+    path.write_text(yaml.safe_dump(lmcache_config(inst, args, local_site(args, out_dir)), sort_keys=False))
+    return path
 
 
 def plan_gpus(instances: list[Instance], args: argparse.Namespace,
               available: list[gpu_plan.GpuSlot] | None = None) -> dict[str, GpuAssignment]:
     """One GPU per instance and each one's vLLM memory share (``available`` from nvidia-smi if None)."""
     check_ucx_for_gpus(args, os.environ)
-    base, _ = gpu_plan.split_utilization_arg(args.vllm_arg)
-    base = args.gpu_memory_utilization if base is None else base
     wanted = [int(i) for i in args.gpus.split(",")] if args.gpus else None
     slots = gpu_plan.pick_gpus(len(instances), gpu_plan.query_gpus() if available is None else available, wanted)
-    buffer_bytes = parse_size_bytes("--buffer-size", args.buffer_size)
-    send_bytes = send_buffer_bytes(args)
     placed = [slots[slot_of(inst, args)] for inst in instances]
     sharing = gpu_plan.shared_gpus(placed, [i.name for i in instances], getattr(args, "share_gpus", False),
                                    args.transport)
-    plan: dict[str, GpuAssignment] = {}
-    for inst, slot in zip(instances, placed):
-        share = math.floor(base / sharing[slot.index] * 100 + 1e-6) / 100  # the instance's part of its GPU
-        if inst.role == "decoder":
-            util = gpu_plan.utilization_with_buffer(share, buffer_bytes, slot.total_bytes)
-        elif send_bytes:
-            util = gpu_plan.utilization_with_buffer(share, send_bytes, slot.total_bytes, "--send-buffer-size",
-                                                    "the prefiller's send arena")
-        else:
-            util = share
-        plan[inst.name] = GpuAssignment(slot.index, util)
-    return plan
+    return {inst.name: GpuAssignment(slot.index, instance_utilization(inst, args, slot.total_bytes,
+                                                                      sharing[slot.index]))
+            for inst, slot in zip(instances, placed)}
 
 
 def check_ucx_for_gpus(args: argparse.Namespace, environ: dict[str, str] | os._Environ) -> None:
@@ -258,57 +223,28 @@ def check_ucx_for_gpus(args: argparse.Namespace, environ: dict[str, str] | os._E
         f"or add cuda_ipc,cuda_copy to it")
 
 
-def cache_flags(prefix_caching: bool = True) -> list[str]:
-    """vLLM flags every instance we start gets, and every reference it is compared with.
-
-    Prefix caching is vLLM's default (on); ``--no-prefix-caching`` turns it off. Prompt-token
-    details make every response carry ``usage.prompt_tokens_details.cached_tokens``: how many
-    prompt tokens the instance did not compute (its prefix cache plus KV loaded through LMCache).
-    """
-    return ["--enable-prompt-tokens-details", *([] if prefix_caching else ["--no-enable-prefix-caching"])]
-
-
 def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: Path,
-               gpu: GpuAssignment | None = None, env: dict[str, str] | None = None) -> Child:
-    """The instance's vLLM server; ``env``: variables set over the launcher's (e.g. UCX_NET_DEVICES)."""
-    transfer = {"kv_connector": "LMCacheConnectorV1",
-                "kv_role": "kv_producer" if inst.role == "prefiller" else "kv_consumer"}
-    if inst.role == "decoder":
-        transfer["kv_connector_extra_config"] = {"skip_last_n_tokens": 1}
-        # A chunk missing at retrieve after the lookup counted it (cancelled or expired in between) is
-        # computed by vLLM instead of failing the request (vLLM's default policy is "fail").
-        transfer["kv_load_failure_policy"] = "recompute"
-    _, passthrough = gpu_plan.split_utilization_arg(args.vllm_arg)
-    gpu_args = [] if gpu is None else ["--gpu-memory-utilization", f"{gpu.memory_utilization:.2f}"]
-    argv = vllm_argv(model, inst.http_port, *cache_flags(getattr(args, "prefix_caching", True)),
-                     "--max-model-len", str(args.max_model_len),
-                     "--kv-transfer-config", json.dumps(transfer), *gpu_args,
-                     *(passthrough if gpu is not None else args.vllm_arg), host=inst.host)
+               gpu: GpuAssignment | None = None, site: Site | None = None) -> Child:
+    """The instance's vLLM server; ``site``: where it runs (default: this host, :func:`local_site`)."""
     on_cpu = args.device == "cpu"
-    env = vllm_env(cpu_core=cpu_core_of(inst, args) if on_cpu else None,
-                   gpu=None if gpu is None else gpu.index,
-                   lmcache_config=write_lmcache_config(inst, args, log_dir),
-                   logging_config=log_dir / "logging.json", host=inst.host,
-                   # a failed NCCL op must not kill the server
-                   extra={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", **(env or {})})
-    return Child(inst.name, argv, env, log_dir / f"{inst.name}.log", f"http://{inst.host}:{inst.http_port}/health",
+    spec = instance_spec(inst, model, args, site or local_site(args, log_dir), gpu,
+                         cpu_core=cpu_core_of(inst, args) if on_cpu else None)
+    Path(spec.lmcache_config_file).write_text(yaml.safe_dump(spec.lmcache_config, sort_keys=False))
+    return Child(inst.name, spec.argv, spec.env, log_dir / f"{inst.name}.log", spec.health_url,
                  cpus=cpu_sets(args).get(inst.name), gpu=None if gpu is None else gpu.index)
 
 
-def proxy_child(args: argparse.Namespace, log_dir: Path) -> Child:
+def proxy_child(args: argparse.Namespace, log_dir: Path, site: Site | None = None) -> Child:
     # With relay workers, name the tokenizer folder: each worker loads it before it serves (with "auto" a
     # worker learns the folder from the coordinator, after the instances are up: the first requests wait).
     model = Path(args.model) if args.model is not None else DEFAULT_MODEL_DIR
-    tokenizer = (["--tokenizer", str(model.resolve())] if args.proxy_workers > 1 and model.is_dir()
-                 and not any(a.startswith("--tokenizer") for a in args.proxy_arg) else [])
-    host = proxy_host(args)
-    argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "proxy", "--host", host,
-            "--port", str(args.proxy_port), "--control-port", str(args.proxy_control_port), "--policy", args.policy,
-            "--workers", str(args.proxy_workers), *tokenizer, *args.proxy_arg]
+    tokenizer = str(model.resolve()) if args.proxy_workers > 1 and model.is_dir() else None
     env = dict(os.environ)
     if args.shared_secret:
         env["LMCACHE_P2P_SECRET"] = args.shared_secret
-    return Child("proxy", argv, env, log_dir / "proxy.log", f"http://{host}:{args.proxy_port}/health")
+    site = site or Site(bind_host=proxy_host(args))
+    return Child("proxy", proxy_command(args, site, tokenizer), env, log_dir / "proxy.log",
+                 f"http://{site.bind()}:{args.proxy_port}/health")
 
 
 def resolve_model(args: argparse.Namespace) -> Path:

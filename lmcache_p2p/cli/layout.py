@@ -68,21 +68,33 @@ def tp_size_of(vllm_args: list[str]) -> int:
     return 1
 
 
+def tp_of(inst: Instance, args: argparse.Namespace) -> int:
+    """The instance's tensor-parallel size: its ranks, GPUs and per-rank ports."""
+    return tp_size_of(args.vllm_arg)
+
+
+def instance_ports(inst: Instance, args: argparse.Namespace) -> list[ports.PortUse]:
+    """Every port one instance listens on, with what it is for: HTTP, then per TP rank its KV control
+    port and (NCCL) its store."""
+    flag = "--prefill-port" if inst.role == "prefiller" else "--decode-port"
+    uses = [ports.PortUse(inst.http_port, f"{inst.name}'s HTTP ({flag})")]
+    if inst.role != "decoder":
+        return uses
+    ranks = range(tp_of(inst, args))
+    uses += [ports.PortUse(inst.control_port + r, f"{inst.name} rank {r}'s KV control port (--kv-port)")
+             for r in ranks]
+    if args.transport == "nccl":
+        uses += [ports.PortUse(inst.transport_port + r, f"{inst.name} rank {r}'s NCCL store (--kv-port + "
+                               f"{TRANSPORT_PORT_OFFSET})") for r in ranks]
+    return uses
+
+
 def planned_ports(args: argparse.Namespace) -> list[ports.PortUse]:
     """Every port the launch will listen on, with what it is for (checked before anything starts)."""
     uses = [ports.PortUse(args.proxy_port, "the proxy's HTTP (--proxy-port)"),
             ports.PortUse(args.proxy_control_port, "the proxy's registry (--proxy-control-port)")]
-    ranks = range(tp_size_of(args.vllm_arg))
     for inst in plan(args):
-        flag = "--prefill-port" if inst.role == "prefiller" else "--decode-port"
-        uses.append(ports.PortUse(inst.http_port, f"{inst.name}'s HTTP ({flag})"))
-        if inst.role != "decoder":
-            continue
-        uses += [ports.PortUse(inst.control_port + r, f"{inst.name} rank {r}'s KV control port (--kv-port)")
-                 for r in ranks]
-        if args.transport == "nccl":
-            uses += [ports.PortUse(inst.transport_port + r, f"{inst.name} rank {r}'s NCCL store (--kv-port + "
-                                   f"{TRANSPORT_PORT_OFFSET})") for r in ranks]
+        uses += instance_ports(inst, args)
     return uses
 
 

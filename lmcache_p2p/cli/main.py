@@ -9,13 +9,14 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lmcache_p2p.cli import bench, drain, launch, tiny_model
+    from lmcache_p2p.cli import bench, deploy, drain, launch, tiny_model
     from lmcache_p2p.proxy import server as proxy_server
 
     parser = argparse.ArgumentParser(prog="lmcache-p2p", description="Prefill/decode disaggregation for vLLM")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
     launch.add_parser(sub)
+    deploy.add_parser(sub)
     tiny_model.add_parser(sub)
     drain.add_parser(sub)
     bench.add_parser(sub)
@@ -43,9 +44,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     elif passthrough:
-        if args.command != "launch":
-            parser.error(f"arguments after -- are vLLM's and only `launch` and `bench` take them: {passthrough}")
+        if args.command not in ("launch", "deploy"):
+            parser.error(f"arguments after -- are vLLM's and only `launch`, `deploy` and `bench` take them: "
+                         f"{passthrough}")
         args.vllm_arg = [*args.vllm_arg, *passthrough]
+    args.argv = [*own, *(["--", *passthrough] if passthrough else [])]  # as given (deploy prints it)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore"):  # a line per prefill request or health probe: plumbing, not news

@@ -2,8 +2,8 @@
 
 Used by the launcher and by the end-to-end tests, so both start vLLM exactly the same way.
 
-UCX (NIXL's backend): on CPU ``tcp,self`` over loopback (over the instance's own network device
-when it has an address beyond loopback); on GPU the transports must include CUDA
+UCX (NIXL's backend): on CPU ``tcp,self`` over loopback (over the instance's own network device,
+:func:`ucx_devices_for`, when it has an address beyond loopback); on GPU the transports must include CUDA
 memory support (``cuda_ipc`` for peer GPUs, ``cuda_copy`` for host<->device) or NIXL's UCX backend
 refuses to start next to a GPU and the engine dies. NCCL: a failed operation on one pair (its
 peer killed) aborts that pair's communicator only; torch's watchdog must not take the vLLM
@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-from lmcache_p2p.config import is_loopback
 
 HOST = "127.0.0.1"
 # ``processName``, not vLLM's ``vllm_process_name``: every LogRecord has the former, vLLM 0.24's lack
@@ -52,16 +51,17 @@ GPU_DEFAULTS = {
 
 
 def vllm_env(*, cpu_core: int | None = None, gpu: int | None = None, kv_cache_gib: int = 1,
-             lmcache_config: Path | None = None, logging_config: Path | None = None,
-             extra: Mapping[str, str] | None = None, host: str = HOST) -> dict[str, str]:
-    """The process environment for one vLLM instance, on top of ``os.environ``.
+             lmcache_config: Path | str | None = None, logging_config: Path | str | None = None,
+             extra: Mapping[str, str] | None = None, on_gpu: bool | None = None,
+             base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The process environment for one vLLM instance, on top of ``base`` (default ``os.environ``).
 
-    vLLM's own processes talk over loopback, no hub, no usage stats, a fixed hash seed (LMCache
-    chunk keys must match across processes); on vLLM-CPU a small KV space and a core of its own; on
-    GPU one device. ``host``: the instance's address; beyond loopback UCX (NIXL) uses the network
-    device that holds it (:func:`net_device_of`) instead of ``lo``.
+    Loopback only, no hub, no usage stats, a fixed hash seed (LMCache chunk keys must match across
+    processes); on vLLM-CPU a small KV space and a core of its own; on GPU one device (``gpu``), or
+    whichever the host gives it (``on_gpu`` without ``gpu``: a pod's GPUs come from its device plugin).
+    ``base={}`` gives only what this function sets (a rendered deployment's environment).
     """
-    env = dict(os.environ)
+    env = dict(os.environ if base is None else base)
     env.update({
         "VLLM_HOST_IP": HOST,
         "HF_HUB_OFFLINE": "1",
@@ -70,17 +70,16 @@ def vllm_env(*, cpu_core: int | None = None, gpu: int | None = None, kv_cache_gi
         "PYTHONHASHSEED": "0",
         "PYTHONUNBUFFERED": "1",
     })
-    if gpu is None:
+    if not (gpu is not None if on_gpu is None else on_gpu):
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core) if cpu_core is not None else "auto"
         defaults = CPU_DEFAULTS
     else:
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         defaults = GPU_DEFAULTS
     for key, value in defaults.items():
         env.setdefault(key, value)
-    if not is_loopback(host) and env.get("UCX_NET_DEVICES") == "lo" and "UCX_NET_DEVICES" not in os.environ:
-        env["UCX_NET_DEVICES"] = net_device_of(host) or "all"
     if lmcache_config is not None:
         env["LMCACHE_CONFIG_FILE"] = str(lmcache_config)
     if logging_config is not None:
@@ -90,7 +89,14 @@ def vllm_env(*, cpu_core: int | None = None, gpu: int | None = None, kv_cache_gi
 
 
 def write_logging_config(path: Path, packages: Sequence[str] = ("lmcache_p2p",), level: str = "INFO") -> Path:
-    """A ``VLLM_LOGGING_CONFIG_PATH`` file: vLLM's console format for ``vllm`` and ``packages``.
+    """A ``VLLM_LOGGING_CONFIG_PATH`` file (:func:`logging_config_text`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(logging_config_text(packages, level))
+    return path
+
+
+def logging_config_text(packages: Sequence[str] = ("lmcache_p2p",), level: str = "INFO") -> str:
+    """vLLM's logging config: its console format for ``vllm`` and ``packages``.
 
     vLLM configures only its own logger; without this our plugin's records are lost.
     """
@@ -105,17 +111,12 @@ def write_logging_config(path: Path, packages: Sequence[str] = ("lmcache_p2p",),
         "handlers": {"vllm": handler},
         "loggers": {name: dict(logger_config) for name in ("vllm", *packages)},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=2))
-    return path
+    return json.dumps(config, indent=2)
 
 
-def vllm_argv(model: Path, port: int, *extra: str, host: str = HOST) -> list[str]:
-    """``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` script of vllm-cpu fails),
-    its HTTP server bound to ``host``."""
-    import sys
-
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+def vllm_argv(model: Path | str, port: int, *extra: str, host: str = HOST, python: str = sys.executable) -> list[str]:
+    """``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` script of vllm-cpu fails)."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", host, "--port", str(port), *extra]
 
 
@@ -137,3 +138,13 @@ def net_device_of(host: str) -> str | None:
             if socket.inet_ntoa(raw[20:24]) == host:
                 return name
     return None
+
+
+def ucx_devices_for(host: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """UCX's network device for an instance at ``host``: the one holding that address (``all`` when none
+    here does) instead of the default ``lo``; nothing on loopback or when the environment names one."""
+    from lmcache_p2p.config import is_loopback
+
+    if is_loopback(host) or "UCX_NET_DEVICES" in (os.environ if environ is None else environ):
+        return {}
+    return {"UCX_NET_DEVICES": net_device_of(host) or "all"}

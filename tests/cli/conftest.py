@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_p2p.cli import launch
+from lmcache_p2p.cli import instance, launch
 from lmcache_p2p.cli.main import build_parser
 from lmcache_p2p.cli.processes import Child, stop_all
 
@@ -63,7 +63,7 @@ def fake_launch(tmp_path: Path, monkeypatch):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({}))
-    monkeypatch.setattr(launch, "vllm_argv", lambda _model, port, *_extra, **_kw: fake_argv(port, pid_dir))
+    monkeypatch.setattr(instance, "vllm_argv", lambda _model, port, *_extra, **_kw: fake_argv(port, pid_dir))
 
     def fake_proxy(args, log_dir: Path) -> Child:
         return Child("proxy", fake_argv(args.proxy_port, pid_dir), {}, log_dir / "proxy.log",

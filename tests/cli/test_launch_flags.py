@@ -151,4 +151,4 @@ def test_host_binds_every_listener_there_and_needs_the_secret_beyond_loopback(tm
         launch.write_lmcache_config(decoder, open_args, tmp_path)
     loopback = build_parser().parse_args(["launch"])
     p2p = yaml.safe_load(launch.write_lmcache_config(launch.plan(loopback)[0], loopback, tmp_path).read_text())
-    assert "host" not in p2p["extra_config"]["p2p"]  # the shipped default, 127.0.0.1
+    assert p2p["extra_config"]["p2p"]["host"] == "127.0.0.1"

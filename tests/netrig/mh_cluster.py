@@ -6,8 +6,8 @@ YAML, flags and environment, kill and restart, the decoders' slots as the proxy 
 what several hosts change:
 
 - every instance's listeners bind its host's address and it announces that address (the
-  launcher's plan with ``Instance.host``); the proxy binds its host's address; instances dial the
-  proxy's registry across the router;
+  launcher's instance spec over a ``Site`` per host, as ``deploy kubernetes`` uses one per pod);
+  the proxy binds its host's address; instances dial the proxy's registry across the router;
 - the shared secret is on (required beyond loopback: ``p2p.shared_secret`` on every instance,
   ``--shared-secret`` on the proxy), so the proxy's admin endpoints are called with its Bearer token;
 - UCX (NIXL) runs over TCP on each host's ``eth0``;
@@ -30,6 +30,7 @@ import httpx
 import yaml
 
 from lmcache_p2p.cli import launch
+from lmcache_p2p.cli.instance import Site
 from lmcache_p2p.cli.main import build_parser
 from lmcache_p2p.cli.processes import Child, stop_all, wait_healthy
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
@@ -87,8 +88,7 @@ class MultiHostCluster(FaultCluster):
         self.args = build_parser().parse_args(argv)
         self.args.proxy_host = rig.addr(PROXY)
         write_logging_config(self.log_dir / "logging.json")
-        self.instances = {inst.name: dataclasses.replace(inst, host=rig.addr(inst.name))
-                          for inst in launch.plan(self.args)}
+        self.instances = {inst.name: inst for inst in launch.plan(self.args)}
         proxy = launch.proxy_child(self.args, self.log_dir)
         self.children: dict[str, Child] = {PROXY: self._in_host(PROXY, proxy)}
         self.models: dict[str, Path] = {}
@@ -100,9 +100,15 @@ class MultiHostCluster(FaultCluster):
     def _in_host(self, host: str, child: Child) -> Child:
         return dataclasses.replace(child, argv=self.rig.argv(host, child.argv))
 
+    def site(self, name: str) -> Site:
+        """Where instance ``name`` runs: its host's address, the proxy's host, UCX on the host's eth0."""
+        return Site(bind_host=self.rig.addr(name), proxy_host=self.rig.addr(PROXY), shared_secret=self.hosts.secret,
+                    config_file=str(self.log_dir / "{name}.yaml"), logging_file=str(self.log_dir / "logging.json"),
+                    env={"UCX_NET_DEVICES": "eth0"})
+
     def _child(self, name: str, model: Path) -> Child:
         inst = self.instances[name]
-        child = launch.vllm_child(inst, model, self.args, self.log_dir, env={"UCX_NET_DEVICES": "eth0"})
+        child = launch.vllm_child(inst, model, self.args, self.log_dir, site=self.site(name))
         overrides = self.spec.receiver_p2p if inst.role == "decoder" else self.spec.sender_p2p
         if overrides:
             path = self.log_dir / f"{name}.yaml"

@@ -97,11 +97,12 @@ def test_everything_is_deleted_also_after_a_failure():
 
 
 def test_an_instance_beyond_loopback_runs_ucx_on_the_device_holding_its_address(rig, monkeypatch):
-    from lmcache_p2p.cli.vllm_env import net_device_of, vllm_env
+    from lmcache_p2p.cli.vllm_env import net_device_of, ucx_devices_for
 
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
     with rig.inside("a"):
         assert net_device_of(rig.addr("a")) == "eth0"
         assert net_device_of("127.0.0.1") == "lo"
-        assert vllm_env(host=rig.addr("a"))["UCX_NET_DEVICES"] == "eth0"
-        assert vllm_env()["UCX_NET_DEVICES"] == "lo"
+        assert ucx_devices_for(rig.addr("a")) == {"UCX_NET_DEVICES": "eth0"}
+        assert ucx_devices_for("127.0.0.1") == {}  # the launcher's default, lo
+        assert ucx_devices_for(rig.addr("a"), {"UCX_NET_DEVICES": "mlx5_0:1"}) == {}  # the user's choice wins

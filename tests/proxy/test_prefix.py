@@ -280,6 +280,22 @@ async def test_the_index_holds_what_each_instance_computed_and_forgets_a_decoder
 
 
 @pytest.mark.anyio
+async def test_stats_show_the_prompt_tokens_whose_kv_the_decoder_got():
+    """A user reads /stats per request: the tokens moved from the prefiller and those ready on the
+    decoder (moved + held), not only the decoder's cache hits, which are 0 for a first request."""
+    async with make_cluster(1, 1, policy="prefix") as cluster:
+        prompt = list(range(3, 103))  # 100 tokens; the fake decoder moves 3 chunks of 16 tokens
+        for held in (0, 2):
+            cluster.decoders[0].agent.kv_chunks_held = held
+            resp = await cluster.post("/v1/completions", _completion(prompt))
+            assert resp.status_code == 200, resp.text
+        stats = (await cluster.client.get("/stats")).json()
+        first, second = stats["requests"][-2:]
+        assert (first["decoder_hit_tokens"], first["kv_moved_tokens"], first["decoder_kv_tokens"]) == (0, 48, 48)
+        assert (second["decoder_hit_tokens"], second["kv_moved_tokens"], second["decoder_kv_tokens"]) == (32, 48, 80)
+
+
+@pytest.mark.anyio
 async def test_stats_report_reuse_per_request():
     """Cached tokens from the prefiller's usage, KV bytes and held chunks from KvReady; an old decoder's
     KvReady (no new fields) counts its whole KV as moved and its reuse as unknown."""

@@ -99,10 +99,13 @@ class RequestOutput:
         if kv is not None and kv.status is KvStatus.READY:
             known = kv.chunks_held > 0 or kv.bytes_received > 0  # a decoder that reports the new fields
             chunk_tokens = lease.instance.chunk_tokens if lease is not None else 0
+            held_tokens = min(kv.chunks_held * chunk_tokens, reuse.prompt_tokens)
+            ready_tokens = min((kv.chunks + kv.chunks_held) * chunk_tokens, reuse.prompt_tokens)
             reuse = dataclasses.replace(
                 reuse, kv_bytes=kv.bytes_received if known else kv.nbytes,
                 chunks_held=kv.chunks_held if known else None,
-                decoder_hit_tokens=min(kv.chunks_held * chunk_tokens, reuse.prompt_tokens) if known else None)
+                decoder_hit_tokens=held_tokens if known else None,
+                kv_moved_tokens=ready_tokens - held_tokens, decoder_kv_tokens=ready_tokens)
         self._s.metrics.reuse.observe_request(reuse)
 
     def record_timeline(self) -> None:

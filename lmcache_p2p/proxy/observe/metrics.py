@@ -320,7 +320,10 @@ class RequestReuse:
     ``cached_tokens``: prompt tokens the prefiller did not compute (vLLM's
     ``usage.prompt_tokens_details.cached_tokens``, with ``--enable-prompt-tokens-details``);
     ``kv_bytes``: KV bytes moved to the decoder (KvReady ``bytes_received`` when the decoder reports
-    it, else ``nbytes``: everything moved); ``chunks_held``: chunks the decoder already held (KvReady).
+    it, else ``nbytes``: everything moved); ``chunks_held``: chunks the decoder already held (KvReady);
+    ``decoder_hit_tokens``: the prompt tokens of those held chunks; ``kv_moved_tokens``: prompt tokens
+    whose KV the prefiller sent for this request; ``decoder_kv_tokens``: prompt tokens whose KV was
+    ready on the decoder before it ran (moved + held: what its LMCache lookup can hit).
     """
 
     response_id: str
@@ -331,6 +334,8 @@ class RequestReuse:
     kv_bytes: int | None = None
     chunks_held: int | None = None
     decoder_hit_tokens: int | None = None
+    kv_moved_tokens: int | None = None
+    decoder_kv_tokens: int | None = None
 
     @property
     def prefill_tokens_computed(self) -> int | None:

@@ -1,0 +1,161 @@
+"""``lmcache-p2p deploy kubernetes``: print the Kubernetes objects of an XpYd deployment.
+
+    lmcache-p2p deploy kubernetes --prefill 2 --decode 2 --model /models/Llama-3.1-8B \\
+        --device cuda --image registry.example/lmcache-p2p:0.1 > pd.yaml
+    kubectl create secret generic lmcache-p2p-secret --from-literal=shared-secret="$(openssl rand -hex 32)"
+    kubectl apply -f pd.yaml
+
+The same flags as ``launch`` make the same instances (one code path: cli/instance.py): a prefiller
+and a decoder StatefulSet (one pod per instance, a GPU per TP rank), the proxy's Deployment and
+Service (HTTP and registry ports), the LMCache YAML as a ConfigMap and, with --shared-secret or
+$LMCACHE_P2P_SECRET, the secret as a Secret (otherwise create it as above: it is always required,
+the pods listen beyond loopback). Scale with ``kubectl scale statefulset lmcache-p2p-decoder
+--replicas N``: instances join and leave through the proxy's registry. See docs/MULTINODE.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import shlex
+import sys
+
+import yaml
+
+from lmcache_p2p.cli import launch
+from lmcache_p2p.errors import ConfigError, GpuPlanError
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+PORT_FLAGS = ("proxy_port", "proxy_control_port", "prefill_port", "decode_port", "kv_port")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("deploy", help="render a deployment for a cluster (kubernetes)")
+    targets = p.add_subparsers(dest="target", required=True)
+    k = targets.add_parser("kubernetes", help="print the Kubernetes objects (YAML) of an XpYd deployment",
+                           description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
+    launch.add_plan_args(k, local=False)
+    _add_kubernetes_args(k.add_argument_group("Kubernetes"))
+    _add_rdma_args(k.add_argument_group("RDMA (UCX over InfiniBand / RoCE; see docs/MULTINODE.md)"))
+    k.set_defaults(func=run)
+    return p
+
+
+def _add_kubernetes_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--image", default="lmcache-p2p:latest",
+                   help="container image with vLLM, LMCache and lmcache_p2p installed (default %(default)s)")
+    g.add_argument("--python", default="python3", help="the image's Python (default %(default)s)")
+    g.add_argument("--name", default="lmcache-p2p", help="prefix of every object's name (default %(default)s)")
+    g.add_argument("--namespace", default=None, help="metadata.namespace of every object (default: kubectl's)")
+    g.add_argument("--model-pvc", default=None, metavar="CLAIM",
+                   help="a PersistentVolumeClaim mounted read-only at /models in every pod (then --model "
+                        "/models/...); without it the model folder must be in the image")
+    g.add_argument("--gpu-memory-gib", type=float, default=80.0,
+                   help="--device cuda: memory of one GPU of the nodes, for each instance's "
+                        "--gpu-memory-utilization (the launcher asks nvidia-smi) (default %(default)s)")
+    g.add_argument("--gpu-resource", default="nvidia.com/gpu",
+                   help="the device plugin's GPU resource; a pod asks for one per TP rank (default %(default)s)")
+    g.add_argument("--decoder-spread", choices=["preferred", "required"], default="preferred",
+                   help="anti-affinity between decoders (kubernetes.io/hostname): preferred (default) or "
+                        "required (a node never runs two decoders; more decoders than nodes stay Pending)")
+    g.add_argument("--drain-timeout-s", type=float, default=120.0,
+                   help="a stopping instance's preStop hook drains it through the proxy for at most this long; "
+                        "the pod's grace period is 30 s more (default %(default)s)")
+    g.add_argument("--bind-all", action="store_true",
+                   help="listen on 0.0.0.0 instead of the pod IP (still advertising the pod IP): for "
+                        "kubectl port-forward or a sidecar on localhost; the secret stays required")
+
+
+def _add_rdma_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--rdma", action="store_true",
+                   help="NIXL over RDMA: UCX_TLS with rc,ud (and cuda_copy, cuda_ipc on GPUs), an RDMA device "
+                        "from --rdma-resource and the IPC_LOCK capability per instance pod")
+    g.add_argument("--rdma-resource", default="rdma/rdma_shared_device_a",
+                   help="the RDMA device plugin's resource, one per instance pod (default %(default)s)")
+    g.add_argument("--ucx-net-devices", default="all",
+                   help="UCX_NET_DEVICES in the instance pods, e.g. mlx5_0:1 or eth0 (default %(default)s: UCX "
+                        "picks; the launcher's loopback-only default does not apply in a pod)")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what cannot make a working deployment, naming the flag."""
+    if args.model is None:
+        raise ConfigError("--model", "required: the model folder as the pods see it (in the image or "
+                                     "under /models with --model-pvc)")
+    for flag, value in (("--prefill", args.prefill), ("--decode", args.decode)):
+        if value < 0:
+            raise ConfigError(flag, f"must be >= 0 instances, got {value}")
+    if args.prefill + args.decode == 0:
+        raise ConfigError("--decode", "--prefill 0 and --decode 0: nothing would serve")
+    if args.proxy_workers < 1:
+        raise ConfigError("--proxy-workers", f"must be at least 1, got {args.proxy_workers}")
+    for name in PORT_FLAGS:
+        value = getattr(args, name)
+        if not 1 <= value <= 65535:
+            raise ConfigError("--" + name.replace("_", "-"), f"must be a TCP port (1-65535), got {value}")
+    for flag, value in (("--name", args.name), ("--namespace", args.namespace)):
+        if value is not None and (len(value) > 40 or not _DNS_LABEL.fullmatch(value)):
+            raise ConfigError(flag, f"must be a DNS label of at most 40 characters (lower-case letters, digits, "
+                                    f"'-'), got {value!r}")
+    if not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
+        raise ConfigError("--gpu-memory-gib", f"must be > 0, got {args.gpu_memory_gib}")
+    if not (math.isfinite(args.drain_timeout_s) and args.drain_timeout_s > 0):
+        raise ConfigError("--drain-timeout-s", f"must be > 0, got {args.drain_timeout_s}")
+    if not args.image.strip():
+        raise ConfigError("--image", "must name a container image")
+
+
+class _Dumper(yaml.SafeDumper):
+    """Kubernetes-style YAML: no anchors (each object reads alone), multi-line strings as blocks."""
+
+    def ignore_aliases(self, data: object) -> bool:
+        return True
+
+
+def _str_block(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str_block)
+
+
+def render_text(args: argparse.Namespace) -> str:
+    """The YAML stream ``deploy kubernetes`` prints (objects from kubernetes.render)."""
+    from lmcache_p2p.cli import kubernetes
+
+    check_args(args)
+    objects = kubernetes.render(args)
+    command = shlex.join(["lmcache-p2p", *_redacted(getattr(args, "argv", []))])
+    header = (f"# Rendered by: {command}\n"
+              "# Render again rather than edit: launch and this file are made from the same plan.\n")
+    return header + yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, width=4096)
+
+
+def _redacted(argv: list[str]) -> list[str]:
+    """The command line without the secret's value (it goes into the Secret, never into a comment)."""
+    out, hide = [], False
+    for arg in argv:
+        if hide:
+            out.append("***")
+        elif arg.startswith("--shared-secret="):
+            out.append("--shared-secret=***")
+        else:
+            out.append(arg)
+        hide = arg == "--shared-secret"
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        text = render_text(args)
+    except (ConfigError, GpuPlanError) as exc:
+        print(f"lmcache-p2p deploy kubernetes: error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
+    if not args.shared_secret:
+        name = f"{args.name}-secret"
+        print(f"# the pods need the Secret {name}: kubectl create secret generic {name} "
+              f"--from-literal=shared-secret=\"$(openssl rand -hex 32)\"", file=sys.stderr)
+    return 0
