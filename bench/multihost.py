@@ -83,13 +83,13 @@ def fault_rows(args: argparse.Namespace, log_dir: Path) -> list[dict]:
                              long=True) as dep:
             rows = [dep.run_named(name) for name in names]
             hosts = {name: rig.addr(name) for name in rig.hosts}
-            recovery = dict(dep.cluster.recovery)
+            recovery = dict(dep.recovery_s)
     print_table(rows)
     out = []
     for row in rows:
         d = dataclasses.asdict(row)
         d.update(transport=args.transport, deployment="1P2D", hosts=hosts,
-                 recovery_s=recovery.get("decoder-1") if row.scenario != "across_hosts" else None,
+                 recovery_s=recovery.get(row.scenario),
                  passed=row.passed(BY_NAME[row.scenario].all_succeed))
         out.append(d)
     return out

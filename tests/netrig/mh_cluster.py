@@ -96,6 +96,7 @@ class MultiHostCluster(FaultCluster):
             self.children[name] = self._child(name, self.model)
         self.url = f"http://{rig.addr(PROXY)}:{PROXY_PORT}"
         self.recovery: dict[str, float | None] = {}  # seconds until routable after the network came back
+        self.last_recovery: float | None = None  # of the last scenario's victim
 
     def _in_host(self, host: str, child: Child) -> Child:
         return dataclasses.replace(child, argv=self.rig.argv(host, child.argv))

@@ -42,7 +42,7 @@ def victim(s: Suite) -> str:
 def _back_and_timed(s: Suite, name: str, give_back: Callable[[], None]) -> None:
     """Give the network back, then time how long until the proxy routes to ``name`` again."""
     give_back()
-    s.c.recovery[name] = wait_routable_s(s.c, name, RECOVERY_TIMEOUT_S)
+    s.c.recovery[name] = s.c.last_recovery = wait_routable_s(s.c, name, RECOVERY_TIMEOUT_S)
 
 
 def _tail(s: Suite, name: str) -> tuple[list, int, int]:
@@ -73,12 +73,18 @@ def across_hosts(s: Suite) -> Result:
     return Result(outcomes, notes=notes)
 
 
-def _cut_during(s: Suite, prompts: list, concurrency: int, moment: Callable[[dict], bool], what: str) -> Result:
-    name = victim(s)
+def _cut_during(s: Suite, prompts: list, concurrency: int, moment: Callable[[dict], bool], what: str,
+                busiest: bool = False) -> Result:
+    """Cut the victim's link at ``moment``; ``busiest``: the victim is then the decoder with the most
+    requests in flight (the one the KV is on its way to), not the last one."""
+    chosen = {"name": victim(s)}
     notes: list[str] = []
 
     def fault(progress: dict) -> None:
         ok = s.wait_until(lambda: moment(progress), timeout_s=FAULT_WAIT_S, poll_s=0.01)
+        if busiest:
+            chosen["name"] = max(s.c.names("decoder"), key=s.c.inflight)
+        name = chosen["name"]
         s.c.rig.cut(name)
         tokens = sorted(len(ids) for ids in list(progress.values()))
         notes.append(f"cut {name}'s link {what}; tokens per open stream then: {tokens}"
@@ -87,7 +93,7 @@ def _cut_during(s: Suite, prompts: list, concurrency: int, moment: Callable[[dic
         _back_and_timed(s, name, lambda: s.c.rig.restore(name))
 
     outcomes = s.load(prompts, concurrency, fault)
-    return _finish(s, name, outcomes, notes)
+    return _finish(s, chosen["name"], outcomes, notes)
 
 
 def decoder_cut_mid_transfer(s: Suite) -> Result:
@@ -95,7 +101,7 @@ def decoder_cut_mid_transfer(s: Suite) -> Result:
     stores_before = s.c.kv_stores(prefiller)
     return _cut_during(s, cycle(s.w.long, s.cfg.n(4, 8)), 2,
                        lambda _p: s.c.kv_stores(prefiller) > stores_before,
-                       "after the prefiller's first store step of a long prompt")
+                       "after the prefiller's first store step of a long prompt", busiest=True)
 
 
 def decoder_cut_mid_stream(s: Suite) -> Result:

@@ -47,8 +47,10 @@ class Deployment:
     def run_named(self, name: str) -> Row:
         from net_scenarios import BY_NAME
 
+        self.cluster.last_recovery = None
         row = self.suite.run(BY_NAME[name])
         self.rows[name] = row
+        self.recovery_s[name] = self.cluster.last_recovery
         return row
 
     def planned_listeners(self) -> dict[str, list[int]]:
