@@ -7,7 +7,8 @@ seconds from the link's return until the victim is routable; None when it never 
 within its deadline (success or a clean error), no slot is held after the load settles, every
 success equals the plain instance's greedy output, the deployment serves again.
 
-The victim is the last decoder (``decoder-0`` in 1P1D, ``decoder-1`` in 1P2D). Faults:
+The victim is the last decoder (``decoder-0`` in 1P1D, ``decoder-1`` in 1P2D); mid-transfer, the decoder
+with requests in flight. Faults:
 
 - ``decoder_cut_mid_transfer`` / ``decoder_cut_mid_stream``: the victim's host loses its link
   right after the prefiller stored a long prompt's first chunks (KV on its way) / while streams it
