@@ -119,6 +119,11 @@ def _device(key: str, value: Any) -> str:
     raise ConfigError(key, f"must be one of cpu, cuda, cuda:N; got {value!r}")
 
 
+# Every connecting control socket pings its peer (ZMTP heartbeats) and drops a connection whose peer
+# answers nothing this long, then dials again: after a network cut the next frame goes out on a new
+# connection at once, not when TCP's retransmission backoff (doubling, up to minutes) next tries.
+ZMQ_HEARTBEAT_IVL_MS = 1000
+ZMQ_HEARTBEAT_TIMEOUT_MS = 5000
 SENDER_IDLE_POLL_S = 0.05  # the sender thread's poll with nothing in flight; a write poll slower makes no sense
 
 

@@ -13,6 +13,7 @@ import time
 import zmq
 
 from lmcache_p2p import protocol
+from lmcache_p2p.config import ZMQ_HEARTBEAT_IVL_MS, ZMQ_HEARTBEAT_TIMEOUT_MS
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ class Announcer:
             self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)  # PUSH reads nothing; bound anyway
             self._sock.setsockopt(zmq.SNDHWM, 1000)
             self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing until the proxy is connected
+            self._sock.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
             self._sock.connect(proxy_url)
 
     @property

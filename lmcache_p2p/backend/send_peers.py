@@ -22,7 +22,7 @@ import zmq
 
 from lmcache_p2p import kv_layout, protocol
 from lmcache_p2p.backend.send_types import Target
-from lmcache_p2p.config import P2PConfig
+from lmcache_p2p.config import ZMQ_HEARTBEAT_IVL_MS, ZMQ_HEARTBEAT_TIMEOUT_MS, P2PConfig
 from lmcache_p2p.errors import P2PError, ProtocolError
 from lmcache_p2p.transport import Transport
 
@@ -96,6 +96,8 @@ class PeerSessions:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
             sock.setsockopt(zmq.IDENTITY, f"{self._sender_id}@{uuid.uuid4().hex[:6]}".encode())
             sock.connect(target.endpoint)
             self.poller.register(sock, zmq.POLLIN)

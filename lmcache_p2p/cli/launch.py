@@ -48,7 +48,7 @@ from lmcache_p2p.cli.layout import (  # noqa: F401 (the launcher's plan, as test
 from lmcache_p2p.cli.tensor_parallel import add_tp_args, check_tp_fits_model, model_heads, tp_sizes
 from lmcache_p2p.cli.processes import Child, StartupError, startup_waves, stop_all, wait_healthy
 from lmcache_p2p.cli.supervise import OnExit, RestartPolicy, SupervisionError, Supervisor
-from lmcache_p2p.cli.vllm_env import write_logging_config
+from lmcache_p2p.cli.vllm_env import HOST, ucx_devices_for, write_logging_config
 from lmcache_p2p.config import parse_size_bytes
 from lmcache_p2p.errors import ConfigError
 
@@ -108,8 +108,11 @@ def _add_deployment_args(p: argparse.ArgumentParser, local: bool) -> None:
                    help="how long each start-up wave may take until every child answers as itself "
                         "(default %(default)s)")
     p.add_argument("--shared-secret", default=os.environ.get("LMCACHE_P2P_SECRET"),
-                   help="authenticate control messages (default: $LMCACHE_P2P_SECRET)")
+                   help="authenticate control messages (default: $LMCACHE_P2P_SECRET); required beyond loopback")
     if local:
+        p.add_argument("--host", default=HOST,
+                       help="the address every listener binds (vLLM's HTTP, the proxy, the decoders' KV ports) and "
+                            "peers dial; beyond loopback it needs --shared-secret (default %(default)s)")
         p.add_argument("--demo", action="store_true",
                        help="send one completion through the proxy, print it and what proves it was "
                             "disaggregated (the tokens the decoder loaded from the prefiller), then stop everything")
@@ -182,9 +185,16 @@ def _add_supervision_args(s: argparse._ArgumentGroup) -> None:
 
 
 def local_site(args: argparse.Namespace, log_dir: Path) -> Site:
-    """Instances on this host: loopback addresses, files in the log folder, the secret written as given."""
-    return Site(shared_secret=args.shared_secret or None, config_file=str(log_dir / "{name}.yaml"),
-                logging_file=str(log_dir / "logging.json"))
+    """Instances on this host: the plan's addresses (--host, loopback by default), the proxy's, files in
+    the log folder, the secret written as given, UCX on the network device of --host."""
+    return Site(proxy_host=proxy_host(args), shared_secret=args.shared_secret or None,
+                config_file=str(log_dir / "{name}.yaml"), logging_file=str(log_dir / "logging.json"),
+                env=ucx_devices_for(getattr(args, "host", HOST)))
+
+
+def proxy_host(args: argparse.Namespace) -> str:
+    """Where the proxy binds its HTTP port and registry, and the instances reach it."""
+    return getattr(args, "proxy_host", None) or getattr(args, "host", HOST)
 
 
 def write_lmcache_config(inst: Instance, args: argparse.Namespace, out_dir: Path) -> Path:
@@ -248,16 +258,17 @@ def check_ucx_for_gpus(args: argparse.Namespace, environ: dict[str, str] | os._E
 
 
 def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: Path,
-               gpu: GpuAssignment | None = None) -> Child:
+               gpu: GpuAssignment | None = None, site: Site | None = None) -> Child:
+    """The instance's vLLM server; ``site``: where it runs (default: this host, :func:`local_site`)."""
     on_cpu = args.device == "cpu"
-    spec = instance_spec(inst, model, args, local_site(args, log_dir), gpu,
+    spec = instance_spec(inst, model, args, site or local_site(args, log_dir), gpu,
                          cpu_core=cpu_cores_of(inst, args) if on_cpu else None)
     Path(spec.lmcache_config_file).write_text(yaml.safe_dump(spec.lmcache_config, sort_keys=False))
     return Child(inst.name, spec.argv, spec.env, log_dir / f"{inst.name}.log", spec.health_url,
                  cpus=cpu_sets(args).get(inst.name), gpus=() if gpu is None else gpu.indices)
 
 
-def proxy_child(args: argparse.Namespace, log_dir: Path) -> Child:
+def proxy_child(args: argparse.Namespace, log_dir: Path, site: Site | None = None) -> Child:
     # With relay workers, name the tokenizer folder: each worker loads it before it serves (with "auto" a
     # worker learns the folder from the coordinator, after the instances are up: the first requests wait).
     model = Path(args.model) if args.model is not None else DEFAULT_MODEL_DIR
@@ -265,8 +276,9 @@ def proxy_child(args: argparse.Namespace, log_dir: Path) -> Child:
     env = dict(os.environ)
     if args.shared_secret:
         env["LMCACHE_P2P_SECRET"] = args.shared_secret
-    return Child("proxy", proxy_command(args, local_site(args, log_dir), tokenizer), env, log_dir / "proxy.log",
-                 f"http://127.0.0.1:{args.proxy_port}/health")
+    site = site or Site(bind_host=proxy_host(args))
+    return Child("proxy", proxy_command(args, site, tokenizer), env, log_dir / "proxy.log",
+                 f"http://{site.bind()}:{args.proxy_port}/health")
 
 
 def resolve_model(args: argparse.Namespace) -> Path:
@@ -279,16 +291,22 @@ def resolve_model(args: argparse.Namespace) -> Path:
     return build_tiny_model(DEFAULT_MODEL_DIR).resolve()
 
 
-def wait_registered(proxy_url: str, instance_ids: list[str], timeout_s: float) -> None:
+def wait_registered(proxy_url: str, instance_ids: list[str], timeout_s: float, secret: str | None = None) -> None:
     """Wait until the proxy's registry lists every instance by its id: each one's plugin started and
-    announced itself (an instance whose plugin is not running never shows up)."""
+    announced itself (an instance whose plugin is not running never shows up). ``secret``: the
+    proxy's shared secret (``/instances`` is an admin endpoint then: a Bearer token)."""
     import httpx
 
+    headers = {"authorization": f"Bearer {secret}"} if secret else {}
     deadline = time.monotonic() + timeout_s
     missing = list(instance_ids)
     while time.monotonic() < deadline:
         try:
-            listed = {i.get("instance_id") for i in httpx.get(f"{proxy_url}/instances", timeout=2).json()}
+            resp = httpx.get(f"{proxy_url}/instances", headers=headers, timeout=2, trust_env=False)
+            if resp.status_code in (401, 403):
+                raise StartupError(f"the proxy refused {proxy_url}/instances ({resp.status_code}): the launcher's "
+                                   "--shared-secret differs from the proxy's")
+            listed = {i.get("instance_id") for i in resp.json()}
             missing = [name for name in instance_ids if name not in listed]
             if not missing:
                 return
@@ -387,14 +405,15 @@ def run(args: argparse.Namespace) -> int:
     # SIGINT too: a launcher started in the background from a script inherits SIGINT ignored.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    proxy_url = f"http://127.0.0.1:{args.proxy_port}"
+    proxy_url = f"http://{proxy_host(args)}:{args.proxy_port}"
     try:
-        ports.check_ports_free(planned_ports(args))
+        ports.check_ports_free(planned_ports(args), host=args.host)
         for wave in startup_waves(children):  # instances sharing a GPU one after another
             for child in wave:
                 child.start()
             wait_healthy(wave, args.startup_timeout_s)
-        wait_registered(proxy_url, [i.name for i in plan(args)], timeout_s=REGISTER_TIMEOUT_S)
+        wait_registered(proxy_url, [i.name for i in plan(args)], timeout_s=REGISTER_TIMEOUT_S,
+                        secret=args.shared_secret)
         sizes = tp_sizes(args)
         tp = "" if (sizes.prefill, sizes.decode) == (1, 1) else f" (prefill TP {sizes.prefill}, decode TP {sizes.decode})"
         print(f"\nlmcache_p2p is serving {args.prefill}P{args.decode}D{tp}: {proxy_url}/v1  (model {model})", flush=True)

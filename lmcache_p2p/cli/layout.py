@@ -36,6 +36,9 @@ class Instance:
     control_port: int = 0  # a decoder's rank 0; rank r listens on control_port + r
     transport_port: int = 0  # a decoder's rank 0 NCCL store; rank r on transport_port + r
     tp_size: int = 1  # vLLM's --tensor-parallel-size for this instance
+    # Where every listener of the instance binds (vLLM's HTTP, a decoder's KV control port and NCCL
+    # store) and the address peers dial; --host, or each host's own address on several machines.
+    host: str = "127.0.0.1"
 
     @property
     def name(self) -> str:
@@ -54,7 +57,9 @@ class Instance:
 
 def plan(args: argparse.Namespace) -> list[Instance]:
     sizes = tp_sizes(args)
-    prefillers = [Instance("prefiller", i, args.prefill_port + i, tp_size=sizes.prefill) for i in range(args.prefill)]
+    host = getattr(args, "host", "127.0.0.1")
+    prefillers = [Instance("prefiller", i, args.prefill_port + i, tp_size=sizes.prefill, host=host)
+                  for i in range(args.prefill)]
     decoders = [decoder_instance(args, i) for i in range(args.decode)]
     return prefillers + decoders
 
@@ -68,7 +73,7 @@ def decoder_instance(args: argparse.Namespace, index: int) -> Instance:
     """Decoder ``index``: HTTP on --decode-port + i, KV control on --kv-port + 10*i (+ rank), NCCL store 100 above."""
     control = args.kv_port + kv_port_stride(args) * index
     return Instance("decoder", index, args.decode_port + index, control, control + TRANSPORT_PORT_OFFSET,
-                    tp_size=tp_sizes(args).decode)
+                    tp_size=tp_sizes(args).decode, host=getattr(args, "host", "127.0.0.1"))
 
 
 def tp_of(inst: Instance, args: argparse.Namespace) -> int:

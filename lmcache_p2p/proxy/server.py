@@ -60,7 +60,7 @@ class Proxy:
             self.registry.add_static(spec)
         self.waiters = KvWaiters()
         self.metrics = ProxyMetrics(self.registry.instances)
-        self.upstream = Upstream(settings.connect_timeout_s)
+        self.upstream = Upstream(settings.connect_timeout_s, settings.dead_peer_timeout_s)
         codec = Codec(settings.shared_secret, identity=settings.identity, window_s=settings.auth_window_s)
         self.canceller = KvCanceller(codec, self.metrics)
         self.prober = HealthProber(self.registry, self.upstream, settings.health_probe_interval_s,

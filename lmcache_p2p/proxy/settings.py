@@ -78,6 +78,9 @@ class ProxySettings:
     kv_timeout_s: float = 10.0
     instance_ttl_s: float = 10.0
     connect_timeout_s: float = 5.0
+    # An upstream connection whose peer acknowledges nothing (TCP keepalive probes, data sent) this long
+    # is closed: a stream on a host that fell off the network breaks now and continues elsewhere.
+    dead_peer_timeout_s: float = 10.0
     prefill_timeout_s: float = 120.0
     decode_idle_timeout_s: float = 120.0
     graceful_shutdown_s: float = 10.0
@@ -129,7 +132,8 @@ class ProxySettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ProxySettings:
-        for name in ("kv_timeout_s", "auth_window_s", "instance_ttl_s", "connect_timeout_s", "prefill_timeout_s",
+        for name in ("kv_timeout_s", "auth_window_s", "instance_ttl_s", "connect_timeout_s", "dead_peer_timeout_s",
+                     "prefill_timeout_s",
                      "decode_idle_timeout_s", "graceful_shutdown_s", "chars_per_token", "health_probe_interval_s",
                      "health_probe_timeout_s", "max_connect_failures"):
             if getattr(args, name) <= 0:
@@ -159,6 +163,7 @@ class ProxySettings:
             kv_timeout_s=args.kv_timeout_s,
             instance_ttl_s=args.instance_ttl_s,
             connect_timeout_s=args.connect_timeout_s,
+            dead_peer_timeout_s=args.dead_peer_timeout_s,
             prefill_timeout_s=args.prefill_timeout_s,
             decode_idle_timeout_s=args.decode_idle_timeout_s,
             graceful_shutdown_s=args.graceful_shutdown_s,
@@ -335,6 +340,10 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("--instance-ttl-s", "instance_ttl_s",
           "forget an instance after this long without a heartbeat (default %(default)s)"),
     _Flag("--connect-timeout-s", "connect_timeout_s", "connect timeout of every upstream call (default %(default)s)"),
+    _Flag("--dead-peer-timeout-s", "dead_peer_timeout_s",
+          "close an upstream connection whose peer acknowledges nothing (TCP keepalive probes, data sent) for this "
+          "long: a stream on a host that fell off the network continues elsewhere, without waiting for "
+          "--decode-idle-timeout-s (default %(default)s)"),
     _Flag("--prefill-timeout-s", "prefill_timeout_s",
           "deadline of one prefill / tokenize / models call (default %(default)s)"),
     _Flag("--decode-idle-timeout-s", "decode_idle_timeout_s",

@@ -22,7 +22,8 @@ event yields that event at once.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping
+import socket
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -50,8 +51,9 @@ def forwarded_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
 
 
 class Upstream:
-    def __init__(self, connect_timeout_s: float) -> None:
+    def __init__(self, connect_timeout_s: float, dead_peer_timeout_s: float | None = None) -> None:
         self._connect_timeout_s = connect_timeout_s
+        self._dead_peer_timeout_s = dead_peer_timeout_s  # None: the kernel's (hours)
         self._aio: Any = None  # aiohttp.ClientSession, made on first use (see _session)
 
     async def aclose(self) -> None:
@@ -129,9 +131,41 @@ class Upstream:
             self._aio = aiohttp.ClientSession(
                 # An idle connection is let go before vLLM's server (uvicorn's keep-alive timeout) closes
                 # its end, so a call never goes out on a connection the instance is closing.
-                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S),
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S,
+                                               socket_factory=dead_peer_sockets(self._dead_peer_timeout_s)),
                 trust_env=False, auto_decompress=False)  # never through an environment proxy; SSE is not compressed
         return self._aio
+
+
+KEEPALIVE_PROBES = 5
+
+
+def dead_peer_sockets(timeout_s: float | None) -> Callable[[tuple], socket.socket] | None:
+    """A socket factory whose connections close once the peer acknowledged nothing for ``timeout_s``.
+
+    A host that falls off the network (link down, partition) sends no FIN or RST: without this, a
+    decode stream from it stays open until ``--decode-idle-timeout-s`` and a call sent on a pooled
+    connection until its own deadline. TCP keepalive probes start after half of ``timeout_s`` of
+    silence; ``TCP_USER_TIMEOUT`` closes the connection when probes or sent data stay unacknowledged
+    for ``timeout_s``. A live instance that is only slow to answer acknowledges the probes (its
+    kernel does), so nothing is cut for being slow.
+    """
+    if timeout_s is None:
+        return None
+    idle_s = max(1, int(timeout_s / 2))
+    interval_s = max(1, int(timeout_s / 2 / KEEPALIVE_PROBES))
+
+    def make(addr_info: tuple) -> socket.socket:
+        family, type_, proto, _, _ = addr_info
+        sock = socket.socket(family=family, type=type_, proto=proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", idle_s), ("TCP_KEEPINTVL", interval_s), ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+                            ("TCP_USER_TIMEOUT", int(timeout_s * 1000))):
+            if hasattr(socket, name):  # Linux; elsewhere the kernel's keepalive defaults stay
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+        return sock
+
+    return make
 
 
 @contextmanager

@@ -139,3 +139,28 @@ def test_launch_says_how_many_prompt_tokens_a_decoder_buffer_holds_and_how_to_si
     assert "128 KiB per token" in note and "served colocated" in note and "2 x N x 128 KiB (--buffer-size)" in note
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"]}))  # no KV shape: nothing said
     assert launch.buffer_sizing("4GB", tmp_path) is None
+
+
+def test_host_binds_every_listener_there_and_needs_the_secret_beyond_loopback(tmp_path: Path) -> None:
+    import yaml
+
+    from lmcache_p2p.errors import ConfigError
+
+    args = build_parser().parse_args(["launch", "--host", "198.18.0.7", "--shared-secret", "s3"])
+    for inst in launch.plan(args):
+        child = launch.vllm_child(inst, tmp_path / "model", args, tmp_path)
+        assert child.argv[child.argv.index("--host") + 1] == "198.18.0.7"
+        assert child.health_url == f"http://198.18.0.7:{inst.http_port}/health"
+        p2p = yaml.safe_load(launch.write_lmcache_config(inst, args, tmp_path).read_text())["extra_config"]["p2p"]
+        assert (p2p["host"], p2p["http_url"], p2p["proxy_url"], p2p["shared_secret"]) == (
+            "198.18.0.7", f"http://198.18.0.7:{inst.http_port}", f"tcp://198.18.0.7:{args.proxy_control_port}", "s3")
+    proxy = launch.proxy_child(args, tmp_path)
+    assert proxy.argv[proxy.argv.index("--host") + 1] == "198.18.0.7" and proxy.env["LMCACHE_P2P_SECRET"] == "s3"
+    open_args = build_parser().parse_args(["launch", "--host", "198.18.0.7"])
+    open_args.shared_secret = None  # whatever $LMCACHE_P2P_SECRET says
+    decoder = next(i for i in launch.plan(open_args) if i.role == "decoder")
+    with pytest.raises(ConfigError, match=r"p2p\.shared_secret"):
+        launch.write_lmcache_config(decoder, open_args, tmp_path)
+    loopback = build_parser().parse_args(["launch"])
+    p2p = yaml.safe_load(launch.write_lmcache_config(launch.plan(loopback)[0], loopback, tmp_path).read_text())
+    assert p2p["extra_config"]["p2p"]["host"] == "127.0.0.1"

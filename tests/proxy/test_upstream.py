@@ -163,3 +163,20 @@ async def test_a_health_probe_reports_the_status_and_maps_failures_as_every_call
         port = s.getsockname()[1]
     with pytest.raises(UpstreamConnectError, match=f"GET http://127.0.0.1:{port}/health"):
         await upstream.get_status(f"http://127.0.0.1:{port}", "/health", timeout_s=5)
+
+
+def test_upstream_sockets_give_up_on_a_peer_that_acknowledges_nothing() -> None:
+    from lmcache_p2p.proxy.upstream import dead_peer_sockets
+
+    assert dead_peer_sockets(None) is None  # the kernel's defaults
+    make = dead_peer_sockets(10.0)
+    sock = make((socket.AF_INET, socket.SOCK_STREAM, 0, "", ("127.0.0.1", 1)))
+    try:
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 10000
+        idle = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+        probes = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+        interval = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+        assert idle + probes * interval <= 10  # the probes end within the timeout
+    finally:
+        sock.close()

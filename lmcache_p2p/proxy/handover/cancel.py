@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from lmcache_p2p.errors import ProtocolError
+from lmcache_p2p.config import ZMQ_HEARTBEAT_IVL_MS, ZMQ_HEARTBEAT_TIMEOUT_MS
 from lmcache_p2p.protocol import MAX_MESSAGE_BYTES, Cancel, Codec, ErrorReply, rejection_of
 from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
 from lmcache_p2p.proxy.router.registry import Instance
@@ -116,6 +117,8 @@ class KvCanceller:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
         if ":" in decoder.control_host:
             sock.setsockopt(zmq.IPV6, 1)
         try:

@@ -74,6 +74,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--chars-per-token", type=float, required=True)
     p.add_argument("--connect-timeout-s", type=float, required=True)
+    p.add_argument("--dead-peer-timeout-s", type=float, default=None)
     p.add_argument("--coordinator-timeout-s", type=float, required=True,
                    help="deadline of one call to the coordinator (it covers a prefill and a KV wait)")
     p.add_argument("--graceful-shutdown-s", type=float, required=True)
@@ -90,7 +91,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     sock = bind_http(args.host, args.port, reuse_port=True)
     link = CoordinatorLink(args.uds, args.index, args.coordinator_timeout_s)
-    upstream = Upstream(args.connect_timeout_s)
+    upstream = Upstream(args.connect_timeout_s, args.dead_peer_timeout_s)
     worker_app = WorkerApp(link, upstream, args.chars_per_token)
     if args.tokenizer != NONE:
         worker_app.tokenizers.prefetch()

@@ -130,7 +130,7 @@ class WorkerPool:
             sys.executable, "-m", "lmcache_p2p.proxy.relay.worker", "--host", s.host, "--port", str(self._port),
             "--uds", self._uds,
             "--index", str(index), "--chars-per-token", str(s.chars_per_token),
-            "--connect-timeout-s", str(s.connect_timeout_s),
+            "--connect-timeout-s", str(s.connect_timeout_s), "--dead-peer-timeout-s", str(s.dead_peer_timeout_s),
             "--coordinator-timeout-s", str(coordinator_call_timeout_s(s)),
             "--graceful-shutdown-s", str(s.graceful_shutdown_s),
             "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),

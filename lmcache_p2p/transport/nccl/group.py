@@ -41,6 +41,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from lmcache_p2p.config import is_loopback
 from lmcache_p2p.errors import PeerUnreachable, TransportError, TransportTimeout
 from lmcache_p2p.transport.nccl import wire
 
@@ -110,6 +111,20 @@ def store_client(host: str, port: int, timeout_s: float) -> Any:
         return TCPStore(host, port, None, False, timedelta_s(timeout_s), wait_for_workers=False)
     except dist_errors() as exc:
         raise PeerUnreachable(f"cannot reach the NCCL store at {host}:{port} within {timeout_s:.1f}s: {exc}") from exc
+
+
+def local_address_towards(host: str, peer_host: str) -> str:
+    """Where our side of a pair with ``peer_host`` listens (Gloo): ``host``, unless it is loopback and the
+    peer is not: then the address this machine sends from towards the peer (its route's source)."""
+    if not is_loopback(host) or is_loopback(peer_host):
+        return host
+    family = socket.AF_INET6 if ":" in peer_host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((peer_host, 9))  # a UDP connect sends nothing: it only looks the route up
+            return str(probe.getsockname()[0])
+    except OSError:
+        return host  # no route: the pairing fails with the peer's own error
 
 
 # ---- groups ------------------------------------------------------------------------------------

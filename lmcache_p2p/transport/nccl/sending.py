@@ -110,7 +110,8 @@ class SendSide:
         group = ring = None
         try:
             pair_id = _claim_offer(store, self._name, peer.name, deadline)
-            group, ring, report = self._join_group(store, pair_id, peer.name, deadline)
+            local = group_ops.local_address_towards(self._s.host, peer.host)
+            group, ring, report = self._join_group(store, pair_id, peer.name, deadline, local)
             store.set_timeout(group_ops.timedelta_s(self._s.timeout_s))
         except (*group_ops.dist_errors(), TransportError) as exc:
             group_ops.drop_group(group)
@@ -121,7 +122,8 @@ class SendSide:
         self._pairings.append(report)
         return SendPair(self._s, peer, pair_id, store, group, ring)
 
-    def _join_group(self, store: Any, pair_id: str, peer: str, deadline: float) -> tuple[Any, Any, PairingReport]:
+    def _join_group(self, store: Any, pair_id: str, peer: str, deadline: float, local: str
+                    ) -> tuple[Any, Any, PairingReport]:
         """Build our side (rank 1) of the pair's group on our device: handshake, warm-up, the staging
         ring (GPU only), then wait until the receiver serves the pair."""
         import torch
@@ -130,7 +132,7 @@ class SendSide:
         watch = Stopwatch()
         with on_device:
             join_s = max(group_ops.remaining_s(deadline), 0.001)
-            group = group_ops.new_group(store, pair_id, 1, self._s.device, self._s.host, join_s, self._s.watchdog_s)
+            group = group_ops.new_group(store, pair_id, 1, self._s.device, local, join_s, self._s.watchdog_s)
             laps = [watch.lap()]
             try:
                 group_ops.handshake(group, 1, self._s.device, deadline)

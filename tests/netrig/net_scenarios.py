@@ -1,0 +1,187 @@
+"""Network faults between rig hosts, as fault-suite scenarios (``fault_scenarios.Scenario``).
+
+Each one runs a client load through the proxy while it changes the network, then gives the link
+back and measures how long the proxy takes to route to the victim again (``cluster.recovery``,
+seconds from the link's return until the victim is routable; None when it never was within
+``RECOVERY_TIMEOUT_S``). The suite judges every row as the fault suite does: every request ends
+within its deadline (success or a clean error), no slot is held after the load settles, every
+success equals the plain instance's greedy output, the deployment serves again.
+
+The victim is the last decoder (``decoder-0`` in 1P1D, ``decoder-1`` in 1P2D); mid-transfer, the decoder
+with requests in flight. Faults:
+
+- ``decoder_cut_mid_transfer`` / ``decoder_cut_mid_stream``: the victim's host loses its link
+  right after the prefiller stored a long prompt's first chunks (KV on its way) / while streams it
+  decodes are mid-way; the link stays down ``CUT_HOLD_S`` (beyond the proxy's instance TTL), then
+  comes back.
+- ``partition_proxy_decoder``: the proxy and the victim cannot reach each other (both directions
+  dropped) while the prefiller still reaches it; ``partition_prefiller_decoder``: the reverse.
+- ``packet_loss_1pct``: 1 % of the packets between any two hosts dropped (TCP retransmits).
+- ``rtt_20ms``: 20 ms added to every round trip between hosts.
+- ``decoder_host_restart_same_address``: the victim's host goes down (link cut, its vLLM killed),
+  comes back with the same address and its vLLM starts again; a load runs meanwhile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import mh_cluster  # noqa: F401 (puts tests/faults on sys.path)
+from fault_scenarios import FAULT_WAIT_S, Result, Scenario, Suite, cycle
+from net_suite import wait_routable_s
+
+CUT_HOLD_S = 15.0  # beyond the suite's instance TTL (6 s) plus a heartbeat
+PARTITION_HOLD_S = 20.0
+RECOVERY_TIMEOUT_S = 120.0
+
+
+def victim(s: Suite) -> str:
+    return s.c.names("decoder")[-1]
+
+
+def _back_and_timed(s: Suite, name: str, give_back: Callable[[], None]) -> None:
+    """Give the network back, then time how long until the proxy routes to ``name`` again."""
+    give_back()
+    s.c.recovery[name] = s.c.last_recovery = wait_routable_s(s.c, name, RECOVERY_TIMEOUT_S)
+
+
+def _tail(s: Suite, name: str) -> tuple[list, int, int]:
+    """After a fault: a short load; (outcomes, lookups on ``name``, of them with KV loaded)."""
+    offset = len(s.c.lookups(name))
+    outcomes = s.load(cycle(s.w.mid, 8), 4)
+    lookups, loaded = s.kv_hits_since(name, offset)
+    return outcomes, lookups, loaded
+
+
+def _finish(s: Suite, name: str, outcomes: list, notes: list[str]) -> Result:
+    recovery = s.c.recovery.get(name)
+    tail, lookups, loaded = _tail(s, name)
+    notes.append(f"{name} routable {recovery}s after the network came back; then {lookups} lookups on it, "
+                 f"{loaded} loaded KV")
+    return Result(outcomes + tail, recovered=recovery is not None and loaded > 0, notes=notes)
+
+
+def across_hosts(s: Suite) -> Result:
+    """No fault: mid and long prompts, 4 in flight, every decoder's KV loads counted."""
+    decoders = s.c.names("decoder")
+    offsets = {d: len(s.c.lookups(d)) for d in decoders}
+    outcomes = s.load(cycle([*s.w.mid, *s.w.long], s.cfg.n(8, 24)), 4)
+    notes = []
+    for d in decoders:
+        lookups, loaded = s.kv_hits_since(d, offsets[d])
+        notes.append(f"{d}: {lookups} lookups, {loaded} loaded KV")
+    return Result(outcomes, notes=notes)
+
+
+def _cut_during(s: Suite, prompts: list, concurrency: int, moment: Callable[[dict], bool], what: str,
+                busiest: bool = False) -> Result:
+    """Cut the victim's link at ``moment``; ``busiest``: the victim is then the decoder with the most
+    requests in flight (the one the KV is on its way to), not the last one."""
+    chosen = {"name": victim(s)}
+    notes: list[str] = []
+
+    def fault(progress: dict) -> None:
+        ok = s.wait_until(lambda: moment(progress), timeout_s=FAULT_WAIT_S, poll_s=0.01)
+        if busiest:
+            chosen["name"] = max(s.c.names("decoder"), key=s.c.inflight)
+        name = chosen["name"]
+        s.c.rig.cut(name)
+        tokens = sorted(len(ids) for ids in list(progress.values()))
+        notes.append(f"cut {name}'s link {what}; tokens per open stream then: {tokens}"
+                     + ("" if ok else " (moment not reached)"))
+        time.sleep(CUT_HOLD_S)
+        _back_and_timed(s, name, lambda: s.c.rig.restore(name))
+
+    outcomes = s.load(prompts, concurrency, fault)
+    return _finish(s, chosen["name"], outcomes, notes)
+
+
+def decoder_cut_mid_transfer(s: Suite) -> Result:
+    prefiller = s.c.names("prefiller")[0]
+    stores_before = s.c.kv_stores(prefiller)
+    return _cut_during(s, cycle(s.w.long, s.cfg.n(4, 8)), 2,
+                       lambda _p: s.c.kv_stores(prefiller) > stores_before,
+                       "after the prefiller's first store step of a long prompt", busiest=True)
+
+
+def decoder_cut_mid_stream(s: Suite) -> Result:
+    name = victim(s)
+    loads_before = s.c.kv_loads(name)
+
+    def streaming(progress: dict) -> bool:
+        started = sum(1 for ids in list(progress.values()) if len(ids) >= 8)
+        return s.c.kv_loads(name) > loads_before and started >= 1
+
+    return _cut_during(s, cycle(s.w.stream, s.cfg.n(3, 6)), s.cfg.n(3, 6), streaming,
+                       "while it streams")
+
+
+def _partitioned(a: str) -> Callable[[Suite], Result]:
+    def run(s: Suite) -> Result:
+        name = victim(s)
+        other = a if a != "prefiller" else s.c.names("prefiller")[0]
+        notes = [f"{other} <-/-> {name} for {PARTITION_HOLD_S:.0f}s; every other pair connected"]
+
+        def fault(_progress: dict) -> None:
+            s.c.rig.partition(other, name)
+            time.sleep(PARTITION_HOLD_S)
+            _back_and_timed(s, name, s.c.rig.heal)
+
+        outcomes = s.load(cycle(s.w.mid, s.cfg.n(8, 16)), 4, fault)
+        return _finish(s, name, outcomes, notes)
+
+    run.__doc__ = f"{a} and the victim decoder cannot reach each other; every other pair can."
+    return run
+
+
+def _impaired(delay_ms: float = 0.0, loss: float = 0.0) -> Callable[[Suite], Result]:
+    def run(s: Suite) -> Result:
+        name = victim(s)
+        s.c.rig.impair(delay_ms=delay_ms, loss=loss, block=[])
+        try:
+            outcomes = s.load(cycle([*s.w.mid, *s.w.stream[:2]], s.cfg.n(10, 20)), 4)
+            counts = s.c.rig.emulator_counts()
+        finally:
+            _back_and_timed(s, name, s.c.rig.heal)
+        notes = [f"one-way delay {delay_ms} ms per router crossing, loss {loss:.1%}; emulator {counts}"]
+        return _finish(s, name, outcomes, notes)
+
+    return run
+
+
+def decoder_host_restart_same_address(s: Suite) -> Result:
+    """The victim's host goes down (link cut, its vLLM killed), comes back with the same address and
+    its vLLM starts again, while a load runs."""
+    name = victim(s)
+    notes: list[str] = []
+
+    def fault(_progress: dict) -> None:
+        time.sleep(1.0)
+        s.c.rig.cut(name)
+        s.c.kill(name)
+        time.sleep(3.0)
+
+        def back() -> None:
+            s.c.rig.restore(name)
+            s.c.restart(name)
+
+        _back_and_timed(s, name, back)  # includes its vLLM's start-up
+        notes.append(f"{name}'s host down 3 s (link cut, vLLM killed), then back on {s.c.host_of(name)}")
+
+    outcomes = s.load(cycle(s.w.mid, s.cfg.n(8, 16)), 4, fault)
+    s.c.wait_up([name], s.cfg.restart_timeout_s)
+    return _finish(s, name, outcomes, notes)
+
+
+ALL = [
+    Scenario("across_hosts", across_hosts, all_succeed=True),
+    Scenario("decoder_cut_mid_transfer", decoder_cut_mid_transfer),
+    Scenario("decoder_cut_mid_stream", decoder_cut_mid_stream),
+    Scenario("partition_proxy_decoder", _partitioned("proxy")),
+    Scenario("partition_prefiller_decoder", _partitioned("prefiller")),
+    Scenario("packet_loss_1pct", _impaired(loss=0.01), all_succeed=True),
+    Scenario("rtt_20ms", _impaired(delay_ms=10.0), all_succeed=True),
+    Scenario("decoder_host_restart_same_address", decoder_host_restart_same_address),
+]
+BY_NAME = {s.name: s for s in ALL}
