@@ -5,15 +5,20 @@ P TP1 -> D TP2). What must hold, for completions and chat, streamed and not, pro
 chunks of 256 tokens:
 
 - the greedy output (token ids and text) equals a plain vLLM instance (no LMCache) with the same
-  flags at the decoder's TP size. Plain instances at TP 1 and TP 2 disagree with each other on many
-  prompts, the tiny model's included (bf16 sums in another order: a different greedy token a few
-  tokens in). Where they do, the disagreement is printed with how far the output follows each, and
-  what is exact is checked: at equal TP the whole output equals that size's instance (one TP size
-  computed all of it); at different TP the first token equals the prefiller's size's instance (the
-  prefiller computes it) and the rest, computed at the decoder's size over KV the prefiller's size
-  computed, is reported only. A request whose references agree must equal them whatever the pair;
-  on the tiny model at least one such request must be among them, or nothing would check a whole
-  output of a different-TP pair;
+  flags. Plain instances at TP 1 and TP 2 disagree with each other on many prompts, the tiny model's
+  included (bf16 sums in another order: a different greedy token a few tokens in). What is exact is
+  checked: at equal TP the whole output equals that size's instance (one TP size computed all of
+  it); at different TP the first token equals the prefiller's size's instance (the prefiller
+  computes it). The rest of a different-TP pair's output is computed by neither reference: the
+  decoder's size over KV the prefiller's size computed. On the tiny model (sharp logits) it must
+  still equal the references where they agree, and at least one such request must be among them,
+  or nothing would check a whole output of a different-TP pair. On the near-tie model that third
+  order of bf16 sums flips near-tied greedy steps even where the two references agree (a run of a
+  repeated token one step longer, or the runner-up a few tokens in): there the output after the first
+  token is printed with how far it follows each reference, not asserted. Where the references
+  disagree, the same is printed for every pair;
+- each prompt's streamed and non-streamed answers are the same ids and text (one deployment computes
+  both: a KV handover that is not deterministic would show here, whatever the model);
 - every decoder rank loaded the whole prompt: the scheduler's LMCache lookup (the minimum over the
   ranks' own lookups) hits prompt + first token - 1, the decoder's log has one LMCache retrieve of
   exactly that many tokens per rank (d lines: each worker process holds one engine and retrieves once
@@ -157,26 +162,37 @@ class Comparison:
     agreed: int = 0  # requests whose references agree (compared whole)
 
 
-def compare(got: dict, refs: dict[int, dict], prefill_tp: int, decode_tp: int) -> Comparison:
-    """The module docstring's output rules, request by request."""
+def compare(got: dict, refs: dict[int, dict], prefill_tp: int, decode_tp: int, *,
+            mixed_whole_output: bool) -> Comparison:
+    """The module docstring's output rules, request by request. ``mixed_whole_output``: a different-TP
+    pair's whole output must equal the references where they agree (the sharp model), else only its
+    first token is exact and the rest is reported (the near-tie model)."""
     out = Comparison()
     for key, answer in got.items():
         assert answer["usage"]["prompt_tokens"] == refs[decode_tp][key]["usage"]["prompt_tokens"], key
         ids = {tp: ref[key]["ids"] for tp, ref in refs.items()}
         mine = (answer["ids"], answer["text"])
-        if len({tuple(v) for v in ids.values()}) == 1:
-            out.agreed += 1
-            if mine != (ids[decode_tp], refs[decode_tp][key]["text"]):
-                out.mismatches.append((key, "differs from both references, which agree", mine, ids[decode_tp]))
-            continue
-        follows = {tp: common_prefix(answer["ids"], v) for tp, v in ids.items()}
-        out.disagreements.append((key, follows))
-        if prefill_tp == decode_tp and mine != (ids[decode_tp], refs[decode_tp][key]["text"]):
-            out.mismatches.append((key, f"differs from the TP{decode_tp} reference", mine, ids[decode_tp]))
-        elif answer["ids"][:1] != ids[prefill_tp][:1]:
+        agree = len({tuple(v) for v in ids.values()}) == 1
+        out.agreed += agree
+        if answer["ids"][:1] != ids[prefill_tp][:1]:
             out.mismatches.append((key, f"first token differs from the TP{prefill_tp} prefill's", mine,
                                    ids[prefill_tp]))
+        elif prefill_tp == decode_tp or (agree and mixed_whole_output):
+            if mine != (ids[decode_tp], refs[decode_tp][key]["text"]):
+                why = ("differs from both references, which agree" if agree
+                       else f"differs from the TP{decode_tp} reference")
+                out.mismatches.append((key, why, mine, ids[decode_tp]))
+        if not agree or (prefill_tp != decode_tp and not mixed_whole_output and answer["ids"] != ids[decode_tp]):
+            out.disagreements.append((key, {tp: common_prefix(answer["ids"], v) for tp, v in ids.items()}))
     return out
+
+
+def assert_streamed_equals_not_streamed(got: dict) -> None:
+    """Each prompt's two answers (one deployment, one computation) are the same ids and text."""
+    for (name, stream), answer in got.items():
+        if stream:
+            other = got[(name, False)]
+            assert (answer["ids"], answer["text"]) == (other["ids"], other["text"]), name
 
 
 def assert_every_rank_loaded_every_prompt(cluster: Cluster, decode_tp: int, seen: set[str],
@@ -205,18 +221,22 @@ def assert_every_rank_loaded_every_prompt(cluster: Cluster, decode_tp: int, seen
 
 
 def check_pair(cluster: Cluster, model: Path, prompts: dict[str, str], refs: dict[int, dict], prefill_tp: int,
-               decode_tp: int, *, require_agreement: bool) -> Comparison:
-    """Everything the module docstring lists for one deployment; returns the output comparison."""
+               decode_tp: int, *, sharp: bool) -> Comparison:
+    """Everything the module docstring lists for one deployment; returns the output comparison. ``sharp``: the
+    tiny model (std 0.2): a different-TP pair's whole output must equal the references where they agree."""
     before = kv_bytes_moved(cluster)
     got = answers(cluster.url, str(model), prompts)
-    result = compare(got, refs, prefill_tp, decode_tp)
+    result = compare(got, refs, prefill_tp, decode_tp, mixed_whole_output=sharp)
     for key, follows in result.disagreements:
-        print(f"P TP{prefill_tp} -> D TP{decode_tp}, {key}: the TP1 and TP2 references disagree; the output "
-              f"follows " + ", ".join(f"TP{tp} for {n} of {MAX_TOKENS} tokens" for tp, n in sorted(follows.items())))
+        print(f"P TP{prefill_tp} -> D TP{decode_tp}, {key}: the output follows "
+              + ", ".join(f"TP{tp} for {n} of {MAX_TOKENS} tokens" for tp, n in sorted(follows.items())))
     print(f"P TP{prefill_tp} -> D TP{decode_tp}: {result.agreed} of {len(got)} requests with agreeing references, "
-          f"{len(result.disagreements)} without, {len(result.mismatches)} mismatches")
-    assert not result.mismatches, result.mismatches
-    if require_agreement and prefill_tp != decode_tp:
+          f"{len(result.disagreements)} reported, {len(result.mismatches)} mismatches")
+    for key, why, mine, ref in result.mismatches:  # one per line: pytest's repr of the list cuts out its middle
+        print(f"MISMATCH P TP{prefill_tp} -> D TP{decode_tp}, {key}: {why}: got {mine[0]}, reference {ref}")
+    assert not result.mismatches, [m[:2] for m in result.mismatches]
+    assert_streamed_equals_not_streamed(got)
+    if sharp and prefill_tp != decode_tp:
         assert result.agreed, "the references disagree on every request: no whole output of this pair was checked"
     prompt_tokens = {a["usage"]["prompt_tokens"] for a in got.values()}
     assert assert_every_rank_loaded_every_prompt(cluster, decode_tp, set(), prompt_tokens) == len(got)
@@ -250,7 +270,7 @@ def test_prefiller_tp2_to_decoder_tp1_equals_a_single_instance_and_loads_every_p
     assert all(len(r["ids"]) == MAX_TOKENS for r in plain_tp1.values())
     # The TP2 reference: the prefiller asked directly (a put without a transfer spec moves nothing).
     tp2 = answers(p2_d1.url_of("prefiller-0"), str(tiny_model_dir), default_prompts)
-    check_pair(p2_d1, tiny_model_dir, default_prompts, {1: plain_tp1, 2: tp2}, 2, 1, require_agreement=True)
+    check_pair(p2_d1, tiny_model_dir, default_prompts, {1: plain_tp1, 2: tp2}, 2, 1, sharp=True)
     health = p2_d1.health()
     assert (health["prefillers"], health["decoders"]) == (1, 1)
 
@@ -288,4 +308,4 @@ def test_tp_pair_equals_single_instances_and_every_rank_loads_every_prompt(
     chunks = sorted({-(-r["usage"]["prompt_tokens"] // CHUNK_TOKENS) for r in refs[1].values()})
     assert set(range(1, 9)) <= set(chunks), chunks
     with tp_cluster(model, tmp_path / "logs", prefill_tp, decode_tp) as c:
-        check_pair(c, model, prompts, refs, prefill_tp, decode_tp, require_agreement=model_kind == "tiny")
+        check_pair(c, model, prompts, refs, prefill_tp, decode_tp, sharp=model_kind == "tiny")
