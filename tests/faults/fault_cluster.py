@@ -304,11 +304,18 @@ def complete_ids(url: str, prompt: list[int], max_tokens: int, timeout_s: float 
     return list(resp.json()["choices"][0]["token_ids"])
 
 
+def _engine_versions() -> list[str]:
+    """The packages that compute a reference: a cached output of another vLLM or torch is not one."""
+    from importlib.metadata import version
+
+    return [f"{name}=={version(name)}" for name in ("vllm", "torch")]
+
+
 def _cache_path(cache_dir: Path | None, model: Path, prompts: Sequence[tuple[list[int], int]],
                 spec: ClusterSpec) -> Path | None:
     if cache_dir is None:
         return None
     h = hashlib.sha256()
     h.update((Path(model) / "model.safetensors").read_bytes())
-    h.update(json.dumps([common_vllm_args(spec), [list(p) for p in prompts]]).encode())
+    h.update(json.dumps([common_vllm_args(spec), [list(p) for p in prompts], _engine_versions()]).encode())
     return Path(cache_dir) / f"reference-{h.hexdigest()[:16]}.json"
