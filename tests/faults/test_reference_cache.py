@@ -17,4 +17,13 @@ def test_a_reference_of_another_vllm_is_not_reused(tmp_path, monkeypatch):
     assert _cache_path(tmp_path / "cache", tmp_path, prompts, spec) == first
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.0" if name == "vllm" else "1.0")
     assert _cache_path(tmp_path / "cache", tmp_path, prompts, spec) != first
-    assert fault_cluster._engine_versions() == ["vllm==2.0", "torch==1.0"]
+    assert fault_cluster._engine_versions()[:3] == ["vllm==2.0", "torch==1.0", *fault_cluster._cpu_kernel_flags()][:3]
+
+
+def test_a_reference_of_another_cpu_kind_is_not_reused(tmp_path, monkeypatch):
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    prompts, spec = [([1, 2, 3], 4)], ClusterSpec()
+    monkeypatch.setattr(fault_cluster, "_cpu_kernel_flags", lambda: ["avx512_bf16", "avx512f"])
+    without_amx = _cache_path(tmp_path, tmp_path, prompts, spec)
+    monkeypatch.setattr(fault_cluster, "_cpu_kernel_flags", lambda: ["amx_bf16", "amx_tile", "avx512_bf16", "avx512f"])
+    assert _cache_path(tmp_path, tmp_path, prompts, spec) != without_amx
