@@ -64,6 +64,14 @@ def common_vllm_args(spec: ClusterSpec) -> list[str]:
             "--served-model-name", SERVED_MODEL_NAME, *spec.vllm_args]
 
 
+def apply_p2p_overrides(path: Path, overrides: Mapping[str, object]) -> None:
+    """Write ``overrides`` into the p2p section of an instance's LMCache YAML (nothing when empty)."""
+    if overrides:
+        cfg = yaml.safe_load(path.read_text())
+        cfg["extra_config"]["p2p"].update(overrides)
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
 class FaultCluster:
     def __init__(self, model: Path, log_dir: Path, spec: ClusterSpec) -> None:
         self.model = Path(model)
@@ -92,12 +100,8 @@ class FaultCluster:
     def _child(self, name: str, model: Path) -> Child:
         inst = self.instances[name]
         child = launch.vllm_child(inst, model, self.args, self.log_dir)  # writes <log_dir>/<name>.yaml
-        overrides = self.spec.receiver_p2p if inst.role == "decoder" else self.spec.sender_p2p
-        if overrides:
-            path = self.log_dir / f"{name}.yaml"
-            cfg = yaml.safe_load(path.read_text())
-            cfg["extra_config"]["p2p"].update(overrides)
-            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        apply_p2p_overrides(self.log_dir / f"{name}.yaml",
+                            self.spec.receiver_p2p if inst.role == "decoder" else self.spec.sender_p2p)
         self.models[name] = Path(model)
         return child
 

@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import yaml
 
 from lmcache_p2p.cli import launch
 from lmcache_p2p.cli.instance import Site
@@ -38,6 +37,7 @@ from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
 
 from fault_cluster import (  # noqa: E402
+    apply_p2p_overrides,
     HTTP_TIMEOUT_S, SERVED_MODEL_NAME, STARTUP_TIMEOUT_S, ClusterSpec, FaultCluster, common_vllm_args,
 )
 from rig import NetRig  # noqa: E402
@@ -110,12 +110,8 @@ class MultiHostCluster(FaultCluster):
     def _child(self, name: str, model: Path) -> Child:
         inst = self.instances[name]
         child = launch.vllm_child(inst, model, self.args, self.log_dir, site=self.site(name))
-        overrides = self.spec.receiver_p2p if inst.role == "decoder" else self.spec.sender_p2p
-        if overrides:
-            path = self.log_dir / f"{name}.yaml"
-            cfg = yaml.safe_load(path.read_text())
-            cfg["extra_config"]["p2p"].update(overrides)
-            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        apply_p2p_overrides(self.log_dir / f"{name}.yaml",
+                            self.spec.receiver_p2p if inst.role == "decoder" else self.spec.sender_p2p)
         self.models[name] = Path(model)
         return self._in_host(name, child)
 
