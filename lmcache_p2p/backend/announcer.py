@@ -24,6 +24,7 @@ class Announcer:
         self._codec = codec
         self._interval_s = interval_s
         self._next_heartbeat = 0.0
+        self._last_heartbeat = -float("inf")
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._dropped = 0
@@ -57,8 +58,14 @@ class Announcer:
     def heartbeat_due(self) -> bool:
         return self._sock is not None and time.monotonic() >= self._next_heartbeat
 
+    def expedite(self, min_gap_s: float) -> None:
+        """Make the next heartbeat due ``min_gap_s`` after the last one instead of a whole interval:
+        news the proxy waits for (freed buffer credit) leaves at once, at most one per gap."""
+        self._next_heartbeat = min(self._next_heartbeat, self._last_heartbeat + min_gap_s)
+
     def heartbeat(self, announce: protocol.Announce) -> None:
-        self._next_heartbeat = time.monotonic() + self._interval_s
+        self._last_heartbeat = time.monotonic()
+        self._next_heartbeat = self._last_heartbeat + self._interval_s
         self.send(announce)
 
     def close(self, goodbye: protocol.Goodbye | None = None) -> None:

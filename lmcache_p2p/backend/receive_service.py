@@ -59,6 +59,7 @@ _POLL_MS = 5
 _EXPIRE_EVERY_S = 0.05
 _SPIN_AFTER_ACTIVITY_S = 1.0  # spin-poll this long after a grant or a landed write, not for a dead sender
 _IDLE_CHECK_EVERY_S = 1.0
+_FREED_ANNOUNCE_GAP_S = 0.01  # freed slots are announced at once, at most once per this gap
 
 
 class ReceiveService:
@@ -173,6 +174,7 @@ class ReceiveService:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         next_expire = next_idle_check = 0.0
+        lowest_free = -1  # the fewest free slots since the last announcement
         try:
             while not self._stop.is_set():
                 # While granted slots await their bytes, poll without sleeping: with NIXL's progress
@@ -193,8 +195,13 @@ class ReceiveService:
                 if now >= next_idle_check:
                     self.control.forget_idle(now, self._cfg.sender_idle_timeout_s)
                     next_idle_check = now + _IDLE_CHECK_EVERY_S
+                free = self._pool.free_slots
+                if free > lowest_free >= 0:  # slots freed: the proxy's admission may be waiting for them
+                    self._announcer.expedite(_FREED_ANNOUNCE_GAP_S)
+                lowest_free = free if lowest_free < 0 else min(lowest_free, free)
                 if self._announcer.heartbeat_due():
                     self._announcer.heartbeat(self._announce())
+                    lowest_free = -1
         except Exception:
             logger.exception("receiver service thread crashed; the decoder will recompute from now on")
         finally:

@@ -24,6 +24,8 @@ from lmcache_p2p.config import P2PConfig
 from lmcache_p2p.errors import ClosedError, ProtocolError
 from lmcache_p2p.transport.base import Notification, Transport, WriteHandle
 
+from fake_proxy import FakeProxy
+
 SLOT_BYTES = 4096
 REGION_ADDR = 1 << 20
 REPLY_TIMEOUT_MS = 5000
@@ -423,6 +425,22 @@ def test_hello_without_a_fingerprint_is_refused_when_we_have_one(make_rig) -> No
 def test_announce_carries_the_fingerprint(make_rig) -> None:
     rig = make_rig()
     assert rig.service._announce().fingerprint == FINGERPRINT
+
+
+def test_freed_slots_are_announced_at_once_not_at_the_next_heartbeat(make_rig) -> None:
+    """A request waiting in the proxy's admission for this buffer hears of freed slots a moment after
+    they free, not a heartbeat interval later."""
+    proxy = FakeProxy()
+    try:
+        rig = make_rig(num_slots=2, proxy_url=proxy.url, heartbeat_interval_s=60)
+        assert proxy.recv(protocol.Announce).free_slots == 2  # the start announcement
+        a = rig.sender("sender-a", "tx-a")
+        slots = rig.granted(a, "req-a", ["k1", "k2"])
+        time.sleep(0.2)  # reserving frees nothing: no announcement
+        rig.transport.fail_write("tx-a", "sender-a", "req-a", slots)  # the slots are FREE again at once
+        assert proxy.recv(protocol.Announce, timeout_s=5).free_slots == 2
+    finally:
+        proxy.close()
 
 
 # ---- teardown of dead senders' pairs -----------------------------------------------------------

@@ -24,6 +24,8 @@ from lmcache_p2p.config import P2PConfig, Role
 from lmcache_p2p.errors import ClosedError, PeerUnreachable, TransportError
 from lmcache_p2p.transport import Notification, Transport, WriteHandle
 
+from fake_proxy import FakeProxy
+
 WAIT_S = 10.0
 SLOT_BYTES = 4096
 NUM_SLOTS = 8
@@ -522,31 +524,6 @@ def test_pairing_that_never_finishes_fails_its_requests_and_is_undone_later(
 
 
 # ---- the request's times for the proxy's timeline (KvSent) ---------------------------------------
-
-
-class FakeProxy:
-    """The proxy's control PULL socket: what the service reports."""
-
-    def __init__(self) -> None:
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.PULL)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self.url = f"tcp://127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self._codec = protocol.Codec()
-
-    def recv(self, kind: type, timeout_s: float = WAIT_S) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not self._sock.poll(left_ms):
-                raise AssertionError(f"the proxy got no {kind.__name__} within {timeout_s}s")
-            msg = self._codec.unpack(self._sock.recv_multipart())
-            if isinstance(msg, kind):
-                return msg
-
-    def close(self) -> None:
-        self._sock.close()
-        self._ctx.term()
 
 
 @pytest.fixture

@@ -75,7 +75,7 @@ class RequestOutput:
 
     def first_output(self, at_s: float, lease: Lease | None) -> None:
         """The decoding instance sent its first output at ``at_s``, so it has loaded the request's KV:
-        its receive slots are free again (the buffer credit returns now, not at the next heartbeat)."""
+        its commit stops counting against the buffer credit (the decoder announces the freed slots itself)."""
         ctx, m = self._ctx, self._s.metrics
         ctx.timeline.first_decoded_s = at_s
         if ctx.colocated is not None:

@@ -1,20 +1,23 @@
 """Buffer credit: the receive slots the proxy promised requests on a decoder, and what is left.
 
-A decoder announces its free receive slots (``free_slots``, every heartbeat). The proxy keeps a
-:class:`Commit` per request it routed there, and a decoder's credit is
-``announced free slots - promised + returned`` (:func:`free_slots`):
+A decoder announces its free receive slots (``free_slots``): every heartbeat, and at once (at most
+one per 10 ms) whenever slots free up, so a request waiting in admission for a busy buffer hears of
+the slots a moment after the decoder loaded the KV that held them. The proxy keeps a :class:`Commit`
+per request it routed there, and a decoder's credit is ``announced free slots - promised``
+(:func:`free_slots`):
 
-* promised: a commit still counts against the credit until every rank's announcement holds it, i.e.
-  a heartbeat from every rank arrived after its KV settled (ready: every slot it takes is reserved).
-* returned: once the decoder no longer holds the request's KV (the decode loaded it: its first
-  output arrived; the proxy cancelled it; it failed) the commit is returned (:meth:`Lease.return_credit`)
-  and, while the announcements are older than that, its slots count as free again at once.
+* promised: a commit counts against the credit until every rank's announcement holds it, i.e. a
+  heartbeat from every rank arrived after its KV settled (ready: every slot it takes is reserved),
+  and while it is not returned.
+* returned: the decoder no longer holds the request's KV (the decode loaded it: its first output
+  arrived; the proxy cancelled it; it failed; :meth:`Lease.return_credit`). A returned commit no
+  longer counts against the credit, and never adds to it: whether the slots are free again is the
+  decoder's to say (its announcement after the release), since an announcement the proxy hears
+  before the first output may already count them free.
 * a returned commit is forgotten once a heartbeat from every rank arrived after it was returned.
 
-Errors lean towards too little credit (a commit that was partly reserved counts twice until the
-next heartbeat), with one exception: a heartbeat taken by the decoder between its loading the KV and
-the proxy seeing the first output counts those slots free twice until the next heartbeat; the
-receiver then refuses with ``full`` and the sender retries (``alloc_timeout_s``), nothing fails.
+Errors lean towards too little credit: a commit that was partly reserved when an announcement was
+taken counts twice until its KV settles and the next announcement holds it.
 
 A :class:`Lease` is one request's claim on one instance: in-flight load and, on a decoder, a commit.
 Every change that may free credit is told to the lease's owner (the registry, which tells the
@@ -57,16 +60,13 @@ class LeaseOwner(Protocol):
 
 
 def free_slots(ranks: list[RankInfo], commits: list[Commit]) -> int:
-    """Announced free slots (the fullest rank's) - promised + returned since the announcements."""
+    """Announced free slots (the fullest rank's) - promised and not yet announced or returned."""
     oldest_s = min(r.last_seen_s for r in ranks)
-    newest_s = max(r.last_seen_s for r in ranks)
     free = min(r.free_slots for r in ranks)
     for c in commits:
         announced_held = c.settled_at_s is not None and c.settled_at_s < oldest_s
         if c.returned_at_s is None and not announced_held:
             free -= c.chunks
-        elif c.returned_at_s is not None and announced_held and c.returned_at_s > newest_s:
-            free += c.chunks
     return free
 
 
@@ -109,8 +109,8 @@ class Lease:
             self._commit.settled_at_s = self._registry.now()
 
     def return_credit(self) -> None:
-        """The decoder no longer holds this request's KV (loaded, cancelled or failed): its slots are
-        free again. Idempotent; does not await."""
+        """The decoder no longer holds this request's KV (loaded, cancelled or failed): the commit stops
+        counting against the credit. Idempotent; does not await."""
         commit = self._commit
         if commit is None or commit.returned_at_s is not None:
             return
