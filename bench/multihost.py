@@ -52,6 +52,7 @@ except ImportError:  # run as bench/multihost.py
 logger = logging.getLogger("bench.multihost")
 
 RTTS_MS = (0.0, 1.0, 5.0, 20.0)
+DEFAULT_MODEL = ROOT / "models" / "tiny-llama"
 # The PD path's round trips beyond the single instance's (client <-> proxy is common to both):
 ROUND_TRIPS = [
     {"step": "prefill request", "between": "proxy -> prefiller -> proxy (the first token)", "in_ttft": True},
@@ -70,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--transport", default="nixl", choices=["nixl", "nccl"])
     p.add_argument("--rtts-ms", default=",".join(f"{r:g}" for r in RTTS_MS), help="added round trips, ms")
     p.add_argument("--prompts", type=int, default=16, help="prompts per RTT row (each through PD and single)")
-    p.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-llama")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="default: the tiny model, built when missing")
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "multihost_cpu.json")
     return p.parse_args(argv)
@@ -192,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot build the multi-host rig here: {reason}", file=sys.stderr)
         return 2
     log_dir = (args.log_dir or ROOT / "logs" / f"multihost-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if args.model == DEFAULT_MODEL and not (args.model / "config.json").is_file():  # a fresh checkout
+        from lmcache_p2p.cli.tiny_model import build_tiny_model
+
+        build_tiny_model(args.model, seed=0)
     result: dict = {"meta": collect(), "round_trips": ROUND_TRIPS}
     previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
     result.update({k: previous[k] for k in ("fault_rows", "rtt_rows") if k in previous})
