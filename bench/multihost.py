@@ -113,7 +113,7 @@ def rtt_rows(args: argparse.Namespace, log_dir: Path) -> list[dict]:
     model = args.model.resolve()
     vocab = prompt_vocab(model)
     prompts = make_prompts(vocab, args.prompts, 700, 1000, 16, seed=11)
-    warm = make_prompts(vocab, 4, 100, 300, 4, seed=12)
+    warm = make_prompts(vocab, 4, 700, 1000, 16, seed=12)  # the measured shape: a first long prompt costs more
     rows = []
     with NetRig(hosts_for(1, 1, single=True)) as rig, rig.inside(CLIENT):
         single = single_child(rig, model, log_dir / "single", spec_for(1, 1), cpu_core=0)  # as the prefiller
