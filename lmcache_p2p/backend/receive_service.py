@@ -59,7 +59,7 @@ _POLL_MS = 5
 _EXPIRE_EVERY_S = 0.05
 _SPIN_AFTER_ACTIVITY_S = 1.0  # spin-poll this long after a grant or a landed write, not for a dead sender
 _IDLE_CHECK_EVERY_S = 1.0
-_FREED_ANNOUNCE_GAP_S = 0.01  # freed slots are announced at once, at most once per this gap
+_FREED_ANNOUNCE_GAP_S = 0.025  # freed slots are announced at once, at most once per this gap (40/s per rank)
 
 
 class ReceiveService:

@@ -1,7 +1,7 @@
 """Buffer credit: the receive slots the proxy promised requests on a decoder, and what is left.
 
 A decoder announces its free receive slots (``free_slots``): every heartbeat, and at once (at most
-one per 10 ms) whenever slots free up, so a request waiting in admission for a busy buffer hears of
+one per 25 ms) whenever slots free up, so a request waiting in admission for a busy buffer hears of
 the slots a moment after the decoder loaded the KV that held them. The proxy keeps a :class:`Commit`
 per request it routed there, and a decoder's credit is ``announced free slots - promised``
 (:func:`free_slots`):
