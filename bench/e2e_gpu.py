@@ -414,9 +414,14 @@ def prompt_seed(rate: float) -> int:
     return int(round(rate * 100)) or 7  # rate 0: one request at a time
 
 
+def file_part(key: str) -> str:
+    """A row key as part of a file name: ``16000@0.5/256`` (256 output tokens) -> ``16000@0.5-out256``."""
+    return key.replace("/", "-out")
+
+
 def run_rate(cfg: Config, dep: Deployment, rate: float, key: str | None = None) -> dict[str, Any]:
     result_dir = cfg.log_dir / dep.system
-    name = f"bench-{key or f'r{rate:g}'}.json"
+    name = f"bench-{file_part(key) if key else f'r{rate:g}'}.json"
     traced_from = time.perf_counter()
     seen = len(lookups_in_log(dep.decoder_log)) if dep.decoder_log and dep.decoder_log.exists() else 0
     if dep.has_stats:
@@ -466,7 +471,7 @@ def run_direct(cfg: Config, dep: Deployment, rate: float, key: str | None) -> di
     every chunk (into the send arena) and the sender sends nothing: the engine with LMCache's store alone."""
     port = dict(dep.instances)["prefiller"]
     result_dir = cfg.log_dir / dep.system
-    name = f"bench-direct-{key or f'r{rate:g}'}.json"
+    name = f"bench-direct-{file_part(key) if key else f'r{rate:g}'}.json"
     before = scrape_histograms(port)
     traced_from = time.perf_counter()
     with (result_dir / name.replace(".json", ".log")).open("w") as log:

@@ -8,7 +8,8 @@
 # PLAN: gather (bench/store_gather.py alone), call1 (single vs 1P1D vs direct at 16k/32k, 1P1D with the decoder busy
 # at 16k@0.5, 64k through the 4 GB receive buffer, then the batched gather off: the A/B), call2 (the single instance
 # beside a decoding neighbour; LMCache's PD at 16k; single with the decoder-busy point), call3
-# (--max-num-batched-tokens 16384 for single and 1P1D), credit (1P1D at 32k and 64k: the buffer full for each prompt).
+# (--max-num-batched-tokens 16384 for single and 1P1D), credit (single and 1P1D at 32k and 64k: the buffer full for each prompt), pd16 (LMCache's PD, single
+# and ours at 16k with --max-model-len 20000: LMCache's decoder cannot hold a 64k context beside its buffer).
 # Each pass's results stay in /tmp/long/NAME on the machine (a later call on the same warm machine resumes them);
 # $OUT/results.tgz holds every pass's e2e_gpu.json, parts and pass.log, $OUT/logs-NAME.tgz its server logs.
 set -uo pipefail
@@ -121,10 +122,12 @@ case "${1:-}" in
     attach
     pass neighbour LONG_POINTS="16000:0.5:12" LONG_DIRECT=0 -- --systems single-neighbour ;;
   credit)  # 1P1D where one prompt's KV fills the receive buffer (32k), and past it (64k): the freed-slot announcement
-    pass p2p_credit LONG_POINTS="32000:seq:6,64000:seq:2" -- --systems lmcache_p2p-nixl ;;
+    pass p2p_credit LONG_POINTS="32000:seq:6,64000:seq:2" -- --systems single,lmcache_p2p-nixl ;;
+  pd16)  # LMCache's PD at 16k beside single and ours, one run, a context its decoder's KV cache can hold
+    pass pd16 LONG_POINTS="16000:seq:4" LONG_DIRECT=0 -- --systems lmcache-pd,single,lmcache_p2p-nixl --max-model-len 20000 ;;
   call3)
     pass mnbt LONG_POINTS="$IDLE" LONG_VLLM_ARGS="--max-num-batched-tokens 16384" -- --systems single,lmcache_p2p-nixl ;;
-  *) echo "usage: gpu_long_plan.sh gather|call1|call2|credit|call3" >&2; exit 2 ;;
+  *) echo "usage: gpu_long_plan.sh gather|call1|call2|credit|pd16|call3" >&2; exit 2 ;;
 esac
 # results: one archive of every pass's figures, one per pass of its logs (the device tool returns 8 files)
 (cd /tmp/long && tar -czf "$OUT/results.tgz" --exclude='*/logs' --exclude='*/out/logs.tar.gz' .)

@@ -1,5 +1,6 @@
-"""bench/results/e2e_gpu_long.json from this folder's run4 files (one H200, 2026-12-02): one row per
-(system, prompt tokens, output tokens, rate), the prefill-side overhead against the single instance.
+"""bench/results/e2e_gpu_long.json from this folder's run4 and run5 files (one H200, 2026-12-02): one row per
+(system, prompt tokens, output tokens, rate, run), the prefill-side overhead against the single instance of the
+same run.
 
     python3 bench/results/long_prompts/make_e2e_gpu_long.py
 """
@@ -15,6 +16,14 @@ RUNS = {  # file -> (system label, path in the row: None the row itself, "direct
     "run4_single.json": ("single", None),
     "run4_p2p_batched_gather.json": ("lmcache_p2p-nixl 1P1D (batched gather)", None),
     "run4_p2p_gather_off.json": ("lmcache_p2p-nixl 1P1D (LMCache's gather: batched_gather false)", None),
+}
+# Run 5: each file beside the single instance of the same call (None: no single row of that call).
+RUN5 = {
+    "run5_credit_p2p.json": ("lmcache_p2p-nixl 1P1D (freed-slot announcement)", "run5_credit_single.json"),
+    "run5_credit_single.json": ("single", None),
+    "run5_lmcache_pd16.json": ("LMCache PD 1P1D (--max-model-len 20000)", "run5_single16_mml20000.json"),
+    "run5_single16_mml20000.json": ("single (--max-model-len 20000)", None),
+    "run5_single_neighbour.json": ("single beside a decoding vLLM on the same GPU", None),
 }
 DIRECT = {"run4_p2p_batched_gather.json": "direct to the prefiller (batched gather)",
           "run4_p2p_gather_off.json": "direct to the prefiller (LMCache's gather)"}
@@ -59,6 +68,13 @@ def main() -> None:
             rows.append(row(system, key, r, r, single))
             if name in DIRECT and r.get("direct_prefiller"):
                 rows.append(row(DIRECT[name], key, r, r["direct_prefiller"], single))
+    for r in rows:
+        r["run"] = 4
+    for name, (system, ref) in RUN5.items():
+        data = json.loads((HERE / name).read_text())["rows"]
+        ref_rows = json.loads((HERE / ref).read_text())["rows"] if ref else None
+        for key, r in sorted(data.items()):
+            rows.append({**row(system, key, r, r, ref_rows), "run": 5})
     meta = json.loads((HERE / "run4_meta.json").read_text())
     gather = json.loads((HERE / "run4_store_gather.json").read_text())
     OUT.write_text(json.dumps({"meta": meta, "rows": rows, "store_gather": gather}, indent=1) + "\n")
