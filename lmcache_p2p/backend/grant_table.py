@@ -336,5 +336,9 @@ class GrantTable:
                 req = self.requests.get(req_id)
                 if req is None:
                     continue
+                if req.reported:  # KvReady went out; no decode loaded it, no Cancel came
+                    logger.warning("request %s from %s: %d slot(s) of ready KV freed at lease expiry "
+                                   "(p2p.ready_lease_s): no decode loaded them and no Cancel arrived",
+                                   req_id, req.sender_id, len(slots))
                 self._unindex_locked(req, set(slots))
                 self._fail_locked(req, f"lease expired on {len(slots)} slot(s) (p2p.reserve_lease_s / ready_lease_s)")

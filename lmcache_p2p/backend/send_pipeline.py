@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from lmcache_p2p import protocol
 from lmcache_p2p.backend.send_peers import Peer, PeerSessions, PeerState
@@ -45,6 +45,20 @@ def _grant_problem(slots: Sequence[int], chunks: Sequence[Chunk], peer: Peer) ->
         if nbytes > peer.slot_bytes:  # it would spill into the next slot
             return f"chunk {chunk.key} is {nbytes} bytes but a slot of {peer.target.endpoint} holds {peer.slot_bytes}"
     return ""
+
+
+def _cancel_of_outlived_grant(peer: Peer, msg: protocol.Grant, requests: Iterable[Request],
+                              seq: Iterator[int]) -> protocol.Cancel | None:
+    """The Cancel for a Grant of an Alloc we no longer wait for (its request failed first: an Alloc held up
+    on its way reaches the receiver late), None when there is nothing to free or the id is alive again.
+    Nothing will write those slots: the receiver frees them now rather than at its lease's expiry."""
+    if not any(s >= 0 for s in msg.slots) or peer.state is not PeerState.READY:
+        return None
+    if any(r.wire == msg.req_id and r.target == peer.target for r in requests):
+        return None
+    logger.info("receiver %s granted %d slot(s) to request %s after it ended here: cancelling them",
+                peer.target.endpoint, sum(s >= 0 for s in msg.slots), msg.req_id)
+    return protocol.Cancel(next(seq), msg.req_id, "granted after the sender gave the request up")
 
 
 class AllocPipeline:
@@ -162,6 +176,8 @@ class AllocPipeline:
     def _on_grant(self, peer: Peer, msg: protocol.Grant) -> None:
         req = self._pop_alloc(msg.seq)
         if req is None:
+            if (cancel := _cancel_of_outlived_grant(peer, msg, self.requests.values(), self._seq)) is not None:
+                self._peers.send(peer, cancel)
             return
         batch, req.alloc_batch = req.alloc_batch, None
         asked_at = req.alloc_sent_at  # this Grant's Alloc (one is outstanding per request)

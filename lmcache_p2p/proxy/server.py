@@ -68,6 +68,7 @@ class Proxy:
         self.registry.on_pending.append(self.prober.watch)
         self.registry.on_forgotten.append(self.prober.forget)
         self.registry.on_forgotten.append(self.canceller.forget)
+        self.registry.on_announced.append(self.canceller.heard)
         self.orchestrator = Orchestrator(
             self.registry, Router(settings.policy, settings.prefix), self.waiters, self.upstream, self.canceller,
             self.metrics,

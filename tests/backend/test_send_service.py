@@ -672,3 +672,28 @@ def test_a_sender_starts_nothing_until_start_and_close_is_safe_at_any_point(tran
     assert started.start() is started  # a second start does nothing
     started.close()
     started.close()
+
+
+def test_a_grant_for_a_request_that_already_failed_is_cancelled_at_once(
+        make_service, transport, receiver, chunks) -> None:
+    """An Alloc held up on its way reaches the receiver after the sender gave its request up: the late
+    Grant's slots are cancelled at once (nothing will write them), not left reserved until the lease."""
+    service = make_service(alloc_timeout_s=1.0)
+    service.submit("req-b", receiver.target, chunks.make(1), last=False)
+    receiver.welcome()
+    receiver.grant()
+    service.submit("req-a", receiver.target, chunks.make(2), last=True)
+    first = receiver.recv(protocol.Alloc)
+    receiver.refuse_full(first)
+    retry = receiver.recv(protocol.Alloc)  # answered only after A's credit ran out
+    service.submit("req-b", receiver.target, chunks.make(1), last=False)
+    receiver.grant()  # the peer is alive: only A fails
+    assert receiver.recv(protocol.Cancel, timeout_s=5.0).req_id == "req-a"
+    writes = len(transport.writes)
+    receiver.send(protocol.Grant(retry.seq, retry.req_id, [5, 6], free_slots=0))
+    late = receiver.recv(protocol.Cancel, timeout_s=5.0)
+    assert late.req_id == "req-a" and "granted after" in late.reason
+    assert len(transport.writes) == writes, "a write was posted into slots of a request that had ended"
+    service.submit("req-b", receiver.target, chunks.make(1), last=True)
+    receiver.grant()
+    wait_for(lambda: service.stats().requests_done == 1, "request B to complete, untouched")

@@ -148,3 +148,77 @@ async def test_cancel_sockets_close_with_the_decoder_and_after_close_cancels_are
     finally:
         canceller.close()
         await control.close()
+
+
+async def test_cancels_lost_while_a_decoder_was_cut_off_are_sent_again_when_it_is_back():
+    """A decoder whose heartbeats stopped (a cut link) is forgotten; the Cancels sent to it before (queued on a
+    socket that never connected, closed by ``forget``) and while it was away reach it once it announces again."""
+    control = FakeReceiverControl(tp_size=1)
+    now_s = [0.0]
+    registry = Registry(ttl_s=30, clock=lambda: now_s[0])
+    metrics = ProxyMetrics(registry.instances)
+    canceller = KvCanceller(Codec(None), metrics, clock=lambda: now_s[0])
+    registry.on_forgotten.append(canceller.forget)
+    registry.on_announced.append(canceller.heard)
+
+    def announce(port: int):
+        return registry.announce(Announce(
+            version=PROTOCOL_VERSION, instance_id="d", role="receiver", http_url="http://127.0.0.1:1", tp_rank=0,
+            tp_size=1, control_host="127.0.0.1", control_port=port, transport_port=1))
+
+    try:
+        unreachable = announce(control.port + 1 if control.port < 65535 else control.port - 1)  # nothing listens
+        canceller.cancel(unreachable, "before-cut", "test")
+        now_s[0] += 31
+        registry.evict_expired()  # forgotten: its socket, with the Cancel queued, is closed
+        canceller.cancel(unreachable, "while-away", "test")
+        assert canceller.open_sockets == 0
+        await asyncio.sleep(0.2)
+        assert control.cancels == []
+        now_s[0] += 10
+        back = announce(control.port)
+        await eventually(lambda: [m.req_id for _, m in control.cancels] == ["before-cut", "while-away"])
+        canceller.cancel(back, "after", "test")
+        announce(control.port)  # a heartbeat: nothing owed twice
+        await eventually(lambda: [m.req_id for _, m in control.cancels][2:] == ["after"])
+        await asyncio.sleep(0.2)
+        assert len(control.cancels) == 3
+        value = metrics.registry.get_sample_value
+        assert value("lmcache_p2p_proxy_kv_cancels_total", {"result": "replayed"}) == 2
+        assert value("lmcache_p2p_proxy_kv_cancels_total", {"result": "deferred"}) == 1
+    finally:
+        canceller.close()
+        await control.close()
+
+
+async def test_cancels_older_than_the_replay_window_are_not_sent_again():
+    from lmcache_p2p.proxy.handover.cancel import REPLAY_WINDOW_S
+
+    control = FakeReceiverControl(tp_size=1)
+    now_s = [0.0]
+    registry = Registry(ttl_s=30, clock=lambda: now_s[0])
+    canceller = KvCanceller(Codec(None), ProxyMetrics(registry.instances), clock=lambda: now_s[0])
+    registry.on_forgotten.append(canceller.forget)
+    registry.on_announced.append(canceller.heard)
+
+    def announce():
+        return registry.announce(Announce(
+            version=PROTOCOL_VERSION, instance_id="d", role="receiver", http_url="http://127.0.0.1:1", tp_rank=0,
+            tp_size=1, control_host="127.0.0.1", control_port=control.port, transport_port=1))
+
+    try:
+        decoder = announce()
+        canceller.cancel(decoder, "old", "test")
+        await eventually(lambda: len(control.cancels) == 1)
+        now_s[0] += REPLAY_WINDOW_S - 20
+        canceller.cancel(decoder, "recent", "test")
+        await eventually(lambda: len(control.cancels) == 2)
+        now_s[0] += 31
+        registry.evict_expired()
+        announce()
+        await eventually(lambda: len(control.cancels) == 3)
+        await asyncio.sleep(0.2)
+        assert [m.req_id for _, m in control.cancels] == ["old", "recent", "recent"]
+    finally:
+        canceller.close()
+        await control.close()

@@ -12,21 +12,32 @@ forgets the decoder. Nothing here waits: sends are NOBLOCK, and a Cancel that ca
 dropped and counted (the receiver's lease expiry frees the slots anyway); replies are read, without
 waiting, before each send (an ``ErrorReply`` is logged at WARNING once per socket: usually a
 shared-secret mismatch).
+
+A decoder the registry forgot (its heartbeats stopped: a cut link, a partition) may come back with
+the KV of requests the proxy gave up on while it was away, and the Cancels sent to it meanwhile
+are gone: queued on the socket that ``forget`` closed, or in the kernel buffer of a connection
+that died. So each decoder's Cancels of the last ``REPLAY_WINDOW_S`` are kept, and when a rank of
+a forgotten decoder announces itself again they are sent to it once more (a Cancel is idempotent on
+the receiver; one for KV already loaded frees nothing). Cancels meant for a forgotten decoder are
+only kept, for that replay.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from lmcache_p2p.config import ZMQ_HEARTBEAT_IVL_MS, ZMQ_HEARTBEAT_TIMEOUT_MS, Role
 from lmcache_p2p.errors import ProtocolError
-from lmcache_p2p.config import ZMQ_HEARTBEAT_IVL_MS, ZMQ_HEARTBEAT_TIMEOUT_MS
 from lmcache_p2p.protocol import MAX_MESSAGE_BYTES, Cancel, Codec, ErrorReply, rejection_of
 from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
 from lmcache_p2p.proxy.router.registry import Instance
@@ -34,6 +45,8 @@ from lmcache_p2p.proxy.router.registry import Instance
 logger = logging.getLogger(__name__)
 
 _SEND_HWM = 1000  # Cancels queued per rank while its receiver is unreachable; more are dropped
+REPLAY_WINDOW_S = 300.0  # longer than a receiver's default leases (ready_lease_s 120 s, reserve_lease_s 60 s)
+_REPLAY_MAX = 4096  # Cancels kept per decoder for the replay
 
 
 @dataclasses.dataclass(eq=False)
@@ -44,14 +57,26 @@ class _RankSocket:
     refusals: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Sent:
+    at_s: float
+    req_id: str
+    reason: str
+
+
 class KvCanceller:
-    def __init__(self, codec: Codec, metrics: ProxyMetrics) -> None:
+    def __init__(self, codec: Codec, metrics: ProxyMetrics, clock: Callable[[], float] = time.monotonic) -> None:
         self._codec = codec
         self._metrics = metrics
+        self._clock = clock
         self._ctx: zmq.asyncio.Context | None = None
         self._sockets: dict[Instance, dict[int, _RankSocket]] = {}
         self._seq = itertools.count(1)
         self._closed = False
+        # instance_id -> its latest Cancels; instance_id -> the forgotten Instance; (instance_id, rank) -> owed
+        self._recent: dict[str, collections.deque[_Sent]] = {}
+        self._away: dict[str, Instance] = {}
+        self._owed: dict[tuple[str, int], list[_Sent]] = {}
 
     @property
     def open_sockets(self) -> int:
@@ -59,16 +84,64 @@ class KvCanceller:
 
     def cancel(self, decoder: Instance, req_id: str, reason: str) -> None:
         """Ask every TP rank of ``decoder`` to drop ``req_id``'s KV; never waits (safe in a cancelled task)."""
+        if self._closed:
+            self._metrics.kv_cancels.labels("dropped").inc(decoder.tp_size)
+            return
+        entry = _Sent(self._clock(), req_id, reason)
+        recent = self._recent.setdefault(decoder.instance_id, collections.deque(maxlen=_REPLAY_MAX))
+        recent.append(entry)
+        if self._away.get(decoder.instance_id) is decoder:  # forgotten: kept for when it is back
+            for rank in range(decoder.tp_size):
+                self._owed.setdefault((decoder.instance_id, rank), []).append(entry)
+            self._metrics.kv_cancels.labels("deferred").inc(decoder.tp_size)
+            return
         for rank in range(decoder.tp_size):
-            sent = self._send(decoder, rank, Cancel(seq=next(self._seq), req_id=req_id, reason=reason))
-            self._metrics.kv_cancels.labels("sent" if sent else "dropped").inc()
+            self._count(self._send(decoder, rank, Cancel(seq=next(self._seq), req_id=req_id, reason=reason)))
         logger.debug("cancelled KV of %s on decoder %s (%d rank(s)): %s", req_id, decoder.instance_id,
                      decoder.tp_size, reason)
 
     def forget(self, decoder: Instance) -> None:
-        """The registry dropped ``decoder``: close its sockets."""
+        """The registry dropped ``decoder``: close its sockets; what was sent to it lately is owed to it."""
         for rs in self._sockets.pop(decoder, {}).values():
             rs.sock.close(linger=0)
+        if decoder.role is not Role.RECEIVER:
+            return
+        horizon = self._clock() - REPLAY_WINDOW_S
+        self._prune(horizon)
+        self._away[decoder.instance_id] = decoder
+        recent = [e for e in self._recent.get(decoder.instance_id, ()) if e.at_s >= horizon]
+        for key in [k for k in self._owed if k[0] == decoder.instance_id]:
+            del self._owed[key]
+        for rank in range(decoder.tp_size):
+            self._owed[(decoder.instance_id, rank)] = list(recent)
+
+    def heard(self, decoder: Instance, rank: int) -> None:
+        """A rank of ``decoder`` announced itself: after an absence, send it the Cancels it is owed."""
+        away = self._away.get(decoder.instance_id)
+        if away is not None and away is not decoder:
+            del self._away[decoder.instance_id]
+        owed = self._owed.pop((decoder.instance_id, rank), None)
+        if not owed:
+            return
+        horizon = self._clock() - REPLAY_WINDOW_S
+        replay = [e for e in owed if e.at_s >= horizon]
+        for e in replay:
+            self._count(self._send(decoder, rank, Cancel(seq=next(self._seq), req_id=e.req_id, reason=e.reason)),
+                        replayed=True)
+        if replay:
+            logger.info("decoder %s rank %d is back: %d Cancel(s) of KV given up while it was away sent again",
+                        decoder.instance_id, rank, len(replay))
+
+    def _prune(self, horizon: float) -> None:
+        """Forget what is owed to, and was sent to, decoders not heard of within the window."""
+        for instance_id in [i for i, recent in self._recent.items() if not recent or recent[-1].at_s < horizon]:
+            del self._recent[instance_id]
+            self._away.pop(instance_id, None)
+            for key in [k for k in self._owed if k[0] == instance_id]:
+                del self._owed[key]
+
+    def _count(self, sent: bool, replayed: bool = False) -> None:
+        self._metrics.kv_cancels.labels(("replayed" if replayed else "sent") if sent else "dropped").inc()
 
     def close(self) -> None:
         """Close every socket and the context; idempotent. Later cancels are dropped."""

@@ -69,6 +69,7 @@ class Registry:
         self._drained: dict[str, float] = {}  # instance_id -> last heartbeat, for operator-drained ones
         self.on_pending: list[InstanceCallback] = []  # an instance needs a health probe
         self.on_forgotten: list[InstanceCallback] = []  # an instance was dropped from the registry
+        self.on_announced: list[Callable[[Instance, int], None]] = []  # a rank of an instance announced itself
         self.on_credit: list[CreditCallback] = []  # decoder credit or load may have freed: admit waiters
         self._pairing = PairingCheck(ttl_s, clock)
 
@@ -127,6 +128,8 @@ class Registry:
         inst._absorb_commits()
         if fresh or moved or restarted:
             self._set_pending(inst)
+        for listener in self.on_announced:
+            listener(inst, msg.tp_rank)
         self._credit_changed()
         return inst
 
