@@ -71,7 +71,8 @@ class ProxyMetrics:
                                  ["phase"], registry=r)
         self.kv_cancels = Counter(_PREFIX + "kv_cancels",
                                   "Cancel messages to decoder ranks for KV the proxy will not use, by result "
-                                  "(sent, dropped, refused)", ["result"], registry=r)
+                                  "(sent, dropped, refused; deferred: kept for a forgotten decoder; "
+                                  "replayed: sent again to a decoder back after being forgotten)", ["result"], registry=r)
         self.colocated = Counter(_PREFIX + "colocated",
                                  "Requests served whole by one instance, no KV transfer, by reason (see router/routing.py) "
                                  "and the serving instance's role", ["reason", "role"], registry=r)
