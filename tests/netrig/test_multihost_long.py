@@ -43,8 +43,8 @@ CASES = [(dep, name) for dep, (*_, names) in DEPLOYMENTS.items() for name in nam
 def rows(request, tiny_model_dir, tmp_path_factory):
     if REASON:
         pytest.skip(REASON)
+    from mh_cluster import CLIENT, hosts_for  # first: it puts tests/faults on sys.path
     from fault_suite import print_table
-    from mh_cluster import CLIENT, hosts_for
     from net_suite import open_deployment
 
     dep_name = request.param
