@@ -62,6 +62,9 @@ class Workload:
     stream: list[Prompt]  # short prompt, long output: a stream to cut
     model_b: Path | None = None  # same tokenizer, other weights
     shared: list[Prompt] = dataclasses.field(default_factory=list)  # few 3-chunk prefixes, many suffixes
+    # Prompts no instance has seen, taken a slice per use: a check that the returning instance serves
+    # again, which the prefix router cannot answer from the caches of the instances that stayed.
+    fresh: list[Prompt] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -80,6 +80,11 @@ def attach_references(w: Workload, model: Path, log_dir: Path, cache_dir: Path |
                                  cache_dir)
         for p, ids in zip(w.shared, refs["a"]):
             p.reference["a"] = tuple(ids)
+    if w.fresh:  # its own reference set too
+        refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in w.fresh], log_dir, SPEC,
+                                 cache_dir)
+        for p, ids in zip(w.fresh, refs["a"]):
+            p.reference["a"] = tuple(ids)
     if w.model_b is not None:
         targets = [*w.short, *w.mid]
         refs_b = reference_outputs({"b": w.model_b}, [(list(p.ids), p.max_tokens) for p in targets], log_dir, SPEC,

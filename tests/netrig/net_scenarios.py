@@ -47,9 +47,12 @@ def _back_and_timed(s: Suite, name: str, give_back: Callable[[], None]) -> None:
 
 
 def _tail(s: Suite, name: str) -> tuple[list, int, int]:
-    """After a fault: a short load; (outcomes, lookups on ``name``, of them with KV loaded)."""
+    """After a fault: a short load of prompts no instance has seen (the prefix router would send prompts
+    seen during the fault to the instances that served them); (outcomes, lookups on ``name``, of them
+    with KV loaded)."""
     offset = len(s.c.lookups(name))
-    outcomes = s.load(cycle(s.w.mid, 8), 4)
+    prompts, s.w.fresh = s.w.fresh[:8], s.w.fresh[8:]
+    outcomes = s.load(prompts if len(prompts) == 8 else cycle(s.w.mid, 8), 4)
     lookups, loaded = s.kv_hits_since(name, offset)
     return outcomes, lookups, loaded
 

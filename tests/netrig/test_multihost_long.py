@@ -39,10 +39,15 @@ DEPLOYMENTS = {
 CASES = [(dep, name) for dep, (*_, names) in DEPLOYMENTS.items() for name in names]
 
 
+_RUN: dict[str, dict] = {}  # deployment -> its rows: pytest sets the fixture up again for each case
+
+
 @pytest.fixture(scope="module")
 def rows(request, tiny_model_dir, tmp_path_factory):
     if REASON:
         pytest.skip(REASON)
+    if request.param in _RUN:
+        return _RUN[request.param]
     from mh_cluster import CLIENT, hosts_for  # first: it puts tests/faults on sys.path
     from fault_suite import print_table
     from net_suite import open_deployment
@@ -57,6 +62,7 @@ def rows(request, tiny_model_dir, tmp_path_factory):
                 dep.run_named(name)
     print(f"\n{dep_name} across hosts, logs in {log_dir}")
     print_table(list(dep.rows.values()))
+    _RUN[dep_name] = dep.rows
     return dep.rows
 
 
