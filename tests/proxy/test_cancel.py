@@ -150,21 +150,31 @@ async def test_cancel_sockets_close_with_the_decoder_and_after_close_cancels_are
         await control.close()
 
 
-async def test_cancels_lost_while_a_decoder_was_cut_off_are_sent_again_when_it_is_back():
-    """A decoder whose heartbeats stopped (a cut link) is forgotten; the Cancels sent to it before (queued on a
-    socket that never connected, closed by ``forget``) and while it was away reach it once it announces again."""
-    control = FakeReceiverControl(tp_size=1)
-    now_s = [0.0]
+def _registry_and_canceller(now_s: list[float]) -> tuple[Registry, KvCanceller, ProxyMetrics]:
+    """A registry on a test clock whose forgotten and announced decoders its canceller hears of."""
     registry = Registry(ttl_s=30, clock=lambda: now_s[0])
     metrics = ProxyMetrics(registry.instances)
     canceller = KvCanceller(Codec(None), metrics, clock=lambda: now_s[0])
     registry.on_forgotten.append(canceller.forget)
     registry.on_announced.append(canceller.heard)
+    return registry, canceller, metrics
+
+
+def _announce_decoder(registry: Registry, port: int):
+    return registry.announce(Announce(
+        version=PROTOCOL_VERSION, instance_id="d", role="receiver", http_url="http://127.0.0.1:1", tp_rank=0,
+        tp_size=1, control_host="127.0.0.1", control_port=port, transport_port=1))
+
+
+async def test_cancels_lost_while_a_decoder_was_cut_off_are_sent_again_when_it_is_back():
+    """A decoder whose heartbeats stopped (a cut link) is forgotten; the Cancels sent to it before (queued on a
+    socket that never connected, closed by ``forget``) and while it was away reach it once it announces again."""
+    control = FakeReceiverControl(tp_size=1)
+    now_s = [0.0]
+    registry, canceller, metrics = _registry_and_canceller(now_s)
 
     def announce(port: int):
-        return registry.announce(Announce(
-            version=PROTOCOL_VERSION, instance_id="d", role="receiver", http_url="http://127.0.0.1:1", tp_rank=0,
-            tp_size=1, control_host="127.0.0.1", control_port=port, transport_port=1))
+        return _announce_decoder(registry, port)
 
     try:
         unreachable = announce(control.port + 1 if control.port < 65535 else control.port - 1)  # nothing listens
@@ -196,15 +206,10 @@ async def test_cancels_older_than_the_replay_window_are_not_sent_again():
 
     control = FakeReceiverControl(tp_size=1)
     now_s = [0.0]
-    registry = Registry(ttl_s=30, clock=lambda: now_s[0])
-    canceller = KvCanceller(Codec(None), ProxyMetrics(registry.instances), clock=lambda: now_s[0])
-    registry.on_forgotten.append(canceller.forget)
-    registry.on_announced.append(canceller.heard)
+    registry, canceller, _ = _registry_and_canceller(now_s)
 
     def announce():
-        return registry.announce(Announce(
-            version=PROTOCOL_VERSION, instance_id="d", role="receiver", http_url="http://127.0.0.1:1", tp_rank=0,
-            tp_size=1, control_host="127.0.0.1", control_port=control.port, transport_port=1))
+        return _announce_decoder(registry, control.port)
 
     try:
         decoder = announce()

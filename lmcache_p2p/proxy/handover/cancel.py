@@ -73,10 +73,9 @@ class KvCanceller:
         self._sockets: dict[Instance, dict[int, _RankSocket]] = {}
         self._seq = itertools.count(1)
         self._closed = False
-        # instance_id -> its latest Cancels; instance_id -> the forgotten Instance; (instance_id, rank) -> owed
+        # instance_id -> its latest Cancels; instance_id -> (the forgotten Instance, its ranks not heard since)
         self._recent: dict[str, collections.deque[_Sent]] = {}
-        self._away: dict[str, Instance] = {}
-        self._owed: dict[tuple[str, int], list[_Sent]] = {}
+        self._away: dict[str, tuple[Instance, set[int]]] = {}
 
     @property
     def open_sockets(self) -> int:
@@ -87,12 +86,10 @@ class KvCanceller:
         if self._closed:
             self._metrics.kv_cancels.labels("dropped").inc(decoder.tp_size)
             return
-        entry = _Sent(self._clock(), req_id, reason)
         recent = self._recent.setdefault(decoder.instance_id, collections.deque(maxlen=_REPLAY_MAX))
-        recent.append(entry)
-        if self._away.get(decoder.instance_id) is decoder:  # forgotten: kept for when it is back
-            for rank in range(decoder.tp_size):
-                self._owed.setdefault((decoder.instance_id, rank), []).append(entry)
+        recent.append(_Sent(self._clock(), req_id, reason))
+        away = self._away.get(decoder.instance_id)
+        if away is not None and away[0] is decoder:  # forgotten: kept for when it is back
             self._metrics.kv_cancels.labels("deferred").inc(decoder.tp_size)
             return
         for rank in range(decoder.tp_size):
@@ -101,30 +98,23 @@ class KvCanceller:
                      decoder.tp_size, reason)
 
     def forget(self, decoder: Instance) -> None:
-        """The registry dropped ``decoder``: close its sockets; what was sent to it lately is owed to it."""
+        """The registry dropped ``decoder``: close its sockets; its Cancels of the window are owed to it."""
         for rs in self._sockets.pop(decoder, {}).values():
             rs.sock.close(linger=0)
-        if decoder.role is not Role.RECEIVER:
-            return
-        horizon = self._clock() - REPLAY_WINDOW_S
-        self._prune(horizon)
-        self._away[decoder.instance_id] = decoder
-        recent = [e for e in self._recent.get(decoder.instance_id, ()) if e.at_s >= horizon]
-        for key in [k for k in self._owed if k[0] == decoder.instance_id]:
-            del self._owed[key]
-        for rank in range(decoder.tp_size):
-            self._owed[(decoder.instance_id, rank)] = list(recent)
+        if decoder.role is Role.RECEIVER:
+            self._prune(self._clock() - REPLAY_WINDOW_S)
+            self._away[decoder.instance_id] = (decoder, set(range(decoder.tp_size)))
 
     def heard(self, decoder: Instance, rank: int) -> None:
-        """A rank of ``decoder`` announced itself: after an absence, send it the Cancels it is owed."""
+        """A rank of ``decoder`` announced itself: after an absence, send it the Cancels of the window again."""
         away = self._away.get(decoder.instance_id)
-        if away is not None and away is not decoder:
-            del self._away[decoder.instance_id]
-        owed = self._owed.pop((decoder.instance_id, rank), None)
-        if not owed:
+        if away is None or away[0] is decoder or rank not in away[1]:
             return
+        away[1].discard(rank)
+        if not away[1]:
+            del self._away[decoder.instance_id]
         horizon = self._clock() - REPLAY_WINDOW_S
-        replay = [e for e in owed if e.at_s >= horizon]
+        replay = [e for e in self._recent.get(decoder.instance_id, ()) if e.at_s >= horizon]
         for e in replay:
             self._count(self._send(decoder, rank, Cancel(seq=next(self._seq), req_id=e.req_id, reason=e.reason)),
                         replayed=True)
@@ -133,12 +123,11 @@ class KvCanceller:
                         decoder.instance_id, rank, len(replay))
 
     def _prune(self, horizon: float) -> None:
-        """Forget what is owed to, and was sent to, decoders not heard of within the window."""
+        """Forget decoders not sent a Cancel within the window: nothing of theirs would be replayed."""
         for instance_id in [i for i, recent in self._recent.items() if not recent or recent[-1].at_s < horizon]:
             del self._recent[instance_id]
-            self._away.pop(instance_id, None)
-            for key in [k for k in self._owed if k[0] == instance_id]:
-                del self._owed[key]
+        for instance_id in [i for i in self._away if i not in self._recent]:
+            del self._away[instance_id]
 
     def _count(self, sent: bool, replayed: bool = False) -> None:
         self._metrics.kv_cancels.labels(("replayed" if replayed else "sent") if sent else "dropped").inc()
