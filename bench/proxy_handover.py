@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -62,10 +63,11 @@ from proxy.fakes import FakeAgent, KvNetwork  # noqa: E402  (tests/ is on the pa
 BASELINE_REF = "527db97"  # main before this work (branch fast's base)
 _CLIENT_TIMEOUT_S = 60.0
 _PROMPT_TOKENS = 64
+_KEY_IDS = 16  # a prompt's first ids name its request (unique per request in both prompt kinds)
 
 
 def _key(prompt: list[int]) -> tuple[int, ...]:
-    return tuple(prompt[:4])
+    return tuple(prompt[:_KEY_IDS])
 
 
 class StampedVllm(PacedVllm):
@@ -116,11 +118,40 @@ class _Replay:
 def _prompt(n: int) -> list[int]:
     """A unique token-id prompt per request ``n`` (its first 4 ids, base 90, are the key)."""
     digits = [(n // 90 ** i) % 90 + 10 for i in range(4)]
-    return digits + [(n * 7 + i) % 90 + 10 for i in range(_PROMPT_TOKENS - 4)]
+    return digits + [(n * 7 + i) % 90 + 10 for i in range(_PROMPT_TOKENS - 4)]  # ids 5..16 follow from n too
+
+
+class TextPrompts:
+    """``--text-prompts``: unique text prompts of about ``_PROMPT_TOKENS`` tokens, which the proxy tokenizes
+    (as a client of a real deployment sends them); each keyed by its first ids as the proxy's tokenizer
+    (the same folder) makes them, which is what the fake prefiller sees. ``words``: English words;
+    ``random``: as ``vllm bench serve --dataset-name random`` makes them (random ids to text: full of
+    U+FFFD, bytes that are no character), what the GPU passes send."""
+
+    def __init__(self, tokenizer_dir: str, kind: str) -> None:
+        from transformers import AutoTokenizer
+        self._tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self._kind = kind
+        words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly bears "
+        per_copy = len(self._tok.encode(words, add_special_tokens=False))
+        self._filler = words * max(1, _PROMPT_TOKENS // per_copy)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text))
+
+    def make(self, n: int) -> tuple[str, tuple[int, ...]]:
+        if self._kind == "random":
+            rng = random.Random(n)
+            body = self._tok.decode([rng.randrange(4, len(self._tok)) for _ in range(_PROMPT_TOKENS)])
+        else:
+            body = self._filler
+        text = f"request {n} says: " + body
+        return text, _key(self.encode(text))
 
 
 class Clients:
-    def __init__(self) -> None:
+    def __init__(self, text: TextPrompts | None = None) -> None:
+        self._text = text
         self.first_s: dict[tuple[int, ...], float] = {}
         self.second_s: dict[tuple[int, ...], float] = {}
         self.measured: set[tuple[int, ...]] = set()
@@ -129,9 +160,13 @@ class Clients:
         self.measuring = False
         self._next = 0
 
-    def next_prompt(self, base: int) -> list[int]:
+    def next_prompt(self, base: int) -> tuple[list[int] | str, tuple[int, ...]]:
+        """The next prompt (token ids, or text with ``--text-prompts``) and its key."""
         self._next += 1
-        return _prompt(base + self._next)
+        if self._text is not None:
+            return self._text.make(base + self._next)
+        prompt = _prompt(base + self._next)
+        return prompt, _key(prompt)
 
     def fail(self, what: str) -> None:
         self.failed += 1
@@ -142,8 +177,7 @@ async def client_loop(client: httpx.AsyncClient, clients: Clients, stop_at: floa
                       base: int) -> None:
     clock = time.perf_counter
     while clock() < stop_at:
-        prompt = clients.next_prompt(base)
-        key = _key(prompt)
+        prompt, key = clients.next_prompt(base)
         body = {"model": "fake-model", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                 "stream": True}
         measuring = clients.measuring
@@ -177,8 +211,8 @@ def _ms(values: list[float]) -> dict[str, float]:
 
 
 async def measure(proxy: ProxyChild, prefill: StampedVllm, decoder: StampedVllm, args: argparse.Namespace,
-                  streams: int) -> dict[str, Any]:
-    clients = Clients()
+                  streams: int, text: TextPrompts | None) -> dict[str, Any]:
+    clients = Clients(text)
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
     async with httpx.AsyncClient(base_url=proxy.url, timeout=_CLIENT_TIMEOUT_S, trust_env=False,
                                  limits=limits) as client:
@@ -232,14 +266,19 @@ async def run_variant(name: str, rep: int, pythonpath: str, tokenizer_dir: str, 
     network = KvNetwork()
     nodes: list[tuple[StampedVllm, FakeAgent]] = []
     heartbeat: asyncio.Task[None] | None = None
+    text = TextPrompts(tokenizer_dir, args.text_prompts) if args.text_prompts else None
     try:
         prefill = StampedVllm("prefill-0")
         prefill.model = fixed_model
+        if text is not None:  # the proxy keeps its tokenizer only when the instances tokenize as it does
+            prefill.encode = text.encode
         await prefill.server.start()
         prefill.kv_sink = network.deliver
         nodes.append((prefill, FakeAgent(proxy.control, "sender", prefill.url)))
         decoder = StampedVllm("decode-0")
         decoder.model = fixed_model
+        if text is not None:
+            decoder.encode = text.encode
         decoder.step_s = args.token_delay_ms / 1e3
         await decoder.server.start()
         agent = FakeAgent(proxy.control, "receiver", decoder.url, base_port=23000, capacity_slots=1 << 16)
@@ -254,7 +293,7 @@ async def run_variant(name: str, rep: int, pythonpath: str, tokenizer_dir: str, 
             await _first_request(proxy.url)
         rows = []
         for streams in args.streams:
-            row = await measure(proxy, prefill, decoder, args, streams)
+            row = await measure(proxy, prefill, decoder, args, streams, text)
             rows.append({"variant": name, "workers": workers, "rep": rep, **row})
             print(_fmt(rows[-1]), flush=True)
         return rows
@@ -317,6 +356,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=_PROMPT_TOKENS,
                    help="token ids per prompt (default %(default)s; a long prompt's first byte: e.g. 16000)")
+    p.add_argument("--text-prompts", choices=("words", "random"), default=None,
+                   help="text prompts (the proxy tokenizes them, as for a real client) instead of token ids: "
+                        "English words, or random ids made text as vllm bench's random dataset does")
     p.add_argument("--token-delay-ms", type=float, default=10.0, help="the fake decoder's step after its first token")
     p.add_argument("--kv-delay-ms", type=float, default=0.0, help="KV ready this long after the prefill answered")
     p.add_argument("--warmup-s", type=float, default=1.5)

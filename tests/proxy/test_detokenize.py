@@ -166,3 +166,38 @@ def test_a_prompt_ending_mid_character_keeps_its_whole_context(hf_tokenizer, tok
     outputs = hf_tokenizer.encode("中", add_special_tokens=False)[2:] + hf_tokenizer.encode(" ka", add_special_tokens=False)
     assert proxy_text(tokenizer, prompt_ids, outputs, TextParams()) == vllm_text(hf_tokenizer, prompt_ids, outputs,
                                                                                  TextParams())
+
+
+def random_dataset_prompt(hf, seed: int, n: int) -> list[int]:
+    """A prompt as ``vllm bench serve --dataset-name random`` makes one: random ids to text, the text tokenized
+    again. Its text is full of U+FFFD (bytes that are no character), so no short suffix is free of one."""
+    rng = random.Random(seed)
+    return hf.encode(hf.decode([rng.randrange(4, len(hf)) for _ in range(n)]))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_prompt_full_of_replacement_characters_gets_vllms_text_from_a_bounded_context(
+        hf_tokenizer, tokenizer, seed, monkeypatch):
+    import tokenizers.decoders
+
+    prompt_ids = random_dataset_prompt(hf_tokenizer, seed, 3000)
+    if seed % 4 == 0:  # literal U+FFFD characters in ordinary text, some right before the end
+        prompt_ids = hf_tokenizer.encode(LONG_PROMPT + " \ufffd\ufffd x\ufffd" * (1 + seed // 4) + " end")
+    prompt_text = hf_tokenizer.decode(prompt_ids)
+    assert "\ufffd" in prompt_text[-200:]
+    params = TextParams(skip_special_tokens=seed % 3 != 0)
+    outputs = random_outputs(hf_tokenizer, seed, 30)
+    expected = vllm_text(hf_tokenizer, prompt_ids, outputs, params)
+    primed: list[int] = []
+    real = tokenizers.decoders.DecodeStream
+
+    def recording(ids=None, **kwargs):
+        primed.append(len(ids or []))
+        return real(ids=ids, **kwargs) if ids is not None else real(**kwargs)
+
+    monkeypatch.setattr(tokenizers.decoders, "DecodeStream", recording)
+    assert proxy_text(tokenizer, prompt_ids, outputs, params) == expected
+    if prompt_text.endswith("\ufffd"):  # ends mid-character (or with a literal one): vLLM's whole prompt
+        assert max(primed) == len(prompt_ids)
+    else:
+        assert primed and max(primed) <= 64

@@ -6,8 +6,8 @@ decoder's text and detokenizes the output token ids itself, with the request's p
 context. This module is a faithful copy of vLLM 0.32's ``vllm/v1/engine/detokenizer.py``
 (``BaseIncrementalDetokenizer`` + ``FastIncrementalDetokenizer`` + ``check_stop_strings``):
 
-* ``tokenizers.decoders.DecodeStream`` primed with the prompt's last ids (``prompt_context``), stepped
-  once per output token;
+* ``tokenizers.decoders.DecodeStream`` primed with the prompt's last ids (``prompt_context``: as few as
+  give the text of vLLM's stream, which it primes with the whole prompt), stepped once per output token;
   ``skip_special_tokens`` (default true) and ``spaces_between_special_tokens`` (default true)
   as in vLLM's sampling params;
 * a token that ended the output (EOS / ``stop_token_ids``: the engine's ``stop_terminated``) is
@@ -33,7 +33,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _INVALID_PREFIX_ERR_MSG = "Invalid prefix encountered"  # tokenizers' DecodeStream error that vLLM works around
-_CONTEXT_MAX_IDS = 23  # the longest prompt suffix tried before the whole prompt primes the decode stream
+_CONTEXT_MAX_IDS = 23  # the longest prompt suffix tried without U+FFFD in its text (``prompt_context``)
+_BOUNDARY_MAX_IDS = 64  # the longest suffix tried that starts on a character boundary
+_BOUNDARY_CHECK_IDS = 8  # the ids before such a suffix whose text it must end (> a character's 4 bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,12 +159,29 @@ class OutputText:
 
 
 def prompt_context(tokenizer: Any, prompt_ids: Sequence[int], params: TextParams) -> list[int]:
-    """The prompt's last ids the decode stream needs: the shortest suffix of 4 to 23 ids that decodes to whole
-    characters (vLLM's rule before its DecodeStream), else the whole prompt. The stream's first step decodes
-    all it was primed with, so priming with a whole long prompt would put its decode before the first token."""
+    """The prompt's last ids the decode stream needs, as few as give the text vLLM makes with the whole prompt.
+
+    vLLM 0.32 primes its stream with the whole prompt; the stream's first step decodes all it was primed
+    with, twice, so a whole long prompt would put O(prompt) work (~10 ms per 16k ids) before the first token.
+    What an output token's text depends on is where the prompt's text ends, not where it starts, so a
+    suffix that decodes to the end of the prompt's own text gives the same deltas:
+
+    * the shortest suffix of 4 to 23 ids whose text has no U+FFFD (vLLM's rule before it primed natively);
+    * else (U+FFFD in the prompt's text: literal, or bytes that are no character, as in prompts of random
+      token ids) the shortest suffix of up to 64 ids whose text does not end in U+FFFD and is the end of
+      the text of 8 more ids (so it starts on a character boundary);
+    * else (the prompt's text ends in U+FFFD: it ends mid-character, or with a literal one) the whole
+      prompt, as vLLM: its stream then has no prefix to subtract and the first text holds the context's.
+    """
     ids = list(prompt_ids)
+    skip = params.skip_special_tokens
     for n in range(4, min(len(ids), _CONTEXT_MAX_IDS) + 1):
-        if "\ufffd" not in tokenizer.decode(ids[-n:], skip_special_tokens=params.skip_special_tokens):
+        if "\ufffd" not in tokenizer.decode(ids[-n:], skip_special_tokens=skip):
+            return ids[-n:]
+    for n in range(4, min(len(ids) - _BOUNDARY_CHECK_IDS, _BOUNDARY_MAX_IDS) + 1):
+        text = tokenizer.decode(ids[-n:], skip_special_tokens=skip)
+        if text and not text.endswith("\ufffd") and tokenizer.decode(
+                ids[-n - _BOUNDARY_CHECK_IDS:], skip_special_tokens=skip).endswith(text):
             return ids[-n:]
     return ids
 
