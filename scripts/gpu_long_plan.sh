@@ -8,7 +8,8 @@
 # PLAN: gather (bench/store_gather.py alone), call1 (single vs 1P1D vs direct at 16k/32k, 1P1D with the decoder busy
 # at 16k@0.5, 64k through the 4 GB receive buffer, then the batched gather off: the A/B), call2 (the single instance
 # beside a decoding neighbour; LMCache's PD at 16k; single with the decoder-busy point), call3
-# (--max-num-batched-tokens 16384 for single and 1P1D), credit (single and 1P1D at 32k and 64k: the buffer full for each prompt), pd16 (LMCache's PD, single
+# (--max-num-batched-tokens 16384 for single and 1P1D), detok (single and 1P1D at 16k/32k after the detokenizer's
+# bounded context, the TP engine tests over cuda_ipc, the single instance with 256 outputs), credit (single and 1P1D at 32k and 64k: the buffer full for each prompt), pd16 (LMCache's PD, single
 # and ours at 16k with --max-model-len 20000: LMCache's decoder cannot hold a 64k context beside its buffer).
 # Each pass's results stay in /tmp/long/NAME on the machine (a later call on the same warm machine resumes them);
 # $OUT/results.tgz holds every pass's e2e_gpu.json, parts and pass.log, $OUT/logs-NAME.tgz its server logs.
@@ -49,6 +50,20 @@ gather() {  # the store gather alone (bench/store_gather.py): needs the bundle i
 }
 
 IDLE="16000:seq:8,32000:seq:6"
+
+tp_gpu() {  # issue 20's engine-level TP tests over cuda_ipc (tests/backend/test_engine_tp_gpu.py), pytest from
+  # the carried build/pytest-wheels (the bundle has none); log and junit in /tmp/long/tp_gpu
+  eval "$(bash "$GPU_BUILD/gpu-kit/install_bundle.sh" "$GPU_BUILD/gpu-bundle/bundle.sha")" || return
+  local d=/tmp/long/tp_gpu limit=$(( $(left) - 20 )); mkdir -p $d
+  [ "$limit" -gt 240 ] && limit=240
+  if [ "$limit" -lt 60 ]; then echo "[plan] tp_gpu: skipped, ${limit}s left"; return; fi
+  python3 -m pip install -q --no-index --find-links "$GPU_BUILD/pytest-wheels" --target /tmp/pytest-site \
+    pytest pytest-timeout > $d/pip.log 2>&1 || { tail -3 $d/pip.log; return; }
+  PYTHONPATH="/tmp/pytest-site:$SRC:${PYTHONPATH:-}" timeout -k 10 "$limit" python3 -m pytest -m gpu \
+    tests/backend/test_engine_tp_gpu.py -q -rA -p no:cacheprovider --timeout 200 --junitxml $d/junit.xml \
+    > $d/pytest.log 2>&1
+  echo "[plan] tp_gpu: rc=$? after $(( $(date +%s) - started ))s: $(grep -E '^(PASSED|FAILED|ERROR)|passed|failed' $d/pytest.log | tail -6 | tr '\n' ' ')"
+}
 
 running() {  # rows on the lmcache_p2p deployment a cut call left running: ROW NAME URL TOKENS RATE PROMPTS OUTPUT
   local d=/tmp/long/running m=/tmp/models/llama8b-long
@@ -125,9 +140,14 @@ case "${1:-}" in
     pass p2p_credit LONG_POINTS="32000:seq:6,64000:seq:2" -- --systems single,lmcache_p2p-nixl ;;
   pd16)  # LMCache's PD at 16k beside single and ours, one run, a context its decoder's KV cache can hold
     pass pd16 LONG_POINTS="16000:seq:4" LONG_DIRECT=0 -- --systems lmcache-pd,single,lmcache_p2p-nixl --max-model-len 20000 ;;
+  detok)  # after the detokenizer's bounded context: single beside 1P1D at 16k/32k; the TP engine tests (cuda_ipc);
+    # the single instance decoding 256 tokens of its own (the decoder-busy split)
+    pass detok LONG_POINTS="$IDLE" LONG_DIRECT=0 -- --systems single,lmcache_p2p-nixl
+    tp_gpu
+    pass single_busy LONG_POINTS="16000:0.5:12:256" LONG_DIRECT=0 -- --systems single ;;
   call3)
     pass mnbt LONG_POINTS="$IDLE" LONG_VLLM_ARGS="--max-num-batched-tokens 16384" -- --systems single,lmcache_p2p-nixl ;;
-  *) echo "usage: gpu_long_plan.sh gather|call1|call2|credit|pd16|call3" >&2; exit 2 ;;
+  *) echo "usage: gpu_long_plan.sh gather|call1|call2|credit|pd16|detok|call3" >&2; exit 2 ;;
 esac
 # results: one archive of every pass's figures, one per pass of its logs (the device tool returns 8 files)
 (cd /tmp/long && tar -czf "$OUT/results.tgz" --exclude='*/logs' --exclude='*/out/logs.tar.gz' .)
