@@ -1,4 +1,4 @@
-"""bench/results/e2e_gpu_long.json from this folder's run4 and run5 files (one H200, 2026-12-02): one row per
+"""bench/results/e2e_gpu_long.json from this folder's run4-run6 files (one H200, 2026-12-02/03): one row per
 (system, prompt tokens, output tokens, rate, run), the prefill-side overhead against the single instance of the
 same run.
 
@@ -24,6 +24,13 @@ RUN5 = {
     "run5_lmcache_pd16.json": ("LMCache PD 1P1D (--max-model-len 20000)", "run5_single16_mml20000.json"),
     "run5_single16_mml20000.json": ("single (--max-model-len 20000)", None),
     "run5_single_neighbour.json": ("single beside a decoding vLLM on the same GPU", None),
+}
+# Run 6 (2026-12-03, main c607b7d): after the detokenizer's bounded context; the decoder-busy split side by side.
+RUN6 = {
+    "run6_detok_p2p.json": ("lmcache_p2p-nixl 1P1D (detokenizer's bounded context)", "run6_detok_single.json"),
+    "run6_detok_single.json": ("single", None),
+    "run6_busy_p2p.json": ("lmcache_p2p-nixl 1P1D, decoder busy on the same GPU", "run6_busy_single.json"),
+    "run6_busy_single.json": ("single (decoding its own 256 tokens)", None),
 }
 DIRECT = {"run4_p2p_batched_gather.json": "direct to the prefiller (batched gather)",
           "run4_p2p_gather_off.json": "direct to the prefiller (LMCache's gather)"}
@@ -70,11 +77,12 @@ def main() -> None:
                 rows.append(row(DIRECT[name], key, r, r["direct_prefiller"], single))
     for r in rows:
         r["run"] = 4
-    for name, (system, ref) in RUN5.items():
-        data = json.loads((HERE / name).read_text())["rows"]
-        ref_rows = json.loads((HERE / ref).read_text())["rows"] if ref else None
-        for key, r in sorted(data.items()):
-            rows.append({**row(system, key, r, r, ref_rows), "run": 5})
+    for run, files in ((5, RUN5), (6, RUN6)):
+        for name, (system, ref) in files.items():
+            data = json.loads((HERE / name).read_text())["rows"]
+            ref_rows = json.loads((HERE / ref).read_text())["rows"] if ref else None
+            for key, r in sorted(data.items()):
+                rows.append({**row(system, key, r, r, ref_rows), "run": run})
     meta = json.loads((HERE / "run4_meta.json").read_text())
     gather = json.loads((HERE / "run4_store_gather.json").read_text())
     OUT.write_text(json.dumps({"meta": meta, "rows": rows, "store_gather": gather}, indent=1) + "\n")
