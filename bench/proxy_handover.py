@@ -125,8 +125,9 @@ class TextPrompts:
     """``--text-prompts``: unique text prompts of about ``_PROMPT_TOKENS`` tokens, which the proxy tokenizes
     (as a client of a real deployment sends them); each keyed by its first ids as the proxy's tokenizer
     (the same folder) makes them, which is what the fake prefiller sees. ``words``: English words;
-    ``random``: as ``vllm bench serve --dataset-name random`` makes them (random ids to text: full of
-    U+FFFD, bytes that are no character), what the GPU passes send."""
+    ``random``: as ``vllm bench serve --dataset-name random`` makes them (random ids to text, tokenized and
+    cut to the length, to text again: full of U+FFFD, bytes that are no character, and often ending in one),
+    what the GPU passes send."""
 
     def __init__(self, tokenizer_dir: str, kind: str) -> None:
         from transformers import AutoTokenizer
@@ -143,6 +144,8 @@ class TextPrompts:
         if self._kind == "random":
             rng = random.Random(n)
             body = self._tok.decode([rng.randrange(4, len(self._tok)) for _ in range(_PROMPT_TOKENS)])
+            # and cut to the length again, as vllm bench does: the text then often ends mid-character (U+FFFD)
+            body = self._tok.decode(self._tok.encode(body, add_special_tokens=False)[:_PROMPT_TOKENS])
         else:
             body = self._filler
         text = f"request {n} says: " + body

@@ -201,3 +201,43 @@ def test_a_prompt_full_of_replacement_characters_gets_vllms_text_from_a_bounded_
         assert max(primed) == len(prompt_ids)
     else:
         assert primed and max(primed) <= 64
+
+
+@pytest.mark.parametrize("case", ["random", "random-ends-mid-character", "long", "stop"])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_streaming_side_replays_the_first_token_after_the_first_byte_and_goes_on_as_vllm(
+        hf_tokenizer, tokenizer, case, seed, monkeypatch):
+    """A relay worker's copy of the text (replay of the first token the owner showed) makes nothing until it is
+    primed, then the same deltas as vLLM for every token after the first."""
+    import tokenizers.decoders
+
+    prompt_ids = (hf_tokenizer.encode(LONG_PROMPT) if case in ("long", "stop")
+                  else random_dataset_prompt(hf_tokenizer, seed, 2000))
+    if case == "random-ends-mid-character":
+        prompt_ids += hf_tokenizer.encode("中", add_special_tokens=False)[:2]
+    params = TextParams(stop=("中", "ka")) if case == "stop" else TextParams(skip_special_tokens=seed % 2 == 0)
+    outputs = random_outputs(hf_tokenizer, seed + 100, 30)
+    expected, stop, ids = vllm_text(hf_tokenizer, prompt_ids, outputs, params)
+    if stop is not None and len(expected) == 1:
+        pytest.skip("the first token ended the output: nothing to decode")
+    made: list[int] = []
+    real = tokenizers.decoders.DecodeStream
+
+    def recording(ids=None, **kwargs):
+        made.append(len(ids or []))
+        return real(ids=ids, **kwargs) if ids is not None else real(**kwargs)
+
+    monkeypatch.setattr(tokenizers.decoders, "DecodeStream", recording)
+    text = tokenizer.output_text(prompt_ids, params, replay=[outputs[0]])
+    assert made == []  # nothing detokenized on the first byte's path
+    text.prime()
+    assert len(made) == 1
+    deltas, found = [], None
+    for i, token in enumerate(outputs[1:], start=1):
+        step = text.update([token], stop_terminated=False)
+        found = step.stop_string
+        deltas.append(text.next_delta(finished=found is not None or i == len(outputs) - 1))
+        if found is not None:
+            break
+    assert (deltas, found, text.token_ids) == (expected[1:], stop, ids)
+    assert len(made) == 1

@@ -89,10 +89,9 @@ class ClientFlow:
         self._output_ids = [] if opened.colocated else [first.token_id]
         if opened.proxy_text and opened.tokenizer is not None:
             tokenizer = await self._link.tokenizer(opened.tokenizer, self.handle)
-            self._text = tokenizer.output_text(self.prompt_ids, TextParams.from_body(self.req.body))
-            if not opened.colocated:  # as the owner's copy did for the first token
-                self._text.update([first.token_id], stop_terminated=False)
-                self._text.next_delta(finished=False)
+            # the owner's copy made the first token's text; this one replays it once the first byte is out
+            self._text = tokenizer.output_text(self.prompt_ids, TextParams.from_body(self.req.body),
+                                               replay=() if opened.colocated else [first.token_id])
         return first
 
     @property

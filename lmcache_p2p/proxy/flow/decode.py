@@ -102,6 +102,8 @@ class DecodeSession:
                     events = await stack.enter_async_context(self._upstream.stream_events(
                         target.url, Endpoint.COMPLETIONS.value, target.body, idle_timeout_s=self._idle_timeout_s,
                         headers=self._headers))
+                    if self._text is not None:
+                        self._text.prime()  # while the decoder loads the KV (O(prompt) for some prompts)
                     break
                 except UpstreamConnectError as exc:
                     moved = await self._steps.unreachable(exc)

@@ -17,6 +17,11 @@ context. This module is a faithful copy of vLLM 0.32's ``vllm/v1/engine/detokeni
   ``include_stop_str_in_output``) and tokens after the completing one are dropped;
 * streamed text holds back ``max(len(stop)) - 1`` characters until the output ends, as vLLM does.
 
+The process that streams a decode (a relay worker, or the client side of one process) makes the same text
+again: the request's owner detokenized the first token to answer the prefill. It replays that token only
+when its text is first needed (``replay``, ``OutputText.prime``): after the first token's bytes went out,
+while the decoder loads the KV, not on the first byte's path.
+
 Only fast (``tokenizers``-backed) tokenizers are supported, as vLLM's fast path; see
 ``http/tokenizer.py`` for what happens otherwise.
 """
@@ -72,15 +77,21 @@ class Step:
 class OutputText:
     """The output text of one request, grown token by token (vLLM's incremental detokenizer)."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], params: TextParams) -> None:
-        """``tokenizer``: a ``tokenizers.Tokenizer`` (the fast backend of a Hugging Face tokenizer)."""
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], params: TextParams,
+                 replay: Sequence[int] = ()) -> None:
+        """``tokenizer``: a ``tokenizers.Tokenizer`` (the fast backend of a Hugging Face tokenizer).
+
+        ``replay``: output tokens another process has already shown the client (the first token): they are
+        detokenized at ``prime`` (at the latest, the first ``update``), and their text is not handed out again.
+        """
         import tokenizers.decoders  # lazy: only a proxy with a tokenizer needs it
 
         self._decoders = tokenizers.decoders
         self._tokenizer = tokenizer
         self._params = params
-        self._stream = tokenizers.decoders.DecodeStream(ids=prompt_context(tokenizer, prompt_ids, params),
-                                                        skip_special_tokens=params.skip_special_tokens)
+        self._prompt_ids = prompt_ids
+        self._replay = list(replay)
+        self._stream: Any = None  # the decode stream, made by ``prime``
         self._spaces_between_special = params.skip_special_tokens or params.spaces_between_special_tokens
         self._added: dict[int, str] = {}
         if not self._spaces_between_special:
@@ -92,11 +103,25 @@ class OutputText:
         self.token_ids: list[int] = []
         self.text = ""
         self._sent = 0  # characters already handed out by ``next_delta``
+        if not self._replay:
+            self.prime()
+
+    def prime(self) -> None:
+        """Prime the decode stream with the prompt's context and replay what another process showed (once)."""
+        if self._stream is not None:
+            return
+        self._stream = self._decoders.DecodeStream(ids=prompt_context(self._tokenizer, self._prompt_ids, self._params),
+                                                   skip_special_tokens=self._params.skip_special_tokens)
+        replay, self._replay = self._replay, []
+        if replay:  # as its owner did for the first token: no stop string ended it (a decode follows)
+            self.update(replay, stop_terminated=False)
+            self.next_delta(finished=False)
 
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> Step:
         """Detokenize ``new_token_ids``; ``stop_terminated``: the last one is an EOS / stop token id."""
         if not new_token_ids:
             return Step(0, None)
+        self.prime()
         new = list(new_token_ids)
         skipped = new.pop() if stop_terminated and not self._params.include_stop_str_in_output else None
         num_prev = len(self.token_ids)
@@ -129,6 +154,7 @@ class OutputText:
 
     def next_delta(self, finished: bool) -> str:
         """The text not handed out yet (holding back what may still become a stop string)."""
+        self.prime()
         length = len(self.text) - (0 if finished else self._stop_buffer_length)
         if self._sent < length:
             start, self._sent = self._sent, length

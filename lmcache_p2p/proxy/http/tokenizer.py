@@ -85,8 +85,8 @@ class ProxyTokenizer:
         text = self.hf.apply_chat_template([_string_content(m) for m in body["messages"]], tokenize=False, **kwargs)
         return list(self.hf.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False))))
 
-    def output_text(self, prompt_ids: Sequence[int], params: TextParams) -> OutputText:
-        return OutputText(self.backend, prompt_ids, params)
+    def output_text(self, prompt_ids: Sequence[int], params: TextParams, replay: Sequence[int] = ()) -> OutputText:
+        return OutputText(self.backend, prompt_ids, params, replay)
 
 
 def _string_content(message: Any) -> dict[str, Any]:
