@@ -9,7 +9,8 @@
 # at 16k@0.5, 64k through the 4 GB receive buffer, then the batched gather off: the A/B), call2 (the single instance
 # beside a decoding neighbour; LMCache's PD at 16k; single with the decoder-busy point), call3
 # (--max-num-batched-tokens 16384 for single and 1P1D), detok (single and 1P1D at 16k/32k after the detokenizer's
-# bounded context, after the TP engine tests over cuda_ipc), busy (single and 1P1D with 256 outputs at 16k @ 0.5 req/s:
+# bounded context, after the TP engine tests over cuda_ipc), replay (the same after the first token's replay moved
+# off the first byte's path), busy (single and 1P1D with 256 outputs at 16k @ 0.5 req/s:
 # the decoder-busy split), credit (single and 1P1D at 32k and 64k: the buffer full for each prompt), pd16 (LMCache's PD, single
 # and ours at 16k with --max-model-len 20000: LMCache's decoder cannot hold a 64k context beside its buffer).
 # Each pass's results stay in /tmp/long/NAME on the machine (a later call on the same warm machine resumes them);
@@ -145,11 +146,13 @@ case "${1:-}" in
     # the single instance decoding 256 tokens of its own (the decoder-busy split)
     tp_gpu
     pass detok LONG_POINTS="$IDLE" LONG_DIRECT=0 -- --systems single,lmcache_p2p-nixl ;;
+  replay)  # after the streaming side's deferred replay of the first token: single beside 1P1D at 16k/32k
+    pass replay LONG_POINTS="$IDLE" LONG_DIRECT=0 -- --systems single,lmcache_p2p-nixl ;;
   busy)  # the decoder-busy split, side by side: the single instance decoding 256 tokens of its own, 1P1D likewise
     pass busy LONG_POINTS="16000:0.5:12:256" LONG_DIRECT=0 -- --systems single,lmcache_p2p-nixl ;;
   call3)
     pass mnbt LONG_POINTS="$IDLE" LONG_VLLM_ARGS="--max-num-batched-tokens 16384" -- --systems single,lmcache_p2p-nixl ;;
-  *) echo "usage: gpu_long_plan.sh gather|call1|call2|credit|pd16|detok|busy|call3" >&2; exit 2 ;;
+  *) echo "usage: gpu_long_plan.sh gather|call1|call2|credit|pd16|detok|replay|busy|call3" >&2; exit 2 ;;
 esac
 # results: one archive of every pass's figures, one per pass of its logs (the device tool returns 8 files)
 (cd /tmp/long && tar -czf "$OUT/results.tgz" --exclude='*/logs' --exclude='*/out/logs.tar.gz' .)
