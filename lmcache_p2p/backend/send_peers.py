@@ -130,8 +130,10 @@ class PeerSessions:
         except zmq.Again:
             logger.debug("control queue to %s full; message dropped", peer.target.endpoint)
 
-    def drain(self, peer: Peer, on_message: Callable[[Peer, protocol.Message], None]) -> None:
-        """Read every queued frame of ``peer``; each accepted message goes to ``on_message``."""
+    def drain(self, peer: Peer, on_message: Callable[[Peer, protocol.Message], None],
+              on_restarted: Callable[[Peer, str], None]) -> None:
+        """Read every queued frame of ``peer``; each accepted message goes to ``on_message``; a frame from a
+        new incarnation of its receiver (it restarted at the same address) goes to ``on_restarted`` instead."""
         while self.peers.get(peer.target) is peer:
             try:
                 frames = peer.sock.recv_multipart(flags=zmq.NOBLOCK)
@@ -142,6 +144,10 @@ class PeerSessions:
             except ProtocolError as exc:  # counted by the codec (stats().rejected_frames)
                 self._rejections.log(protocol.rejection_of(exc), f"from {peer.target.endpoint}: {exc}")
                 continue
+            restarted = self._restarted(peer, env)
+            if restarted:
+                on_restarted(peer, restarted)
+                return
             spoofed = self._signer_refusal(peer, env)
             if spoofed:
                 self._codec.count_rejected(protocol.Rejection.SPOOFED)
@@ -149,6 +155,19 @@ class PeerSessions:
                 continue
             peer.last_heard = time.monotonic()
             on_message(peer, env.msg)
+
+    def _restarted(self, peer: Peer, env: protocol.Envelope) -> str:
+        """Why ``env`` says the receiver of ``peer`` restarted: authentic, from the same instance and rank but
+        another incarnation (``instance/rN/<random>``) than the one that welcomed us; "" otherwise. Our Allocs
+        reach a process that never met this sender, whose answers the signer check would drop until the
+        alloc timeout; instead the new one is greeted at once, as after its "say Hello first" refusal."""
+        old = peer.receiver_id
+        if not self._codec.authenticated or not old or env.sender == old:
+            return ""
+        same_rank = env.sender.rpartition("/")[0] == old.rpartition("/")[0] != ""
+        if not same_rank:
+            return ""
+        return f"receiver {peer.target.endpoint} restarted (it was {old!r}, it is {env.sender!r} now)"
 
     def _signer_refusal(self, peer: Peer, env: protocol.Envelope) -> str:
         """Under a shared secret, a receiver's frames are signed by the id its Welcome gave (a Grant

@@ -229,7 +229,7 @@ class AllocPipeline:
             req.retry_delay_s = min(req.retry_delay_s * 2, RETRY_MAX_S)
             return
         if msg.code is protocol.RefusalCode.UNKNOWN_PEER:
-            self._on_receiver_restarted(peer)
+            self.receiver_restarted(peer, f"receiver {peer.target.endpoint} restarted")
             return
         if msg.code is protocol.RefusalCode.FULL:
             reason = (f"decoder buffer stayed full for {self._cfg.alloc_timeout_s:.1f}s (p2p.alloc_timeout_s): "
@@ -238,9 +238,9 @@ class AllocPipeline:
             reason = f"refused by receiver ({msg.code.value}): {msg.reason}"
         self.fail(req.req_id, reason, expected=msg.code is protocol.RefusalCode.FINISHED)
 
-    def _on_receiver_restarted(self, peer: Peer) -> None:
+    def receiver_restarted(self, peer: Peer, why: str) -> None:
         """The receiver forgot us (it restarted): greet it afresh; requests that lost chunks fail."""
-        logger.warning("receiver %s restarted; greeting it again", peer.target.endpoint)
+        logger.warning("%s; greeting it again", why)
         resumable = []
         for req in [r for r in self.requests.values() if r.target == peer.target]:
             if req.granted_any or req.writes:

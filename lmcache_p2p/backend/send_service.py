@@ -248,7 +248,7 @@ class SendService:
         self._take_inbox()
         for peer in list(self._peers.peers.values()):
             if peer.sock in events:
-                self._peers.drain(peer, self._pipeline.on_message_guarded)
+                self._peers.drain(peer, self._pipeline.on_message_guarded, self._pipeline.receiver_restarted)
         self._pipeline.progress_writes()
         self._writes.progress_unsettled()
         self._pipeline.check_deadlines()

@@ -658,6 +658,34 @@ def test_a_grant_signed_by_another_receiver_or_for_another_sender_is_refused(mak
         rx.close()
 
 
+def test_a_receiver_restarted_at_the_same_address_is_greeted_again_at_once(make_service, transport, chunks) -> None:
+    """Under a shared secret the new incarnation's answers are signed by another id than the one that welcomed
+    us; they used to be dropped as spoofed, so each request waited for the alloc timeout (10 s in the multi-host
+    suite's Gloo restart). Now the sender greets the new one at once and the request goes on."""
+    service = make_service(shared_secret=SECRET, alloc_timeout_s=60.0)
+    rx = SignedReceiver("decoder-1/r0/aaaa", service.sender_id)
+    try:
+        service.submit("req-1", rx.target, chunks.make(1), last=True)
+        rx.welcome()
+        rx.grant()
+        wait_for(lambda: service.stats().requests_done == 1, "the first request to finish")
+        new = "decoder-1/r0/bbbb"  # the same decoder and rank, restarted: its process listens on the same port
+        rx.name = new
+        rx._codec = protocol.Codec(SECRET, identity=new, names=[new, rx.target.address, "decoder-1/r0/aaaa"])
+        started = time.monotonic()
+        service.submit("req-2", rx.target, chunks.make(1), last=True)
+        rx.recv(protocol.Alloc)  # addressed to the old incarnation, which the new one never welcomed
+        rx.send(protocol.ErrorReply(seq=-1, message="control message addressed to an earlier incarnation"))
+        rx.welcome()  # greeted again
+        alloc = rx.grant()
+        wait_for(lambda: service.stats().requests_done == 2, "the second request to finish on the new incarnation")
+        assert alloc.req_id.startswith("req-2") and time.monotonic() - started < 5.0
+        assert service.stats().requests_failed == 0 and len(transport.writes) == 2
+        assert service.stats().rejected_frames == {}
+    finally:
+        rx.close()
+
+
 def test_a_sender_starts_nothing_until_start_and_close_is_safe_at_any_point(transport, chunks) -> None:
     cfg = P2PConfig(role=Role.SENDER)
     idle = SendService(cfg, tp_rank=0, tp_size=1, transport=transport)

@@ -34,6 +34,8 @@ from net_suite import wait_routable_s
 CUT_HOLD_S = 15.0  # beyond the suite's instance TTL (6 s) plus a heartbeat
 PARTITION_HOLD_S = 20.0
 RECOVERY_TIMEOUT_S = 120.0
+TAIL_CHUNKS = 4  # a tail prompt's KV (net_suite's fresh prompts: at most 1000 tokens, 256 per chunk)
+ROOM_TIMEOUT_S = 30.0  # beyond the suite's write window (transfer_timeout_s + quarantine_margin_s, 15 s)
 
 
 def victim(s: Suite) -> str:
@@ -57,11 +59,25 @@ def _tail(s: Suite, name: str) -> tuple[list, int, int]:
     return outcomes, lookups, loaded
 
 
+def _room_s(s: Suite, name: str) -> float | None:
+    """Seconds until ``name`` announces room for a tail prompt (TAIL_CHUNKS free slots); None past ROOM_TIMEOUT_S.
+    Slots granted to KV that a cut stopped stay quarantined for the receiver's write window: by design, a late
+    write must not land in a slot given to another request, so the returning decoder has no room until then."""
+    start = time.monotonic()
+    while time.monotonic() - start < ROOM_TIMEOUT_S:
+        free, capacity = s.c.decoder_slots().get(name, (0, 0))
+        if free >= min(TAIL_CHUNKS, capacity) > 0:
+            return round(time.monotonic() - start, 2)
+        time.sleep(0.25)
+    return None
+
+
 def _finish(s: Suite, name: str, outcomes: list, notes: list[str]) -> Result:
     recovery = s.c.recovery.get(name)
+    room = _room_s(s, name) if recovery is not None else None
     tail, lookups, loaded = _tail(s, name)
-    notes.append(f"{name} routable {recovery}s after the network came back; then {lookups} lookups on it, "
-                 f"{loaded} loaded KV")
+    notes.append(f"{name} routable {recovery}s after the network came back, room for a prompt {room}s after that; "
+                 f"then {lookups} lookups on it, {loaded} loaded KV")
     return Result(outcomes + tail, recovered=recovery is not None and loaded > 0, notes=notes)
 
 
