@@ -16,7 +16,8 @@ single instance: client TTFT p50/p99 for both, the proxy's handover and KV wait 
 (``/stats``) and its per-phase timeline. Both through the same emulator (also at 0 ms).
 
 Writes ``bench/results/multihost_cpu.json`` (``--out``) with ``meta``, ``fault_rows``, ``rtt_rows``
-and ``round_trips`` (the PD path's round trips, counted), and prints both tables.
+and ``round_trips`` (the PD path's round trips, counted), and prints both tables. A part not run keeps the
+rows of the last file (``--no-sweep``: its sweep rows, with the run they came from as ``rtt_meta``).
 """
 
 from __future__ import annotations
@@ -199,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         build_tiny_model(args.model, seed=0)
     result: dict = {"meta": collect(), "round_trips": ROUND_TRIPS}
     previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    result.update({k: previous[k] for k in ("fault_rows", "rtt_rows") if k in previous})
+    result.update({k: previous[k] for k in ("fault_rows", "rtt_rows", "fault_rows_rerun") if k in previous})
+    if args.no_sweep and "rtt_rows" in previous:  # the kept sweep rows keep the run they came from
+        result["rtt_meta"] = previous.get("rtt_meta", previous.get("meta"))
     if not args.no_sweep:  # first: the shorter part
         result["rtt_rows"] = rtt_rows(args, log_dir)
         judge(result["rtt_rows"])
