@@ -26,6 +26,25 @@ def tokenizer(hf_tokenizer) -> ProxyTokenizer:
     return ProxyTokenizer(hf_tokenizer, "test")
 
 
+@pytest.fixture
+def record_streams(monkeypatch):
+    """From its call on: how many ids each ``DecodeStream`` made is primed with, in order."""
+    import tokenizers.decoders
+
+    def record() -> list[int]:
+        contexts: list[int] = []
+        real = tokenizers.decoders.DecodeStream
+
+        def recording(ids=None, **kwargs):
+            contexts.append(len(ids or []))
+            return real(ids=ids, **kwargs) if ids is not None else real(**kwargs)
+
+        monkeypatch.setattr(tokenizers.decoders, "DecodeStream", recording)
+        return contexts
+
+    return record
+
+
 def vllm_text(hf, prompt_ids, outputs, params: TextParams, finish_last: bool = True,
               stop_terminated: bool = False) -> tuple[list[str], str | None, list[int]]:
     """vLLM 0.32's FastIncrementalDetokenizer fed one token per step, deltas as the streaming server reads them."""
@@ -142,21 +161,12 @@ LONG_PROMPT = " ".join([PROMPT] * 400)  # thousands of ids, multi-byte character
 @pytest.mark.parametrize("params", [TextParams(), TextParams(skip_special_tokens=False), TextParams(stop=("中",))])
 @pytest.mark.parametrize("seed", range(3))
 def test_a_long_prompt_s_text_equals_vllms_and_primes_the_stream_with_a_bounded_context(
-        hf_tokenizer, tokenizer, params, seed, monkeypatch):
-    import tokenizers.decoders
-
+        hf_tokenizer, tokenizer, params, seed, record_streams):
     prompt_ids = hf_tokenizer.encode(LONG_PROMPT)
     assert len(prompt_ids) > 4000
     outputs = random_outputs(hf_tokenizer, seed, 30)
     expected = vllm_text(hf_tokenizer, prompt_ids, outputs, params)
-    primed: list[int] = []
-    real = tokenizers.decoders.DecodeStream
-
-    def recording(ids=None, **kwargs):
-        primed.append(len(ids or []))
-        return real(ids=ids, **kwargs) if ids is not None else real(**kwargs)
-
-    monkeypatch.setattr(tokenizers.decoders, "DecodeStream", recording)
+    primed = record_streams()
     assert proxy_text(tokenizer, prompt_ids, outputs, params) == expected
     assert primed and max(primed) <= 24  # the first token costs as much for a 64k-token prompt as for a short one
 
@@ -177,9 +187,7 @@ def random_dataset_prompt(hf, seed: int, n: int) -> list[int]:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_a_prompt_full_of_replacement_characters_gets_vllms_text_from_a_bounded_context(
-        hf_tokenizer, tokenizer, seed, monkeypatch):
-    import tokenizers.decoders
-
+        hf_tokenizer, tokenizer, seed, record_streams):
     prompt_ids = random_dataset_prompt(hf_tokenizer, seed, 3000)
     if seed % 4 == 0:  # literal U+FFFD characters in ordinary text, some right before the end
         prompt_ids = hf_tokenizer.encode(LONG_PROMPT + " \ufffd\ufffd x\ufffd" * (1 + seed // 4) + " end")
@@ -188,14 +196,7 @@ def test_a_prompt_full_of_replacement_characters_gets_vllms_text_from_a_bounded_
     params = TextParams(skip_special_tokens=seed % 3 != 0)
     outputs = random_outputs(hf_tokenizer, seed, 30)
     expected = vllm_text(hf_tokenizer, prompt_ids, outputs, params)
-    primed: list[int] = []
-    real = tokenizers.decoders.DecodeStream
-
-    def recording(ids=None, **kwargs):
-        primed.append(len(ids or []))
-        return real(ids=ids, **kwargs) if ids is not None else real(**kwargs)
-
-    monkeypatch.setattr(tokenizers.decoders, "DecodeStream", recording)
+    primed = record_streams()
     assert proxy_text(tokenizer, prompt_ids, outputs, params) == expected
     if prompt_text.endswith("\ufffd"):  # ends mid-character (or with a literal one): vLLM's whole prompt
         assert max(primed) == len(prompt_ids)
@@ -206,11 +207,9 @@ def test_a_prompt_full_of_replacement_characters_gets_vllms_text_from_a_bounded_
 @pytest.mark.parametrize("case", ["random", "random-ends-mid-character", "long", "stop"])
 @pytest.mark.parametrize("seed", range(4))
 def test_the_streaming_side_replays_the_first_token_after_the_first_byte_and_goes_on_as_vllm(
-        hf_tokenizer, tokenizer, case, seed, monkeypatch):
+        hf_tokenizer, tokenizer, case, seed, record_streams):
     """A relay worker's copy of the text (replay of the first token the owner showed) makes nothing until it is
     primed, then the same deltas as vLLM for every token after the first."""
-    import tokenizers.decoders
-
     prompt_ids = (hf_tokenizer.encode(LONG_PROMPT) if case in ("long", "stop")
                   else random_dataset_prompt(hf_tokenizer, seed, 2000))
     if case == "random-ends-mid-character":
@@ -220,14 +219,7 @@ def test_the_streaming_side_replays_the_first_token_after_the_first_byte_and_goe
     expected, stop, ids = vllm_text(hf_tokenizer, prompt_ids, outputs, params)
     if stop is not None and len(expected) == 1:
         pytest.skip("the first token ended the output: nothing to decode")
-    made: list[int] = []
-    real = tokenizers.decoders.DecodeStream
-
-    def recording(ids=None, **kwargs):
-        made.append(len(ids or []))
-        return real(ids=ids, **kwargs) if ids is not None else real(**kwargs)
-
-    monkeypatch.setattr(tokenizers.decoders, "DecodeStream", recording)
+    made = record_streams()
     text = tokenizer.output_text(prompt_ids, params, replay=[outputs[0]])
     assert made == []  # nothing detokenized on the first byte's path
     text.prime()
