@@ -32,6 +32,12 @@ RUN6 = {
     "run6_busy_p2p.json": ("lmcache_p2p-nixl 1P1D, decoder busy on the same GPU", "run6_busy_single.json"),
     "run6_busy_single.json": ("single (decoding its own 256 tokens)", None),
 }
+# Run 7 (2026-12-03, main 4d57e00): after the streaming side's deferred replay of the first token (16def34).
+RUN7 = {
+    "run7_replay_p2p.json": ("lmcache_p2p-nixl 1P1D (first token replayed after the first byte)",
+                             "run7_replay_single.json"),
+    "run7_replay_single.json": ("single", None),
+}
 DIRECT = {"run4_p2p_batched_gather.json": "direct to the prefiller (batched gather)",
           "run4_p2p_gather_off.json": "direct to the prefiller (LMCache's gather)"}
 
@@ -77,7 +83,7 @@ def main() -> None:
                 rows.append(row(DIRECT[name], key, r, r["direct_prefiller"], single))
     for r in rows:
         r["run"] = 4
-    for run, files in ((5, RUN5), (6, RUN6)):
+    for run, files in ((5, RUN5), (6, RUN6), (7, RUN7)):
         for name, (system, ref) in files.items():
             data = json.loads((HERE / name).read_text())["rows"]
             ref_rows = json.loads((HERE / ref).read_text())["rows"] if ref else None
