@@ -7,9 +7,14 @@ import types
 
 import pytest
 
+from lmcache_p2p.proxy.flow.context import RequestContext
+from lmcache_p2p.proxy.flow.output import RequestOutput, shape_delta
+from lmcache_p2p.proxy.http import detokenize
 from lmcache_p2p.proxy.http.detokenize import OutputText, TextParams
+from lmcache_p2p.proxy.http.responses import Delta, FirstToken
 from lmcache_p2p.proxy.http.shaping import Endpoint, parse_client_request
-from lmcache_p2p.proxy.http.tokenizer import ProxyTokenizer, load_tokenizer
+from lmcache_p2p.proxy.http.tokenizer import ProxyTokenizer, TokenizerProvider, load_tokenizer
+from lmcache_p2p.proxy.observe.timeline import Timeline
 
 PROMPT = "kaba shoulai tidu 中文 rest"
 
@@ -233,3 +238,74 @@ def test_the_streaming_side_replays_the_first_token_after_the_first_byte_and_goe
             break
     assert (deltas, found, text.token_ids) == (expected[1:], stop, ids)
     assert len(made) == 1
+
+
+def owner_output(tokenizer, prompt_ids, body) -> RequestOutput:
+    """The request owner's output of a text completion, its prompt ids known (a decode follows its first token)."""
+    req = parse_client_request(Endpoint.COMPLETIONS, {"prompt": "x", "max_tokens": 30, **body}, 4)
+    ctx = RequestContext(req, {}, 0.0, "r", Timeline(0.0), prompt_ids=list(prompt_ids))
+    output = RequestOutput(types.SimpleNamespace(tokenizers=TokenizerProvider.fixed(tokenizer)), ctx)
+    output.tokenizer = tokenizer
+    return output
+
+
+def prefilled(token_id: int, text: str) -> FirstToken:
+    return FirstToken(token_id=token_id, text=text, finish_reason="length", stop_reason=None, logprobs=None,
+                      prompt_ids=None, model="m", created=0)
+
+
+@pytest.mark.parametrize("case", ["random", "long", "random-ends-mid-character", "long-ends-mid-character"])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_owner_takes_a_text_completion_s_first_text_from_the_prefiller_and_detokenizes_nothing_before_it(
+        hf_tokenizer, tokenizer, case, seed, record_streams, monkeypatch):
+    """Without stop strings the prefiller's text (vLLM's for the same ids) is the client's: no decode stream is
+    primed (no prompt decoded) on the first byte's path; the deltas after it are those the owner made before.
+    An empty first text (a token ending mid-character, or an instance run without a tokenizer) is made here."""
+    prompt_ids = (hf_tokenizer.encode(LONG_PROMPT) if case.startswith("long")
+                  else random_dataset_prompt(hf_tokenizer, seed, 2000))
+    outputs = random_outputs(hf_tokenizer, seed + 100, 30)
+    mid_character = case.endswith("mid-character")
+    if mid_character:  # the first token completes the prompt's last character
+        char_ids = hf_tokenizer.encode("中", add_special_tokens=False)
+        prompt_ids, outputs = prompt_ids + char_ids[:2], char_ids[2:] + outputs
+    body = {"skip_special_tokens": seed % 2 == 0}
+    params = TextParams.from_body(body)
+    before = tokenizer.output_text(prompt_ids, params)  # the owner's text as it was made before
+    before.update(outputs[:1], stop_terminated=False)
+    first_text = before.next_delta(finished=False)  # what the prefiller's vLLM answers (the tests above)
+    if mid_character:  # vLLM's stream of such a prompt has no prefix to subtract: the prompt's text comes too
+        assert first_text.endswith("中") and len(first_text) > 1000
+    contexts: list[int] = []
+    real_context = detokenize.prompt_context
+    monkeypatch.setattr(detokenize, "prompt_context", lambda *a: contexts.append(1) or real_context(*a))
+    made = record_streams()
+    output = owner_output(tokenizer, prompt_ids, body)
+    first = output.shape_first(prefilled(outputs[0], first_text))
+    assert (first.text, first.finish_reason, output.ids) == (first_text, None, outputs[:1])
+    if first_text:
+        assert made == [] and contexts == []  # nothing detokenized before the first byte
+    else:
+        assert len(made) == 1 and len(contexts) == 1
+    for i, token in enumerate(outputs[1:], start=1):
+        finish = "length" if i == len(outputs) - 1 else None
+        assert before.update([token], stop_terminated=False).stop_string is None
+        delta = shape_delta(output.text, Delta("the decoder's", [token], None, finish, None))
+        assert (delta.text, delta.token_ids, delta.finish_reason) == (before.next_delta(finish is not None), [token],
+                                                                      finish)
+    assert output.text.token_ids == before.token_ids and len(made) == 1 and len(contexts) == 1
+
+
+def test_with_stop_strings_the_owner_makes_the_first_text_itself(hf_tokenizer, tokenizer, record_streams):
+    """A stream's first delta holds back what may become a stop string; the prefiller's finished answer does not."""
+    prompt_ids = hf_tokenizer.encode(LONG_PROMPT)
+    outputs = hf_tokenizer.encode(" kaba tidu 中文 ka", add_special_tokens=False)
+    body = {"stop": ["中文", "x"]}
+    expected, stop, ids = proxy_text(tokenizer, prompt_ids, outputs, TextParams.from_body(body))
+    made = record_streams()
+    output = owner_output(tokenizer, prompt_ids, body)
+    prefiller_text = hf_tokenizer.decode(outputs[:1])
+    first = output.shape_first(prefilled(outputs[0], prefiller_text))
+    assert len(made) == 1 and (first.text, prefiller_text) == (expected[0], " k")  # "k" held back: "中文" is 2 long
+    deltas = [shape_delta(output.text, Delta("", [t], None, None, None)) for t in outputs[1:len(expected)]]
+    assert [first.text] + [d.text for d in deltas] == expected and deltas[-1].stop_reason == stop == "中文"
+    assert output.text.token_ids == ids

@@ -57,3 +57,32 @@ async def test_the_heap_is_frozen_once_the_tokenizer_is_loaded(tokenizer_dir):
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def _cut_random_prompt(hf, n: int, seed: int) -> str:
+    """vllm bench's random prompt: random ids to text, tokenized, cut to ``n`` and decoded again."""
+    import random
+
+    rng = random.Random(seed)
+    ids = [rng.randrange(3, hf.vocab_size) for _ in range(n)]
+    return hf.decode(hf.encode(hf.decode(ids), add_special_tokens=False)[:n])
+
+
+@pytest.mark.parametrize("truncating_backend", [False, True])
+def test_prompt_ids_are_the_ids_vllm_makes(tokenizer_dir, truncating_backend):
+    """The ids the prefiller gets in place of the text: ``hf.encode``'s (what vLLM's API server calls), with
+    and without special tokens, for long prompts cut mid-character, markup and special tokens' text; a
+    backend that truncates on its own is not used alone."""
+    _, hf = tokenizer_dir
+    if truncating_backend:
+        hf = type(hf).from_pretrained(tokenizer_dir[0])
+        hf._tokenizer.enable_truncation(max_length=16)
+    proxy = tok.ProxyTokenizer(hf, "test")
+    assert proxy._fast_encode is not truncating_backend
+    special = hf.all_special_tokens[0]
+    prompts = [_cut_random_prompt(hf, 3000, seed) for seed in range(3)]
+    prompts += [f"{special} Hello,\n\n  world <b>x</b> {special}", "", " ", "ünïcödé 中文 ½\t12 345.6"]
+    for prompt in prompts:
+        for add in (True, False):
+            expected = hf.encode(prompt, add_special_tokens=add, truncation=False)
+            assert proxy.text_prompt_ids({"prompt": prompt, "add_special_tokens": add}) == expected

@@ -42,7 +42,14 @@ class RequestOutput:
     def shape_first(self, first: FirstToken) -> FirstToken:
         """The first token as the client sees it: its finish reason (the prefill's ``length`` only means
         max_tokens 1 there), and its text made here when the proxy has the tokenizer and a decode follows.
-        Colocated, there is no first token yet: the serving instance generates the whole output."""
+        Colocated, there is no first token yet: the serving instance generates the whole output.
+
+        A text completion without stop strings keeps the prefiller's text: the same vLLM made it from the
+        same prompt ids and params, and with no stop string to hold characters back its finished answer
+        equals a stream's first delta (a chat answer's content may be a reasoning or tool parser's; an
+        empty text may be an instance's that has no tokenizer, ``--skip-tokenizer-init``). The
+        text here then replays the first token at its first use, so a prompt whose text ends mid-character
+        is not detokenized whole before the first byte (as on the streaming side)."""
         ctx = self._ctx
         if ctx.colocated is not None:
             self.ids = []
@@ -59,7 +66,11 @@ class RequestOutput:
         first = dataclasses.replace(first, finish_reason=None, stop_reason=None)
         if self.tokenizer is None:
             return first
-        self.text = self.tokenizer.output_text(ctx.prompt_ids, TextParams.from_body(ctx.req.body))
+        params = TextParams.from_body(ctx.req.body)
+        if first.text and not ctx.req.is_chat and not params.stop and not ctx.req.body.get("echo"):
+            self.text = self.tokenizer.output_text(ctx.prompt_ids, params, replay=[first.token_id])
+            return first
+        self.text = self.tokenizer.output_text(ctx.prompt_ids, params)
         step = self.text.update([first.token_id], stop_terminated=False)
         if step.stop_string is not None:
             return dataclasses.replace(first, text=self.text.next_delta(finished=True), finish_reason="stop",

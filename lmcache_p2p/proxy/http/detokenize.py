@@ -18,7 +18,8 @@ context. This module is a faithful copy of vLLM 0.32's ``vllm/v1/engine/detokeni
 * streamed text holds back ``max(len(stop)) - 1`` characters until the output ends, as vLLM does.
 
 The process that streams a decode (a relay worker, or the client side of one process) makes the same text
-again: the request's owner detokenized the first token to answer the prefill. It replays that token only
+again: the request's owner detokenized the first token to answer the prefill (or, for a text completion
+without stop strings, took the prefiller's text and replays the token too). It replays that token only
 when its text is first needed (``replay``, ``OutputText.prime``): after the first token's bytes went out,
 while the decoder loads the KV, not on the first byte's path.
 

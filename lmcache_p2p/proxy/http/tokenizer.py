@@ -48,6 +48,7 @@ class ProxyTokenizer:
         self.hf = hf_tokenizer
         self.backend = hf_tokenizer._tokenizer  # tokenizers.Tokenizer: what DecodeStream steps with
         self.source = source
+        self._fast_encode = self._backend_encodes_as_hf()
 
     def prompt_tokens(self, req: ClientRequest) -> int | None:
         """The prompt's exact token count as vLLM would tokenize it (None: cannot tell here)."""
@@ -71,7 +72,7 @@ class ProxyTokenizer:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise TypeError("the prompt is not a string")
-        return list(self.hf.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True))))
+        return self._encode(prompt, bool(body.get("add_special_tokens", True)))
 
     def chat_prompt_ids(self, body: dict[str, Any]) -> list[int]:
         """vLLM's chat path: render the template to text, then tokenize (add_special_tokens false by default)."""
@@ -83,7 +84,27 @@ class ProxyTokenizer:
         if body.get("tools"):
             kwargs["tools"] = body["tools"]
         text = self.hf.apply_chat_template([_string_content(m) for m in body["messages"]], tokenize=False, **kwargs)
-        return list(self.hf.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False))))
+        return self._encode(text, bool(body.get("add_special_tokens", False)))
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """``hf.encode``'s ids (vLLM's). From the backend without character offsets where it gives the same
+        ids: a third less time on a long prompt (7.4 vs 10.3 ms at 16k tokens), which is on its TTFT."""
+        if self._fast_encode:
+            return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def _backend_encodes_as_hf(self) -> bool:
+        """The backend alone tokenizes as ``hf.encode`` does: it has ``encode_batch_fast`` (tokenizers 0.20+),
+        no truncation or padding of its own (``hf.encode`` turns them off), and agrees on the probe text."""
+        backend = self.backend
+        if not hasattr(backend, "encode_batch_fast") or backend.truncation or backend.padding:
+            return False
+        try:
+            return all(backend.encode_batch_fast([_PROBE_TEXT], add_special_tokens=special)[0].ids
+                       == list(self.hf.encode(_PROBE_TEXT, add_special_tokens=special)) for special in (True, False))
+        except Exception as exc:  # a tokenizer the backend cannot run alone: hf.encode it is
+            logger.debug("tokenizer backend cannot encode alone (%s: %s)", type(exc).__name__, exc)
+            return False
 
     def output_text(self, prompt_ids: Sequence[int], params: TextParams, replay: Sequence[int] = ()) -> OutputText:
         return OutputText(self.backend, prompt_ids, params, replay)
