@@ -38,6 +38,12 @@ RUN7 = {
                              "run7_replay_single.json"),
     "run7_replay_single.json": ("single", None),
 }
+# Run 8 (2026-12-03, main 3aae5b8): the owner keeps the prefiller's first text; prompt ids without offsets.
+RUN8 = {
+    "run8_owner_text_p2p.json": ("lmcache_p2p-nixl 1P1D (prefiller's first text, ids without offsets)",
+                                 "run8_owner_text_single.json"),
+    "run8_owner_text_single.json": ("single", None),
+}
 DIRECT = {"run4_p2p_batched_gather.json": "direct to the prefiller (batched gather)",
           "run4_p2p_gather_off.json": "direct to the prefiller (LMCache's gather)"}
 
@@ -83,7 +89,7 @@ def main() -> None:
                 rows.append(row(DIRECT[name], key, r, r["direct_prefiller"], single))
     for r in rows:
         r["run"] = 4
-    for run, files in ((5, RUN5), (6, RUN6), (7, RUN7)):
+    for run, files in ((5, RUN5), (6, RUN6), (7, RUN7), (8, RUN8)):
         for name, (system, ref) in files.items():
             data = json.loads((HERE / name).read_text())["rows"]
             ref_rows = json.loads((HERE / ref).read_text())["rows"] if ref else None
