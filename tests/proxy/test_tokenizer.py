@@ -10,6 +10,8 @@ import pytest
 
 from lmcache_p2p.proxy.http import tokenizer as tok
 
+from .test_detokenize import random_dataset_prompt
+
 pytestmark = pytest.mark.anyio
 
 
@@ -59,15 +61,6 @@ async def test_the_heap_is_frozen_once_the_tokenizer_is_loaded(tokenizer_dir):
         gc.unfreeze()
 
 
-def _cut_random_prompt(hf, n: int, seed: int) -> str:
-    """vllm bench's random prompt: random ids to text, tokenized, cut to ``n`` and decoded again."""
-    import random
-
-    rng = random.Random(seed)
-    ids = [rng.randrange(3, hf.vocab_size) for _ in range(n)]
-    return hf.decode(hf.encode(hf.decode(ids), add_special_tokens=False)[:n])
-
-
 @pytest.mark.parametrize("truncating_backend", [False, True])
 def test_prompt_ids_are_the_ids_vllm_makes(tokenizer_dir, truncating_backend):
     """The ids the prefiller gets in place of the text: ``hf.encode``'s (what vLLM's API server calls), with
@@ -80,7 +73,7 @@ def test_prompt_ids_are_the_ids_vllm_makes(tokenizer_dir, truncating_backend):
     proxy = tok.ProxyTokenizer(hf, "test")
     assert proxy._fast_encode is not truncating_backend
     special = hf.all_special_tokens[0]
-    prompts = [_cut_random_prompt(hf, 3000, seed) for seed in range(3)]
+    prompts = [hf.decode(random_dataset_prompt(hf, seed, 3000)[:3000]) for seed in range(3)]  # cut as vllm bench
     prompts += [f"{special} Hello,\n\n  world <b>x</b> {special}", "", " ", "ünïcödé 中文 ½\t12 345.6"]
     for prompt in prompts:
         for add in (True, False):
