@@ -97,9 +97,11 @@ class Upstream:
         return _decode_object(url, answer)
 
     @asynccontextmanager
-    async def stream_events(self, base_url: str, path: str, body: dict[str, Any], *, idle_timeout_s: float,
-                            headers: Mapping[str, str] | None = None) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+    async def stream_events(self, base_url: str, path: str, body: dict[str, Any] | msgspec.Raw, *,
+                            idle_timeout_s: float, headers: Mapping[str, str] | None = None
+                            ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         """POST a streaming request; yields an iterator over its SSE ``data:`` events (JSON objects).
+        ``body``: JSON, or its bytes already encoded (``msgspec.Raw``: sent as they are).
 
         A decode stream is read once per decoder write, so the client's cost per read matters
         (aiohttp: C parser, one ``iter_any`` step). Leaving the context closes the connection unless

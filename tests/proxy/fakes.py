@@ -162,6 +162,7 @@ class FakeVllm:
         self.kv_sink: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         self.omit_prompt_ids = False  # behave like a vLLM without return_token_ids
         self.hold_back_text = False  # non-streaming answers' text is "" (an incomplete UTF-8 character)
+        self.text_of: Callable[[list[int]], str] = lambda tokens: "".join(map(token_text, tokens))  # their text
         self.held_tokens: set[int] = set()  # streamed with no text: it comes with the next token's (as vLLM holds
         # back an incomplete UTF-8 character); a token the prompt ends with is never emitted, as in vLLM
         self.eos_at: int | None = None  # output position that becomes EOS
@@ -263,7 +264,7 @@ class FakeVllm:
         return StreamingResponse(body(), media_type="application/json")
 
     def _text(self, tokens: list[int]) -> str:
-        return "" if self.hold_back_text else "".join(map(token_text, tokens))
+        return "" if self.hold_back_text else self.text_of(tokens)
 
     async def _maybe_send_kv(self, body: dict[str, Any]) -> None:
         spec = (body.get("kv_transfer_params") or {}).get("disagg_spec")

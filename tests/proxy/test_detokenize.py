@@ -240,10 +240,12 @@ def test_the_streaming_side_replays_the_first_token_after_the_first_byte_and_goe
     assert len(made) == 1
 
 
-def owner_output(tokenizer, prompt_ids, body) -> RequestOutput:
-    """The request owner's output of a text completion, its prompt ids known (a decode follows its first token)."""
+def owner_output(tokenizer, prompt_ids, body, first_text_final: bool = False) -> RequestOutput:
+    """The request owner's output of a text completion, its prompt ids known (a decode follows its first token);
+    ``first_text_final``: the prefiller has answered text before (it detokenizes)."""
     req = parse_client_request(Endpoint.COMPLETIONS, {"prompt": "x", "max_tokens": 30, **body}, 4)
-    ctx = RequestContext(req, {}, 0.0, "r", Timeline(0.0), prompt_ids=list(prompt_ids))
+    ctx = RequestContext(req, {}, 0.0, "r", Timeline(0.0), prompt_ids=list(prompt_ids),
+                         first_text_final=first_text_final)
     output = RequestOutput(types.SimpleNamespace(tokenizers=TokenizerProvider.fixed(tokenizer)), ctx)
     output.tokenizer = tokenizer
     return output
@@ -292,6 +294,38 @@ def test_the_owner_takes_a_text_completion_s_first_text_from_the_prefiller_and_d
         delta = shape_delta(output.text, Delta("the decoder's", [token], None, finish, None))
         assert (delta.text, delta.token_ids, delta.finish_reason) == (before.next_delta(finish is not None), [token],
                                                                       finish)
+    assert output.text.token_ids == before.token_ids and len(made) == 1 and len(contexts) == 1
+
+
+@pytest.mark.parametrize("prefiller_makes_text", [False, True], ids=["not-known-to-detokenize", "detokenizes"])
+@pytest.mark.parametrize("seed", range(3))
+def test_an_empty_first_text_is_taken_from_a_prefiller_that_detokenizes_without_decoding_the_prompt(
+        hf_tokenizer, tokenizer, seed, prefiller_makes_text, record_streams, monkeypatch):
+    """A prompt whose text ends in U+FFFD (vllm bench's random prompts, cut to length) and a first token that starts
+    a character: vLLM answers "", and to learn that here the whole prompt would be decoded (its stream has no
+    prefix to subtract). From a prefiller that has answered text before, "" is the token's text; from one not
+    known to detokenize (it may run without a tokenizer) the owner makes it. The deltas after it are the same."""
+    char_ids = hf_tokenizer.encode("中", add_special_tokens=False)
+    prompt_ids = random_dataset_prompt(hf_tokenizer, seed, 2000) + char_ids[:1]
+    outputs = char_ids[1:] + random_outputs(hf_tokenizer, seed + 100, 20)
+    assert hf_tokenizer.decode(prompt_ids).endswith("\ufffd") and len(char_ids) == 3
+    params = TextParams.from_body({})
+    before = tokenizer.output_text(prompt_ids, params)
+    before.update(outputs[:1], stop_terminated=False)
+    assert before.next_delta(finished=False) == ""  # what the prefiller's vLLM answers
+    contexts: list[int] = []
+    real_context = detokenize.prompt_context
+    monkeypatch.setattr(detokenize, "prompt_context", lambda *a: contexts.append(1) or real_context(*a))
+    made = record_streams()
+    output = owner_output(tokenizer, prompt_ids, {}, first_text_final=prefiller_makes_text)
+    first = output.shape_first(prefilled(outputs[0], ""))
+    assert (first.text, first.finish_reason, output.ids) == ("", None, outputs[:1])
+    assert (len(made), len(contexts)) == ((0, 0) if prefiller_makes_text else (1, 1))
+    for i, token in enumerate(outputs[1:], start=1):
+        finish = "length" if i == len(outputs) - 1 else None
+        before.update([token], stop_terminated=False)
+        delta = shape_delta(output.text, Delta("the decoder's", [token], None, finish, None))
+        assert delta.text == before.next_delta(finish is not None)
     assert output.text.token_ids == before.token_ids and len(made) == 1 and len(contexts) == 1
 
 

@@ -410,6 +410,37 @@ async def test_a_first_token_without_text_still_sends_prompt_plus_first_and_the_
         assert_idle(c)
 
 
+async def test_an_empty_first_text_is_taken_from_a_prefiller_only_once_it_has_answered_text(tokenizer_dir):
+    """vLLM run without a tokenizer answers "" for every token, one with it "" for a token that ends no character:
+    the proxy makes the first token's text until the prefiller has answered some, and again after it restarted."""
+    path, hf = tokenizer_dir
+    cycle = hf.encode("ab中", add_special_tokens=False)
+    assert len(cycle) == 5  # "a", "b" and the three bytes of "中"
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5}
+    async with make_cluster(tokenizer=str(path)) as c:
+        use_model(c, cycling_model(cycle), hf)
+        prefiller = c.prefillers[0]
+        prefiller.vllm.text_of = hf.decode
+        prefiller.vllm.hold_back_text = True  # "" for every token, as without a tokenizer
+        assert (await c.post("/v1/completions", body)).json()["choices"][0]["text"] == "ab中"
+        assert not c.proxy.registry.routable(Role.SENDER)[0].makes_text
+        prefiller.vllm.hold_back_text = False
+        assert (await c.post("/v1/completions", body)).json()["choices"][0]["text"] == "ab中"
+        assert c.proxy.registry.routable(Role.SENDER)[0].makes_text
+        after_b = {**body, "prompt": hf.encode(PROMPT) + cycle[1:2]}  # the first token starts "中": no text of its own
+        prefiller.vllm.hold_back_text = True
+        events = await c.stream("/v1/completions", {**after_b, "stream": True})
+        texts = [e["choices"][0]["text"] for e in events[:-1]]
+        assert texts[0] == "" and "".join(texts) == "中ab"  # the prefiller's "" taken as the first token's text
+
+        await prefiller.agent.goodbye()  # it restarts, perhaps without its tokenizer
+        await eventually(lambda: not c.proxy.registry.routable(Role.SENDER))
+        await prefiller.agent.announce()
+        await eventually(lambda: c.proxy.registry.routable(Role.SENDER))
+        assert (await c.post("/v1/completions", body)).json()["choices"][0]["text"] == "ab中"
+        assert_idle(c)
+
+
 async def test_stop_strings_are_applied_to_the_proxys_text_not_the_decoders(tokenizer_dir):
     path, hf = tokenizer_dir
     cycle = hf.encode("中文☃", add_special_tokens=False)

@@ -321,12 +321,14 @@ def test_failed_connections_in_a_row_take_an_instance_out_until_a_probe_succeeds
     registry, events = gated
     inst = registry.announce(announce())
     registry.mark_up(inst)
+    inst.makes_text = True  # an answer of it had text
     registry.note_connect_failure(inst)
     registry.note_connected(inst)  # a success resets the count
     registry.note_connect_failure(inst)
-    assert registry.routable(Role.RECEIVER) == [inst]
+    assert registry.routable(Role.RECEIVER) == [inst] and inst.makes_text
     registry.note_connect_failure(inst)
     assert inst.health is Health.DOWN and registry.routable(Role.RECEIVER) == []
+    assert not inst.makes_text  # it may come back restarted, without a tokenizer
     assert events.pending == [inst, inst]  # probed again
     registry.note_connect_failure(inst)  # in-flight requests failing too: no further probe asked for
     assert events.pending == [inst, inst]
@@ -338,14 +340,16 @@ def test_a_restart_after_goodbye_or_a_new_url_is_probed_again(gated):
     registry, events = gated
     inst = registry.announce(announce())
     registry.mark_up(inst)
+    inst.makes_text = True
     registry.lease(inst, tokens=1)  # keeps it registered while draining
     registry.goodbye(Goodbye(instance_id="d1"))
     registry.announce(announce())  # its process restarted: the HTTP server is not up yet
-    assert inst.state is InstanceState.ACTIVE and inst.health is Health.PENDING
+    assert inst.state is InstanceState.ACTIVE and inst.health is Health.PENDING and not inst.makes_text
     assert registry.routable(Role.RECEIVER) == []
     registry.mark_up(inst)
+    inst.makes_text = True
     registry.announce(announce(url="http://127.0.0.1:8201"))
-    assert inst.health is Health.PENDING and events.pending == [inst, inst, inst]
+    assert inst.health is Health.PENDING and events.pending == [inst, inst, inst] and not inst.makes_text
 
 
 def test_listeners_hear_of_every_instance_the_registry_forgets(gated, clock):

@@ -75,6 +75,7 @@ class RequestContext:
     prefix: PromptPrefix | None = None  # the prompt's chunk hashes (--policy prefix)
     reuse: RequestReuse | None = None  # what the prefill and the KV handover reused and moved
     prefill_done_s: float = 0.0
+    first_text_final: bool = False  # the first token's text is the prefiller's, even when empty (it detokenizes)
 
 
 def nothing_routable() -> NoInstanceAvailable:

@@ -77,6 +77,7 @@ class FlowHost:
             self._flows[handle] = _Open(flow, worker)
             self.opened_by_worker[worker] += 1
             kept = True
+            first = dataclasses.replace(first, prompt_ids=None)  # they go once, as Opened.prompt_ids
             return Opened(flow.response_id, first, flow.prompt_ids, flow.needs_decode, flow.decoder_regenerates_first,
                           flow.colocated is not None, flow.proxy_text, flow.tokenizer_source,
                           self._o.settings.decode_idle_timeout_s)

@@ -46,10 +46,12 @@ class RequestOutput:
 
         A text completion without stop strings keeps the prefiller's text: the same vLLM made it from the
         same prompt ids and params, and with no stop string to hold characters back its finished answer
-        equals a stream's first delta (a chat answer's content may be a reasoning or tool parser's; an
-        empty text may be an instance's that has no tokenizer, ``--skip-tokenizer-init``). The
-        text here then replays the first token at its first use, so a prompt whose text ends mid-character
-        is not detokenized whole before the first byte (as on the streaming side)."""
+        equals a stream's first delta (a chat answer's content may be a reasoning or tool parser's). An
+        empty text is kept too once that prefiller has answered some text (``Instance.makes_text``): a
+        token that does not end a character has none, while an instance without a tokenizer
+        (``--skip-tokenizer-init``) answers "" for every token. The text here then replays the first token
+        at its first use, so a prompt whose text ends in U+FFFD (its stream has no prefix to subtract:
+        the whole prompt is decoded) is not detokenized before the first byte (as on the streaming side)."""
         ctx = self._ctx
         if ctx.colocated is not None:
             self.ids = []
@@ -67,7 +69,8 @@ class RequestOutput:
         if self.tokenizer is None:
             return first
         params = TextParams.from_body(ctx.req.body)
-        if first.text and not ctx.req.is_chat and not params.stop and not ctx.req.body.get("echo"):
+        if (first.text or ctx.first_text_final) and not ctx.req.is_chat and not params.stop \
+                and not ctx.req.body.get("echo"):
             self.text = self.tokenizer.output_text(ctx.prompt_ids, params, replay=[first.token_id])
             return first
         self.text = self.tokenizer.output_text(ctx.prompt_ids, params)

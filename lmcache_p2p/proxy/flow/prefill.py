@@ -151,6 +151,8 @@ class PrefillAttempts:
                 self._placement.hold(decoder, cost.decode_tokens, self._placement.lease().chunks)  # credit, new KV
                 prefiller = retry_on
         first = first_token(req, answer)
+        prefiller.makes_text |= bool(first.text)
+        self._ctx.first_text_final = prefiller.makes_text
         self._ctx.prompt_ids = first.prompt_ids or list(req.prompt_ids or ()) or await self._tokenize(prefiller)
         self._placement.lease().resize_commit(chunks_needed(len(self._ctx.prompt_ids), decoder.chunk_tokens))
         self._note_prefill(prefiller, decoder, answer)

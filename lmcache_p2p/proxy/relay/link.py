@@ -32,8 +32,9 @@ from lmcache_p2p.proxy.relay.messages import (
     Opened,
     PlanFailed,
     Planned,
-    PlanLine,
     Target,
+    WirePlanLine,
+    WirePlanned,
 )
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,11 @@ class CoordinatorLink:
     async def tokenizer(self, source: str, handle: str) -> ProxyTokenizer:
         return await self.tokenizers.get(source)
 
-    async def call(self, step: str, msg: msgspec.Struct, answer: type[M] = Planned) -> M:  # type: ignore[assignment]
+    async def call(self, step: str, msg: msgspec.Struct) -> Planned:
+        """A step answered with where the decode goes (``unreachable``, ``broken``)."""
+        return (await self.ask(step, msg, WirePlanned)).planned()
+
+    async def ask(self, step: str, msg: msgspec.Struct, answer: type[M]) -> M:
         try:
             status, content = await self._post(step, msg)
         except _LINK_ERRORS as exc:  # the coordinator is gone or stuck: a worker cannot serve alone
@@ -207,14 +212,15 @@ class OpenAnswer:
     async def plan(self) -> Target:
         """Where the first decode goes (the coordinator sends it once the KV is ready); raises its error."""
         try:
-            line = msgspec.json.decode(await self._line("the decode's plan"), type=PlanLine)
+            line = msgspec.json.decode(await self._line("the decode's plan"), type=WirePlanLine)
         finally:
             await self.aclose()
         if isinstance(line, PlanFailed):
             raise RelayedError(line.failed, line.status)
-        if line.target is None:
+        target = line.planned().target
+        if target is None:
             raise ProxyError("the coordinator named no decoder")
-        return line.target
+        return target
 
     async def aclose(self) -> None:
         if not self._closed:

@@ -62,11 +62,26 @@ class Opened(msgspec.Struct, frozen=True):
 
 class Target(msgspec.Struct, frozen=True):
     url: str
-    body: dict[str, Any]
+    body: dict[str, Any] | msgspec.Raw  # the decode request's JSON body; a relay worker's: the bytes as sent
 
 
 class Planned(msgspec.Struct, frozen=True, tag="planned"):
     target: Target | None  # None: the decode may not go on (the worker raises the error it saw)
+
+
+class _WireTarget(msgspec.Struct, frozen=True):
+    url: str
+    body: msgspec.Raw
+
+
+class WirePlanned(msgspec.Struct, frozen=True, tag="planned"):
+    """``Planned`` as a relay worker reads it: the decode body stays the coordinator's bytes, sent on to the
+    decoder as they are (a long prompt's ids are neither parsed nor encoded again in the worker)."""
+
+    target: _WireTarget | None
+
+    def planned(self) -> Planned:
+        return Planned(None if self.target is None else Target(self.target.url, self.target.body))
 
 
 class Count(msgspec.Struct, frozen=True):
@@ -112,4 +127,4 @@ class PlanFailed(msgspec.Struct, frozen=True, tag="plan_failed"):
     failed: Failed
 
 
-PlanLine = Planned | PlanFailed
+WirePlanLine = WirePlanned | PlanFailed  # open's second line

@@ -134,7 +134,7 @@ async def _follow_tokenizer(link: CoordinatorLink, tokenizers: Tokenizers) -> No
     folder), before a request needs it here; asks every ``_TOKENIZER_POLL_S`` until the coordinator settled."""
     while True:
         try:
-            answer = await link.call("tokenizer", Hello(link.worker, os.getpid()), TokenizerSource)
+            answer = await link.ask("tokenizer", Hello(link.worker, os.getpid()), TokenizerSource)
         except ProxyError as exc:
             logger.debug("tokenizer source not known yet: %s", exc)
         else:
