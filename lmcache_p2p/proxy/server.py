@@ -63,8 +63,9 @@ class Proxy:
         self.upstream = Upstream(settings.connect_timeout_s, settings.dead_peer_timeout_s)
         codec = Codec(settings.shared_secret, identity=settings.identity, window_s=settings.auth_window_s)
         self.canceller = KvCanceller(codec, self.metrics)
+        tokenizers = TokenizerProvider(settings.tokenizer, self.upstream, settings.connect_timeout_s)
         self.prober = HealthProber(self.registry, self.upstream, settings.health_probe_interval_s,
-                                   settings.health_probe_timeout_s)
+                                   settings.health_probe_timeout_s, on_up=tokenizers.check_instance)
         self.registry.on_pending.append(self.prober.watch)
         self.registry.on_forgotten.append(self.prober.forget)
         self.registry.on_forgotten.append(self.canceller.forget)
@@ -73,7 +74,7 @@ class Proxy:
             self.registry, Router(settings.policy, settings.prefix), self.waiters, self.upstream, self.canceller,
             self.metrics,
             FlowSettings.of(settings),
-            tokenizers=TokenizerProvider(settings.tokenizer, self.upstream, settings.connect_timeout_s),
+            tokenizers=tokenizers,
         )
         self.control = ControlListener(settings.control_host, settings.control_port, codec,
                                        self.registry, self.waiters, self.metrics)

@@ -170,6 +170,7 @@ class FakeVllm:
         self.prefill_delay_s = 0.0
         self.break_next = 0  # the next N generation calls break the connection after the request arrived
         self.encode: Callable[[str], list[int]] = tokenize  # the fake's tokenizer
+        self.can_tokenize = True  # False: /tokenize refused, as by vLLM run with --skip-tokenizer-init
         self.model: Callable[[list[int]], int] = next_token  # the next token after these ids (greedy)
         self.max_model_len: int | None = None  # context length, enforced as vLLM does (None: unbounded)
         self.models_card: dict[str, Any] = {}  # extra fields of GET /v1/models' model card (root, max_model_len)
@@ -243,6 +244,9 @@ class FakeVllm:
     async def _tokenize(self, request: Request) -> Any:
         body = await request.json()
         self.requests.append(("/tokenize", body))
+        if not self.can_tokenize:
+            return JSONResponse({"error": {"message": "Unable to get tokenizer because skip_tokenizer_init is True",
+                                           "type": "BadRequestError", "code": 400}}, status_code=400)
         text = chat_prompt(body["messages"]) if "messages" in body else body["prompt"]
         ids = self.encode(text)
         return JSONResponse({"count": len(ids), "max_model_len": 4096, "tokens": ids})

@@ -11,6 +11,7 @@ import pytest
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.flow import flow as flow_module
+from lmcache_p2p.proxy.router.registry import Instance
 
 from .conftest import eventually, make_cluster
 from .fakes import MESSAGES, MODEL, PROMPT, chat_prompt, expected_text, generate, token_text, tokenize
@@ -410,9 +411,19 @@ async def test_a_first_token_without_text_still_sends_prompt_plus_first_and_the_
         assert_idle(c)
 
 
-async def test_an_empty_first_text_is_taken_from_a_prefiller_only_once_it_has_answered_text(tokenizer_dir):
+async def restart_prefiller(c, node) -> Instance:
+    """``node``'s vLLM restarted (goodbye, announced again): its instance once it is routable again."""
+    await node.agent.goodbye()
+    await eventually(lambda: not c.proxy.registry.routable(Role.SENDER))
+    await node.agent.announce()
+    await eventually(lambda: c.proxy.registry.routable(Role.SENDER))
+    return c.proxy.registry.routable(Role.SENDER)[0]
+
+
+async def test_an_empty_first_text_is_taken_only_from_a_prefiller_known_to_tokenize_as_the_proxy(tokenizer_dir):
     """vLLM run without a tokenizer answers "" for every token, one with it "" for a token that ends no character:
-    the proxy makes the first token's text until the prefiller has answered some, and again after it restarted."""
+    the proxy makes the first token's text unless the prefiller's /tokenize agreed with its tokenizer when it came
+    up, or it has answered some text since; it asks again after the prefiller restarted."""
     path, hf = tokenizer_dir
     cycle = hf.encode("ab中", add_special_tokens=False)
     assert len(cycle) == 5  # "a", "b" and the three bytes of "中"
@@ -421,7 +432,9 @@ async def test_an_empty_first_text_is_taken_from_a_prefiller_only_once_it_has_an
         use_model(c, cycling_model(cycle), hf)
         prefiller = c.prefillers[0]
         prefiller.vllm.text_of = hf.decode
+        prefiller.vllm.can_tokenize = False
         prefiller.vllm.hold_back_text = True  # "" for every token, as without a tokenizer
+        assert not (await restart_prefiller(c, prefiller)).makes_text
         assert (await c.post("/v1/completions", body)).json()["choices"][0]["text"] == "ab中"
         assert not c.proxy.registry.routable(Role.SENDER)[0].makes_text
         prefiller.vllm.hold_back_text = False
@@ -433,11 +446,13 @@ async def test_an_empty_first_text_is_taken_from_a_prefiller_only_once_it_has_an
         texts = [e["choices"][0]["text"] for e in events[:-1]]
         assert texts[0] == "" and "".join(texts) == "中ab"  # the prefiller's "" taken as the first token's text
 
-        await prefiller.agent.goodbye()  # it restarts, perhaps without its tokenizer
-        await eventually(lambda: not c.proxy.registry.routable(Role.SENDER))
-        await prefiller.agent.announce()
-        await eventually(lambda: c.proxy.registry.routable(Role.SENDER))
+        assert not (await restart_prefiller(c, prefiller)).makes_text  # perhaps without its tokenizer now
         assert (await c.post("/v1/completions", body)).json()["choices"][0]["text"] == "ab中"
+        prefiller.vllm.can_tokenize = True  # restarted with its tokenizer: known from its /tokenize, no text needed
+        inst = await restart_prefiller(c, prefiller)
+        await eventually(lambda: inst.makes_text)
+        events = await c.stream("/v1/completions", {**after_b, "stream": True})
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "中ab"
         assert_idle(c)
 
 

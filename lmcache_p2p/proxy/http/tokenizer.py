@@ -152,6 +152,7 @@ class TokenizerProvider:
         self._done = upstream is None and self._source in (AUTO, NONE)
         self._tokenizer: ProxyTokenizer | None = None
         self._prefetch: asyncio.Task[Any] | None = None
+        self._checks: set[asyncio.Task[None]] = set()
         self.max_model_len: int | None = None
 
     @classmethod
@@ -235,7 +236,21 @@ class TokenizerProvider:
             return None
         logger.info("tokenizer loaded from %s: exact prompt counts, prompt ids to the prefillers, output text made "
                     "in the proxy", path)
+        task = asyncio.get_running_loop().create_task(self._check_all(tokenizer, instances), name="proxy-text-check")
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
         return tokenizer
+
+    async def check_instance(self, inst: Instance) -> None:
+        """``inst`` came up: once the tokenizer is loaded, learn whether ``inst`` tokenizes as it does
+        (``Instance.makes_text``: its empty first text is then the token's own, see ``flow/output.py``)."""
+        if self._done and self._tokenizer is not None and not inst.makes_text:
+            inst.makes_text = await self._tokenizes_as(self._tokenizer, inst) is True
+
+    async def _check_all(self, tokenizer: ProxyTokenizer, instances: Sequence[Instance]) -> None:
+        for inst in instances:
+            if not inst.makes_text:
+                inst.makes_text = await self._tokenizes_as(tokenizer, inst) is True
 
     async def _agrees_with_instances(self, tokenizer: ProxyTokenizer, instances: Sequence[Instance]) -> bool:
         """The instances tokenize a probe text as ``tokenizer`` does (one ``/tokenize``).
@@ -248,25 +263,31 @@ class TokenizerProvider:
         """
         if self._upstream is None:
             return True
-        ours = tokenizer.hf.encode(_PROBE_TEXT, add_special_tokens=True)
         for inst in instances:
-            try:
-                answer = await self._upstream.post_json(inst.http_url, "/tokenize",
-                                                        {"prompt": _PROBE_TEXT, "add_special_tokens": True},
-                                                        timeout_s=self._timeout_s)
-            except ProxyError as exc:
-                logger.debug("%s cannot check the tokenizer (%s)", inst.instance_id, exc)
+            agrees = await self._tokenizes_as(tokenizer, inst)
+            if agrees is None:
                 continue
-            theirs = answer.get("tokens")
-            if theirs == ours:
-                return True
-            logger.warning("the tokenizer in %s makes %d ids of a probe text, %s's vLLM makes %s: not used (prompt "
-                           "counts are estimates, prompts go to the instances as text and text comes from them); "
-                           "pass --tokenizer DIR naming the tokenizer the instances use", tokenizer.source, len(ours),
-                           inst.instance_id, f"{len(theirs)} other ones" if isinstance(theirs, list) else "none")
-            return False
+            if not agrees:
+                logger.warning("the tokenizer in %s makes other ids of a probe text than %s's vLLM: not used (prompt "
+                               "counts are estimates, prompts go to the instances as text and text comes from them); "
+                               "pass --tokenizer DIR naming the tokenizer the instances use", tokenizer.source,
+                               inst.instance_id)
+            return agrees
         logger.info("no instance could tokenize a probe text: the tokenizer in %s is used unchecked", tokenizer.source)
         return True
+
+    async def _tokenizes_as(self, tokenizer: ProxyTokenizer, inst: Instance) -> bool | None:
+        """Whether ``inst``'s ``/tokenize`` makes ``tokenizer``'s ids of a probe text; None: it did not answer
+        (``--skip-tokenizer-init``: it has no tokenizer)."""
+        assert self._upstream is not None
+        try:
+            answer = await self._upstream.post_json(inst.http_url, "/tokenize",
+                                                    {"prompt": _PROBE_TEXT, "add_special_tokens": True},
+                                                    timeout_s=self._timeout_s)
+        except ProxyError as exc:
+            logger.debug("%s cannot check the tokenizer (%s)", inst.instance_id, exc)
+            return None
+        return answer.get("tokens") == tokenizer.hf.encode(_PROBE_TEXT, add_special_tokens=True)
 
     async def _served_model(self, instances: Sequence[Instance]) -> str | None:
         """``root`` of an instance's /v1/models (and its ``max_model_len``). Raises when no instance answers."""

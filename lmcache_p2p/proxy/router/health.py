@@ -17,6 +17,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from lmcache_p2p.proxy.errors import UpstreamError
 from lmcache_p2p.proxy.router.registry import Health, Instance, Registry
@@ -29,8 +30,11 @@ _CLOSE_TIMEOUT_S = 2.0
 
 
 class HealthProber:
-    def __init__(self, registry: Registry, upstream: Upstream, interval_s: float, timeout_s: float) -> None:
+    def __init__(self, registry: Registry, upstream: Upstream, interval_s: float, timeout_s: float,
+                 on_up: Callable[[Instance], Awaitable[None]] | None = None) -> None:
+        """``on_up``: awaited once an instance is up (routable meanwhile), in its probe's task."""
         self._registry = registry
+        self._on_up = on_up
         self._upstream = upstream
         self._interval_s = interval_s
         self._timeout_s = timeout_s
@@ -91,6 +95,8 @@ class HealthProber:
         logger.info("%s %s at %s is %s: GET %s answered 200 after %d probe(s), %.1f s", inst.role_name,
                     inst.instance_id, inst.http_url, "up" if was is Health.PENDING else "up again", HEALTH_PATH,
                     attempts, time.monotonic() - start_s)
+        if self._on_up is not None:
+            await self._on_up(inst)
 
     async def _probe(self, inst: Instance) -> str | None:
         """None when healthy, else what was observed."""
