@@ -51,7 +51,7 @@ gather() {  # the store gather alone (bench/store_gather.py): needs the bundle i
     2>&1 | tee /tmp/long/gather/store_gather.log | grep -v Warning | tail -8
 }
 
-IDLE="16000:seq:8,32000:seq:6"
+IDLE=${LONG_IDLE:-16000:seq:8,32000:seq:6}  # the idle rows: prompt tokens:rate:prompts
 
 tp_gpu() {  # issue 20's engine-level TP tests over cuda_ipc (tests/backend/test_engine_tp_gpu.py), pytest from
   # the carried build/pytest-wheels (the bundle has none); log and junit in /tmp/long/tp_gpu

@@ -44,6 +44,20 @@ RUN8 = {
                                  "run8_owner_text_single.json"),
     "run8_owner_text_single.json": ("single", None),
 }
+RUN9 = {
+    "run9_raw_body_p2p.json": ("lmcache_p2p-nixl 1P1D (ids once, the decode body's bytes passed on)",
+                               "run9_raw_body_single.json"),
+    "run9_raw_body_single.json": ("single", None),
+}
+RUN10 = {  # run 9's code + stamps/stamps.patch (per-request timing stamps in the proxy)
+    "run10_stamped_p2p.json": ("lmcache_p2p-nixl 1P1D (run 9 + timing stamps)", "run10_stamped_single.json"),
+    "run10_stamped_single.json": ("single", None),
+}
+RUN11 = {  # main 6a650a8 + the same stamps
+    "run11_text_check_p2p.json": ("lmcache_p2p-nixl 1P1D (prefillers' /tokenize checked when up)",
+                                  "run11_text_check_single.json"),
+    "run11_text_check_single.json": ("single", None),
+}
 DIRECT = {"run4_p2p_batched_gather.json": "direct to the prefiller (batched gather)",
           "run4_p2p_gather_off.json": "direct to the prefiller (LMCache's gather)"}
 
@@ -89,7 +103,7 @@ def main() -> None:
                 rows.append(row(DIRECT[name], key, r, r["direct_prefiller"], single))
     for r in rows:
         r["run"] = 4
-    for run, files in ((5, RUN5), (6, RUN6), (7, RUN7), (8, RUN8)):
+    for run, files in ((5, RUN5), (6, RUN6), (7, RUN7), (8, RUN8), (9, RUN9), (10, RUN10), (11, RUN11)):
         for name, (system, ref) in files.items():
             data = json.loads((HERE / name).read_text())["rows"]
             ref_rows = json.loads((HERE / ref).read_text())["rows"] if ref else None
