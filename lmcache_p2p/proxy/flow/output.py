@@ -47,9 +47,9 @@ class RequestOutput:
         A text completion without stop strings keeps the prefiller's text: the same vLLM made it from the
         same prompt ids and params, and with no stop string to hold characters back its finished answer
         equals a stream's first delta (a chat answer's content may be a reasoning or tool parser's). An
-        empty text is kept too once that prefiller has answered some text (``Instance.makes_text``): a
-        token that does not end a character has none, while an instance without a tokenizer
-        (``--skip-tokenizer-init``) answers "" for every token. The text here then replays the first token
+        empty text is kept too from a prefiller known to make text with the proxy's tokenizer
+        (``Instance.makes_text``): a token that does not end a character has none, while an instance
+        without a tokenizer (``--skip-tokenizer-init``) answers "" for every token. The text here then replays the first token
         at its first use, so a prompt whose text ends in U+FFFD (its stream has no prefix to subtract:
         the whole prompt is decoded) is not detokenized before the first byte (as on the streaming side)."""
         ctx = self._ctx

@@ -287,6 +287,9 @@ class TokenizerProvider:
         except ProxyError as exc:
             logger.debug("%s cannot check the tokenizer (%s)", inst.instance_id, exc)
             return None
+        except Exception as exc:  # e.g. the proxy closing its session meanwhile: unknown, not fatal
+            logger.warning("checking %s's tokenizer failed: %r", inst.instance_id, exc)
+            return None
         return answer.get("tokens") == tokenizer.hf.encode(_PROBE_TEXT, add_special_tokens=True)
 
     async def _served_model(self, instances: Sequence[Instance]) -> str | None:

@@ -77,8 +77,9 @@ class Instance:
     goodbye_ranks: set[int] = dataclasses.field(default_factory=set)
     health: Health = Health.PENDING
     connect_failures: int = 0  # in a row
-    # an answer of it had text: its vLLM detokenizes, so an empty first text of it is the token's own (vLLM
-    # started with --skip-tokenizer-init answers "" for every token); unlearned when it may have restarted
+    # its vLLM makes text with the proxy's tokenizer (its /tokenize agreed when it came up, or an answer of it
+    # had text), so an empty first text of it is the token's own (vLLM started with --skip-tokenizer-init
+    # answers "" for every token); unlearned when it may have restarted
     makes_text: bool = False
     inflight_requests: int = 0
     inflight_tokens: int = 0
