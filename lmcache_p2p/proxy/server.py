@@ -27,7 +27,7 @@ import uvicorn
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.protocol import Codec
-from lmcache_p2p.proxy.http.app import ProxyApp
+from lmcache_p2p.proxy.http.app import ProxyApp, warm_up
 from lmcache_p2p.proxy.flow.host import FlowHost, LocalLink
 from lmcache_p2p.proxy.handover.cancel import KvCanceller
 from lmcache_p2p.proxy.control import ControlListener
@@ -116,6 +116,7 @@ class Proxy:
         workers = self.settings.workers > 1
         sock = bind_http(self.settings.host, self.settings.port, listen=not workers, reuse_port=workers)
         self.port = sock.getsockname()[1]
+        await warm_up()
         if workers:
             await self._start_workers(sock)
             return

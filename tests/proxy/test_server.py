@@ -154,3 +154,15 @@ async def test_without_a_secret_on_loopback_admin_stays_open():
 
     async with make_cluster(n_prefill=0, n_decode=0) as c:
         assert (await c.client.get("/instances?all=1")).status_code == 200
+
+
+def test_warm_up_loads_what_the_first_stream_would_load_on_its_first_byte():
+    """anyio imports its asyncio backend (~25 ms) at its first use, Starlette's first StreamingResponse: a
+    proxy process (one process, or each relay worker) does it at start, before its first client."""
+    code = ("import asyncio, sys\n"
+            "from lmcache_p2p.proxy.http.app import warm_up\n"
+            "before = 'anyio._backends._asyncio' in sys.modules\n"
+            "asyncio.run(warm_up())\n"
+            "print(before, 'anyio._backends._asyncio' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["False", "True"]

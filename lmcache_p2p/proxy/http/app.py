@@ -363,6 +363,14 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
+async def warm_up() -> None:
+    """Before the first client: anyio imports its asyncio backend at its first use (~25 ms), and that first use
+    is Starlette's first ``StreamingResponse``, i.e. on the first stream's first byte, in every process."""
+    import anyio
+
+    await anyio.sleep(0)
+
+
 def error_name(exc: ProxyError) -> str:
     """The ``errors_total{type}`` label of ``exc`` (a relay worker's copy of an error keeps its name)."""
     return getattr(exc, "relayed_name", None) or type(exc).__name__

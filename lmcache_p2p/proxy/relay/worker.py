@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from lmcache_p2p.proxy.http.app import ProxyApp
+from lmcache_p2p.proxy.http.app import ProxyApp, warm_up
 from lmcache_p2p.proxy.errors import ProxyError
 from lmcache_p2p.proxy.relay.link import CoordinatorLink, Tokenizers
 from lmcache_p2p.proxy.relay.messages import PREFIX, Hello, TokenizerSource
@@ -98,6 +98,7 @@ async def serve(args: argparse.Namespace) -> None:
     if os.path.isdir(args.tokenizer):
         worker_app.tokenizers.preload(args.tokenizer)
     app = worker_app.build()
+    await warm_up()
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=args.graceful_shutdown_s, timeout_keep_alive=30)
     server = _Server(config)
