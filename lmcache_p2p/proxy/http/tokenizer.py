@@ -244,13 +244,16 @@ class TokenizerProvider:
     async def check_instance(self, inst: Instance) -> None:
         """``inst`` came up: once the tokenizer is loaded, learn whether ``inst`` tokenizes as it does
         (``Instance.makes_text``: its empty first text is then the token's own, see ``flow/output.py``)."""
-        if self._done and self._tokenizer is not None and not inst.makes_text:
-            inst.makes_text = await self._tokenizes_as(self._tokenizer, inst) is True
+        if self._done and self._tokenizer is not None:
+            await self._learn(self._tokenizer, inst)
 
     async def _check_all(self, tokenizer: ProxyTokenizer, instances: Sequence[Instance]) -> None:
         for inst in instances:
-            if not inst.makes_text:
-                inst.makes_text = await self._tokenizes_as(tokenizer, inst) is True
+            await self._learn(tokenizer, inst)
+
+    async def _learn(self, tokenizer: ProxyTokenizer, inst: Instance) -> None:
+        if not inst.makes_text:
+            inst.makes_text = await self._tokenizes_as(tokenizer, inst) is True
 
     async def _agrees_with_instances(self, tokenizer: ProxyTokenizer, instances: Sequence[Instance]) -> bool:
         """The instances tokenize a probe text as ``tokenizer`` does (one ``/tokenize``).
@@ -267,6 +270,7 @@ class TokenizerProvider:
             agrees = await self._tokenizes_as(tokenizer, inst)
             if agrees is None:
                 continue
+            inst.makes_text = agrees  # not asked again by the check of every instance after the load
             if not agrees:
                 logger.warning("the tokenizer in %s makes other ids of a probe text than %s's vLLM: not used (prompt "
                                "counts are estimates, prompts go to the instances as text and text comes from them); "
