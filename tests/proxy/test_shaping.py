@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lmcache_p2p.proxy.errors import BadRequest, UpstreamMalformed
@@ -32,6 +34,20 @@ def test_completion_defaults_and_token_prompts():
     assert prefill_body(req, None)["prompt"] == [5, 6, 7]
     chat = parse_client_request(Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}]}, 4)
     assert chat.max_tokens is None and decode_body(chat, [1], [2], proxy_text=True)["max_tokens"] is None
+
+
+def test_prefiller_returns_token_ids_only_where_the_proxy_lacks_them():
+    kv = {"k": 1}
+    given = parse_client_request(Endpoint.COMPLETIONS, {"prompt": [5, 6, 7], "return_token_ids": True}, 4)
+    assert prefill_body(given, kv)["return_token_ids"] is False  # the proxy has the prompt's ids, kv the first's
+    assert prefill_body(given, None)["return_token_ids"] is True  # no kv_transfer_params: the first token is in them
+    text = parse_client_request(Endpoint.COMPLETIONS, {"prompt": "some text"}, 4)
+    assert prefill_body(text, kv)["return_token_ids"] is True  # not tokenized here: the prompt's ids come back
+    tokenized = dataclasses.replace(text, tokenized_ids=(8, 9))
+    body = prefill_body(tokenized, kv)
+    assert body["prompt"] == [8, 9] and body["return_token_ids"] is False
+    chat = parse_client_request(Endpoint.CHAT, CHAT, 4)
+    assert prefill_body(chat, kv)["return_token_ids"] is True
 
 
 @pytest.mark.parametrize("endpoint, body, message", [

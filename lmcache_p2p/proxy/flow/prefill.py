@@ -153,7 +153,8 @@ class PrefillAttempts:
         first = first_token(req, answer)
         prefiller.makes_text |= bool(first.text)
         self._ctx.first_text_final = prefiller.makes_text
-        self._ctx.prompt_ids = first.prompt_ids or list(req.prompt_ids or ()) or await self._tokenize(prefiller)
+        sent_ids = req.prompt_ids if req.prompt_ids is not None else req.tokenized_ids  # not asked back (prefill_body)
+        self._ctx.prompt_ids = first.prompt_ids or list(sent_ids or ()) or await self._tokenize(prefiller)
         self._placement.lease().resize_commit(chunks_needed(len(self._ctx.prompt_ids), decoder.chunk_tokens))
         self._note_prefill(prefiller, decoder, answer)
         return first
