@@ -142,6 +142,10 @@ class P2PConfig:
     # kernel straight into each page, the layers' view derived once per store; backend/send_gather.py)
     # instead of LMCache's per-chunk from_gpu. false: LMCache's own path.
     batched_gather: bool = True
+    # Sender with buffer_device cuda: the engine never waits for a store's GPU work (backend/store_ready.py):
+    # the batch goes to the sender once its chunks are written. false: the engine's thread waits, as LMCache's
+    # adapter does (its slot mapping copy synchronizes each step's forward; the GPU idles while it stores).
+    async_store: bool = True
     # Receiver: keep chunks the engine loaded as an LRU cache in the receive buffer, so a later
     # request sharing a prefix is told not to send them again (evicted when a reservation needs room).
     buffer_cache: bool = True
@@ -328,7 +332,7 @@ def _convert(key: str, name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(key, f"must be a whole number of KV heads (0: read the model's config), got {value!r}")
         return value
-    if name in ("insecure", "buffer_cache", "batched_gather"):
+    if name in ("insecure", "buffer_cache", "batched_gather", "async_store"):
         if not isinstance(value, bool):
             raise ConfigError(key, f"must be true or false, got {value!r}")
         return value

@@ -15,6 +15,11 @@ chunk whose memory is on the GPU (an arena page): the same kernel, the same argu
 memory (the arena was full) still go through ``from_gpu`` as before, with its synchronization.
 Nothing is synchronized for the GPU chunks: the sender waits on the store stream before it hands
 them to a transport (``send_buffer.store_stream_of``), as it did.
+
+Streams. The store stream waits for the engine's stream before the gather, and the engine's stream for the
+store stream after it, both on the GPU: the gather then never depends on the engine's thread having waited
+for the forward (``store_ready.py`` takes that wait away), and vLLM, which frees a finished request's blocks
+at once, never rewrites one before it was read.
 """
 
 from __future__ import annotations
@@ -68,6 +73,16 @@ def install(connector_cls: Any = None, transfer: Callable[..., None] | None = No
     return undo
 
 
+def installed(connector_cls: Any = None) -> bool:
+    """Whether :func:`install` replaced ``connector_cls``'s (default LMCache's) ``batched_from_gpu``."""
+    if connector_cls is None:
+        try:
+            from lmcache.v1.gpu_connector.gpu_connectors import VLLMPagedMemGPUConnectorV2 as connector_cls
+        except ImportError:
+            return False
+    return bool(connector_cls.__dict__.get(_INSTALLED_ATTR))
+
+
 def gather_store(connector: Any, memory_objs: Sequence[Any], starts: Sequence[int], ends: Sequence[int],
                  kwargs: dict[str, Any], kernel: Callable[..., None],
                  on_device: Callable[[Any], bool] | None = None) -> None:
@@ -76,6 +91,20 @@ def gather_store(connector: Any, memory_objs: Sequence[Any], starts: Sequence[in
     import torch
 
     on_device = on_device or _is_cuda
+    store_stream = connector.store_stream
+    engine_stream = None
+    if store_stream is not None:  # the gather reads what the step's forward wrote (backend/store_ready.py)
+        engine_stream = torch.cuda.current_stream()
+        store_stream.wait_stream(engine_stream)
+    try:
+        _gather(connector, memory_objs, starts, ends, kwargs, kernel, on_device, torch)
+    finally:
+        if engine_stream is not None:  # no block freed after this step is rewritten before the gather read it
+            engine_stream.wait_stream(store_stream)
+
+
+def _gather(connector: Any, memory_objs: Sequence[Any], starts: Sequence[int], ends: Sequence[int],
+            kwargs: dict[str, Any], kernel: Callable[..., None], on_device: Callable[[Any], bool], torch: Any) -> None:
     if getattr(connector, "use_mla", False) or "slot_mapping" not in kwargs:
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):
             connector.from_gpu(obj, start, end, **kwargs)  # MLA's format, or the original's own error

@@ -146,18 +146,20 @@ class SendService:
     # ---- engine-facing -----------------------------------------------------------------------
 
     def submit(self, req_id: str, target: Target, chunks: list[Chunk], last: bool, called_s: float = 0.0,
-               wire_id: str = "") -> None:
+               wire_id: str = "", queued_s: float = 0.0) -> None:
         """Queue one store batch of a request; returns immediately. ClosedError if the service
         cannot send it (closed, not started, or its thread stopped): the chunks are released then.
-        ``called_s``: ``time.perf_counter()`` when the engine's store call began (the proxy's timeline).
+        ``called_s``: ``time.perf_counter()`` when the engine's store call began (the proxy's timeline);
+        ``queued_s``: when it handed the batch on (default now; earlier when the batch waited for the GPU).
         ``wire_id``: the receiver's id of this share of the request when the TP splits differ
         (``kv_layout.sub_request_id``); one request may then go to several receivers."""
         called_s = called_s or time.perf_counter()
+        submit_s = (queued_s or time.perf_counter()) - called_s
         key = f"{wire_id}@{target.address}" if wire_id else req_id
         with self._inbox_lock:
             refusal = self._refusal()
             if not refusal:
-                self._inbox.append((key, target, Batch(chunks, last, called_s, time.perf_counter() - called_s),
+                self._inbox.append((key, target, Batch(chunks, last, called_s, submit_s),
                                     wire_id, req_id if wire_id else ""))
                 self._wake_locked()
         if refusal:

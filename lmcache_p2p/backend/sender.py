@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from lmcache.utils import CacheEngineKey
@@ -24,7 +24,9 @@ from lmcache_p2p.backend.relayout import pack_heads
 from lmcache_p2p.backend.plugin_base import P2PPlugin
 from lmcache_p2p.backend.send_buffer import SendArena, lend, store_stream_of
 from lmcache_p2p.backend.send_gather import install as install_batched_gather
+from lmcache_p2p.backend.send_gather import installed as batched_gather_installed
 from lmcache_p2p.backend.send_service import Chunk, SendService, Target
+from lmcache_p2p.backend.store_ready import StoreHandoff, gpu_done, install_async_slot_mapping
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ClosedError, ConfigError, P2PError
 
@@ -59,6 +61,7 @@ class SenderBackend(P2PPlugin):
         self._arena: SendArena | None = None
         self._unlend: Callable[[], None] | None = None
         self._store_stream: Any = None  # LMCache's store stream, once looked up (False: none found)
+        self._handoff: StoreHandoff | None = None  # p2p.async_store: stores reach the service off the engine's thread
         try:
             gpu = worker_gpu(dst_device)
             self._transport = build_transport(self.cfg, f"p2p-send-{self._tp_rank}-{id(self):x}", self._tp_rank, gpu)
@@ -100,25 +103,39 @@ class SenderBackend(P2PPlugin):
         self._transport.register(self._arena.buffer)
         unlend = lend(self.local_cpu_backend, self._arena)
         ungather = install_batched_gather() if self.cfg.batched_gather else (lambda: None)
+        unslots: Callable[[], None] = lambda: None
+        if self.cfg.async_store:
+            self._handoff = StoreHandoff(f"p2p-store-{self._tp_rank}")
+            if batched_gather_installed():  # it orders the gather after the forward on the GPU (store_ready.py)
+                unslots = install_async_slot_mapping()
 
         def undo() -> None:
+            unslots()
             ungather()
             unlend()
 
         self._unlend = undo
 
-    def _wait_for_store(self, device: str) -> None:
-        """VRAM chunks: LMCache's connector gathered them on its store stream without waiting."""
+    def _after_store(self, device: str) -> Callable[[], None] | None:
+        """VRAM chunks: LMCache's connector gathered them on its store stream without waiting. With a hand-off,
+        the engine's stream is ordered after that stream (a split of heads below runs on it) and the wait for
+        all of it is returned; else this thread waits now, and None is returned."""
         if self._store_stream is None:  # looked up once: the engine exists by the first store
             self._store_stream = store_stream_of(self) or False
+        if self._store_stream and self._handoff is not None:
+            return gpu_done(self._store_stream)
         if self._store_stream:
             self._store_stream.synchronize()
         else:
             import torch
 
             torch.cuda.synchronize(device)
+        return None
 
     def close(self) -> None:
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None:
+            handoff.close()  # what was stored reaches the service before it closes
         unlend, self._unlend = self._unlend, None
         if unlend is not None:
             unlend()
@@ -140,9 +157,30 @@ class SenderBackend(P2PPlugin):
             raise ClosedError("sender backend is closed")
         ports = getattr(transfer_spec, "receiver_alloc_port", None)
         receiver_tp = len(ports) if isinstance(ports, (list, tuple)) else 1
+        ready = None
         if self._arena is not None and any(obj.tensor.is_cuda for obj in objs):
-            self._wait_for_store(self._arena.device)
+            ready = self._after_store(self._arena.device)
         req_id, last = str(transfer_spec.req_id), bool(transfer_spec.is_last_prefill)
+        sends = self._sends(keys, objs, transfer_spec, req_id, receiver_tp)
+        if sends is None:
+            return None
+        queued_s = time.perf_counter()
+
+        def hand_over() -> None:
+            if not sends and last:
+                service.nothing_to_send(req_id)  # another rank feeds every decoder rank
+            for target, chunks, wire_id in sends:
+                _submit_runs(service, req_id, target, chunks, last, called_s, wire_id, queued_s)
+
+        if self._handoff is None:
+            hand_over()
+        else:
+            self._handoff.submit(ready, hand_over, lambda: _release(c for _, chunks, _ in sends for c in chunks))
+        return None
+
+    def _sends(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj], transfer_spec: Any, req_id: str,
+               receiver_tp: int) -> list[tuple[Target, list[Chunk], str]] | None:
+        """Each receiver's chunks of this store (and its wire id); None (nothing taken) on a bad spec."""
         layout = self._layout
         if layout is None or receiver_tp == layout.tp_size:  # the same split: rank r -> rank r, as is
             try:
@@ -155,20 +193,15 @@ class SenderBackend(P2PPlugin):
                 obj.ref_count_up()
                 tensor = obj.tensor
                 chunks.append(Chunk(chunk_key(key), _shape_of(obj, tensor), tensor, obj.ref_count_down))
-            _submit_runs(service, req_id, target, chunks, last, called_s)
-            return None
+            return [(target, chunks, "")]
         routes = kv_layout.routes_of(layout, receiver_tp)
-        if not routes and last:
-            service.nothing_to_send(req_id)
-        for piece in routes:
-            try:
-                target = target_of(transfer_spec, piece.dst_rank)
-            except ValueError as exc:
-                logger.error("request %s: bad transfer_spec, KV not sent: %s", req_id, exc)
-                return None
-            chunks = [self._piece_chunk(key, obj, piece) for key, obj in zip(keys, objs)]
-            _submit_runs(service, req_id, target, chunks, last, called_s, kv_layout.sub_request_id(req_id, piece))
-        return None
+        try:
+            targets = [target_of(transfer_spec, piece.dst_rank) for piece in routes]
+        except ValueError as exc:
+            logger.error("request %s: bad transfer_spec, KV not sent: %s", req_id, exc)
+            return None
+        return [(target, [self._piece_chunk(key, obj, piece) for key, obj in zip(keys, objs)],
+                 kv_layout.sub_request_id(req_id, piece)) for piece, target in zip(routes, targets)]
 
     def _piece_chunk(self, key: CacheEngineKey, obj: MemoryObj, piece: kv_layout.Piece) -> Chunk:
         """One chunk's share for one decoder rank: the chunk itself when it is all of our heads (or
@@ -217,15 +250,20 @@ def _no_reference() -> None:
     """A packed copy holds no reference of LMCache's: nothing to drop."""
 
 
+def _release(chunks: Iterable[Chunk]) -> None:
+    for c in chunks:
+        c.done()
+
+
 def _submit_runs(service: SendService, req_id: str, target: Target, chunks: list[Chunk], last: bool,
-                 called_s: float, wire_id: str = "") -> None:
+                 called_s: float, wire_id: str = "", queued_s: float = 0.0) -> None:
     """Submit ``chunks`` to ``target``. One write moves sources of one device: a store that found the
     arena full midway (some chunks in VRAM, the rest in host memory) goes as consecutive batches,
     ``last`` on the final one."""
     runs = _runs_by_device(chunks) or [chunks]  # an empty store still carries its last flag
     for i, run in enumerate(runs):
         try:
-            service.submit(req_id, target, run, last and i == len(runs) - 1, called_s, wire_id)
+            service.submit(req_id, target, run, last and i == len(runs) - 1, called_s, wire_id, queued_s)
         except P2PError as exc:
             logger.error("request %s: KV not sent to %s: %s", req_id, target.endpoint, exc)
             for c in (c for later in runs[i + 1:] for c in later):
