@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from lmcache_p2p import protocol
@@ -23,6 +23,12 @@ class Chunk:
     shape: protocol.ChunkShape
     tensor: Any  # torch.Tensor, contiguous
     done: Callable[[], None]
+
+
+def release(chunks: Iterable[Chunk]) -> None:
+    """Hand each chunk back (its ``done``): nothing of it will be sent."""
+    for c in chunks:
+        c.done()
 
 
 @dataclasses.dataclass(frozen=True)

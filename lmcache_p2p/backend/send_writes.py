@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from lmcache_p2p import protocol
 from lmcache_p2p.backend.send_peers import Peer
-from lmcache_p2p.backend.send_types import Chunk, Request, Write
+from lmcache_p2p.backend.send_types import Chunk, Request, Write, release
 from lmcache_p2p.config import P2PConfig
 from lmcache_p2p.errors import TransportError
 from lmcache_p2p.transport import Transport, WriteHandle
@@ -38,11 +38,6 @@ class _Unsettled:
 def _drop(req: Request, write: Write) -> None:
     """Take one write out of ``req.writes`` (by identity: handles may compare equal)."""
     req.writes = [w for w in req.writes if w is not write]
-
-
-def _release(chunks: Sequence[Chunk]) -> None:
-    for c in chunks:
-        c.done()
 
 
 class WriteTracker:
@@ -66,11 +61,11 @@ class WriteTracker:
         chunks = [c for c, _ in pairs]
         slots = [s for _, s in pairs]
         if peer is None or not peer.name:
-            _release(chunks)
+            release(chunks)
             return "receiver connection lost before writing"
         deadline = asked_at + (peer.write_timeout_s or self._cfg.transfer_timeout_s)
         if time.monotonic() >= deadline:
-            _release(chunks)  # nothing was posted
+            release(chunks)  # nothing was posted
             return (f"grant from {req.target.endpoint} came {time.monotonic() - asked_at:.1f}s after its Alloc, "
                     f"past the {deadline - asked_at:.1f}s write window (p2p.transfer_timeout_s): not written, the "
                     "receiver may have given those slots up")
@@ -81,7 +76,7 @@ class WriteTracker:
         except Exception as exc:  # a write that raises posted nothing (the transport's contract)
             if not isinstance(exc, (TransportError, ValueError)):
                 logger.exception("request %s: unexpected error writing to %s", req.req_id, req.target.endpoint)
-            _release(chunks)
+            release(chunks)
             return f"write to {req.target.endpoint} failed: {type(exc).__name__}: {exc}"
         req.writes.append((handle, chunks, deadline))
         req.posted_s = req.posted_s or time.perf_counter()
@@ -110,7 +105,7 @@ class WriteTracker:
                           f"window (p2p.transfer_timeout_s, the smaller of ours and the receiver's, from the Alloc)")
             elif done:
                 _drop(req, write)
-                _release(chunks)  # completed: settled by contract
+                release(chunks)  # completed: settled by contract
                 req.nbytes += handle.nbytes
                 req.chunks_sent += len(chunks)
         return failed
@@ -124,7 +119,7 @@ class WriteTracker:
     def release_after(self, handle: WriteHandle, chunks: list[Chunk], req_id: str) -> None:
         """Hand ``chunks`` back once nothing reads them: now if the write settled, else later."""
         if self._transport.settled(handle):
-            _release(chunks)
+            release(chunks)
             return
         self._unsettled.append(_Unsettled(handle, chunks, req_id, time.monotonic() + self._cfg.settle_timeout_s))
 
@@ -136,7 +131,7 @@ class WriteTracker:
         keep: list[_Unsettled] = []
         for item in self._unsettled:
             if self._transport.settled(item.handle):
-                _release(item.chunks)
+                release(item.chunks)
             elif final or now >= item.give_up_at:
                 self.leaked += len(item.chunks)
                 self._leaked_chunks.extend(item.chunks)

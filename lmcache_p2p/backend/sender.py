@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmcache.utils import CacheEngineKey
@@ -26,6 +26,7 @@ from lmcache_p2p.backend.send_buffer import SendArena, lend, store_stream_of
 from lmcache_p2p.backend.send_gather import install as install_batched_gather
 from lmcache_p2p.backend.send_gather import installed as batched_gather_installed
 from lmcache_p2p.backend.send_service import Chunk, SendService, Target
+from lmcache_p2p.backend.send_types import release
 from lmcache_p2p.backend.store_ready import StoreHandoff, gpu_done, install_async_slot_mapping
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ClosedError, ConfigError, P2PError
@@ -175,7 +176,7 @@ class SenderBackend(P2PPlugin):
         if self._handoff is None:
             hand_over()
         else:
-            self._handoff.submit(ready, hand_over, lambda: _release(c for _, chunks, _ in sends for c in chunks))
+            self._handoff.submit(ready, hand_over, lambda: release(c for _, chunks, _ in sends for c in chunks))
         return None
 
     def _sends(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj], transfer_spec: Any, req_id: str,
@@ -250,11 +251,6 @@ def _no_reference() -> None:
     """A packed copy holds no reference of LMCache's: nothing to drop."""
 
 
-def _release(chunks: Iterable[Chunk]) -> None:
-    for c in chunks:
-        c.done()
-
-
 def _submit_runs(service: SendService, req_id: str, target: Target, chunks: list[Chunk], last: bool,
                  called_s: float, wire_id: str = "", queued_s: float = 0.0) -> None:
     """Submit ``chunks`` to ``target``. One write moves sources of one device: a store that found the
@@ -266,8 +262,7 @@ def _submit_runs(service: SendService, req_id: str, target: Target, chunks: list
             service.submit(req_id, target, run, last and i == len(runs) - 1, called_s, wire_id, queued_s)
         except P2PError as exc:
             logger.error("request %s: KV not sent to %s: %s", req_id, target.endpoint, exc)
-            for c in (c for later in runs[i + 1:] for c in later):
-                c.done()  # submit released its own batch's chunks
+            release(c for later in runs[i + 1:] for c in later)  # submit released its own batch's chunks
             break
 
 
