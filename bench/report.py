@@ -229,16 +229,18 @@ def faults_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def tp_cpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    lines = [[r["system"], str(r["concurrency"]), f"{r['failed']}/{r['requests']}", pair(r, "ttft_ms_p50", "ttft_ms_p99"),
+    lines = [[r["system"], r.get("dtype") or "bfloat16", str(r["concurrency"]), f"{r['failed']}/{r['requests']}", pair(r, "ttft_ms_p50", "ttft_ms_p99"),
               pair(r, "handover_ms_p50", "handover_ms_p99"), pair(r, "kv_transfer_ms_p50", "kv_transfer_ms_p99"),
               "-" if r.get("kv_bytes_per_request") is None else
               f"{cell(r['kv_bytes_per_request'], 0)} ({cell(r.get('kv_bytes_equal_model_kv'))})",
               "(ref)" if r.get("d_tp") is None else
               f"{cell(r.get('outputs_equal'))} / {cell(r.get('outputs_equal_other_tp'))}",
+              "-" if r.get("d_tp") is None else (r.get("rule") or "not checked (older bench)"),
               cell(r.get("output_rule_violations")), cell(r.get("kv_hit_ratio"), 3),
               "-" if r.get("kv_lookups") is None else f"{r['ranks_loaded_whole']}/{r['kv_lookups']}"] for r in rows]
-    return markdown(["system", "conc", "failed", "TTFT p50 / p99 ms", "handover p50 / p99", "KV transfer p50 / p99",
-                     "KV B/request (= model KV)", "= plain at D's TP / other TP", "rule breaks", "KV hit",
+    return markdown(["system", "dtype", "conc", "failed", "TTFT p50 / p99 ms", "handover p50 / p99",
+                     "KV transfer p50 / p99", "KV B/request (= model KV)", "= plain at D's TP / other TP", "rule",
+                     "rule breaks", "KV hit",
                      "ranks loaded whole"], lines)
 
 
