@@ -244,7 +244,34 @@ def tp_cpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
                      "ranks loaded whole"], lines)
 
 
+def _vs_single(r: Mapping[str, Any]) -> str:
+    over = r.get("prefill_side_overhead_vs_single_p50")
+    if over is None:
+        return "ref" if str(r.get("system", "")).startswith("single") else "-"
+    return f"{1 + over:.2f}x" if over >= 0.5 else f"{over * 100:+.1f} %"
+
+
+def e2e_gpu_long_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """bench/e2e_gpu_long.py's rows (runs 4-13 of the long-prompt study), in the file's order."""
+    lines = []
+    for r in rows:
+        single = str(r.get("system", "")).startswith("single")
+        label = r.get("label") or r["system"]
+        queue, first = r.get("proxy_queue_ms_p50"), r.get("proxy_first_byte_ms_p50")
+        kv = r.get("kv_bytes_per_request")
+        lines.append([label if r.get("run") == 4 else f"**run {r.get('run')}** {label}",
+                      f"{r['prompt_tokens'] // 1000}k", pair(r, "ttft_ms_p50", "ttft_ms_p99"), _vs_single(r),
+                      cell(r.get("engine_ms_p50")), "-" if single else cell(r.get("lmcache_store_ms_per_request")),
+                      "-" if queue is None or first is None else f"{queue:.1f} + {first:.1f}",
+                      pair(r, "handover_ms_p50", "handover_ms_p99"), "-" if kv is None else f"{kv / 1e9:.2f} GB",
+                      "-" if single else cell(r.get("kv_hit_ratio"), 2), cell(r.get("failed"))])
+    return markdown(["system", "prompt", "TTFT p50 / p99 ms", "vs single (p50)", "engine p50 ms",
+                     "LMCache store ms / request", "proxy queue + first byte p50 ms", "handover p50 / p99 ms",
+                     "KV / request", "hit", "failed"], lines)
+
+
 TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
+    "e2e_gpu_long": e2e_gpu_long_table,
     "tp_cpu": tp_cpu_table,
     "anchor_cpu": anchor_table,
     "anchor_cpu_quick": anchor_table,
@@ -273,6 +300,8 @@ def meta_line(data: Any) -> str:
         return "no metadata (written before bench/meta.py)"
     commit = (meta.get("commit") or "?")[:10] + ("+dirty" if meta.get("dirty") else "")
     machine = meta.get("machine") or {}
+    if not isinstance(machine, Mapping):  # a study's own meta block names its machine in words
+        return f"{meta.get('date')}, commit {commit}, {machine}"
     return (f"{meta.get('date')}, commit {commit}, {machine.get('cpu')} x{machine.get('cores')}"
             f"{', ' + ', '.join(machine['gpus']) if machine.get('gpus') else ''}, load {meta.get('load_1m_before')}: "
             f"`{meta.get('command')}`")
