@@ -1,6 +1,6 @@
 """Re-reads the long-prompt passes' rows and engine traces into summary.json and the README's tables.
 
-    python3 bench/results/long_prompts/summarise.py RUN_DIR...   (each: e2e_gpu.json and x/<system>/trace/)
+    python3 bench/long_prompts_summary.py RUN_DIR...   (each: e2e_gpu.json and x/<system>/trace/)
 
 Per row: the client's TTFT p50/p99, vLLM's own prefill time (mean, exact), the proxy's phases, and from the
 prefiller's trace per request (bench/e2e_gpu.py request_timelines): engine time, LMCache stores and their
@@ -16,7 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("e2e_gpu", REPO / "bench" / "e2e_gpu.py")
 e2e_gpu = importlib.util.module_from_spec(spec)
 sys.modules["e2e_gpu"] = e2e_gpu
