@@ -5,9 +5,10 @@
 
 Reads ``bench/results/*.json`` (each written by a script in bench/, with its ``meta`` block from
 bench/meta.py where the script had one), prints a markdown table per file, writes the plots as
-PNGs under ``docs/`` and, in ``--markdown`` (default BENCHMARKS.md), replaces the text between
-``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` with table NAME (``NAME`` = the results file's
-name without ``.json``). Plots, from ``anchor_cpu.json`` (bench/anchor.py):
+PNGs under ``docs/`` and, in each ``--markdown`` file (default BENCHMARKS.md and README.md), replaces
+the text between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` with table NAME (``NAME`` = the
+results file's name without ``.json``; ``test_suite.json``, the suite's timed run, fills ``test_suite``,
+a sentence, and ``test_suite_slowest``, its 10 slowest tests). Plots, from ``anchor_cpu.json`` (bench/anchor.py):
 
   docs/anchor_ttft_cdf.png       client TTFT CDF per system, one panel per closed-loop load
   docs/anchor_handover_cdf.png   handover CDF per system (where per-request handovers exist)
@@ -229,20 +230,72 @@ def faults_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def tp_cpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    lines = [[r["system"], str(r["concurrency"]), f"{r['failed']}/{r['requests']}", pair(r, "ttft_ms_p50", "ttft_ms_p99"),
+    lines = [[r["system"], r.get("dtype") or "bfloat16", str(r["concurrency"]), f"{r['failed']}/{r['requests']}", pair(r, "ttft_ms_p50", "ttft_ms_p99"),
               pair(r, "handover_ms_p50", "handover_ms_p99"), pair(r, "kv_transfer_ms_p50", "kv_transfer_ms_p99"),
               "-" if r.get("kv_bytes_per_request") is None else
               f"{cell(r['kv_bytes_per_request'], 0)} ({cell(r.get('kv_bytes_equal_model_kv'))})",
               "(ref)" if r.get("d_tp") is None else
               f"{cell(r.get('outputs_equal'))} / {cell(r.get('outputs_equal_other_tp'))}",
+              "-" if r.get("d_tp") is None else (r.get("rule") or "not checked (older bench)"),
               cell(r.get("output_rule_violations")), cell(r.get("kv_hit_ratio"), 3),
               "-" if r.get("kv_lookups") is None else f"{r['ranks_loaded_whole']}/{r['kv_lookups']}"] for r in rows]
-    return markdown(["system", "conc", "failed", "TTFT p50 / p99 ms", "handover p50 / p99", "KV transfer p50 / p99",
-                     "KV B/request (= model KV)", "= plain at D's TP / other TP", "rule breaks", "KV hit",
+    return markdown(["system", "dtype", "conc", "failed", "TTFT p50 / p99 ms", "handover p50 / p99",
+                     "KV transfer p50 / p99", "KV B/request (= model KV)", "= plain at D's TP / other TP", "rule",
+                     "rule breaks", "KV hit",
                      "ranks loaded whole"], lines)
 
 
+def _vs_single(r: Mapping[str, Any]) -> str:
+    over = r.get("prefill_side_overhead_vs_single_p50")
+    if over is None:
+        return "ref" if str(r.get("system", "")).startswith("single") else "-"
+    return f"{1 + over:.2f}x" if over >= 0.5 else f"{over * 100:+.1f} %"
+
+
+def e2e_gpu_long_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """bench/e2e_gpu_long.py's rows (runs 4-13 of the long-prompt study), in the file's order."""
+    lines = []
+    for r in rows:
+        single = str(r.get("system", "")).startswith("single")
+        label = r.get("label") or r["system"]
+        queue, first = r.get("proxy_queue_ms_p50"), r.get("proxy_first_byte_ms_p50")
+        kv = r.get("kv_bytes_per_request")
+        lines.append([label if r.get("run") == 4 else f"**run {r.get('run')}** {label}",
+                      f"{r['prompt_tokens'] // 1000}k", pair(r, "ttft_ms_p50", "ttft_ms_p99"), _vs_single(r),
+                      cell(r.get("engine_ms_p50")), "-" if single else cell(r.get("lmcache_store_ms_per_request")),
+                      "-" if queue is None or first is None else f"{queue:.1f} + {first:.1f}",
+                      pair(r, "handover_ms_p50", "handover_ms_p99"), "-" if kv is None else f"{kv / 1e9:.2f} GB",
+                      "-" if single else cell(r.get("kv_hit_ratio"), 2), cell(r.get("failed"))])
+    return markdown(["system", "prompt", "TTFT p50 / p99 ms", "vs single (p50)", "engine p50 ms",
+                     "LMCache store ms / request", "proxy queue + first byte p50 ms", "handover p50 / p99 ms",
+                     "KV / request", "hit", "failed"], lines)
+
+
+def tp_engine_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    return markdown(["transport", "P -> D", "ready p50 / p99 ms", "per chunk ms", "retrieve p50 ms",
+                     "bytes moved / model KV", "vs equal", "vs same P", "equal", "failed"],
+                    [[r["transport"], f"{r['p_tp']} -> {r['d_tp']}", pair(r, "ready_ms_p50", "ready_ms_p99"),
+                      cell(r.get("ready_per_chunk_ms_p50")), cell(r.get("retrieve_ms_p50")),
+                      f"{r['bytes_moved'] >> 20} / {r['model_kv_bytes'] >> 20} MiB",
+                      "" if r.get("vs_equal") is None else cell(r["vs_equal"], 2),
+                      "" if r.get("vs_same_prefiller") is None else cell(r["vs_same_prefiller"], 2),
+                      cell(r.get("equal")), cell(r.get("failed"))] for r in rows])
+
+
+def multihost_rtt_table(data: Mapping[str, Any]) -> str:
+    """bench/multihost.py's latency sweep (``rtt_rows``), with the commit of its own run (``rtt_meta``)."""
+    rows = data.get("rtt_rows") or []
+    return markdown(["added RTT ms", "TTFT p50 / p99 PD", "TTFT p50 / p99 single", "handover p50 / p99",
+                     "KV wait p50", "target (p50)", "met", "failed PD / single"],
+                    [[f"{r['added_rtt_ms']:g}", pair(r, "ttft_ms_p50_pd", "ttft_ms_p99_pd"),
+                      pair(r, "ttft_ms_p50_single", "ttft_ms_p99_single"), pair(r, "handover_ms_p50", "handover_ms_p99"),
+                      cell(r.get("kv_wait_ms_p50"), 2), cell(r.get("ttft_target_ms")), cell(r.get("meets_target")),
+                      f"{r.get('pd_failed')} / {r.get('single_failed')}"] for r in rows])
+
+
 TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
+    "tp_engine": tp_engine_table,
+    "e2e_gpu_long": e2e_gpu_long_table,
     "tp_cpu": tp_cpu_table,
     "anchor_cpu": anchor_table,
     "anchor_cpu_quick": anchor_table,
@@ -253,6 +306,32 @@ TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
     "proxy_relay": proxy_relay_table,
     "proxy_handover": proxy_handover_table,
 }
+
+
+def test_suite_sentence(data: Mapping[str, Any]) -> str:
+    """README's figure for ``make test``, from ``test_suite.json`` (written by the suite's timed run)."""
+    minutes = data["wall_s"] / 60
+    return (f"`make test` took {minutes:.0f} minutes of wall time ({data['passed']} passed, {data['skipped']} skipped, "
+            f"{data['failed']} failed) at commit {str(data['commit'])[:10]} (`bench/results/test_suite.json`).")
+
+
+def test_suite_slowest(data: Mapping[str, Any]) -> str:
+    return markdown(["test", "seconds"], [[f"`{t['test']}`", cell(float(t["seconds"]))] for t in data["slowest"]])
+
+
+# Results files that are not a list of rows: each gives blocks of its own (block name -> render).
+WHOLE_FILE: dict[str, dict[str, Callable[[Mapping[str, Any]], str]]] = {
+    "test_suite": {"test_suite": test_suite_sentence, "test_suite_slowest": test_suite_slowest},
+    "multihost_cpu": {"multihost_cpu_rtt": multihost_rtt_table},
+}
+
+
+def blocks_for(name: str, data: Any) -> dict[str, str]:
+    """Every marked block a results file fills: its table, or a whole-file file's blocks."""
+    if name in WHOLE_FILE and isinstance(data, Mapping):
+        return {block: render(data) for block, render in WHOLE_FILE[name].items()}
+    table = table_for(name, data)
+    return {name: table} if table is not None else {}
 
 
 def table_for(name: str, data: Any) -> str | None:
@@ -271,6 +350,8 @@ def meta_line(data: Any) -> str:
         return "no metadata (written before bench/meta.py)"
     commit = (meta.get("commit") or "?")[:10] + ("+dirty" if meta.get("dirty") else "")
     machine = meta.get("machine") or {}
+    if not isinstance(machine, Mapping):  # a study's own meta block names its machine in words
+        return f"{meta.get('date')}, commit {commit}, {machine}"
     return (f"{meta.get('date')}, commit {commit}, {machine.get('cpu')} x{machine.get('cores')}"
             f"{', ' + ', '.join(machine['gpus']) if machine.get('gpus') else ''}, load {meta.get('load_1m_before')}: "
             f"`{meta.get('command')}`")
@@ -439,21 +520,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--docs", type=Path, default=REPO / "docs")
-    p.add_argument("--markdown", type=Path, default=REPO / "BENCHMARKS.md",
-                   help="file whose <!-- table:NAME --> blocks are replaced ('' = none)")
+    p.add_argument("--markdown", type=Path, nargs="*", default=[REPO / "BENCHMARKS.md", REPO / "README.md"],
+                   help="files whose <!-- table:NAME --> blocks are replaced (none given: none)")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
     results = load_results(args.results)
     tables: dict[str, str] = {}
     for name, data in results.items():
-        table = table_for(name, data)
-        if table is None:
-            continue
-        tables[name] = table
-        print(f"## {name}.json\n{meta_line(data)}\n\n{table}\n")
-    if str(args.markdown) and args.markdown.is_file():
-        done = update_markdown(args.markdown, tables)
-        print(f"updated {args.markdown}: {', '.join(done) or 'no marked table'}")
+        blocks = blocks_for(name, data)
+        tables.update(blocks)
+        for table in blocks.values():
+            print(f"## {name}.json\n{meta_line(data)}\n\n{table}\n")
+    for path in args.markdown:
+        if str(path) and path.is_file():
+            done = update_markdown(path, tables)
+            print(f"updated {path}: {', '.join(done) or 'no marked table'}")
     if not args.no_plots and "anchor_cpu" in results:
         for path in plot_anchor(results["anchor_cpu"], args.docs):
             print(f"wrote {path}")

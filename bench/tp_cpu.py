@@ -23,12 +23,19 @@ decoder rank retrieved whole, from LMCache's per-rank retrieve lines) and failed
 summary compares each different-TP row's handover p50 with the equal-TP row of the same transport
 and concurrency whose decoder has the same TP size.
 
+Each ``--dtype`` (default ``bfloat16,float32``; vLLM's ``--dtype`` on every instance, references
+included) is a pass of its own, its rows marked with ``dtype``. The output rule depends on it
+(``rule`` in each row): in bfloat16, plain TP1 and TP2 disagree on some prompts (sums in another
+order), so the e2e test's rules apply (:func:`output_rules`); in float32 every pair, different TP
+included, must give the plain instance's output at the decoder's TP size on every request.
+
     flock /tmp/lmcache_p2p_vllm.lock .venv/bin/python bench/tp_cpu.py                # the full run
     flock /tmp/lmcache_p2p_vllm.lock .venv/bin/python bench/tp_cpu.py --pairs 2:1 --transports nixl \\
         --requests 8 --concurrency 1                                                   # development
 
 Writes ``--out`` (default ``bench/results/tp_cpu.json``: ``{"meta", "summary", "rows"}``) and prints a
-table. Exit status 1 when a request failed, an output broke a rule or a decoder rank missed KV.
+table. Exit status 0 only when every rule held (:func:`broken_rules`): no request failed, every output
+kept its dtype's rule, every pair moved exactly the model's KV, every decoder rank loaded it whole.
 """
 
 from __future__ import annotations
@@ -61,6 +68,11 @@ logger = logging.getLogger("bench.tp_cpu")
 REPO = Path(__file__).resolve().parents[1]
 PAIRS = ((1, 1), (2, 2), (2, 1), (1, 2))
 TRANSPORTS = ("nixl", "nccl")
+DTYPES = ("bfloat16", "float32")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+EXACT_DTYPES = frozenset({"float32"})  # every pair must equal the plain instance at the decoder's TP size
+RULE_EXACT = "= plain at D's TP"
+RULE_BF16 = "e2e test's TP rules"
 STARTUP_TIMEOUT_S = 900.0
 KV_BYTES_METRIC = "lmcache_p2p_proxy_kv_bytes_total"
 KV_SENT_WAIT_S = 3.0  # the prefillers' KvSent reports follow their last writes
@@ -70,6 +82,7 @@ KV_SENT_WAIT_S = 3.0  # the prefillers' KvSent reports follow their last writes
 class Settings:
     pairs: tuple[tuple[int, int], ...]
     transports: tuple[str, ...]
+    dtypes: tuple[str, ...]
     bench: e2e.BenchConfig
 
 
@@ -86,12 +99,13 @@ class Measured:
     lookups: tuple[e2e.Lookup, ...] = ()
     rank_loads: tuple[tuple[int, ...], ...] = ()  # per decoder request: tokens each rank's retrieve got
     hits: tuple[int, ...] = ()  # the scheduler's hit per decoder request, in the same order
+    dtype: str = "bfloat16"
 
 
-def kv_bytes_per_token(model: Path) -> int:
+def kv_bytes_per_token(model: Path, dtype: str = "bfloat16") -> int:
     config = json.loads((model / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2  # K and V, bf16
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * DTYPE_BYTES[dtype]  # K, V
 
 
 def cores_for(tp_size: int) -> int | tuple[int, ...]:
@@ -105,12 +119,16 @@ def kv_bytes_total(url: str) -> float:
     return 0.0
 
 
+def dtype_args(dtype: str) -> tuple[str, ...]:
+    return (f"--dtype={dtype}",)
+
+
 def measure_plain(cfg: e2e.BenchConfig, tp_size: int, bodies: Sequence[dict[str, Any]],
-                  vocab: Sequence[int]) -> list[Measured]:
+                  vocab: Sequence[int], dtype: str) -> list[Measured]:
     e2e.wait_until_quiet(cfg.quiet_wait_s)
-    child = plain_vllm_child(cfg.model, cfg.log_dir / f"plain-tp{tp_size}", port=free_port(),
+    child = plain_vllm_child(cfg.model, cfg.log_dir / f"plain-tp{tp_size}-{dtype}", port=free_port(),
                              cpu_core=cores_for(tp_size), name=f"plain-tp{tp_size}", prefix_caching=False,
-                             tp_size=tp_size)
+                             tp_size=tp_size, vllm_args=dtype_args(dtype))
     url = child.health_url.removesuffix("/health")
     out = []
     try:
@@ -120,18 +138,19 @@ def measure_plain(cfg: e2e.BenchConfig, tp_size: int, bodies: Sequence[dict[str,
         for concurrency in cfg.concurrency:
             e2e.wait_before_run(e2e._pids([child]), cfg.quiet_wait_s)
             results, wall_s = asyncio.run(e2e.run_load(url, bodies, concurrency))
-            out.append(Measured(f"plain-tp{tp_size}", concurrency, tuple(results), wall_s))
+            out.append(Measured(f"plain-tp{tp_size}", concurrency, tuple(results), wall_s, dtype=dtype))
     finally:
         child.stop()
     return out
 
 
-def start_pair(cfg: e2e.BenchConfig, prefill_tp: int, decode_tp: int, transport: str) -> Cluster:
+def start_pair(cfg: e2e.BenchConfig, prefill_tp: int, decode_tp: int, transport: str, dtype: str) -> Cluster:
     base = free_cluster_base_port(prefill=1, decode=1, tp_size=decode_tp)
     with mock.patch("cluster.free_base_port", lambda *a, **k: base):
-        cluster = Cluster(cfg.model, cfg.log_dir / f"p{prefill_tp}-d{decode_tp}-{transport}", prefill=1, decode=1,
-                          proxy_args=("--on-kv-failure", "fail"), prefix_caching=False, prefill_tp=prefill_tp,
-                          decode_tp=decode_tp, transport=transport)
+        cluster = Cluster(cfg.model, cfg.log_dir / f"p{prefill_tp}-d{decode_tp}-{transport}-{dtype}", prefill=1,
+                          decode=1, proxy_args=("--on-kv-failure", "fail"), prefix_caching=False,
+                          prefill_tp=prefill_tp, decode_tp=decode_tp, transport=transport,
+                          vllm_args=dtype_args(dtype))
     try:
         cluster.start(STARTUP_TIMEOUT_S)
     except BaseException:
@@ -151,10 +170,10 @@ def decoder_loads(cluster: Cluster, seen: set[str]) -> tuple[list[e2e.Lookup], l
 
 
 def measure_pair(cfg: e2e.BenchConfig, prefill_tp: int, decode_tp: int, transport: str,
-                 bodies: Sequence[dict[str, Any]], vocab: Sequence[int]) -> list[Measured]:
+                 bodies: Sequence[dict[str, Any]], vocab: Sequence[int], dtype: str) -> list[Measured]:
     e2e.wait_until_quiet(cfg.quiet_wait_s)
     system = f"p{prefill_tp}-d{decode_tp}-{transport}"
-    cluster = start_pair(cfg, prefill_tp, decode_tp, transport)
+    cluster = start_pair(cfg, prefill_tp, decode_tp, transport, dtype)
     out = []
     try:
         e2e.warm_up(cluster.url, cfg, vocab)
@@ -162,7 +181,7 @@ def measure_pair(cfg: e2e.BenchConfig, prefill_tp: int, decode_tp: int, transpor
         decoder_loads(cluster, seen)  # the warm-up's
         for concurrency in cfg.concurrency:
             e2e.wait_before_run(e2e._pids(cluster.children.values()), cfg.quiet_wait_s)
-            logger.info("%s: %d requests, concurrency %d", system, len(bodies), concurrency)
+            logger.info("%s %s: %d requests, concurrency %d", system, dtype, len(bodies), concurrency)
             httpx.post(f"{cluster.url}/stats/reset", timeout=10).raise_for_status()
             before = kv_bytes_total(cluster.url)
             results, wall_s = asyncio.run(e2e.run_load(cluster.url, bodies, concurrency))
@@ -170,7 +189,8 @@ def measure_pair(cfg: e2e.BenchConfig, prefill_tp: int, decode_tp: int, transpor
             stats = httpx.get(f"{cluster.url}/stats", timeout=10).json()
             lookups, loads, hits = decoder_loads(cluster, seen)
             out.append(Measured(system, concurrency, tuple(results), wall_s, stats,
-                                kv_bytes_total(cluster.url) - before, tuple(lookups), tuple(loads), tuple(hits)))
+                                kv_bytes_total(cluster.url) - before, tuple(lookups), tuple(loads), tuple(hits),
+                                dtype))
     finally:
         cluster.stop()
     return out
@@ -185,26 +205,35 @@ def _stat(stats: dict[str, Any] | None, *path: str) -> float | None:
 
 
 def output_rules(run: Measured, ref_decode: Measured | None, ref_prefill: Measured | None,
-                 equal_tp: bool) -> dict[str, int | None]:
-    """tests/e2e/test_tp_vllm.py's rules, per request: where the plain instances at both TP sizes agree, the
-    output equals them; where they disagree, at equal TP the output equals that size's, at different TP its
-    first token equals the prefiller's size's (the rest is computed at the decoder's size over KV of the
-    prefiller's size: reported, not compared)."""
+                 equal_tp: bool, exact: bool = False) -> dict[str, Any]:
+    """Per request, the rule of the run's dtype. ``exact`` (float32): the output equals the plain instance's at
+    the decoder's TP size, whatever the prefiller's. Otherwise tests/e2e/test_tp_vllm.py's rules: where the
+    plain instances at both TP sizes agree, the output equals them; where they disagree, at equal TP the output
+    equals that size's, at different TP its first token equals the prefiller's size's (the rest is computed at
+    the decoder's size over KV of the prefiller's size: reported, not compared). A request the rule cannot be
+    checked on (it failed, or a reference missed it) breaks it: ``output_rule_violations`` is None when a
+    reference is missing altogether."""
+    rule = RULE_EXACT if exact else RULE_BF16
     if ref_decode is None or ref_prefill is None:
-        return {"references_agree": None, "equal_where_references_agree": None, "output_rule_violations": None}
+        return {"rule": rule, "references_agree": None, "equal_where_references_agree": None,
+                "output_rule_violations": None}
     dec = {r.index: r.output_ids for r in ref_decode.results if r.ok}
     pre = {r.index: r.output_ids for r in ref_prefill.results if r.ok}
     agree = equal = violations = 0
-    for r in (r for r in run.results if r.ok and r.index in dec and r.index in pre):
+    for r in run.results:
+        if not (r.ok and r.index in dec and r.index in pre):
+            violations += 1
+            continue
         if dec[r.index] == pre[r.index]:
             agree += 1
             equal += r.output_ids == dec[r.index]
             violations += r.output_ids != dec[r.index]
-        elif equal_tp:
+        elif equal_tp or exact:
             violations += r.output_ids != dec[r.index]
         else:
             violations += r.output_ids[:1] != pre[r.index][:1]
-    return {"references_agree": agree, "equal_where_references_agree": equal, "output_rule_violations": violations}
+    return {"rule": rule, "references_agree": agree, "equal_where_references_agree": equal,
+            "output_rule_violations": violations}
 
 
 def equal_to(run: Measured, reference: Measured | None) -> bool | None:
@@ -215,12 +244,13 @@ def equal_to(run: Measured, reference: Measured | None) -> bool | None:
     return bool(mine) and all(ref.get(i) == ids for i, ids in mine.items())
 
 
-def row_of(run: Measured, plain: dict[tuple[int, int], Measured], prompt_lengths: Sequence[int],
+def row_of(run: Measured, plain: dict[tuple[str, int, int], Measured], prompt_lengths: Sequence[int],
            bytes_per_token: int, decode_tp: int | None, prefill_tp: int | None, transport: str | None) -> dict:
+    """One results row; ``plain``: the references by (dtype, TP size, concurrency)."""
     ok = [r for r in run.results if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     row: dict[str, Any] = {
-        "system": run.system, "p_tp": prefill_tp, "d_tp": decode_tp, "transport": transport,
+        "system": run.system, "dtype": run.dtype, "p_tp": prefill_tp, "d_tp": decode_tp, "transport": transport,
         "concurrency": run.concurrency, "requests": len(run.results), "failed": len(run.results) - len(ok),
         "ttft_ms_p50": e2e._ms(e2e.percentile(ttfts, 50)), "ttft_ms_p99": e2e._ms(e2e.percentile(ttfts, 99)),
         "output_tokens_per_s": round(sum(len(r.output_ids) for r in ok) / run.wall_s, 1),
@@ -229,6 +259,7 @@ def row_of(run: Measured, plain: dict[tuple[int, int], Measured], prompt_lengths
     if decode_tp is None:
         return row
     other_tp = 2 if decode_tp == 1 else 1
+    ref_decode = plain.get((run.dtype, decode_tp, run.concurrency))
     looked = sum(lk.total_tokens - 1 for lk in run.lookups)
     whole = sum(len(loads) == decode_tp and set(loads) == {hit} for loads, hit in zip(run.rank_loads, run.hits))
     model_kv = sum(prompt_lengths) * bytes_per_token / len(prompt_lengths)
@@ -241,10 +272,10 @@ def row_of(run: Measured, plain: dict[tuple[int, int], Measured], prompt_lengths
         "kv_bytes_per_request": round(moved, 1) if moved is not None else None,
         "model_kv_bytes_per_request": round(model_kv, 1),
         "kv_bytes_equal_model_kv": moved is not None and abs(moved - model_kv) < 0.5,
-        "outputs_equal": equal_to(run, plain.get((decode_tp, run.concurrency))),
-        "outputs_equal_other_tp": equal_to(run, plain.get((other_tp, run.concurrency))),
-        **output_rules(run, plain.get((decode_tp, run.concurrency)), plain.get((prefill_tp, run.concurrency)),
-                       prefill_tp == decode_tp),
+        "outputs_equal": equal_to(run, ref_decode),
+        "outputs_equal_other_tp": equal_to(run, plain.get((run.dtype, other_tp, run.concurrency))),
+        **output_rules(run, ref_decode, plain.get((run.dtype, prefill_tp, run.concurrency)),
+                       prefill_tp == decode_tp, exact=run.dtype in EXACT_DTYPES),
         "kv_hit_ratio": round(sum(lk.hit_tokens for lk in run.lookups) / looked, 4) if looked else None,
         "kv_lookups": len(run.lookups), "ranks_loaded_whole": whole,
     })
@@ -255,26 +286,45 @@ def summary_of(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Each different-TP row's handover p50 against the equal-TP row (same transport, concurrency and
     decoder TP size), and the pass/fail counts."""
     pairs = [r for r in rows if r["d_tp"] is not None]
-    equal_tp = {(r["transport"], r["concurrency"], r["d_tp"]): r for r in pairs if r["p_tp"] == r["d_tp"]}
+    key = lambda r: (r.get("dtype"), r["transport"], r["concurrency"], r["d_tp"])  # noqa: E731
+    equal_tp = {key(r): r for r in pairs if r["p_tp"] == r["d_tp"]}
     overhead = {}
     for r in pairs:
-        base = equal_tp.get((r["transport"], r["concurrency"], r["d_tp"]))
+        base = equal_tp.get(key(r))
         if r["p_tp"] != r["d_tp"] and base and base["handover_ms_p50"] and r["handover_ms_p50"] is not None:
-            overhead[r["system"] + f"-c{r['concurrency']}"] = {
+            overhead[f"{r['system']}-{r.get('dtype')}-c{r['concurrency']}"] = {
                 "vs": base["system"], "handover_ms_p50": r["handover_ms_p50"],
                 "equal_tp_handover_ms_p50": base["handover_ms_p50"],
                 "ratio": round(r["handover_ms_p50"] / base["handover_ms_p50"], 3)}
     return {"failed": sum(r["failed"] for r in rows),
             "rows_outputs_differ": sum(r["outputs_equal"] is False for r in pairs),
             "output_rule_violations": sum(r["output_rule_violations"] or 0 for r in pairs),
+            "rows_rule_unchecked": sum(r["output_rule_violations"] is None for r in pairs),
             "rows_bytes_not_model_kv": sum(not r["kv_bytes_equal_model_kv"] for r in pairs),
             "rows_rank_missed_kv": sum(r["ranks_loaded_whole"] != r["kv_lookups"] or r["kv_hit_ratio"] != 1.0
                                        for r in pairs),
             "different_tp_handover_vs_equal_tp": overhead}
 
 
+RULES = {  # summary key -> what it says when not 0
+    "failed": "requests failed",
+    "output_rule_violations": "outputs broke their dtype's rule",
+    "rows_rule_unchecked": "pair rows without a reference to check the rule against",
+    "rows_bytes_not_model_kv": "pair rows that moved other than the model's KV",
+    "rows_rank_missed_kv": "pair rows where a decoder rank did not load the whole prompt",
+}
+
+
+def broken_rules(summary: dict[str, Any], rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Every rule the run broke, in words (empty: exit 0). A run without a single pair row proves nothing."""
+    broken = [f"{summary[k]} {text}" for k, text in RULES.items() if summary.get(k)]
+    if not any(r.get("d_tp") is not None for r in rows):
+        broken.append("no pair was measured")
+    return broken
+
+
 def print_table(rows: Sequence[dict[str, Any]]) -> None:
-    head = ("system", "c", "fail", "TTFT p50/p99", "handover p50/p99", "transfer p50/p99", "KV B/req (model)",
+    head = ("system", "dtype", "c", "fail", "TTFT p50/p99", "handover p50/p99", "transfer p50/p99", "KV B/req (model)",
             "equal (other TP)", "rule breaks", "hit", "ranks whole")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
 
@@ -282,7 +332,7 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
         return f"{a if a is not None else '-'} / {b if b is not None else '-'}"
 
     for r in rows:
-        cells = [r["system"], str(r["concurrency"]), str(r["failed"]), pair(r["ttft_ms_p50"], r["ttft_ms_p99"])]
+        cells = [r["system"], str(r.get("dtype")), str(r["concurrency"]), str(r["failed"]), pair(r["ttft_ms_p50"], r["ttft_ms_p99"])]
         if r["d_tp"] is None:
             cells += ["-"] * 7
         else:
@@ -298,6 +348,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", default=",".join(f"{a}:{b}" for a, b in PAIRS), help="P:D TP sizes, comma list")
     p.add_argument("--transports", default=",".join(TRANSPORTS))
+    p.add_argument("--dtype", default=",".join(DTYPES),
+                   help=f"vLLM --dtype per pass, comma list of {', '.join(DTYPE_BYTES)} (float32: every pair must "
+                        "equal the plain instance at the decoder's TP size)")
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--concurrency", default="1,4")
     p.add_argument("--output-len", type=int, default=16)
@@ -310,12 +363,16 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--quiet-wait-s", type=float, default=120.0)
     a = p.parse_args(argv)
     pairs = tuple(tuple(int(x) for x in item.split(":")) for item in a.pairs.split(",") if item)
+    dtypes = tuple(d for d in a.dtype.split(",") if d)
+    unknown = [d for d in dtypes if d not in DTYPE_BYTES]
+    if unknown or not dtypes:
+        p.error(f"--dtype {a.dtype}: use one or more of {', '.join(DTYPE_BYTES)}")
     bench = e2e.BenchConfig(requests=a.requests, concurrency=tuple(int(c) for c in a.concurrency.split(",")),
                             output_len=a.output_len, min_input=a.min_input, max_input=a.max_input, paths=(),
                             model=e2e.resolve_model(a.model),
                             log_dir=(a.log_dir or REPO / "logs" / time.strftime("tp-cpu-%Y%m%d-%H%M%S")).resolve(),
                             out=a.out.resolve(), seed=a.seed, quiet_wait_s=a.quiet_wait_s)
-    return Settings(pairs, tuple(t for t in a.transports.split(",") if t), bench)  # type: ignore[arg-type]
+    return Settings(pairs, tuple(t for t in a.transports.split(",") if t), dtypes, bench)  # type: ignore[arg-type]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -329,30 +386,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = e2e.make_prompts(cfg.requests, cfg.min_input, cfg.max_input, vocab, cfg.seed)
     bodies = [e2e.request_body(cfg.model, prompt, cfg.output_len) for prompt in prompts]
     lengths = [len(prompt) for prompt in prompts]
-    plain: dict[tuple[int, int], Measured] = {}
-    for tp in sorted({d for _, d in settings.pairs} | {p for p, _ in settings.pairs}):
-        for run in measure_plain(cfg, tp, bodies, vocab):
-            plain[(tp, run.concurrency)] = run
-    rows = [row_of(run, plain, lengths, kv_bytes_per_token(cfg.model), None, None, None) for run in plain.values()]
-    outputs = {f"{run.system}-c{run.concurrency}": [list(r.output_ids) for r in run.results] for run in plain.values()}
-    for transport in settings.transports:
-        for prefill_tp, decode_tp in settings.pairs:
-            for run in measure_pair(cfg, prefill_tp, decode_tp, transport, bodies, vocab):
-                rows.append(row_of(run, plain, lengths, kv_bytes_per_token(cfg.model), decode_tp, prefill_tp,
-                                   transport))
-                outputs[f"{run.system}-c{run.concurrency}"] = [list(r.output_ids) for r in run.results]
-            cfg.out.parent.mkdir(parents=True, exist_ok=True)
-            summary = summary_of(rows)
-            cfg.out.write_text(json.dumps({"meta": {**meta, "wall_s": round(time.monotonic() - started, 1),
-                                                    "requests": cfg.requests, "output_len": cfg.output_len,
-                                                    "input_tokens": [min(lengths), max(lengths)]},
-                                           "summary": summary, "rows": rows, "output_ids": outputs}, indent=1) + "\n")
+    plain: dict[tuple[str, int, int], Measured] = {}
+    rows: list[dict[str, Any]] = []
+    outputs: dict[str, list[list[int]]] = {}
+
+    def keep(run: Measured, row: dict[str, Any]) -> None:
+        rows.append(row)
+        outputs[f"{run.system}-{run.dtype}-c{run.concurrency}"] = [list(r.output_ids) for r in run.results]
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        cfg.out.write_text(json.dumps({"meta": {**meta, "wall_s": round(time.monotonic() - started, 1),
+                                                "requests": cfg.requests, "output_len": cfg.output_len,
+                                                "dtypes": list(settings.dtypes),
+                                                "input_tokens": [min(lengths), max(lengths)]},
+                                       "summary": summary_of(rows), "rows": rows, "output_ids": outputs},
+                                      indent=1) + "\n")
+
+    for dtype in settings.dtypes:
+        bytes_per_token = kv_bytes_per_token(cfg.model, dtype)
+        for tp in sorted({d for _, d in settings.pairs} | {p for p, _ in settings.pairs}):
+            for run in measure_plain(cfg, tp, bodies, vocab, dtype):
+                plain[(dtype, tp, run.concurrency)] = run
+                keep(run, row_of(run, plain, lengths, bytes_per_token, None, None, None))
+        for transport in settings.transports:
+            for prefill_tp, decode_tp in settings.pairs:
+                for run in measure_pair(cfg, prefill_tp, decode_tp, transport, bodies, vocab, dtype):
+                    keep(run, row_of(run, plain, lengths, bytes_per_token, decode_tp, prefill_tp, transport))
     print_table(rows)
     summary = summary_of(rows)
     print(json.dumps(summary, indent=1))
     print(f"wrote {cfg.out} in {time.monotonic() - started:.0f} s")
-    bad = summary["failed"] or summary["output_rule_violations"] or summary["rows_rank_missed_kv"]
-    return 1 if bad else 0
+    broken = broken_rules(summary, rows)
+    for line in broken:
+        print(f"RULE BROKEN: {line}")
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ON the GPU machine (kind nvidia-h200), from the repo root of the sent checkout, after the bundle's parts were
-# staged (scripts/gpu_pass.sh stage): one device call of the long-prompt work (bench/results/long_prompts/README.md),
+# staged (scripts/gpu_pass.sh stage): one device call of the long-prompt work (bench/results/long_prompts.md),
 # several passes of scripts/gpu_pass.sh long, each in its own results folder, packed into few files.
 #
 #   GPU_BUILD=build bash SRC/scripts/gpu_long_plan.sh PLAN      SRC: this checkout as carried (gpu_prepare.sh --src)

@@ -7,7 +7,7 @@
 #                                          /tmp/models/llama8b-128k: the 8B body with Llama-3.1's 128256-token
 #                                          vocabulary and no tokenizer), then bench/e2e_gpu.py ARGS (default:
 #                                          the full pass, see below)
-#   bash scripts/gpu_pass.sh long [ARGS]   the same, then the long-prompt pass (bench/results/long_prompts/README.md):
+#   bash scripts/gpu_pass.sh long [ARGS]   the same, then the long-prompt pass (bench/results/long_prompts.md):
 #                                          single vs lmcache_p2p 1P1D (--one-gpu on a one-GPU machine), 8k-64k tokens
 #                                          in, 2 out, the engines traced; ARGS (e.g. --systems, --results-dir) are
 #                                          added to its defaults; LONG_POINTS replaces its --long points,

@@ -3,6 +3,8 @@
 Entry point (pyproject.toml): ``vllm.general_plugins: lmcache_p2p = "lmcache_p2p.vllm_plugin:register"``.
 vLLM calls :func:`register` once in every process (API server, engine core, workers). It:
 
+  compat (lmcache_p2p.compat)  warns, once per process, when the installed vLLM, LMCache or NIXL is
+                      not the version the path (CPU or GPU) is tested with (docs/COMPATIBILITY.md)
   startup.py          refuses to start a server whose LMCache YAML names our plugin with a bad
                       ``p2p`` section, and fails the engine when LMCache could not create our plugin
                       (LMCache alone would log it and serve without it)
@@ -27,12 +29,15 @@ ADAPTER_MODULE = "lmcache.integration.vllm.vllm_v1_adapter"
 
 def register() -> None:
     """vLLM general-plugin entry point (idempotent). Raises ConfigError for a bad ``p2p`` section."""
+    from lmcache_p2p import compat
     from lmcache_p2p.vllm_plugin import producer_lookup, startup
 
     startup.check_config_file()
+    on_cpu = _running_on_cpu()
+    compat.warn_untested(compat.Platform.CPU if on_cpu else compat.Platform.GPU)
     patch_on_import(startup.STORAGE_MODULE, startup.guard_plugin_launcher)
     patch_on_import(ADAPTER_MODULE, producer_lookup.patch_adapter)
-    if not _running_on_cpu():
+    if not on_cpu:
         logger.debug("vLLM platform is not CPU: LMCache CPU connector not installed")
         return
     from lmcache_p2p.vllm_plugin import cpu_connector_factory

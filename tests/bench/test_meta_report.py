@@ -113,3 +113,50 @@ def test_multiturn_table_and_plot(report, tmp_path):
     pytest.importorskip("matplotlib")
     path = report.plot_multiturn({"meta": {}, "rows": rows}, tmp_path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_fills_readmes_test_suite_sentence_from_its_file(report, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    slowest = [{"test": f"tests/e2e/test_x.py::test_{i}", "seconds": 100.0 - i} for i in range(10)]
+    (results / "test_suite.json").write_text(json.dumps({"commit": "0123456789abcdef", "wall_s": 1135.4, "passed": 1012,
+                                                         "skipped": 31, "failed": 0, "slowest": slowest}))
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- table:test_suite -->\nplaceholder\n<!-- /table:test_suite -->\nb\n")
+    bench = tmp_path / "B.md"
+    bench.write_text("<!-- table:test_suite_slowest -->\n<!-- /table:test_suite_slowest -->\n")
+    assert report.main(["--results", str(results), "--docs", str(tmp_path), "--markdown", str(readme), str(bench),
+                        "--no-plots"]) == 0
+    assert readme.read_text() == ("a\n<!-- table:test_suite -->\n`make test` took 19 minutes of wall time (1012 passed, "
+                                  "31 skipped, 0 failed) at commit 0123456789 (`bench/results/test_suite.json`).\n"
+                                  "<!-- /table:test_suite -->\nb\n")
+    table = bench.read_text()
+    assert "| `tests/e2e/test_x.py::test_0` | 100.0 |" in table and table.count("| `tests/e2e") == 10
+
+
+def test_report_tables_of_the_long_prompts_tp_engine_and_multihost_files(report):
+    long = report.table_for("e2e_gpu_long", {"rows": [
+        {"system": "single", "label": "single", "run": 13, "prompt_tokens": 16000, "ttft_ms_p50": 473.0,
+         "ttft_ms_p99": 906.8, "prefill_side_overhead_vs_single_p50": None, "engine_ms_p50": 452.0,
+         "lmcache_store_ms_per_request": 0.0, "failed": 0},
+        {"system": "lmcache_p2p-nixl 1P1D", "label": "1P1D", "run": 13, "prompt_tokens": 16000, "ttft_ms_p50": 476.9,
+         "ttft_ms_p99": 990.5, "prefill_side_overhead_vs_single_p50": 0.0081, "engine_ms_p50": 447.6,
+         "lmcache_store_ms_per_request": 8.3, "proxy_queue_ms_p50": 5.4, "proxy_first_byte_ms_p50": 2.5,
+         "handover_ms_p50": 32.6, "handover_ms_p99": 606.7, "kv_bytes_per_request": 2097283072, "kv_hit_ratio": 1.0,
+         "failed": 0},
+        {"system": "lmcache_p2p-nixl 1P1D, decoder busy", "label": "busy", "run": 6, "prompt_tokens": 16000,
+         "ttft_ms_p50": 922.7, "ttft_ms_p99": 1474.7, "prefill_side_overhead_vs_single_p50": 0.9132, "failed": 0}]})
+    assert "| **run 13** single | 16k | 473.0 / 906.8 | ref | 452.0 | - | - | - | - | - | 0 |" in long
+    assert ("| **run 13** 1P1D | 16k | 476.9 / 990.5 | +0.8 % | 447.6 | 8.3 | 5.4 + 2.5 | 32.6 / 606.7 | 2.10 GB | "
+            "1.00 | 0 |") in long
+    assert "| **run 6** busy | 16k | 922.7 / 1474.7 | 1.91x |" in long
+    engine = report.table_for("tp_engine", {"rows": [
+        {"transport": "nccl", "p_tp": 1, "d_tp": 2, "ready_ms_p50": 53.3, "ready_ms_p99": 75.7,
+         "ready_per_chunk_ms_p50": 6.7, "retrieve_ms_p50": 4.5, "bytes_moved": 64 << 20, "model_kv_bytes": 64 << 20,
+         "vs_equal": 0.65, "vs_same_prefiller": 1.554, "equal": True, "failed": 0}]})
+    assert "| nccl | 1 -> 2 | 53.3 / 75.7 | 6.7 | 4.5 | 64 / 64 MiB | 0.65 | 1.55 | yes | 0 |" in engine
+    rtt = report.blocks_for("multihost_cpu", {"rtt_rows": [
+        {"added_rtt_ms": 5.0, "ttft_ms_p50_pd": 74.0, "ttft_ms_p99_pd": 133.2, "ttft_ms_p50_single": 53.9,
+         "ttft_ms_p99_single": 67.6, "handover_ms_p50": 42.5, "handover_ms_p99": 57.7, "kv_wait_ms_p50": 7.216,
+         "ttft_target_ms": 101.2, "meets_target": True, "pd_failed": 0, "single_failed": 0}]})
+    assert "| 5 | 74.0 / 133.2 | 53.9 / 67.6 | 42.5 / 57.7 | 7.22 | 101.2 | yes | 0 / 0 |" in rtt["multihost_cpu_rtt"]

@@ -47,3 +47,16 @@ def test_the_plugin_guards_lmcaches_plugin_launcher_when_it_is_imported() -> Non
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "lmcache imported at plugin load: False" in proc.stdout
     assert "guarded: True" in proc.stdout
+
+
+def test_the_plugin_warns_at_load_when_an_installed_version_is_untested() -> None:
+    proc = run_python("""
+        from lmcache_p2p import compat
+        compat.TESTED = {**compat.TESTED, compat.Platform.CPU: compat.Tested("0.0.1", "0.5.6", "1.5.1")}
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        print("loaded")
+        """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lmcache_p2p is untested with vllm 0.32.0 (tested: 0.0.1)" in proc.stderr
+    assert proc.stderr.count("lmcache_p2p is untested") == 1
