@@ -283,8 +283,7 @@ def test_checked_in_example_equals_a_fresh_render(example: Path, capsys) -> None
     out, _ = capsys.readouterr()
     assert out == example.read_text(), (f"{example.relative_to(ROOT)} is stale: render it again with "
                                         f"{first.removeprefix('# Rendered by: ')} > {example.relative_to(ROOT)}")
-    for obj in yaml.safe_load_all(out):
-        kubernetes_validate.validate(obj, K8S_VERSIONS[-1], strict=True)
+    # schemas, checkov: tests/cli/test_deploy_helm.py (every variant, the chart's render too)
 
 
 def test_there_is_a_checked_in_example() -> None:
