@@ -54,13 +54,14 @@ def variants() -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def schema_errors(objects: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+def schema_errors(objects: list[dict[str, Any]],
+                  versions: tuple[str, ...] = K8S_VERSIONS) -> tuple[list[str], list[str]]:
     """Each object against the Kubernetes schemas (strict): the errors, and the kinds no schema covers."""
     import kubernetes_validate
 
     errors, unchecked = [], []
     for obj in objects:
-        for version in K8S_VERSIONS:
+        for version in versions:
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.SchemaNotFoundError:
