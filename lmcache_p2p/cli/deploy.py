@@ -1,16 +1,19 @@
-"""``lmcache-p2p deploy kubernetes``: print the Kubernetes objects of an XpYd deployment.
+"""``lmcache-p2p deploy kubernetes``: print the Kubernetes objects of an XpYd deployment (``deploy helm``: the
+same objects as a Helm chart).
 
-    lmcache-p2p deploy kubernetes --prefill 2 --decode 2 --model /models/Llama-3.1-8B \\
-        --device cuda --image registry.example/lmcache-p2p:0.1 > pd.yaml
-    kubectl create secret generic lmcache-p2p-secret --from-literal=shared-secret="$(openssl rand -hex 32)"
+    lmcache-p2p deploy kubernetes --prefill 2 --decode 2 --model /models/Llama-3.1-8B --model-pvc models \\
+        --device cuda --image registry.example/lmcache-p2p:0.1.0 --namespace serving > pd.yaml
+    kubectl -n serving create secret generic lmcache-p2p-secret --from-literal=shared-secret="$(openssl rand -hex 32)"
     kubectl apply -f pd.yaml
 
 The same flags as ``launch`` make the same instances (one code path: cli/instance.py): a prefiller
 and a decoder StatefulSet (one pod per instance, a GPU per TP rank), the proxy's Deployment and
-Service (HTTP and registry ports), the LMCache YAML as a ConfigMap and, with --shared-secret or
-$LMCACHE_P2P_SECRET, the secret as a Secret (otherwise create it as above: it is always required,
-the pods listen beyond loopback). Scale with ``kubectl scale statefulset lmcache-p2p-decoder
---replicas N``: instances join and leave through the proxy's registry. See docs/MULTINODE.md.
+Service (HTTP and registry ports), each role's LMCache YAML as a ConfigMap named by its content,
+disruption budgets, NetworkPolicies and, with --shared-secret or $LMCACHE_P2P_SECRET, the secret as
+a Secret (otherwise create it as above: it is always required, the pods listen beyond loopback).
+Resources, scheduling and the image's user are the flags below; the image is deploy/docker/Dockerfile's.
+--prefill/--decode are the replicas (instances join and leave through the proxy's registry).
+See docs/KUBERNETES.md.
 """
 
 from __future__ import annotations
