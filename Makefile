@@ -41,9 +41,10 @@ bench-anchor: setup
 figures: setup
 	$(PY) bench/report.py
 
-# The Kubernetes examples (deploy/kubernetes/*.yaml) rendered again, each by the command on its first line
-# (tests/cli/test_deploy_kubernetes.py fails when one is stale).
+# The Kubernetes examples (deploy/kubernetes/*.yaml) and the Helm chart (deploy/helm/lmcache-p2p) rendered
+# again, each by the command on its first line (tests/cli/test_deploy_*.py fail when one is stale).
 deploy-examples:
 	for f in deploy/kubernetes/*.yaml; do \
 		env -u LMCACHE_P2P_SECRET $(PY) -m lmcache_p2p.cli.main $$(head -1 $$f | sed 's/^# Rendered by: lmcache-p2p //') \
 			> $$f.tmp 2>/dev/null && mv $$f.tmp $$f || exit 1; done
+	env -u LMCACHE_P2P_SECRET $(PY) -m lmcache_p2p.cli.main $$(head -1 deploy/helm/lmcache-p2p/Chart.yaml | sed 's/^# Rendered by: lmcache-p2p //')

@@ -33,6 +33,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$deps_hash" ]; then
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   pip install -e ".[test,bench]"
+  # checkov (tests/cli/test_deploy_helm.py, bench/k8s_checks.py) in a venv of its own: its pins would
+  # downgrade packaging, networkx and cachetools under vLLM and torch.
+  "$PY" -m venv "$VENV/tools/checkov"
+  "$VENV/tools/checkov/bin/python" -m pip --disable-pip-version-check -q install "checkov==3.3.30"
   echo "$deps_hash" > "$stamp"
 fi
 "$VENV/bin/python" - <<'PY'

@@ -1,16 +1,19 @@
-"""``lmcache-p2p deploy kubernetes``: print the Kubernetes objects of an XpYd deployment.
+"""``lmcache-p2p deploy kubernetes``: print the Kubernetes objects of an XpYd deployment (``deploy helm``: the
+same objects as a Helm chart).
 
-    lmcache-p2p deploy kubernetes --prefill 2 --decode 2 --model /models/Llama-3.1-8B \\
-        --device cuda --image registry.example/lmcache-p2p:0.1 > pd.yaml
-    kubectl create secret generic lmcache-p2p-secret --from-literal=shared-secret="$(openssl rand -hex 32)"
+    lmcache-p2p deploy kubernetes --prefill 2 --decode 2 --model /models/Llama-3.1-8B --model-pvc models \\
+        --device cuda --image registry.example/lmcache-p2p:0.1.0 --namespace serving > pd.yaml
+    kubectl -n serving create secret generic lmcache-p2p-secret --from-literal=shared-secret="$(openssl rand -hex 32)"
     kubectl apply -f pd.yaml
 
 The same flags as ``launch`` make the same instances (one code path: cli/instance.py): a prefiller
 and a decoder StatefulSet (one pod per instance, a GPU per TP rank), the proxy's Deployment and
-Service (HTTP and registry ports), the LMCache YAML as a ConfigMap and, with --shared-secret or
-$LMCACHE_P2P_SECRET, the secret as a Secret (otherwise create it as above: it is always required,
-the pods listen beyond loopback). Scale with ``kubectl scale statefulset lmcache-p2p-decoder
---replicas N``: instances join and leave through the proxy's registry. See docs/MULTINODE.md.
+Service (HTTP and registry ports), each role's LMCache YAML as a ConfigMap named by its content,
+disruption budgets, NetworkPolicies and, with --shared-secret or $LMCACHE_P2P_SECRET, the secret as
+a Secret (otherwise create it as above: it is always required, the pods listen beyond loopback).
+Resources, scheduling and the image's user are the flags below; the image is deploy/docker/Dockerfile's.
+--prefill/--decode are the replicas (instances join and leave through the proxy's registry).
+See docs/KUBERNETES.md.
 """
 
 from __future__ import annotations
@@ -20,13 +23,21 @@ import math
 import re
 import shlex
 import sys
+from pathlib import Path
 
-import yaml
-
-from lmcache_p2p.cli import launch
+from lmcache_p2p.cli import kube_policy, kube_values, kube_yaml, launch
 from lmcache_p2p.errors import ConfigError, GpuPlanError
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+HELM_DESCRIPTION = """Write the Helm chart of an XpYd deployment: the objects `deploy kubernetes` prints for the same flags,
+with the image, replicas, resources, scheduling, the shared secret, the ServiceMonitor and the
+NetworkPolicies as values (values.yaml holds what the flags gave). The instances themselves (model,
+TP, ports, buffers, transport) are fixed in the templates: write the chart again to change them.
+
+    lmcache-p2p deploy helm --out charts/pd --prefill 2 --decode 2 --device cuda --model /models/m
+    helm install pd charts/pd --namespace serving --set decode.replicas=4
+"""
+DEFAULT_UCX_PORTS = "7500-7599"
 PORT_FLAGS = ("proxy_port", "proxy_control_port", "prefill_port", "decode_port", "kv_port")
 
 
@@ -35,16 +46,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     targets = p.add_subparsers(dest="target", required=True)
     k = targets.add_parser("kubernetes", help="print the Kubernetes objects (YAML) of an XpYd deployment",
                            description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
-    launch.add_plan_args(k, local=False)
-    _add_kubernetes_args(k.add_argument_group("Kubernetes"))
-    _add_rdma_args(k.add_argument_group("RDMA (UCX over InfiniBand / RoCE; see docs/MULTINODE.md)"))
+    add_kubernetes_args(k)
     k.set_defaults(func=run)
+    h = targets.add_parser("helm", help="write a Helm chart of an XpYd deployment (the objects of `deploy kubernetes`)",
+                           description=HELM_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    h.add_argument("--out", type=Path, required=True, help="the chart's folder (written anew)")
+    add_kubernetes_args(h)
+    h.set_defaults(func=run_helm)
     return p
 
 
+def add_kubernetes_args(k: argparse.ArgumentParser) -> None:
+    launch.add_plan_args(k, local=False)
+    _add_kubernetes_args(k.add_argument_group("Kubernetes"))
+    _add_rdma_args(k.add_argument_group("UCX and RDMA (InfiniBand / RoCE; see docs/MULTINODE.md)"))
+    kube_values.add_arguments(k)
+
+
 def _add_kubernetes_args(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--image", default="lmcache-p2p:latest",
-                   help="container image with vLLM, LMCache and lmcache_p2p installed (default %(default)s)")
+    g.add_argument("--image", default=kube_values.DEFAULT_IMAGE,
+                   help="container image with vLLM, LMCache and lmcache_p2p installed; deploy/docker/Dockerfile "
+                        "builds it (default %(default)s)")
     g.add_argument("--python", default="python3", help="the image's Python (default %(default)s)")
     g.add_argument("--name", default="lmcache-p2p", help="prefix of every object's name (default %(default)s)")
     g.add_argument("--namespace", default=None, help="metadata.namespace of every object (default: kubectl's)")
@@ -76,6 +98,9 @@ def _add_rdma_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--ucx-net-devices", default="all",
                    help="UCX_NET_DEVICES in the instance pods, e.g. mlx5_0:1 or eth0 (default %(default)s: UCX "
                         "picks; the launcher's loopback-only default does not apply in a pod)")
+    g.add_argument("--ucx-port-range", default=DEFAULT_UCX_PORTS, metavar="LOW-HIGH",
+                   help="UCX_TCP_PORT_RANGE of the instance pods: UCX's TCP listeners take ports from it, and the "
+                        "NetworkPolicies open it between prefillers and decoders (default %(default)s)")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -104,21 +129,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--drain-timeout-s", f"must be > 0, got {args.drain_timeout_s}")
     if not args.image.strip():
         raise ConfigError("--image", "must name a container image")
-
-
-class _Dumper(yaml.SafeDumper):
-    """Kubernetes-style YAML: no anchors (each object reads alone), multi-line strings as blocks."""
-
-    def ignore_aliases(self, data: object) -> bool:
-        return True
-
-
-def _str_block(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in value else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-
-_Dumper.add_representer(str, _str_block)
+    kube_policy.check_port_range(args, [use.port for use in launch.planned_ports(args)])
 
 
 def render_text(args: argparse.Namespace) -> str:
@@ -127,10 +138,15 @@ def render_text(args: argparse.Namespace) -> str:
 
     check_args(args)
     objects = kubernetes.render(args)
-    command = shlex.join(["lmcache-p2p", *_redacted(getattr(args, "argv", []))])
-    header = (f"# Rendered by: {command}\n"
-              "# Render again rather than edit: launch and this file are made from the same plan.\n")
-    return header + yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, width=4096)
+    header = (f"# Rendered by: {command_line(args)}\n"
+              "# From launch's plan. Change it with the flags (or use the Helm chart's values, docs/KUBERNETES.md);\n"
+              "# --prefill/--decode are the replicas: the next apply of this file undoes a `kubectl scale`.\n")
+    return header + kube_yaml.dump_all(objects)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command as given, for the file it rendered (the secret's value hidden)."""
+    return shlex.join(["lmcache-p2p", *_redacted(getattr(args, "argv", []))])
 
 
 def _redacted(argv: list[str]) -> list[str]:
@@ -158,4 +174,17 @@ def run(args: argparse.Namespace) -> int:
         name = f"{args.name}-secret"
         print(f"# the pods need the Secret {name}: kubectl create secret generic {name} "
               f"--from-literal=shared-secret=\"$(openssl rand -hex 32)\"", file=sys.stderr)
+    return 0
+
+
+def run_helm(args: argparse.Namespace) -> int:
+    from lmcache_p2p.cli import helm_chart
+
+    try:
+        check_args(args)
+        written = helm_chart.write_chart(args, args.out, command_line(args))
+    except (ConfigError, GpuPlanError) as exc:
+        print(f"lmcache-p2p deploy helm: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(written)} files of the chart into {args.out}", file=sys.stderr)
     return 0

@@ -5,55 +5,42 @@ Every pod of a role runs the instance the plan makes first for that role (``pref
 Pods have an address each, so every pod of a role uses that instance's ports; what differs
 between them (address, name) comes from the downward API: ``$(POD_IP)`` in the command,
 ``${POD_IP}`` and ``${POD_NAME}`` in the LMCache YAML, the secret from a Secret as
-``$LMCACHE_P2P_SECRET``. Objects are plain dicts, in the order ``kubectl apply`` should see them.
+``$LMCACHE_P2P_SECRET``. What a cluster sets (image, replicas, resources, scheduling) comes from
+kube_values.Values, so that the Helm chart (helm_chart.py) is these objects with those values as
+references. Objects are plain dicts, in the order ``kubectl apply`` should see them.
+
+Each role reads its own ConfigMap, named after its content and immutable: a changed config is a
+new ConfigMap and a changed pod template of that role only, so a rollout never mixes versions and
+an instance's change never restarts the proxy.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
-import json
 import math
 from typing import Any
 
 import yaml
 
+from lmcache_p2p.cli import kube_policy
 from lmcache_p2p.cli.instance import (
     SECRET_ENV, GpuAssignment, InstanceSpec, Site, instance_spec, instance_utilization, proxy_command,
 )
-from lmcache_p2p.cli.layout import Instance, decoder_instance, instance_ports
-from lmcache_p2p.cli.vllm_env import logging_config_text
+from lmcache_p2p.cli.kube_values import PROXY_SCRATCH_SIZE, PodValues, shm_size, values_from_args
+from lmcache_p2p.cli.kube_yaml import config_hash
+from lmcache_p2p.cli.kube_meta import Deployment, Names, Part, container_ports, labels_of, meta
+from lmcache_p2p.cli.layout import Instance, decoder_instance
 from lmcache_p2p.cli.tensor_parallel import tp_sizes
+from lmcache_p2p.cli.vllm_env import logging_config_text
 
 CONFIG_DIR = "/etc/lmcache-p2p"
 MODEL_DIR = "/models"
+HOME_DIR = "/home/lmcache"  # the Dockerfile's HOME; an emptyDir here holds ~/.cache, ~/.triton, ~/.config
 SECRET_KEY = "shared-secret"
 PROBE_PERIOD_S = 10
+ROLES = ("prefiller", "decoder")
 # The addresses a pod is told only once it runs (what the LMCache YAML is checked with when rendered).
 SAMPLE_POD_ENV = {"POD_IP": "10.0.0.1", "POD_NAME": "decoder-0", SECRET_ENV: "sample"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Names:
-    """What every object of one deployment is called."""
-
-    base: str  # --name
-
-    @property
-    def config(self) -> str:
-        return f"{self.base}-config"
-
-    @property
-    def secret(self) -> str:
-        return f"{self.base}-secret"
-
-    @property
-    def proxy(self) -> str:
-        return f"{self.base}-proxy"
-
-    def role(self, role: str) -> str:
-        return f"{self.base}-{role}"
 
 
 def pod_site(args: argparse.Namespace, names: Names) -> Site:
@@ -63,6 +50,8 @@ def pod_site(args: argparse.Namespace, names: Names) -> Site:
     env = {"UCX_NET_DEVICES": args.ucx_net_devices}
     if args.rdma:
         env["UCX_TLS"] = ("rc,ud,cuda_copy,cuda_ipc,tcp,self" if args.device == "cuda" else "rc,ud,sm,tcp,self")
+    if args.transport == "nixl":  # UCX's TCP listeners on known ports, which the NetworkPolicy names
+        env["UCX_TCP_PORT_RANGE"] = args.ucx_port_range
     return Site(bind_host="0.0.0.0" if bind_all else "$(POD_IP)", config_host="0.0.0.0" if bind_all else "${POD_IP}",
                 advertise_host="${POD_IP}" if bind_all else None, instance_id="${POD_NAME}",
                 proxy_host=names.proxy, shared_secret=f"${{{SECRET_ENV}}}",
@@ -83,131 +72,146 @@ def role_specs(args: argparse.Namespace, site: Site) -> dict[str, InstanceSpec]:
     return specs
 
 
+def config_data(specs: dict[str, InstanceSpec], role: str) -> dict[str, str]:
+    """A role's ConfigMap: its LMCache YAML and vLLM's logging config."""
+    return {f"{role}.yaml": yaml.safe_dump(specs[role].lmcache_config, sort_keys=False),
+            "logging.json": logging_config_text()}
+
+
+def deployment(args: argparse.Namespace) -> Deployment:
+    base = Names(args.name)
+    specs = role_specs(args, pod_site(args, base))
+    names = Names(args.name, {role: f"{base.role(role)}-{config_hash(config_data(specs, role))}" for role in ROLES})
+    labels = {role: labels_of(args.name, role) for role in ROLES}
+    return Deployment(args, names, specs, values_from_args(args, specs, labels), args.namespace)
+
+
 def render(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every object of the deployment, in apply order."""
-    names = Names(args.name)
-    site = pod_site(args, names)
-    specs = role_specs(args, site)
-    config = config_map(args, names, specs)
-    checksum = hashlib.sha256(json.dumps(config["data"], sort_keys=True).encode()).hexdigest()
-    objects: list[dict[str, Any]] = []
-    if args.shared_secret:
-        objects.append(_meta("v1", "Secret", names.secret, args, "secret") | {
-            "type": "Opaque", "stringData": {SECRET_KEY: args.shared_secret}})
-    objects.append(config)
-    objects += proxy_objects(args, names, checksum)
-    for role, replicas in (("prefiller", args.prefill), ("decoder", args.decode)):
-        objects += role_objects(args, names, specs[role], replicas, checksum)
-    return objects
+    d = deployment(args)
+    return [p.obj for p in parts(d) if p.when is None or d.values.enabled(p.when)]
 
 
-def config_map(args: argparse.Namespace, names: Names, specs: dict[str, InstanceSpec]) -> dict[str, Any]:
-    data = {f"{role}.yaml": yaml.safe_dump(spec.lmcache_config, sort_keys=False) for role, spec in specs.items()}
-    data["logging.json"] = logging_config_text()
-    return _meta("v1", "ConfigMap", names.config, args, "config") | {"data": data}
+def parts(d: Deployment) -> list[Part]:
+    """Every object the deployment may have, with the value each optional one is rendered under."""
+    args, names, values = d.args, d.names, d.values
+    out = [Part(meta(d, "v1", "Secret", names.secret, "secret") | {
+        "type": "Opaque", "stringData": {SECRET_KEY: values.shared_secret}}, "secret.yaml", "sharedSecret")]
+    for role in ROLES:
+        out.append(Part(meta(d, "v1", "ConfigMap", names.configs[role], "config") | {
+            "immutable": True, "data": config_data(d.specs, role)}, f"{role}-config.yaml"))
+    out += [Part(obj, f"proxy-{obj['kind'].lower()}.yaml") for obj in proxy_objects(d)]
+    for role in ROLES:
+        out += [Part(obj, f"{role}-{obj['kind'].lower()}.yaml") for obj in role_objects(d, role)]
+    out += [Part(obj, f"{obj['metadata']['labels']['app.kubernetes.io/component']}-networkpolicy.yaml",
+                 "networkPolicy.enabled") for obj in kube_policy.network_policies(d)]
+    out.append(Part(kube_policy.service_monitor(d), "servicemonitor.yaml", "serviceMonitor.enabled"))
+    return out
 
 
-def proxy_objects(args: argparse.Namespace, names: Names, checksum: str) -> list[dict[str, Any]]:
+def proxy_objects(d: Deployment) -> list[dict[str, Any]]:
     """The proxy: one pod (one coordinator holds the registry), its relay workers inside it."""
+    args, names = d.args, d.names
     ports = [{"name": "http", "containerPort": args.proxy_port},
              {"name": "registry", "containerPort": args.proxy_control_port}]
     site = Site(bind_host="0.0.0.0" if getattr(args, "bind_all", False) else "$(POD_IP)", python=args.python)
     command = proxy_command(args, site, tokenizer=str(args.model) if args.proxy_workers > 1 else None)
     container = {
-        "name": "proxy", "image": args.image, "command": command,
+        "name": "proxy", **_image(d), "command": command,
         "env": _pod_env(names),
         "ports": ports,
-        "resources": {"requests": {"cpu": str(args.proxy_workers + 1)}},  # a core per relay worker, one to route
-        **_probes(args, startup_s=60.0),
-        **({"volumeMounts": _model_mounts(args)} if args.model_pvc else {}),
+        "resources": d.values.proxy.resources,
+        **_probes(startup_s=60.0),
+        "securityContext": kube_policy.container_security(args, capabilities=()),
+        "volumeMounts": [*_scratch_mounts(), *_model_mounts(args)],
     }
-    pod = {"containers": [container], **({"volumes": _model_volumes(args)} if args.model_pvc else {})}
-    labels = _labels(args, "proxy")
-    service = _meta("v1", "Service", names.proxy, args, "proxy") | {"spec": {
+    volumes = [*_scratch_volumes(PROXY_SCRATCH_SIZE), *_model_volumes(args)]
+    labels = labels_of(args.name, "proxy")
+    service = meta(d, "v1", "Service", names.proxy, "proxy") | {"spec": {
         "type": "ClusterIP", "selector": labels,
         "ports": [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]} for p in ports]}}
-    deployment = _meta("apps/v1", "Deployment", names.proxy, args, "proxy") | {"spec": {
+    deployment_ = meta(d, "apps/v1", "Deployment", names.proxy, "proxy", workload=True) | {"spec": {
         "replicas": 1, "strategy": {"type": "Recreate"},  # never two coordinators, each with half the registry
         "selector": {"matchLabels": labels},
-        "template": {"metadata": {"labels": labels, "annotations": {"lmcache-p2p/config-sha256": checksum}},
-                     "spec": pod}}}
-    return [service, deployment]
+        "template": {"metadata": {"labels": labels},
+                     "spec": pod_spec(d, d.values.proxy, [container], volumes)}}}
+    return [service, deployment_]
 
 
-def role_objects(args: argparse.Namespace, names: Names, spec: InstanceSpec, replicas: int,
-                 checksum: str) -> list[dict[str, Any]]:
-    """A role's headless Service (the StatefulSet's pod names in DNS) and its StatefulSet."""
-    role = spec.instance.role
-    labels = _labels(args, role)
+def role_objects(d: Deployment, role: str) -> list[dict[str, Any]]:
+    """A role's headless Service (the StatefulSet's pod names in DNS), its StatefulSet and its disruption budget."""
+    args, names, spec = d.args, d.names, d.specs[role]
+    labels = labels_of(args.name, role)
     ports = container_ports(spec, args)
-    service = _meta("v1", "Service", names.role(role), args, role) | {"spec": {
+    service = meta(d, "v1", "Service", names.role(role), role) | {"spec": {
         "clusterIP": "None", "selector": labels,
         "ports": [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]} for p in ports]}}
-    pod: dict[str, Any] = {
-        "terminationGracePeriodSeconds": int(args.drain_timeout_s) + 30,
-        "containers": [instance_container(args, names, spec, ports)],
-        "volumes": [{"name": "config", "configMap": {"name": names.config}},
-                    {"name": "dshm", "emptyDir": {"medium": "Memory"}}, *_model_volumes(args)],
-    }
-    if role == "decoder":
-        pod["affinity"] = _spread(args, labels)
-    statefulset = _meta("apps/v1", "StatefulSet", names.role(role), args, role) | {"spec": {
-        "serviceName": names.role(role), "replicas": replicas,
+    shm = {"medium": "Memory", "sizeLimit": shm_size(args, spec.tp_size)}
+    volumes = [{"name": "config", "configMap": {"name": names.configs[role]}}, {"name": "dshm", "emptyDir": shm},
+               *_scratch_volumes(args.scratch_size), *_model_volumes(args)]
+    values = d.values.role(role)
+    pod = pod_spec(d, values, [instance_container(d, spec, ports)], volumes,
+                   terminationGracePeriodSeconds=int(args.drain_timeout_s) + 30)
+    statefulset = meta(d, "apps/v1", "StatefulSet", names.role(role), role, workload=True) | {"spec": {
+        "serviceName": names.role(role), "replicas": values.replicas,
         "podManagementPolicy": "Parallel",  # instances join the registry independently: no start order
         "selector": {"matchLabels": labels},
-        "template": {"metadata": {"labels": labels, "annotations": {"lmcache-p2p/config-sha256": checksum}},
-                     "spec": pod}}}
-    return [service, statefulset]
+        "template": {"metadata": {"labels": labels}, "spec": pod}}}
+    return [service, statefulset, kube_policy.disruption_budget(d, role, labels)]
 
 
-def instance_container(args: argparse.Namespace, names: Names, spec: InstanceSpec,
-                       ports: list[dict[str, Any]]) -> dict[str, Any]:
-    limits: dict[str, Any] = {}
-    if args.device == "cuda":
-        limits[args.gpu_resource] = spec.tp_size  # one GPU per TP rank
-    if args.rdma:
-        limits[args.rdma_resource] = 1
+def pod_spec(d: Deployment, values: PodValues, containers: list[dict[str, Any]], volumes: list[dict[str, Any]],
+             **extra: Any) -> dict[str, Any]:
+    """A pod: non-root, RuntimeDefault seccomp, no service-account token, placed as ``values`` says."""
+    uid = d.args.run_as_user
+    spec: dict[str, Any] = {
+        **extra,
+        "automountServiceAccountToken": False,  # nothing in the pod talks to the API server
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+    for key, value in (("priorityClassName", values.priority_class_name),
+                       ("runtimeClassName", values.runtime_class_name), ("nodeSelector", values.node_selector),
+                       ("tolerations", values.tolerations), ("affinity", values.affinity),
+                       ("topologySpreadConstraints", values.topology_spread_constraints),
+                       ("imagePullSecrets", d.values.image.pull_secrets)):
+        if value:
+            spec[key] = value
+    return spec | {"containers": containers, "volumes": volumes}
+
+
+def instance_container(d: Deployment, spec: InstanceSpec, ports: list[dict[str, Any]]) -> dict[str, Any]:
+    args, names = d.args, d.names
     drain = (f'exec {args.python} -m lmcache_p2p.cli.main drain "$POD_NAME" '
              f'--proxy http://{names.proxy}:{args.proxy_port} --timeout-s {args.drain_timeout_s:g}')
-    container: dict[str, Any] = {
-        "name": "vllm", "image": args.image, "command": spec.argv,
+    return {
+        "name": "vllm", **_image(d), "command": spec.argv,
         "env": _pod_env(names) + [{"name": k, "value": v} for k, v in spec.env.items()],
         "ports": ports,
-        **_probes(args, startup_s=args.startup_timeout_s),
+        "resources": d.values.role(spec.instance.role).resources,
+        **_probes(startup_s=args.startup_timeout_s),
         "lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", drain]}}},
+        # UCX pins (registers) the buffers it sends from and into
+        "securityContext": kube_policy.container_security(args, capabilities=("IPC_LOCK",) if args.rdma else ()),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-                         {"name": "dshm", "mountPath": "/dev/shm"}, *_model_mounts(args)],
+                         {"name": "dshm", "mountPath": "/dev/shm"}, *_scratch_mounts(), *_model_mounts(args)],
     }
-    if limits:
-        container["resources"] = {"limits": limits}
-    if args.rdma:  # UCX pins (registers) the buffers it sends from and into
-        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
-    return container
 
 
-def container_ports(spec: InstanceSpec, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The instance's ports (layout.instance_ports), named: http, kv-R (control, rank R), nccl-R (store)."""
-    inst = spec.instance
-    out = []
-    for use in instance_ports(inst, args):
-        if use.port == inst.http_port:
-            name = "http"
-        elif inst.control_port <= use.port < inst.control_port + spec.tp_size:
-            name = f"kv-{use.port - inst.control_port}"
-        else:
-            name = f"nccl-{use.port - inst.transport_port}"
-        out.append({"name": name, "containerPort": use.port})
-    return out
+def _image(d: Deployment) -> dict[str, Any]:
+    return {"image": d.values.image.ref, "imagePullPolicy": d.values.image.pull_policy}
 
 
 def _pod_env(names: Names) -> list[dict[str, Any]]:
     """What a pod learns when it runs: its address, its name, the secret (never written in the spec)."""
     return [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            {"name": SECRET_ENV, "valueFrom": {"secretKeyRef": {"name": names.secret, "key": SECRET_KEY}}}]
+            {"name": SECRET_ENV, "valueFrom": {"secretKeyRef": {"name": names.secret, "key": SECRET_KEY}}},
+            {"name": "HOME", "value": HOME_DIR}]
 
 
-def _probes(args: argparse.Namespace, startup_s: float) -> dict[str, Any]:
+def _probes(startup_s: float) -> dict[str, Any]:
     """/health: the start (loading the model) may take ``startup_s``; then ready and live on /health."""
     get = {"httpGet": {"path": "/health", "port": "http"}}
     return {"startupProbe": {**get, "periodSeconds": PROBE_PERIOD_S,
@@ -216,13 +220,13 @@ def _probes(args: argparse.Namespace, startup_s: float) -> dict[str, Any]:
             "livenessProbe": {**get, "periodSeconds": PROBE_PERIOD_S, "timeoutSeconds": 5, "failureThreshold": 6}}
 
 
-def _spread(args: argparse.Namespace, labels: dict[str, str]) -> dict[str, Any]:
-    """Decoders on different nodes: one node lost takes one decoder's buffer and streams, not several."""
-    term = {"labelSelector": {"matchLabels": labels}, "topologyKey": "kubernetes.io/hostname"}
-    if args.decoder_spread == "required":
-        return {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
-    return {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-        {"weight": 100, "podAffinityTerm": term}]}}
+def _scratch_volumes(size: str) -> list[dict[str, Any]]:
+    """The only writable places of a read-only root filesystem: HOME (caches) and /tmp."""
+    return [{"name": "home", "emptyDir": {"sizeLimit": size}}, {"name": "tmp", "emptyDir": {"sizeLimit": size}}]
+
+
+def _scratch_mounts() -> list[dict[str, Any]]:
+    return [{"name": "home", "mountPath": HOME_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
 
 
 def _model_volumes(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -233,15 +237,3 @@ def _model_volumes(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _model_mounts(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}] if args.model_pvc else []
-
-
-def _labels(args: argparse.Namespace, component: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "lmcache-p2p", "app.kubernetes.io/instance": args.name,
-            "app.kubernetes.io/component": component}
-
-
-def _meta(api: str, kind: str, name: str, args: argparse.Namespace, component: str) -> dict[str, Any]:
-    metadata: dict[str, Any] = {"name": name, "labels": _labels(args, component)}
-    if args.namespace:
-        metadata["namespace"] = args.namespace
-    return {"apiVersion": api, "kind": kind, "metadata": metadata}
