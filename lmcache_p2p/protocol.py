@@ -17,6 +17,8 @@ Conversations:
   instance -> proxy (ZMQ PUSH -> PULL, the proxy's control address):
       Announce (start and every heartbeat), Goodbye, KvReady, KvFailed, and from a sender, once a
       request's last chunk was written, KvSent (its store / submit / transfer times)
+  proxy -> receiver (ZMQ DEALER -> ROUTER, the receiver's control port, no Hello):
+      Cancel -> Ack | ErrorReply                 (KV the proxy will not decode there)
 
 Version history:
   1  first version.
@@ -35,6 +37,10 @@ Version history:
      TP size when the splits reconcile (``kv_layout``); Welcome carries the receiver's fingerprint;
      a decoder rank fed by several sender ranks gets each one's share as ``req_id~index/count``;
      KvSent carries the sender's tp_size.
+  4  Instance -> proxy frames name the proxy as dialled (:func:`dialled_name` of ``p2p.proxy_url``),
+     not anyone; the proxy signs its Cancel with that name and refuses frames stamped before its
+     start. A Cancel off a Hello connection must be signed by the receiver's proxy; a sender's
+     Cancel drops only its own requests (``foreign``).
 Framing under a shared secret (versioned with the protocol since 3): before 2, ``auth`` was the
   bare HMAC of the payload; 2 signed identity, nonce and timestamp too; 3 adds the recipient.
 """
@@ -45,7 +51,6 @@ import collections
 import dataclasses
 import enum
 import hmac
-import logging
 import os
 import struct
 import threading
@@ -57,7 +62,7 @@ import msgspec
 from lmcache_p2p.errors import (AuthError, MisaddressedError, OversizedError, ProtocolError, ReplayError,
                                 StaleFrameError, VersionError)
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class RefusalCode(str, enum.Enum):
@@ -297,7 +302,7 @@ _NAME_LEN = struct.Struct(">H")  # length of the signer's identity; the recipien
 _HEADER_MIN_BYTES = _TAG_BYTES + _NONCE_BYTES + _STAMP.size + _NAME_LEN.size
 _HEADER_MAX_BYTES = _HEADER_MIN_BYTES + 2 * MAX_IDENTITY_BYTES
 _DOMAIN = b"lmcache_p2p/frame/3\x00"  # a tag made for anything else (or an older framing) never verifies here
-ANYONE = ""  # the recipient name of a frame for whoever listens (instances -> proxy: they do not know its id)
+ANYONE = ""  # the recipient name of a frame for whoever listens (only without a shared secret, and in tests)
 
 
 class Rejection(str, enum.Enum):
@@ -311,7 +316,7 @@ class Rejection(str, enum.Enum):
     VERSION = "version"  # a message of another protocol version (counted by the receiving service)
     MISADDRESSED = "misaddressed"  # an authentic frame addressed to another peer (replayed from elsewhere)
     SPOOFED = "spoofed"  # an authentic frame whose signer is not the peer the message speaks for
-    FOREIGN = "foreign"  # a Written for a request another sender owns, or from a peer that is not its sender
+    FOREIGN = "foreign"  # a Written or Cancel for a request another sender owns, or a Written from a non-sender
 
 
 def rejection_of(exc: ProtocolError) -> Rejection:
@@ -370,8 +375,9 @@ class Codec:
     stamp_ms(8) | len(identity)(2) | identity | recipient`` and ``tag = HMAC-SHA256(secret, domain |
     len(rest) | rest | payload)``. ``open`` refuses a frame over ``max_message_bytes`` (first), a
     wrong tag, a stamp more than ``window_s`` from this clock, a frame addressed to a name not in
-    ``names`` (default: our identity and :data:`ANYONE`) and a nonce it already accepted. Whether
-    the signer may speak for the peer a message names is the service's check. Thread-safe.
+    ``names`` (default: our identity), a nonce it already accepted and a frame stamped before
+    :meth:`refuse_stamped_before`. Whether the signer may speak for the peer a message names is
+    the service's check. Thread-safe.
     """
 
     def __init__(self, shared_secret: str | None = None, *, identity: str = "", window_s: float = AUTH_WINDOW_S,
@@ -379,13 +385,18 @@ class Codec:
                  names: Sequence[str] | None = None, clock: Callable[[], float] = time.time) -> None:
         self._key = shared_secret.encode() if shared_secret else None
         self._identity = _name_bytes(identity)
-        self.names = frozenset(names if names is not None else (self._identity.decode(), ANYONE))
+        self.names = frozenset(names if names is not None else (self._identity.decode(),))
         self._window_ms = int(window_s * 1000)
         self.max_message_bytes = max_message_bytes
         self._clock = clock
         self._lock = threading.Lock()
         self._replay = _ReplayCache(replay_cache_entries)
+        self._start_ms = 0
         self._rejected: collections.Counter[Rejection] = collections.Counter()
+
+    def refuse_stamped_before(self, at_s: float) -> None:
+        """Refuse every frame stamped before ``at_s`` (the owner's start: none was meant for it)."""
+        self._start_ms = int(at_s * 1000)
 
     @property
     def authenticated(self) -> bool:
@@ -395,16 +406,20 @@ class Codec:
         assert self._key is not None
         return hmac.digest(self._key, b"".join((_DOMAIN, _STAMP.pack(len(header)), header, payload)), "sha256")
 
-    def pack(self, msg: Message, to: str = ANYONE) -> list[bytes]:
-        """Frame ``msg`` for the peer named ``to`` (signed under a shared secret; ignored without one)."""
-        return self.seal(encode(msg), to)
+    def pack(self, msg: Message, to: str = ANYONE, *, signer: str | None = None) -> list[bytes]:
+        """Frame ``msg`` for the peer named ``to`` (signed under a shared secret; ignored without one),
+        as our identity or as ``signer``, another of our ``names`` (the one that peer knows us by)."""
+        return self.seal(encode(msg), to, signer=signer)
 
-    def seal(self, payload: bytes, to: str = ANYONE) -> list[bytes]:
+    def seal(self, payload: bytes, to: str = ANYONE, *, signer: str | None = None) -> list[bytes]:
         """Frame already-encoded bytes (``pack`` without the encoding; tests forge payloads with it)."""
         if self._key is None:
             return [b"", payload]
+        if signer is not None and signer not in self.names:
+            raise ValueError(f"cannot sign as {signer!r}: not one of this peer's names {sorted(self.names)}")
+        identity = self._identity if signer is None else _name_bytes(signer)
         header = b"".join((os.urandom(_NONCE_BYTES), _STAMP.pack(int(self._clock() * 1000)),
-                           _NAME_LEN.pack(len(self._identity)), self._identity, _name_bytes(to)))
+                           _NAME_LEN.pack(len(identity)), identity, _name_bytes(to)))
         return [self._tag(header, payload) + header, payload]
 
     def unpack(self, frames: Sequence[bytes]) -> Message:
@@ -444,11 +459,14 @@ class Codec:
             raise StaleFrameError(f"control frame stamped {(now_ms - stamp_ms) / 1000:.1f} s from this clock, "
                                   f"outside the window of {self._window_ms / 1000:.0f} s (p2p.auth_window_s / "
                                   "--auth-window-s; are clocks in sync?)")
+        if stamp_ms < self._start_ms:
+            raise StaleFrameError(f"control frame stamped {(self._start_ms - stamp_ms) / 1000:.3f} s before this "
+                                  "peer started: meant for an earlier incarnation (or the signer's clock is behind)")
         if recipient not in self.names:
             raise MisaddressedError(f"control frame from {identity!r} is addressed to {recipient!r}, not to this "
                                     f"peer ({', '.join(sorted(map(repr, self.names)))}): replayed from another "
                                     "conversation, or the sender dials an address this peer does not advertise "
-                                    "(p2p.advertise_host)")
+                                    "(p2p.advertise_host of a receiver, --advertise-host of the proxy)")
         with self._lock:
             self._replay.check_and_add(nonce, stamp_ms, now_ms, self._window_ms)
         return Envelope(decode(payload), identity, stamp_ms / 1000, recipient)
@@ -472,29 +490,10 @@ class Codec:
                 names[identity_len:].decode("utf-8", errors="replace"))
 
 
+def dialled_name(endpoint: str) -> str:
+    """The name a peer is addressed by when dialled at ``endpoint`` (``tcp://HOST:PORT`` -> ``HOST:PORT``)."""
+    return endpoint.removeprefix("tcp://").strip("/")
+
+
 def _name_bytes(name: str) -> bytes:
     return name.encode()[:MAX_IDENTITY_BYTES]  # a peer name as the envelope carries it
-
-
-class RejectionLog:
-    """Logs rejected frames without flooding: WARNING for the first of a kind, then at most every
-    ``warn_every_s`` with the count since (DEBUG in between)."""
-
-    def __init__(self, logger: logging.Logger, where: str, warn_every_s: float = 10.0) -> None:
-        self._logger = logger
-        self._where = where
-        self._warn_every_s = warn_every_s
-        self._last_s: dict[str, float] = {}
-        self._since: dict[str, int] = {}
-
-    def log(self, reason: Rejection | str, detail: object) -> None:
-        reason = getattr(reason, "value", reason)
-        now = time.monotonic()
-        self._since[reason] = self._since.get(reason, 0) + 1
-        if now - self._last_s.get(reason, -self._warn_every_s) >= self._warn_every_s:
-            self._logger.warning("%s dropped a control message (%s; %d dropped since the last report): %s",
-                                 self._where, reason, self._since[reason], detail)
-            self._last_s[reason] = now
-            self._since[reason] = 0
-        else:
-            self._logger.debug("%s dropped a control message (%s): %s", self._where, reason, detail)

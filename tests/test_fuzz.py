@@ -411,12 +411,13 @@ async def test_fuzz_the_proxy_registry(secret):
         return announce(f"fz-{n}")
 
     try:
-        fuzzer, oracle = FrameFuzzer(rng, secret, seed), Oracle(secret)
+        name = protocol.dialled_name(listener.address)  # every frame is addressed to the proxy as dialled
+        fuzzer, oracle = FrameFuzzer(rng, secret, seed, name), Oracle(secret, list(listener.names))
         for _ in range(FRAMES):
             f = fuzzer.frame()
             oracle.check(f)
             await sock.send_multipart(f.parts)
-        await sock.send_multipart(protocol.Codec(secret).pack(announce("sentinel")))
+        await sock.send_multipart(protocol.Codec(secret).pack(announce("sentinel"), name))
         deadline = time.monotonic() + WAIT_S
         while all(i.instance_id != "sentinel" for i in registry.instances()):
             assert time.monotonic() < deadline, "the proxy stopped taking announces"

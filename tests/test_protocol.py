@@ -103,10 +103,10 @@ def test_envelope_authenticates_the_sender_identity():
     clock = Clock()
     sender = protocol.Codec("s3cret", identity="prefiller-hostA-12/r0", clock=clock)
     receiver = protocol.Codec("s3cret", identity="decoder-hostB:7300", clock=clock)
-    env = receiver.open(sender.pack(protocol.Ack(7)))
+    env = receiver.open(sender.pack(protocol.Ack(7), "decoder-hostB:7300"))
     assert env.msg == protocol.Ack(7) and env.sender == "prefiller-hostA-12/r0"
     assert env.sent_at_s == pytest.approx(clock.now_s, abs=0.001)
-    auth, payload = sender.pack(protocol.Ack(7))
+    auth, payload = sender.pack(protocol.Ack(7), "decoder-hostB:7300")
     for at in (32, 32 + 16, 32 + 16 + 8, len(auth) - 1):  # nonce, stamp, identity: all covered by the tag
         forged = auth[:at] + bytes([auth[at] ^ 1]) + auth[at + 1:]
         with pytest.raises(AuthError, match="wrong shared-secret tag"):
@@ -213,10 +213,37 @@ def test_a_frame_is_accepted_only_by_the_recipient_it_names():
     assert protocol.rejection_of(MisaddressedError("m")) is protocol.Rejection.MISADDRESSED
 
 
-def test_by_default_a_codec_answers_to_its_identity_and_to_anyone():
+def test_by_default_a_codec_answers_to_its_identity_only():
     proxy = protocol.Codec("s3cret", identity="proxy-1")
     instance = protocol.Codec("s3cret", identity="decoder-a")
-    assert proxy.unpack(instance.pack(protocol.Ack(1))) == protocol.Ack(1)  # instances do not know the proxy's id
     assert proxy.unpack(instance.pack(protocol.Ack(2), "proxy-1")) == protocol.Ack(2)
-    with pytest.raises(MisaddressedError):
-        proxy.unpack(instance.pack(protocol.Ack(3), "proxy-2"))
+    for to in (protocol.ANYONE, "proxy-2"):  # a frame for whoever listens is for nobody under a secret
+        with pytest.raises(MisaddressedError, match=f"addressed to '{to}'"):
+            proxy.unpack(instance.pack(protocol.Ack(3), to))
+    assert proxy.rejected == {"misaddressed": 2}
+
+
+def test_a_codec_signs_as_another_of_its_names_and_never_as_a_stranger():
+    proxy = protocol.Codec("s3cret", identity="proxy-1", names=["10.0.0.5:9101", "proxy.example:9101"])
+    decoder = protocol.Codec("s3cret", identity="decoder-a", names=["decoder-a"])
+    env = decoder.open(proxy.pack(protocol.Ack(1), "decoder-a", signer="proxy.example:9101"))
+    assert (env.msg, env.sender) == (protocol.Ack(1), "proxy.example:9101")
+    with pytest.raises(ValueError, match="cannot sign as 'other:9101'"):
+        proxy.pack(protocol.Ack(2), "decoder-a", signer="other:9101")
+
+
+def test_frames_stamped_before_the_codec_started_are_refused_as_stale():
+    clock = Clock()
+    instance = protocol.Codec("s3cret", identity="decoder-a", clock=clock)
+    captured = instance.pack(protocol.Ack(1), "proxy:9101")  # meant for the proxy's earlier incarnation
+    clock.now_s += 2.0
+    restarted = protocol.Codec("s3cret", names=["proxy:9101"], clock=clock)
+    restarted.refuse_stamped_before(clock.now_s - 1.0)
+    with pytest.raises(StaleFrameError, match="before this peer started"):
+        restarted.open(captured)
+    assert restarted.rejected == {"stale": 1}
+    assert restarted.unpack(instance.pack(protocol.Ack(2), "proxy:9101")) == protocol.Ack(2)
+
+
+def test_dialled_name_is_the_endpoint_without_its_scheme():
+    assert protocol.dialled_name("tcp://proxy.example:9101") == "proxy.example:9101"

@@ -3,6 +3,10 @@
 Owned and called by exactly one thread (the backend's service thread): ZMQ sockets are not
 thread-safe. Sends never block: a proxy that is down or slow costs a dropped heartbeat (the next
 one repeats it), never a stuck engine.
+
+Every frame is addressed to the proxy's control address as we dial it (``host:port`` of
+``p2p.proxy_url``): under a shared secret a frame captured on its way to this proxy is refused by
+any other, and a restarted proxy on the same address still takes ours.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ logger = logging.getLogger(__name__)
 class Announcer:
     def __init__(self, proxy_url: str | None, codec: protocol.Codec, interval_s: float) -> None:
         self._url = proxy_url
+        self.proxy_name = protocol.dialled_name(proxy_url) if proxy_url else ""  # the name we address it by
         self._codec = codec
         self._interval_s = interval_s
         self._next_heartbeat = 0.0
@@ -47,7 +52,7 @@ class Announcer:
         if self._sock is None:
             return False
         try:
-            self._sock.send_multipart(self._codec.pack(msg), flags=zmq.DONTWAIT)
+            self._sock.send_multipart(self._codec.pack(msg, self.proxy_name), flags=zmq.DONTWAIT)
             return True
         except zmq.Again:
             self._dropped += 1

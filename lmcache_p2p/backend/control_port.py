@@ -2,9 +2,12 @@
 
 Owned by the receive service's thread (ZMQ sockets are not thread-safe). A frame is checked by
 the codec (tag, window, replay, recipient), then, under a shared secret, its signer against the
-sender it speaks for (see :meth:`ControlPort.envelope_refusal`); a Hello is checked against our
+peer it speaks for (see :meth:`ControlPort.envelope_refusal`); a Hello is checked against our
 protocol version, transport and KV :class:`~lmcache_p2p.protocol.Fingerprint` before the sender
 is registered. Every request gets a reply, refusals included.
+
+Who may cancel: a sender, on the connection it said Hello on, its own requests; the proxy this
+receiver reports to (``p2p.proxy_url``), which never says Hello, any request and its shares.
 
 A sender that says Goodbye, is replaced, or stays silent for ``p2p.sender_idle_timeout_s`` is
 forgotten: its unfinished requests fail and its transport pair is torn down (off this thread:
@@ -25,6 +28,7 @@ from lmcache_p2p import kv_layout, protocol
 from lmcache_p2p.backend.grant_table import GrantTable
 from lmcache_p2p.backend.receiver_counters import Counters, WarnOnce
 from lmcache_p2p.errors import ClosedError, P2PError, ProtocolError, VersionError
+from lmcache_p2p.rejection_log import RejectionLog
 from lmcache_p2p.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -42,6 +46,13 @@ class _Sender:
     pieces: tuple[kv_layout.Piece, ...] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Foreign:
+    """A reply refusing a frame about a request its sender does not own (counted as ``foreign``)."""
+
+    reply: protocol.ErrorReply
+
+
 def _claimed_name(identity: bytes) -> str:
     """The sender id a peer's ZMQ identity claims (``sender_id@suffix``): whom to answer a frame we
     could not authenticate (unverified: the reply carries nothing but the refusal)."""
@@ -54,8 +65,9 @@ class ControlPort:
     def __init__(self, *, codec: protocol.Codec, control_addresses: frozenset[str], receiver_id: str,
                  transport: Transport, grants: GrantTable, counters: Counters, warn_once: WarnOnce,
                  fingerprint: protocol.Fingerprint | None, welcome: Callable[[], protocol.Welcome],
-                 closing: threading.Event, tp_rank: int) -> None:
+                 closing: threading.Event, tp_rank: int, proxy_name: str = "") -> None:
         self._codec = codec
+        self._proxy_name = proxy_name  # how our proxy signs its Cancels: its address as we dial it ("": none)
         self.control_addresses = control_addresses
         self._receiver_id = receiver_id
         self._transport = transport
@@ -66,7 +78,7 @@ class ControlPort:
         self._welcome = welcome
         self._closing = closing
         self._tp_rank = tp_rank
-        self._rejections = protocol.RejectionLog(logger, "receiver control port")
+        self._rejections = RejectionLog(logger, "receiver control port")
         self._sock: zmq.Socket | None = None
         self.senders: dict[bytes, _Sender] = {}  # ZMQ identity -> sender (after Hello)
         self._teardowns: list[threading.Thread] = []
@@ -123,6 +135,10 @@ class ControlPort:
             if sender is not None:
                 sender.last_seen = time.monotonic()
             reply = self.handle(identity, env.msg)
+            if isinstance(reply, _Foreign):
+                self._codec.count_rejected(protocol.Rejection.FOREIGN)
+                self._rejections.log(protocol.Rejection.FOREIGN, f"from {identity!r}: {reply.reply.message}")
+                reply = reply.reply
             if reply is not None:
                 self._reply(identity, reply, env.sender)
 
@@ -131,10 +147,17 @@ class ControlPort:
         to us in this conversation? A Hello names our control address (the sender has no id of ours
         yet) and its signer must be its ``sender_id``; a registered sender's later frames name our
         ``receiver_id`` (a frame captured for another receiver, or an earlier incarnation of us, never
-        does) and are signed by the sender that said Hello on this connection."""
+        does) and are signed by the sender that said Hello on this connection. A Cancel on a connection
+        that never said Hello is the proxy's: signed by the proxy we report to, as we dial it."""
         if not self._codec.authenticated:
             return None
         msg = env.msg
+        if sender is None and isinstance(msg, protocol.Cancel) and env.sender != self._proxy_name:
+            proxy = (f"this receiver's proxy {self._proxy_name!r} (p2p.proxy_url)" if self._proxy_name
+                     else "this receiver's proxy, and it reports to none (p2p.proxy_url)")
+            return protocol.Rejection.SPOOFED, (
+                f"Cancel of {msg.req_id} from a connection that never said Hello is signed by {env.sender!r}: only "
+                f"{proxy} cancels so; a sender cancels its own requests on the connection it said Hello on")
         if isinstance(msg, protocol.Hello):
             if env.sender != msg.sender_id:
                 return protocol.Rejection.SPOOFED, (f"Hello speaks for sender {msg.sender_id!r} but is signed by "
@@ -162,20 +185,32 @@ class ControlPort:
         except zmq.Again:
             logger.warning("could not reply to %r (peer gone?)", identity)
 
-    def handle(self, identity: bytes, msg: protocol.Message) -> protocol.Message | None:
+    def handle(self, identity: bytes, msg: protocol.Message) -> protocol.Message | _Foreign | None:
         if isinstance(msg, protocol.Hello):
             return self._on_hello(identity, msg)
         if isinstance(msg, protocol.Alloc):
             return self._on_alloc(identity, msg)
         if isinstance(msg, protocol.Cancel):
-            self._grants.cancel(msg.req_id, msg.reason)
-            for share in self._shares_of(msg.req_id):
-                self._grants.cancel(share, msg.reason)
-            return protocol.Ack(msg.seq)
+            return self._on_cancel(identity, msg)
         if isinstance(msg, protocol.Goodbye):
             self.sender_gone(identity, "sender said goodbye")
             return None
         return protocol.ErrorReply(seq=getattr(msg, "seq", -1), message=f"unexpected message {type(msg).__name__}")
+
+    def _on_cancel(self, identity: bytes, msg: protocol.Cancel) -> protocol.Message | _Foreign:
+        """A sender's Cancel drops only a request of its own; the proxy's, the request and its shares."""
+        sender = self.senders.get(identity)
+        if sender is None:
+            self._grants.cancel(msg.req_id, msg.reason)
+            for share in self._shares_of(msg.req_id):
+                self._grants.cancel(share, msg.reason)
+            return protocol.Ack(msg.seq)
+        owner = self._grants.cancel(msg.req_id, msg.reason, owner=sender.sender_id)
+        if owner != sender.sender_id:
+            return _Foreign(protocol.ErrorReply(msg.seq, (
+                f"Cancel of {msg.req_id} refused: the request belongs to another sender, and a sender cancels "
+                "only its own requests")))
+        return protocol.Ack(msg.seq)
 
     def _on_alloc(self, identity: bytes, msg: protocol.Alloc) -> protocol.Message:
         sender = self.senders.get(identity)

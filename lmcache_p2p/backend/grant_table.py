@@ -264,20 +264,25 @@ class GrantTable:
 
     # ---- endings ------------------------------------------------------------------------------
 
-    def cancel(self, req_id: str, reason: str) -> None:
+    def cancel(self, req_id: str, reason: str, *, owner: str | None = None) -> str | None:
         """The sender gave up, or the proxy will not decode here: drop the request's KV.
 
         A cancel may arrive before the request's first Alloc (the proxy cancels as soon as it
-        decides); the id is remembered for ``reserve_lease_s`` so a late Alloc is refused.
+        decides); the id is remembered for ``reserve_lease_s`` so a late Alloc is refused. Given
+        ``owner``, only a request of that sender (or one not known here) is dropped. Returns the
+        sender the request belongs to (``owner`` for one not known here).
         """
         with self.lock:
-            self._remember_finished_locked(req_id)
             req = self.requests.get(req_id)
+            if owner is not None and req is not None and req.sender_id != owner:
+                return req.sender_id
+            self._remember_finished_locked(req_id)
             if req is not None:
                 self._fail_locked(req, f"cancelled: {reason}", expected=True)
             pinning = self.pinning.pop(req_id, None)
             if pinning is not None:  # KV ready, all of it held: no decode will read it here
                 self._pool.unpin_holder(req_id, pinning[0])
+            return req.sender_id if req is not None else owner
 
     def fail_sender(self, sender_id: str, why: str) -> None:
         """Fail every unfinished request of a sender that left."""

@@ -110,7 +110,8 @@ class ReceiveService:
         self.control = ControlPort(codec=self._codec, control_addresses=addresses, receiver_id=self.receiver_id,
                                    transport=transport, grants=self.grants, counters=self.counters,
                                    warn_once=warn_once, fingerprint=fingerprint, welcome=self._welcome,
-                                   closing=self._stop, tp_rank=tp_rank)
+                                   closing=self._stop, tp_rank=tp_rank,
+                                   proxy_name=protocol.dialled_name(cfg.proxy_url) if cfg.proxy_url else "")
 
     @property
     def control_addresses(self) -> frozenset[str]:

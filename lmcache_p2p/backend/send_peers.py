@@ -24,6 +24,7 @@ from lmcache_p2p import kv_layout, protocol
 from lmcache_p2p.backend.send_types import Target
 from lmcache_p2p.config import ZMQ_HEARTBEAT_IVL_MS, ZMQ_HEARTBEAT_TIMEOUT_MS, P2PConfig
 from lmcache_p2p.errors import P2PError, ProtocolError
+from lmcache_p2p.rejection_log import RejectionLog
 from lmcache_p2p.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class PeerSessions:
         self._transport = transport
         self._fingerprint = fingerprint
         self._handoff = handoff
-        self._rejections = protocol.RejectionLog(logger, "sender control socket")
+        self._rejections = RejectionLog(logger, "sender control socket")
         self._ctx: zmq.Context | None = None
         self.poller: zmq.Poller | None = None
         self.peers: dict[Target, Peer] = {}

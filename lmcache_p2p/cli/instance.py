@@ -211,11 +211,13 @@ def tp_flags(tp_size: int) -> list[str]:
     return [] if tp_size == 1 else ["--tensor-parallel-size", str(tp_size)]
 
 
-def proxy_command(args: argparse.Namespace, site: Site, tokenizer: str | None = None) -> list[str]:
-    """The proxy's command line: HTTP on --proxy-port, the registry on --proxy-control-port."""
+def proxy_command(args: argparse.Namespace, site: Site, tokenizer: str | None = None,
+                  advertise_host: str | None = None) -> list[str]:
+    """The proxy's command line: HTTP on --proxy-port, the registry on --proxy-control-port (instances dial it
+    by ``advertise_host`` when that is not the bind address)."""
     named = any(a.startswith("--tokenizer") for a in args.proxy_arg)
     host = site.bind_host or getattr(args, "host", HOST)
     return [site.python, "-m", "lmcache_p2p.cli.main", "proxy", "--host", host,
             "--port", str(args.proxy_port), "--control-port", str(args.proxy_control_port), "--policy", args.policy,
-            "--workers", str(args.proxy_workers),
+            "--workers", str(args.proxy_workers), *(["--advertise-host", advertise_host] if advertise_host else []),
             *(["--tokenizer", tokenizer] if tokenizer and not named else []), *args.proxy_arg]

@@ -115,7 +115,9 @@ def proxy_objects(d: Deployment) -> list[dict[str, Any]]:
     ports = [{"name": "http", "containerPort": args.proxy_port},
              {"name": "registry", "containerPort": args.proxy_control_port}]
     site = Site(bind_host="0.0.0.0" if getattr(args, "bind_all", False) else "$(POD_IP)", python=args.python)
-    command = proxy_command(args, site, tokenizer=str(args.model) if args.proxy_workers > 1 else None)
+    # Instances dial the registry through the Service: its name is what their frames are addressed to.
+    command = proxy_command(args, site, tokenizer=str(args.model) if args.proxy_workers > 1 else None,
+                            advertise_host=names.proxy)
     container = {
         "name": "proxy", **_image(d), "command": command,
         "env": _pod_env(names),

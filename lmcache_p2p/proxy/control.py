@@ -2,37 +2,49 @@
 KvSent (a prefiller's times for the request timeline).
 
 Frames are checked and decoded by :class:`lmcache_p2p.protocol.Codec` (shared secret optional).
-A frame that fails authentication (wrong tag, replayed, stale), is oversized, or fails decoding
-or validation is dropped, counted in ``lmcache_p2p_proxy_control_rejected_total{reason}`` (reason:
-auth, replay, stale, oversized, malformed, version) and logged (WARNING at most every
-``_WARN_EVERY_S`` per reason, with the count since). PUSH/PULL has no replies.
+Under a secret an instance addresses every frame to this socket's address as it dials it
+(``host:port`` of its ``p2p.proxy_url``); the names answered to are ``--advertise-host`` /
+``--control-host`` with the bound port, so a frame captured on its way to another proxy is refused
+(``misaddressed``), and frames stamped before this proxy started are refused (``stale``: an earlier
+incarnation's). The name each instance uses is remembered: the proxy signs its Cancels to that
+instance with it (:meth:`ControlListener.name_for`), the only name the receiver accepts them from.
+
+A frame that fails authentication (wrong tag, replayed, stale, misaddressed), is oversized, or fails
+decoding or validation is dropped, counted in ``lmcache_p2p_proxy_control_rejected_total{reason}``
+and logged (WARNING at most every ``_WARN_EVERY_S`` per reason, with the count since). PUSH/PULL has
+no replies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import time
 
 import zmq
 import zmq.asyncio
 
 from lmcache_p2p.errors import ClosedError, ProtocolError
 from lmcache_p2p.protocol import (MAX_MESSAGE_BYTES, Announce, Codec, Goodbye, KvFailed, KvReady, KvSent, Rejection,
-                                  RejectionLog, rejection_of)
+                                  rejection_of)
 from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
 from lmcache_p2p.proxy.router.registry import Registry
 from lmcache_p2p.proxy.handover.waiters import KvWaiters
+from lmcache_p2p.rejection_log import RejectionLog
 
 logger = logging.getLogger(__name__)
 
 _WARN_EVERY_S = 10.0
 _CLOSE_TIMEOUT_S = 2.0
+_NAMES_REMEMBERED = 4096  # instances whose name for us is kept (ids change with restarts; oldest forgotten)
 
 
 class ControlListener:
     def __init__(self, host: str, port: int, codec: Codec, registry: Registry, waiters: KvWaiters,
-                 metrics: ProxyMetrics) -> None:
+                 metrics: ProxyMetrics, name_hosts: tuple[str, ...] = ()) -> None:
         self._host = host
+        self._name_hosts = name_hosts or (host,)  # the hosts instances dial us by; the port is known once bound
         self._requested_port = port
         self._codec = codec
         self._registry = registry
@@ -43,11 +55,22 @@ class ControlListener:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._rejections = RejectionLog(logger, "proxy control socket", _WARN_EVERY_S)
+        self._used_names: collections.OrderedDict[str, str] = collections.OrderedDict()  # instance_id -> name
         self.port = 0
 
     @property
     def address(self) -> str:
         return f"tcp://{self._host}:{self.port}"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names instances may address us by (``host:port``; empty before start)."""
+        return tuple(f"{host}:{self.port}" for host in self._name_hosts) if self.port else ()
+
+    def name_for(self, instance_id: str) -> str | None:
+        """The name ``instance_id`` addresses us by (our first name until we heard from it; None
+        before start: the codec's identity)."""
+        return self._used_names.get(instance_id) or next(iter(self.names), None)
 
     def start(self) -> None:
         """Bind (port 0: an ephemeral port, see ``.port``) and start receiving."""
@@ -68,6 +91,10 @@ class ControlListener:
             self._close_socket()
             raise OSError(f"cannot bind the control socket tcp://{self._host}:{self._requested_port} "
                           f"(--control-host/--control-port): {exc}") from exc
+        # Shared with the canceller, which signs as one of them: set before any frame is read or sent.
+        self._codec.names = frozenset(self.names)
+        # Frames stamped before now were meant for an earlier incarnation on this address.
+        self._codec.refuse_stamped_before(time.time())
         self._task = asyncio.get_running_loop().create_task(self._run(), name="proxy-control")
         logger.info("control socket listening on %s", self.address)
 
@@ -101,10 +128,18 @@ class ControlListener:
     def handle(self, frames: list[bytes]) -> None:
         """Authenticate, decode and dispatch one message (public for tests)."""
         try:
-            msg = self._codec.unpack(frames)
-            self._dispatch(msg)
+            env = self._codec.open(frames)
+            self._dispatch(env.msg)
+            if isinstance(env.msg, Announce) and env.recipient:
+                self._remember_name(env.msg.instance_id, env.recipient)
         except ProtocolError as exc:
             self._reject(rejection_of(exc), exc)
+
+    def _remember_name(self, instance_id: str, name: str) -> None:
+        self._used_names[instance_id] = name
+        self._used_names.move_to_end(instance_id)
+        while len(self._used_names) > _NAMES_REMEMBERED:
+            self._used_names.popitem(last=False)
 
     def _dispatch(self, msg: object) -> None:
         match msg:

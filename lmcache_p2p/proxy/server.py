@@ -62,7 +62,9 @@ class Proxy:
         self.metrics = ProxyMetrics(self.registry.instances)
         self.upstream = Upstream(settings.connect_timeout_s, settings.dead_peer_timeout_s)
         codec = Codec(settings.shared_secret, identity=settings.identity, window_s=settings.auth_window_s)
-        self.canceller = KvCanceller(codec, self.metrics)
+        self.control = ControlListener(settings.control_host, settings.control_port, codec,
+                                       self.registry, self.waiters, self.metrics, settings.control_name_hosts)
+        self.canceller = KvCanceller(codec, self.metrics, signer_for=self.control.name_for)
         tokenizers = TokenizerProvider(settings.tokenizer, self.upstream, settings.connect_timeout_s)
         self.prober = HealthProber(self.registry, self.upstream, settings.health_probe_interval_s,
                                    settings.health_probe_timeout_s, on_up=tokenizers.check_instance)
@@ -76,8 +78,6 @@ class Proxy:
             FlowSettings.of(settings),
             tokenizers=tokenizers,
         )
-        self.control = ControlListener(settings.control_host, settings.control_port, codec,
-                                       self.registry, self.waiters, self.metrics)
         self.flows = FlowHost(self.orchestrator)  # every open request, whoever serves its client
         self.proxy_app = ProxyApp(self.orchestrator, LocalLink(self.flows), self.upstream, settings.chars_per_token,
                                   settings.connect_timeout_s,

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from lmcache_p2p.config import Role, is_loopback
+from lmcache_p2p.config import WILDCARD_HOSTS, Role, is_loopback
 from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.proxy.router.prefix import PrefixSettings
 from lmcache_p2p.proxy.router.registry import StaticInstance
@@ -70,6 +70,9 @@ class ProxySettings:
     port: int = 9100
     control_host: str = "127.0.0.1"
     control_port: int = 9101
+    # The hosts instances dial the control socket by (their p2p.proxy_url's): frames addressed otherwise are
+    # refused under a shared secret. Default: --control-host (this machine's names when it is a wildcard).
+    advertise_hosts: tuple[str, ...] = ()
     shared_secret: str | None = None
     insecure: bool = False  # allow --host / --control-host beyond loopback without a shared secret
     auth_window_s: float = 30.0
@@ -104,6 +107,10 @@ class ProxySettings:
         object.__setattr__(self, "on_kv_failure", KvFailurePolicy(self.on_kv_failure))
         if self.workers < 1:
             raise ConfigError("--workers", f"must be at least 1 (1: one process), got {self.workers}")
+        for host in self.advertise_hosts:
+            if host in WILDCARD_HOSTS or ":" in host or "/" in host:
+                raise ConfigError("--advertise-host", f"must be a host name or IPv4 address instances dial (the "
+                                                      f"host of their p2p.proxy_url), got {host!r}")
         self.check_exposure()
 
     def exposed_ports(self) -> list[str]:
@@ -126,8 +133,26 @@ class ProxySettings:
                 f"instance), bind to 127.0.0.1, or pass --insecure to accept the risk"))
 
     @property
+    def control_name_hosts(self) -> tuple[str, ...]:
+        """The hosts instances may address the control socket by, as in their ``p2p.proxy_url``:
+        ``--advertise-host``, then ``--control-host`` (both loopback spellings for loopback; this
+        machine's names and address for a wildcard)."""
+        hosts = list(self.advertise_hosts)
+        if self.control_host in WILDCARD_HOSTS:
+            hosts += [socket.gethostname(), socket.getfqdn()]
+            try:
+                hosts.append(socket.gethostbyname(socket.gethostname()))
+            except OSError:
+                pass
+        else:
+            hosts.append(self.control_host)
+            if is_loopback(self.control_host):
+                hosts += ["127.0.0.1", "localhost"]
+        return tuple(dict.fromkeys(hosts))
+
+    @property
     def identity(self) -> str:
-        """How this proxy signs its control frames (Cancel to decoders)."""
+        """The proxy's name in logs of its peers when it signs as nobody else (see ControlListener.name_for)."""
         return f"proxy-{socket.gethostname()}:{self.control_port}"
 
     @classmethod
@@ -155,6 +180,7 @@ class ProxySettings:
             port=args.port,
             control_host=args.control_host or args.host,
             control_port=args.control_port,
+            advertise_hosts=tuple(args.advertise_host or ()),
             shared_secret=args.shared_secret or os.environ.get(SECRET_ENV) or None,
             insecure=args.insecure,
             auth_window_s=args.auth_window_s,
@@ -304,6 +330,10 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("--control-host", None, "control socket bind address (default: --host)", {"default": None}),
     _Flag("--control-port", "control_port",
           "control socket (ZMQ PULL) port; instances' p2p.proxy_url points here (default %(default)s)"),
+    _Flag("--advertise-host", None,
+          "a host instances dial the control socket by, as in their p2p.proxy_url (repeatable; default: "
+          "--control-host, or this machine's names for a wildcard); under a shared secret frames addressed to "
+          "another name are refused", {"action": "append", "default": None, "metavar": "HOST"}),
     _Flag("--shared-secret", None,
           f"authenticate every control message, and admin HTTP calls as 'Authorization: Bearer <secret>' "
           f"(default: ${SECRET_ENV}, else none; required beyond loopback)", {"default": None}),

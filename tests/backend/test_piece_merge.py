@@ -97,7 +97,8 @@ def test_the_proxys_cancel_of_the_request_cancels_every_share(rig) -> None:
     slots = rig.shares[1].alloc("req~1/2", ["k1"], shape=PIECE).slots
     rig.transport.land("tx-1", "sender-1", "req~1/2", slots)
     assert eventually(lambda: rig.pool.state(slots[0]) is SlotState.READY)
-    assert isinstance(rig.shares[1].cancel("req"), protocol.Ack)
+    proxy = rig.sender("proxy", "tx-proxy", hello=False)  # the proxy never says Hello
+    assert isinstance(proxy.cancel("req"), protocol.Ack)
     assert eventually(lambda: rig.pool.free_slots == 4)
     refused = rig.shares[0].alloc("req~0/2", ["k1"], shape=PIECE)
     assert isinstance(refused, protocol.Refused) and refused.code is protocol.RefusalCode.FINISHED

@@ -832,6 +832,50 @@ def test_a_signed_sender_is_served_and_answered_under_its_own_name(make_rig) -> 
     assert rig.service.rejected_frames() == {}
 
 
+def test_a_cancel_from_a_connection_that_never_said_hello_is_taken_only_from_our_proxy(make_rig) -> None:
+    proxy_name = f"127.0.0.1:{free_port()}"  # the proxy this receiver reports to, as it dials it
+    rig = make_rig(num_slots=2, shared_secret=SECRET, proxy_url=f"tcp://{proxy_name}", heartbeat_interval_s=60)
+    owner = signed(rig, "sender-x")
+    assert isinstance(owner.hello(), protocol.Welcome)
+    (slot,) = rig.granted(owner, "req-x", ["k1"])
+    # Members that hold the secret, on connections that never said Hello: neither another sender, nor the
+    # request's own sender off its connection, nor a proxy this receiver does not report to may cancel.
+    for signer in ("sender-z", "sender-x", "127.0.0.1:1"):
+        member = signed(rig, f"m-{signer}", signer=signer)
+        refused = member.cancel("req-x")
+        assert isinstance(refused, protocol.ErrorReply), refused
+        assert f"never said Hello is signed by '{signer}'" in refused.message and proxy_name in refused.message
+    assert rig.service.rejected_frames() == {"spoofed": 3}
+    assert rig.pool.state(slot) is SlotState.RESERVED  # the request was not cancelled
+    proxy = signed(rig, "proxy", signer=proxy_name)
+    assert isinstance(proxy.cancel("req-x"), protocol.Ack)
+    assert rig.pool.state(slot) is not SlotState.RESERVED and rig.pool.reserved_slots == 0
+    assert isinstance(owner.alloc("req-x", ["k2"]), protocol.Refused)  # cancelled for good
+
+
+def test_without_a_proxy_a_cancel_off_a_hello_connection_is_refused(make_rig) -> None:
+    rig = make_rig(num_slots=2, shared_secret=SECRET)
+    owner = signed(rig, "sender-x")
+    assert isinstance(owner.hello(), protocol.Welcome)
+    (slot,) = rig.granted(owner, "req-x", ["k1"])
+    refused = signed(rig, "member", signer="proxy-elsewhere:9101").cancel("req-x")
+    assert isinstance(refused, protocol.ErrorReply) and "it reports to none (p2p.proxy_url)" in refused.message
+    assert rig.pool.state(slot) is SlotState.RESERVED
+
+
+def test_a_sender_cancels_only_its_own_requests(make_rig) -> None:
+    rig = make_rig(num_slots=2)
+    x, y = rig.sender("sender-x", "tx-x"), rig.sender("sender-y", "tx-y")
+    (slot,) = rig.granted(x, "req-x", ["k1"])
+    refused = y.cancel("req-x")
+    assert isinstance(refused, protocol.ErrorReply) and "belongs to another sender" in refused.message
+    assert rig.service.rejected_frames() == {"foreign": 1}
+    assert rig.pool.state(slot) is SlotState.RESERVED
+    assert len(rig.granted(x, "req-x", ["k2"])) == 1  # the request goes on: nothing remembered it as cancelled
+    assert isinstance(x.cancel("req-x"), protocol.Ack)
+    assert rig.pool.reserved_slots == 0
+
+
 # ---- lifecycle: construction opens nothing, start() binds and fails visibly, close() is idempotent -------
 
 def _service(cfg: P2PConfig) -> ReceiveService:

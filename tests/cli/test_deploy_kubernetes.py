@@ -234,6 +234,10 @@ def test_a_rendered_instance_gets_the_flags_environment_and_config_launch_gives_
     if "--tokenizer" in rendered_proxy:  # launch names the folder only when it exists on this host
         at = rendered_proxy.index("--tokenizer")
         del rendered_proxy[at:at + 2]
+    # pods dial the registry by the Service's name, which the proxy must answer to; launch's by its bind address
+    at = rendered_proxy.index("--advertise-host")
+    assert rendered_proxy[at + 1] == "lmcache-p2p-proxy"
+    del rendered_proxy[at:at + 2]
     assert rendered_proxy == launched_proxy
 
 
@@ -331,6 +335,8 @@ def test_the_proxy_pod_command_parses_and_refuses_to_run_beyond_loopback_without
     settings = ProxySettings.from_args(args)
     assert (settings.host, settings.control_host, settings.port, settings.control_port, settings.workers) == (
         "10.0.0.7", "10.0.0.7", 9100, 9101, 4)
+    # instances address the registry by the Service name they dial (p2p.proxy_url): the proxy answers to it
+    assert settings.control_name_hosts[0] == "lmcache-p2p-proxy"
 
 
 def test_the_prestop_hook_is_a_drain_command_that_parses() -> None:

@@ -37,6 +37,7 @@ from lmcache_p2p.protocol import (
     Goodbye,
     KvFailed,
     KvReady,
+    dialled_name,
 )
 
 EOS = 2
@@ -386,6 +387,7 @@ class FakeAgent:
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(control_address)
+        self.proxy_name = dialled_name(control_address)  # as a real instance addresses the proxy
         self._tasks: set[asyncio.Task[None]] = set()
 
     def control_port(self, rank: int) -> int:
@@ -395,7 +397,7 @@ class FakeAgent:
         return self.base_port + 100 + rank if self.base_port else 0
 
     async def send(self, msg: Any) -> None:
-        await self._sock.send_multipart(self._codec.pack(msg))
+        await self._sock.send_multipart(self._codec.pack(msg, self.proxy_name))
 
     async def announce(self) -> None:
         for rank in range(self.tp_size):
@@ -465,6 +467,7 @@ class FakeReceiverControl:
 
     def __init__(self, tp_size: int = 1, secret: str | None = None) -> None:
         self.cancels: list[tuple[int, Cancel]] = []  # (rank, message)
+        self.signers: list[str] = []  # who signed each Cancel ("" without a secret)
         self.agent: FakeAgent | None = None
         self._ctx = zmq.asyncio.Context()
         self._socks = self._bind_consecutive(tp_size)
@@ -495,10 +498,12 @@ class FakeReceiverControl:
     async def _serve(self, rank: int, sock: zmq.asyncio.Socket) -> None:
         while True:
             identity, *frames = await sock.recv_multipart()
-            msg = self._codec.unpack(frames)
+            env = self._codec.open(frames)
+            msg = env.msg
             assert isinstance(msg, Cancel), msg
             self.cancels.append((rank, msg))
-            await sock.send_multipart([identity, *self._codec.pack(Ack(msg.seq))])
+            self.signers.append(env.sender)
+            await sock.send_multipart([identity, *self._codec.pack(Ack(msg.seq), env.sender)])
             if self.agent is not None:
                 await self.agent.send(KvFailed(req_id=msg.req_id, instance_id=self.agent.instance_id, tp_rank=rank,
                                                reason=f"cancelled by sender: {msg.reason}"))

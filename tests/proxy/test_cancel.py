@@ -55,6 +55,8 @@ async def test_first_token_that_ends_the_output_cancels_on_every_rank(caplog):
         await eventually(lambda: len(control.cancels) == 2)
         assert control.req_ids(0) == control.req_ids(1) == [req_id]
         assert "first token ended the output" in control.cancels[0][1].reason
+        # signed with the name the decoder addresses the proxy by: the one signer a receiver takes it from
+        assert control.signers == [c.decoders[0].agent.proxy_name] * 2
         assert not c.decoders[0].vllm.requests
         # The receiver's KvFailed for the cancelled request (one per rank) is dropped quietly.
         await eventually(lambda: c.proxy.waiters.unmatched == 2)

@@ -5,7 +5,8 @@ When the proxy will not send the decode for a ``req_id`` whose KV may have lande
 decoder, the client left), D should free those receive slots now rather than at lease expiry. The
 proxy sends ``protocol.Cancel`` to each rank's receiver control endpoint (the one senders use);
 the receiver frees the request's slots, answers ``Ack`` and reports ``KvFailed``, which the
-waiters ignore at DEBUG (nobody waits for that ``req_id`` any more).
+waiters ignore at DEBUG (nobody waits for that ``req_id`` any more). Under a shared secret the Cancel
+is signed with the name the decoder addresses the proxy by: the one signer it takes a Cancel from.
 
 One zmq.asyncio DEALER per decoder rank, created at first use, LINGER 0, closed when the registry
 forgets the decoder. Nothing here waits: sends are NOBLOCK, and a Cancel that cannot be queued is
@@ -65,8 +66,12 @@ class _Sent:
 
 
 class KvCanceller:
-    def __init__(self, codec: Codec, metrics: ProxyMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, codec: Codec, metrics: ProxyMetrics, clock: Callable[[], float] = time.monotonic, *,
+                 signer_for: Callable[[str], str | None] | None = None) -> None:
         self._codec = codec
+        # The name a decoder knows the proxy by (what it addresses its frames to): a receiver accepts a
+        # Cancel from no other signer. None: the codec's identity (tests without a control socket).
+        self._signer_for = signer_for
         self._metrics = metrics
         self._clock = clock
         self._ctx: zmq.asyncio.Context | None = None
@@ -154,7 +159,8 @@ class KvCanceller:
                 return False
             self._read_replies(decoder, rank, rs)
             # Addressed to the rank's control address: a receiver refuses a Cancel meant for another.
-            _resolved(rs.sock.send_multipart(self._codec.pack(msg, rs.address), flags=zmq.NOBLOCK))
+            signer = self._signer_for(decoder.instance_id) if self._signer_for is not None else None
+            _resolved(rs.sock.send_multipart(self._codec.pack(msg, rs.address, signer=signer), flags=zmq.NOBLOCK))
         except zmq.ZMQError as exc:
             logger.debug("Cancel of %s to decoder %s rank %d dropped: %s", msg.req_id, decoder.instance_id, rank,
                          exc)
