@@ -133,7 +133,7 @@ def _build(factory: str, name: str, kwargs: Mapping[str, Any]) -> Any:
     import importlib
 
     module, _, attr = factory.partition(":")
-    return getattr(importlib.import_module(module), attr)(name, **kwargs)
+    return getattr(importlib.import_module(module), attr)(name, **kwargs).start()
 
 
 def _sync(*devices: Any) -> None:
@@ -205,10 +205,13 @@ class Peer:
         import msgspec
 
         from lmcache_p2p.protocol import TransportInfo
+        from lmcache_p2p.transport import two_sided
 
         peer = msgspec.msgpack.decode(info, type=TransportInfo)
         if self.role == "receiver":
-            self.transport.accept(peer)
+            hooks = two_sided(self.transport)
+            if hooks is not None:  # one-sided transports need no pairing
+                hooks.accept(peer)
             return peer.name
         return self.transport.connect(peer, TIMEOUT_S)
 

@@ -187,6 +187,9 @@ class P2PConfig:
     # The model's KV heads over all TP ranks (0: from the model folder's config.json, else this rank's
     # heads x TP size). Needed only when heads are replicated (fewer KV heads than TP ranks).
     kv_heads_total: int = 0
+    # NCCL: writes a sender pair holds before its thread posts them; one more is refused at once (the
+    # write fails, its chunks are handed back) rather than queued without end behind a stuck pair.
+    nccl_max_queued_writes: int = 4096
     # NIXL: UCX backend parameters, e.g. {"ucx_error_handling_mode": "none"}.
     nixl_backend_params: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -331,6 +334,10 @@ def _convert(key: str, name: str, value: Any) -> Any:
     if name == "kv_heads_total":
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(key, f"must be a whole number of KV heads (0: read the model's config), got {value!r}")
+        return value
+    if name == "nccl_max_queued_writes":
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(key, f"must be a positive whole number of writes, got {value!r}")
         return value
     if name in ("insecure", "buffer_cache", "batched_gather", "async_store"):
         if not isinstance(value, bool):

@@ -212,3 +212,11 @@ def test_an_env_reference_to_an_unset_variable_names_the_key_and_the_variable():
     # beyond loopback the secret stays required, also when it comes from the environment
     with pytest.raises(ConfigError, match=r"p2p\.shared_secret"):
         P2PConfig.from_mapping({"role": "receiver", "host": "${POD_IP}"}, environ={"POD_IP": "10.1.2.3"})
+
+
+def test_nccl_queued_writes_bound_is_a_positive_count_named_in_its_errors():
+    assert P2PConfig.from_mapping({"role": "sender"}).nccl_max_queued_writes == 4096
+    assert P2PConfig.from_mapping({"role": "sender", "nccl_max_queued_writes": 8}).nccl_max_queued_writes == 8
+    for bad in (0, -1, "many", 2.5, True):
+        with pytest.raises(ConfigError, match=r"^p2p\.nccl_max_queued_writes: must be a positive whole number"):
+            P2PConfig.from_mapping({"role": "sender", "nccl_max_queued_writes": bad})

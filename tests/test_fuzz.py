@@ -176,6 +176,9 @@ class FakeTransport(Transport):
     def __init__(self) -> None:
         self.notifications: collections.deque[Notification] = collections.deque()
 
+    def start(self) -> FakeTransport:
+        return self
+
     def register(self, tensor):  # pragma: no cover - never called here
         raise NotImplementedError
 
@@ -461,7 +464,7 @@ def test_the_nccl_store_binds_host_and_advertises_advertise_host():
 
     cfg = P2PConfig(role=Role.RECEIVER, transport=TransportKind.NCCL, transport_ports=free_port(),
                     advertise_host="127.0.0.9")
-    transport = build_transport(cfg, "adv-test", 0)
+    transport = build_transport(cfg, "adv-test", 0).start()
     try:
         info = transport.info()
         assert (info.host, info.port) == ("127.0.0.9", cfg.transport_port(0))
@@ -474,7 +477,7 @@ def test_the_nccl_store_listens_on_the_configured_host_only():
     from lmcache_p2p.backend.common import build_transport
 
     cfg = P2PConfig(role=Role.RECEIVER, transport=TransportKind.NCCL, transport_ports=free_port())
-    transport = build_transport(cfg, "bind-test", 0)
+    transport = build_transport(cfg, "bind-test", 0).start()
     try:
         socket.create_connection(("127.0.0.1", cfg.transport_port(0)), timeout=5).close()
         with pytest.raises(ConnectionRefusedError):  # another address of this machine: nothing listens

@@ -57,7 +57,8 @@ def worker_gpu(dst_device: Any) -> str | None:
 
 
 def build_transport(cfg: P2PConfig, name: str, tp_rank: int, gpu: str | None = None) -> Transport:
-    """The transport of ``p2p.transport`` for this worker; ``gpu`` is its GPU (None on CPU).
+    """The transport of ``p2p.transport`` for this worker, built, not started (the caller starts
+    it, and closes it on any later failure); ``gpu`` is its GPU (None on CPU).
 
     NIXL: a sender on a GPU stages host chunks bound for a peer's GPU memory through a small
     ring on its own GPU (nixl/staging.py; UCX alone moves host -> remote GPU at ~0.6 GB/s).
@@ -74,7 +75,8 @@ def build_transport(cfg: P2PConfig, name: str, tp_rank: int, gpu: str | None = N
     device = cfg.buffer_device if receiver and cfg.buffer_device != "cpu" else gpu or "cpu"
     return create_transport("nccl", name, host=cfg.host, port=cfg.transport_port(tp_rank) if receiver else 0,
                             advertise_host=cfg.advertised_host() if receiver else None,
-                            device=device, timeout_s=cfg.transfer_timeout_s)
+                            device=device, timeout_s=cfg.transfer_timeout_s,
+                            max_queued_writes=cfg.nccl_max_queued_writes)
 
 
 def dtype_name(dtype: Any) -> str:

@@ -29,7 +29,7 @@ from lmcache_p2p.backend.grant_table import GrantTable
 from lmcache_p2p.backend.receiver_counters import Counters, WarnOnce
 from lmcache_p2p.errors import ClosedError, P2PError, ProtocolError, VersionError
 from lmcache_p2p.rejection_log import RejectionLog
-from lmcache_p2p.transport import Transport
+from lmcache_p2p.transport import Transport, two_sided
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class ControlPort:
         self.control_addresses = control_addresses
         self._receiver_id = receiver_id
         self._transport = transport
+        self._two_sided = two_sided(transport)  # pairs with each sender at Hello (NCCL); None: one-sided
         self._grants = grants
         self._counters = counters
         self._warn_once = warn_once
@@ -243,7 +244,8 @@ class ControlPort:
             return protocol.ErrorReply(seq=-1, message=mismatch)
         self._register(identity, _Sender(msg.sender_id, msg.transport.name, time.monotonic(),
                                          self._pieces_from(msg.fingerprint)))
-        self._transport.accept(msg.transport)
+        if self._two_sided is not None:
+            self._two_sided.accept(msg.transport)
         logger.info("sender %s connected (rank %d)", msg.sender_id, msg.tp_rank)
         return self._welcome()
 

@@ -51,7 +51,7 @@ from lmcache_p2p.backend.write_guard import WriteGuard
 from lmcache_p2p.buffer import SlotPool
 from lmcache_p2p.config import P2PConfig
 from lmcache_p2p.errors import ClosedError, ProtocolError
-from lmcache_p2p.transport import Transport
+from lmcache_p2p.transport import Transport, two_sided
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class ReceiveService:
         self._tp_rank = tp_rank
         self._tp_size = tp_size
         self._transport = transport
+        self._two_sided = two_sided(transport)  # None: a one-sided transport (no guard, no failed writes)
         self._pool = pool
         self._slot_bytes = slot_bytes
         self._region_addr = region_addr
@@ -135,7 +136,8 @@ class ReceiveService:
             raise
         try:
             self._announcer = Announcer(self._cfg.proxy_url, self._codec, self._cfg.heartbeat_interval_s)
-            self._transport.set_write_guard(self.admit_write)
+            if self._two_sided is not None:
+                self._two_sided.set_write_guard(self.admit_write)
             thread = threading.Thread(target=self._run, args=(sock,), name=f"p2p-receiver-{self._tp_rank}",
                                       daemon=True)
             thread.start()
@@ -271,8 +273,9 @@ class ReceiveService:
                 logger.warning("unexpected notification %s from %s", type(msg).__name__, notif.peer)
                 continue
             self.on_written(notif.peer, msg)
-        for notif in self._transport.get_failed_writes():
-            self._on_write_failed(notif.peer, notif.payload)
+        if self._two_sided is not None:
+            for notif in self._two_sided.get_failed_writes():
+                self._on_write_failed(notif.peer, notif.payload)
 
     def _on_write_failed(self, peer: str, payload: bytes) -> None:
         """The transport says this Written's write will not land whole, and nothing more of it lands."""

@@ -87,6 +87,7 @@ class ReceiverBackend(P2PPlugin):
             self._buffer = self._memory.tensor
             self._transport = build_transport(self.cfg, f"p2p-recv-{tp_rank}-{id(self):x}", tp_rank,
                                               worker_gpu(dst_device))
+            self._transport.start()
             region = self._transport.register(self._buffer)
             self._service = ReceiveService(
                 self.cfg, tp_rank=tp_rank, tp_size=tp_size, transport=self._transport,

@@ -66,6 +66,7 @@ class SenderBackend(P2PPlugin):
         try:
             gpu = worker_gpu(dst_device)
             self._transport = build_transport(self.cfg, f"p2p-send-{self._tp_rank}-{id(self):x}", self._tp_rank, gpu)
+            self._transport.start()
             self._register_allocator_memory()
             if self.cfg.buffer_device != "cpu":
                 self._start_arena(metadata, gpu)

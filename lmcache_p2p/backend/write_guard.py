@@ -1,6 +1,6 @@
 """The receiver's write guard: which transport writes may land in the receive buffer.
 
-Two-sided transports (NCCL) ask before receiving (``Transport.set_write_guard``): a write must
+Two-sided transports (NCCL) ask before receiving (``TwoSided.set_write_guard``): a write must
 target exactly the slots its Written notification names, each granted to that request of that
 writer and not written before under this grant. The slots then stay quarantined, if given up,
 until this write's receive deadline passed. Called from transport threads; the pool is

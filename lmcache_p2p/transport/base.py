@@ -7,10 +7,15 @@ to remote addresses inside the receiver's regions, with a small notification pay
 is observable on both sides: the sender ``wait``\\ s on the handle, the receiver gets the payload
 from ``get_notifications`` only after every byte of that write has landed.
 
+Lifecycle (``lifecycle.py``): construction records settings only; :meth:`Transport.start` opens
+the sockets, threads and agents; :meth:`Transport.close` releases them.
+
 Rules every implementation follows (the contract suite in tests/transport checks them):
+  * nothing opens in the constructor; ``start()`` opens, and closes what it opened if it fails;
   * every wait takes a timeout and raises :class:`TransportTimeout` past it;
   * third-party failures surface as :class:`TransportError` subclasses, mapped at the edge;
-  * ``close()`` is idempotent and safe after a failed start; later use raises ClosedError;
+  * ``close()`` is idempotent and safe after a failed start; use before ``start()`` or after
+    ``close()`` raises ClosedError;
   * a write's SOURCES stay in use until :meth:`Transport.settled` says otherwise: completion
     (``poll`` True) settles a write; a failed or aborted one is settled only once the transport
     knows nothing reads its sources any more (see "Aborting" below);
@@ -18,6 +23,9 @@ Rules every implementation follows (the contract suite in tests/transport checks
   * a receiver keeps polling ``get_notifications`` while it expects writes: some paths (UCX tcp
     with no progress thread) only take bytes in while the receiver polls, so a receiver that
     stops polling stalls its senders until their waits time out.
+
+Hooks that only two-sided transports need (the receiver pairs with each sender and posts every
+write's receives: NCCL) are not part of this contract: see ``two_sided.py``.
 
 Aborting (what a caller may free, and when):
   ``abort(handle)`` fails an unfinished write for its caller and returns at once; it does NOT
@@ -38,8 +46,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Self
 
 from lmcache_p2p.errors import P2PError, TransportTimeout
 from lmcache_p2p.protocol import Region, TransportInfo
@@ -63,10 +71,6 @@ class Notification:
     payload: bytes
 
 
-# (sender peer name, [(destination address, nbytes)], notification) -> "" to admit, else why not.
-WriteGuard = Callable[[str, list[tuple[int, int]], bytes], str]
-
-
 def region_of(tensor: torch.Tensor) -> Region:
     """Describe a contiguous tensor as a Region (address, length, device)."""
     if not tensor.is_contiguous():
@@ -86,6 +90,14 @@ class Transport(abc.ABC):
     kind: str
 
     @abc.abstractmethod
+    def start(self) -> Self:
+        """Open what the transport needs (sockets, threads, its library's agent); returns self.
+
+        A second call does nothing. If it fails it closes what it opened and raises (ClosedError
+        afterwards: build a new transport to try again).
+        """
+
+    @abc.abstractmethod
     def register(self, tensor: torch.Tensor) -> Region:
         """Register a contiguous tensor once; it becomes a source or a destination of writes."""
 
@@ -96,20 +108,6 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def connect(self, peer: TransportInfo, timeout_s: float) -> str:
         """Sender side: prepare writes to ``peer``; return its name. Idempotent per peer."""
-
-    def set_write_guard(self, guard: WriteGuard | None) -> None:  # noqa: B027 - optional hook
-        """Receiver side: ask ``guard`` before receiving a write; a non-empty answer refuses it.
-
-        Two-sided transports (NCCL) learn every write's destinations before receiving it and call
-        the guard from their own threads; a refused write is not received (the pair ends). One-sided
-        transports (NIXL) cannot see writes before they land and ignore the guard.
-        """
-
-    def accept(self, peer: TransportInfo) -> None:  # noqa: B027 - optional hook
-        """Receiver side: a sender said Hello. Two-sided transports (NCCL) start pairing here.
-
-        Must not block: the control thread calls it. One-sided transports (NIXL) need nothing.
-        """
 
     @abc.abstractmethod
     def write(self, peer: str, srcs: Sequence[torch.Tensor], dst_addrs: Sequence[int], notif: bytes) -> WriteHandle:
@@ -159,16 +157,6 @@ class Transport(abc.ABC):
     def get_notifications(self) -> list[Notification]:
         """Notifications of writes into our memory that completed since the last call."""
 
-    def get_failed_writes(self) -> list[Notification]:
-        """Notifications of admitted writes into our memory that will NOT land whole, since the last call.
-
-        Reported only once nothing more of that write lands (its destinations may hold part of
-        it): the receiver may fail its request and reuse those destinations at once. Two-sided
-        transports (NCCL) know when a write they received failed; one-sided ones (NIXL) never
-        see a write that did not complete and report none.
-        """
-        return []
-
     def wait_notifications(self, timeout_s: float) -> list[Notification]:
         """Block until at least one notification arrives, or return [] after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
@@ -184,4 +172,4 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release everything; idempotent."""
+        """Release everything; idempotent, safe in every phase (built, started, after a failed start)."""

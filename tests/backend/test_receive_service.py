@@ -71,11 +71,17 @@ class FakeTransport(Transport):
         self.disconnect_gate.set()
         self.guard = None
 
+    def start(self) -> FakeTransport:
+        return self
+
     def register(self, tensor):  # pragma: no cover - unused
         raise NotImplementedError
 
     def info(self) -> protocol.TransportInfo:
         return protocol.TransportInfo(kind=self.kind, name="rx")
+
+    def accept(self, peer) -> None:  # two-sided, like NCCL: it has a write guard and failed writes
+        pass
 
     def connect(self, peer, timeout_s):  # pragma: no cover - unused
         raise NotImplementedError
@@ -492,8 +498,8 @@ class NcclRig:
         self.cfg = P2PConfig.from_mapping({"role": "receiver", "transport": "nccl", "control_ports": [free_port()],
                                            "transport_ports": [free_port()], "transfer_timeout_s": 10, **cfg})
         self.tag = uuid.uuid4().hex[:6]  # unique thread names: an earlier test's pair may still be ending
-        self.rx = NcclTransport(f"rx-{self.tag}", port=self.cfg.transport_port(0), timeout_s=10)
-        self.tx = NcclTransport(f"tx-{self.tag}", timeout_s=10)
+        self.rx = NcclTransport(f"rx-{self.tag}", port=self.cfg.transport_port(0), timeout_s=10).start()
+        self.tx = NcclTransport(f"tx-{self.tag}", timeout_s=10).start()
         self.buf = torch.zeros(3 * SLOT_BYTES, dtype=torch.uint8)
         region = self.rx.register(self.buf)
         self.pool = SlotPool(3, write_window_s=self.cfg.write_window_s)

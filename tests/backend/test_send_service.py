@@ -70,6 +70,9 @@ class FakeTransport(Transport):
         self.auto_complete = True
         self.polls = 0
 
+    def start(self) -> FakeTransport:
+        return self
+
     def register(self, tensor: torch.Tensor) -> Any:
         raise NotImplementedError
 

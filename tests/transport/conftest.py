@@ -9,9 +9,10 @@ need GPUs are skipped where fewer are present (the CPU machines); they run on th
 
 Each case runs between two real processes (spawned; the environment is set in them only):
 
-    receiver: create, register its buffer, publish info ----> sender
-    sender:   create, register its source pool, publish info ----> receiver
-    receiver: accept(sender info)          (two-sided transports start pairing here; must not block)
+    receiver: create, start, register its buffer, publish info ----> sender
+    sender:   create, start, register its source pool, publish info ----> receiver
+    receiver: accept(sender info)          (two-sided transports only: they start pairing here;
+                                            must not block)
     sender:   connect(receiver info)       (then writes)
 """
 

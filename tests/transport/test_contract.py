@@ -110,6 +110,13 @@ def test_close_is_idempotent_and_later_use_raises_closed(pair: Pair) -> None:
     assert raised == ["register", "info", "connect", "write", "get_notifications", "disconnect"]
 
 
+def test_a_transport_is_usable_only_once_started_and_never_after_close(pair: Pair) -> None:
+    """Construction opens nothing: every call before ``start()`` raises ClosedError; a transport
+    closed before it started stays closed (``start()`` raises too)."""
+    calls = ["register", "info", "connect", "write", "get_notifications", "disconnect"]
+    assert pair.tx.call("unstarted_check") == {"built": calls, "closed": [*calls, "start"]}
+
+
 def test_stalled_receiver_times_out_or_completes_one_sided(fresh_receiver: Pair) -> None:
     """A SIGSTOPped receiver: waits end at their deadline (TransportTimeout), zero included.
 

@@ -18,7 +18,7 @@ from unittest.mock import patch as _patch
 import pytest
 import torch
 
-from lmcache_p2p.errors import PeerUnreachable, TransportError
+from lmcache_p2p.errors import ClosedError, PeerUnreachable, TransportError
 from lmcache_p2p.protocol import TransportInfo
 from lmcache_p2p.transport.nccl import group as group_ops
 from lmcache_p2p.transport.nccl import wire
@@ -43,7 +43,7 @@ def make() -> Iterator[Callable[..., NcclTransport]]:
         kwargs.setdefault("timeout_s", 10.0)
         transport = NcclTransport(name, **kwargs)
         made.append(transport)
-        return transport
+        return transport.start()
 
     yield _make
     for transport in reversed(made):
@@ -136,7 +136,7 @@ def test_two_senders_write_to_one_receiver_at_once(make) -> None:
 
 
 def _serving(rx: NcclTransport, sender: str) -> bool:
-    pair = rx._receivers.get(sender)
+    pair = rx._receiver.serving(sender)
     return pair is not None and pair.serving
 
 
@@ -144,13 +144,13 @@ def test_connect_returns_only_once_the_receiver_serves_the_pair(make) -> None:
     """A receiver slow to register the pair (a busy engine) delays connect(), not the first write."""
     rx, tx = make("rx"), make("tx")
     buf = _recv_buffer(rx, MIB)
-    on_paired = rx._hooks.on_paired
+    on_paired = rx._receiver.hooks.on_paired
 
     def slow_on_paired(pair) -> bool:
         time.sleep(0.5)
         return on_paired(pair)
 
-    rx._hooks = dataclasses.replace(rx._hooks, on_paired=slow_on_paired)
+    rx._receiver.hooks = dataclasses.replace(rx._receiver.hooks, on_paired=slow_on_paired)
     peer = _connect(rx, tx)
     assert _serving(rx, "tx"), "connect() returned before the receiver's side of the pair was up"
     data = _random(64 * KIB, 7)
@@ -210,13 +210,13 @@ def test_disconnect_returns_at_once_while_a_posted_write_is_still_on_the_wire(ma
     rx, tx = make("rx"), make("tx", close_timeout_s=10.0)
     _recv_buffer(rx, MIB)
     gate = threading.Event()
-    real_view = rx._hooks.slot_view
+    real_view = rx._receiver.hooks.slot_view
 
     def held_view(chunk):  # the receiver takes the write in only once the gate opens
         gate.wait(WAIT_S)
         return real_view(chunk)
 
-    rx._hooks = dataclasses.replace(rx._hooks, slot_view=held_view)
+    rx._receiver.hooks = dataclasses.replace(rx._receiver.hooks, slot_view=held_view)
     peer = _connect(rx, tx)
     handle = tx.write(peer, [_random(64 * KIB, 1)], [rx.info().regions[0].addr], b"held")
     opener = threading.Timer(3.0, gate.set)
@@ -264,15 +264,15 @@ def test_a_write_left_on_a_broken_pair_settles_only_once_it_can_no_longer_read_i
     buf = _recv_buffer(rx, MIB)
     base = rx.info().regions[0].addr
     gate = threading.Event()
-    real_view = rx._hooks.slot_view
+    real_view = rx._receiver.hooks.slot_view
 
     def held_view(chunk):  # the receiver posts its receive only once the gate opens
         gate.wait(WAIT_S)
         return real_view(chunk)
 
-    rx._hooks = dataclasses.replace(rx._hooks, slot_view=held_view)
+    rx._receiver.hooks = dataclasses.replace(rx._receiver.hooks, slot_view=held_view)
     peer = _connect(rx, tx)
-    pair = tx._senders[peer]
+    pair = tx._sender.pair(peer)
     both_queued, resume = threading.Event(), threading.Event()
     pair._store = _DoorbellStore(pair._store, both_queued)
     settle = pair._settle_broken
@@ -319,16 +319,16 @@ class _GatedStore:
 def _two_writes_announced_before_the_first_is_received(rx: NcclTransport, tx: NcclTransport, peer: str) -> None:
     """Hold the receiver's admission of doorbell 0 until the sender rang doorbell 1: both writes'
     receives are then posted before the first completes. Before pairing: a pair keeps its hooks."""
-    real_admit = rx._hooks.admit
+    real_admit = rx._receiver.hooks.admit
     admitted = []
 
     def admit_once_both_rang(sender, header):
         if not admitted:
-            assert _eventually(lambda: tx._senders[peer]._seq == 2), "the sender never announced its second write"
+            assert _eventually(lambda: tx._sender.pair(peer)._seq == 2), "the sender never announced its second write"
         admitted.append(header)
         real_admit(sender, header)
 
-    rx._hooks = dataclasses.replace(rx._hooks, admit=admit_once_both_rang)
+    rx._receiver.hooks = dataclasses.replace(rx._receiver.hooks, admit=admit_once_both_rang)
 
 
 def test_a_receiver_stopped_with_receives_posted_still_receives_the_announced_writes(make) -> None:
@@ -338,17 +338,17 @@ def test_a_receiver_stopped_with_receives_posted_still_receives_the_announced_wr
     rx, tx = make("rx"), make("tx")
     buf = _recv_buffer(rx, MIB)
     base = rx.info().regions[0].addr
-    real_notify = rx._hooks.notify
+    real_notify = rx._receiver.hooks.notify
 
     def notify_then_stop(sender, payload):
         real_notify(sender, payload)
         if payload == b"w0":
             rx.disconnect(sender)  # the receive service drops the sender right after its first write
 
-    rx._hooks = dataclasses.replace(rx._hooks, notify=notify_then_stop)
+    rx._receiver.hooks = dataclasses.replace(rx._receiver.hooks, notify=notify_then_stop)
     _two_writes_announced_before_the_first_is_received(rx, tx, "rx")
     peer = _connect(rx, tx)
-    pair = tx._senders[peer]
+    pair = tx._sender.pair(peer)
     queued = threading.Event()
     pair._store = _GatedStore(pair._store, queued)  # both writes are queued before the first is posted
     data = [_random(64 * KIB, 1), _random(64 * KIB, 2)]
@@ -368,7 +368,7 @@ def test_a_posted_write_that_never_lands_is_reported_failed_once_its_pair_is_dow
     _recv_buffer(rx, MIB)
     base = rx.info().regions[0].addr
     events: list[str] = []
-    real_failed = rx._hooks.write_failed
+    real_failed = rx._receiver.hooks.write_failed
     real_drop = group_ops.drop_group
 
     def slow_drop(group):
@@ -380,9 +380,9 @@ def test_a_posted_write_that_never_lands_is_reported_failed_once_its_pair_is_dow
         events.append("reported")
         real_failed(sender, payload, why)
 
-    rx._hooks = dataclasses.replace(rx._hooks, write_failed=failed)
+    rx._receiver.hooks = dataclasses.replace(rx._receiver.hooks, write_failed=failed)
     peer = _connect(rx, tx)
-    pair = tx._senders[peer]
+    pair = tx._sender.pair(peer)
     real_send = pair._send
     pair._send = lambda src, piece_bytes, deadline: [] if src.numel() == KIB else real_send(src, piece_bytes, deadline)
     with _patch.object(group_ops, "drop_group", slow_drop):
@@ -402,7 +402,7 @@ def test_an_idle_receiver_whose_stop_wake_missed_still_ends(make) -> None:
     _recv_buffer(rx, MIB)
     _connect(rx, tx)
     assert _eventually(lambda: _serving(rx, "tx"))
-    rx._receivers["tx"].stop(None)  # the flag only: no wake reaches the doorbell
+    rx._receiver.serving("tx").stop(None)  # the flag only: no wake reaches the doorbell
     assert _eventually(lambda: _recv_threads("rx") == [], timeout_s=WAIT_S), "a stopped idle pair kept waiting"
 
 
@@ -562,6 +562,74 @@ def test_writes_are_checked_before_they_are_queued(make) -> None:
         tx.connect(TransportInfo(kind="nixl", name="other"), 1.0)
 
 
+class _HeldStore(_GatedStore):
+    """A gated store client that also says when the pair's thread first tried to ring."""
+
+    def __init__(self, store, go: threading.Event, entered: threading.Event) -> None:
+        super().__init__(store, go)
+        self._entered = entered
+
+    def set(self, key, value) -> None:
+        self._entered.set()
+        super().set(key, value)
+
+
+def test_a_full_send_queue_refuses_a_write_at_once_and_keeps_nothing_of_it(make) -> None:
+    """A pair whose thread cannot post (its doorbell hangs) holds at most ``max_queued_writes``
+    writes: one more is refused at once with an error naming the setting, nothing of it queued,
+    the pair stays up, and the queued writes land once the thread moves again."""
+    with pytest.raises(ValueError, match="max_queued_writes"):
+        NcclTransport("bad", max_queued_writes=0)
+    rx, tx = make("rx"), make("tx", max_queued_writes=2)
+    buf = _recv_buffer(rx, MIB)
+    base = rx.info().regions[0].addr
+    peer = _connect(rx, tx)
+    pair = tx._sender.pair(peer)
+    go, entered = threading.Event(), threading.Event()
+    pair._store = _HeldStore(pair._store, go, entered)
+    data = [_random(4 * KIB, i + 1) for i in range(4)]
+    handles = [tx.write(peer, [data[0]], [base], b"w0")]
+    assert entered.wait(WAIT_S), "the pair's thread never took the first write"
+    handles += [tx.write(peer, [data[i]], [base + i * 8 * KIB], b"w%d" % i) for i in (1, 2)]
+    with pytest.raises(TransportError, match=r"holds 2 writes.*raise p2p\.nccl_max_queued_writes") as refused:
+        tx.write(peer, [data[3]], [base + 3 * 8 * KIB], b"w3")
+    assert not isinstance(refused.value, PeerUnreachable), "a full queue is not a broken pair"
+    assert pair._queue.qsize() == 2 and not pair.down, "the refused write was queued or took the pair down"
+    go.set()
+    for handle in handles:
+        tx.wait(handle, WAIT_S)
+    assert _collect(rx, 3) == [("tx", b"w0"), ("tx", b"w1"), ("tx", b"w2")]
+    tx.wait(tx.write(peer, [data[3]], [base + 3 * 8 * KIB], b"w3"), WAIT_S)  # room again once drained
+    assert _collect(rx, 1) == [("tx", b"w3")]
+    for i, src in enumerate(data):
+        assert torch.equal(buf[i * 8 * KIB : i * 8 * KIB + 4 * KIB], src)
+
+
+def test_construction_opens_nothing_and_a_failed_start_leaves_it_closed() -> None:
+    """The store listens only from start(); a start that cannot bind raises, closes, and stays closed."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    transport = NcclTransport("rx", port=port)
+    assert _listen_addresses(port) == set(), "the constructor opened the store"
+    with pytest.raises(ClosedError, match="not started"):
+        transport.info()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        with pytest.raises(TransportError):
+            transport.start()
+    transport.close()
+    transport.close()
+    with pytest.raises(ClosedError, match="closed"):
+        transport.start()
+    started = NcclTransport("rx2", port=port).start()
+    try:
+        assert started.start() is started and started.info().port == port  # a second start does nothing
+    finally:
+        started.close()
+
+
 def _listen_addresses(port: int) -> set[str]:
     """Local addresses of the LISTEN sockets on ``port`` (Linux /proc/net/tcp[6], hex encoded)."""
     found = set()
@@ -711,7 +779,7 @@ def test_importing_and_building_gloo_transports_leaves_the_environment_alone() -
     code = (
         "import os; before = dict(os.environ)\n"
         "from lmcache_p2p.transport.nccl.transport import NcclTransport\n"
-        "NcclTransport('probe', device='cpu').close()\n"
+        "NcclTransport('probe', device='cpu').start().close()\n"
         "print(sorted(k for k in set(os.environ) ^ set(before) if k.startswith('TORCH_NCCL')))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NCCL")}
@@ -733,7 +801,7 @@ def test_gpu_host_receive_buffer_gets_nothing_of_a_failed_receive(make, nccl_env
     rx.register(buf)
     base = rx.info().regions[0].addr
     peer = _connect(rx, tx)
-    pair = tx._senders[peer]
+    pair = tx._sender.pair(peer)
     real_send = pair._send
     pair._send = lambda src, piece_bytes, deadline: real_send(src[:MIB], piece_bytes, deadline)
     src = _random(4 * MIB, 1, device="cuda:0")

@@ -30,8 +30,12 @@ def outcome(name, call):
     except (P2PError, ValueError) as exc:
         out[name] = [type(exc).__name__, str(exc)]
 
-outcome("bad_backend_params", lambda: NixlTransport("bad", backend_params={"ucx_error_handling_mode": "peer"}))
-a, b = NixlTransport("a"), NixlTransport("b")
+bad = NixlTransport("bad", backend_params={"ucx_error_handling_mode": "peer"})  # builds: nothing opened yet
+outcome("bad_backend_params", bad.start)
+outcome("start_after_failed_start", bad.start)
+bad.close(); bad.close()
+a, b = NixlTransport("a").start(), NixlTransport("b").start()
+out["start_again"] = a.start() is a
 buf = torch.zeros(1 << 20, dtype=torch.uint8)
 regions = [b.register(buf), b.register(buf), b.register(buf[100:200])]
 out["register_once"] = [len({(r.addr, r.length) for r in regions}), len(b.info().regions)]
@@ -66,6 +70,12 @@ def test_failed_start_raises_transport_error_naming_the_param(outcomes: dict) ->
     kind, message = outcomes["bad_backend_params"]
     assert kind == "TransportError"
     assert "ucx_error_handling_mode" in message
+
+
+def test_a_failed_start_closes_and_a_second_start_does_nothing(outcomes: dict) -> None:
+    assert outcomes["start_after_failed_start"] == ["ClosedError", "NIXL transport 'bad' is closed; build a new one "
+                                                                   "to start again"]
+    assert outcomes["start_again"] is True
 
 
 def test_a_tensor_is_registered_once(outcomes: dict) -> None:

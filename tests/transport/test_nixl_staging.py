@@ -214,9 +214,9 @@ def _nixl_with_ring(monkeypatch: pytest.MonkeyPatch, slots: int):
 
     agent = _Agent()
     monkeypatch.setattr(NixlTransport, "_create_agent", lambda self, name, params: agent)
-    transport = NixlTransport("tx")
-    ring = StagingRing(torch.device("cpu"), SLOT_BYTES, slots, transport)
-    transport._ring = ring
+    transport = NixlTransport("tx").start()
+    ring = StagingRing(torch.device("cpu"), SLOT_BYTES, slots, transport._submit)
+    transport._state.ring = ring
     transport.register(ring.buffer)
     return transport, agent
 
@@ -281,7 +281,7 @@ def test_a_write_refused_for_its_destination_leaves_no_source_registered(host_cu
 
     agent = _Agent()
     monkeypatch.setattr(NixlTransport, "_create_agent", lambda self, name, params: agent)
-    transport = NixlTransport("tx")  # no staging ring: host sources go straight out
+    transport = NixlTransport("tx").start()  # no staging ring: host sources go straight out
     try:
         host = Region(addr=1 << 40, length=SLOT_BYTES, device_id=0, device="cpu")
         transport.connect(TransportInfo(kind="nixl", name="h", metadata=b"h", regions=[host]), 1.0)
@@ -319,7 +319,7 @@ def test_a_staged_put_failed_while_another_put_of_it_still_reads_keeps_its_slot(
         assert agent.xfers[0].read == [first.numpy().tobytes()], "the failed put's slot was refilled under it"
         assert transport.poll(h2) and agent.xfers[-1].read == [second.numpy().tobytes()]
         assert agent.xfers[-1].notif == b"n2"
-        assert transport.given_up == 1 and transport._ring.lost_slots == 1
+        assert transport.given_up == 1 and transport._state.ring.lost_slots == 1
     finally:
         transport.close()
 
@@ -333,7 +333,7 @@ def test_a_direct_write_nixl_failed_while_its_puts_may_still_read_never_settles(
 
     agent = _Agent()
     monkeypatch.setattr(NixlTransport, "_create_agent", lambda self, name, params: agent)
-    transport = NixlTransport("tx")
+    transport = NixlTransport("tx").start()
     try:
         host = Region(addr=1 << 40, length=SLOT_BYTES, device_id=0, device="cpu")
         transport.connect(TransportInfo(kind="nixl", name="h", metadata=b"h", regions=[host]), 1.0)

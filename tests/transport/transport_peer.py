@@ -34,7 +34,7 @@ def decode_info(data: bytes) -> TransportInfo:
 
 
 def build_transport(factory: str, name: str, kwargs: Mapping[str, Any]):
-    """``factory`` is ``"module:callable"``; it is called as ``callable(name, **kwargs)``."""
+    """``factory`` is ``"module:callable"``; it is called as ``callable(name, **kwargs)`` (built, not started)."""
     module, _, attr = factory.partition(":")
     return getattr(importlib.import_module(module), attr)(name, **kwargs)
 
@@ -63,7 +63,7 @@ class PeerState:
 
     def __init__(self, factory: str, name: str, kwargs: Mapping[str, Any], memory: str = "cpu") -> None:
         self.factory, self.name, self.kwargs, self.memory = factory, name, dict(kwargs), memory
-        self.transport = build_transport(factory, name, kwargs)
+        self.transport = build_transport(factory, name, kwargs).start()
         self.buffer = None
         self.handles: dict[int, Any] = {}
 
@@ -78,7 +78,12 @@ class PeerState:
         return encode_info(self.transport.info())
 
     def accept(self, info: bytes) -> None:
-        self.transport.accept(decode_info(info))
+        """A sender said Hello: two-sided transports pair here; one-sided ones need nothing."""
+        from lmcache_p2p.transport import two_sided
+
+        hooks = two_sided(self.transport)
+        if hooks is not None:
+            hooks.accept(decode_info(info))
 
     def connect(self, info: bytes, timeout_s: float) -> str:
         return self.transport.connect(decode_info(info), timeout_s)
@@ -205,18 +210,9 @@ class PeerState:
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
-    def close_check(self) -> list[str]:
-        """Build a second transport, close it twice, then try each method; return what each raised."""
-        import torch
-
-        from lmcache_p2p.errors import ClosedError
-
-        transport = build_transport(self.factory, self.name + "-closing", self.kwargs)
-        tensor = torch.zeros(4096, dtype=torch.uint8)
-        transport.register(tensor)
-        transport.close()
-        transport.close()
-        calls = {
+    def _contract_calls(self, transport, tensor) -> dict[str, Any]:
+        """One call of each contract method on ``transport``, by name."""
+        return {
             "register": lambda: transport.register(tensor),
             "info": transport.info,
             "connect": lambda: transport.connect(self.transport.info(), 1.0),
@@ -224,6 +220,19 @@ class PeerState:
             "get_notifications": transport.get_notifications,
             "disconnect": lambda: transport.disconnect("nobody"),
         }
+
+    def close_check(self) -> list[str]:
+        """Build a second transport, close it twice, then try each method; return what each raised."""
+        import torch
+
+        from lmcache_p2p.errors import ClosedError
+
+        transport = build_transport(self.factory, self.name + "-closing", self.kwargs).start()
+        tensor = torch.zeros(4096, dtype=torch.uint8)
+        transport.register(tensor)
+        transport.close()
+        transport.close()
+        calls = self._contract_calls(transport, tensor)
         raised = []
         for name, call in calls.items():
             try:
@@ -232,6 +241,29 @@ class PeerState:
                 raised.append(name)
         transport.close()
         return raised
+
+    def unstarted_check(self) -> dict[str, list[str]]:
+        """Build a transport and use it before ``start()``, close it unstarted, then start it:
+        return which calls raised ClosedError in each phase."""
+        import torch
+
+        from lmcache_p2p.errors import ClosedError
+
+        transport = build_transport(self.factory, self.name + "-unstarted", self.kwargs)
+        tensor = torch.zeros(4096, dtype=torch.uint8)
+        calls = self._contract_calls(transport, tensor)
+        phases: dict[str, list[str]] = {"built": [], "closed": []}
+        for phase in phases:
+            if phase == "closed":
+                transport.close()
+                transport.close()
+                calls["start"] = transport.start
+            for name, call in calls.items():
+                try:
+                    call()
+                except ClosedError:
+                    phases[phase].append(name)
+        return phases
 
     def close(self) -> None:
         self.transport.close()

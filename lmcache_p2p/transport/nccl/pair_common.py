@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-
 @dataclasses.dataclass(eq=False)
 class PendingWrite:
     """The state behind a WriteHandle's token; transitions happen under its pair's lock."""
@@ -64,7 +63,7 @@ class PendingWrite:
 
 @dataclasses.dataclass(frozen=True)
 class PairSettings:
-    """What the pair threads need from their transport; fixed at construction."""
+    """What the pair threads need from their transport; fixed when it starts."""
 
     name: str
     host: str
@@ -74,6 +73,7 @@ class PairSettings:
     stage_slot_bytes: int
     stage_slots: int
     max_inflight_writes: int
+    max_queued_writes: int  # writes a sender pair holds before its thread posts them (p2p.nccl_max_queued_writes)
 
     @property
     def cuda(self) -> bool:

@@ -1,8 +1,9 @@
 """The receiving side of an NcclTransport: accepting senders, guarding writes, notifications.
 
-A part of :class:`~lmcache_p2p.transport.nccl.transport.NcclTransport` (its attributes are set
-there): the hooks its receiver pairs (``recv_pair.py``) call from their threads, and the
-notifications of completed and failed writes. See transport.py for the whole design.
+:class:`Receiver` is composed into :class:`~lmcache_p2p.transport.nccl.transport.NcclTransport`
+and shares its :class:`~lmcache_p2p.transport.nccl.state.NcclState`; it owns the receiver pairs,
+the hooks they call from their threads (``recv_pair.py``) and the notifications of completed and
+failed writes. See transport.py for the whole design.
 """
 
 from __future__ import annotations
@@ -11,46 +12,54 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lmcache_p2p.errors import PeerUnreachable, ProtocolError
-from lmcache_p2p.protocol import Region, TransportInfo
-from lmcache_p2p.transport.base import Notification, WriteGuard
+from lmcache_p2p.protocol import TransportInfo
+from lmcache_p2p.transport.base import Notification
 from lmcache_p2p.transport.nccl import wire
-from lmcache_p2p.transport.nccl.pairs import PairSettings, RecvHooks, RecvPair
+from lmcache_p2p.transport.nccl.pairs import RecvHooks, RecvPair
+from lmcache_p2p.transport.nccl.state import NcclState
 
 if TYPE_CHECKING:
     import torch
 
+    from lmcache_p2p.transport.two_sided import WriteGuard
+
 logger = logging.getLogger(__name__)
 
+FAILED_WRITES_KEPT = 4096  # failed writes kept for get_failed_writes() when nobody drains them
 
-class ReceiveSide:
-    """NcclTransport's receiver half (a mixin: the state is NcclTransport's)."""
 
-    kind: str
-    _name: str
-    _lock: threading.RLock
-    _closed: bool
-    _store: Any
-    _s: PairSettings
-    _hooks: RecvHooks
-    _regions: list[Region]
-    _views: list[Any]
-    _notified: threading.Condition
-    _receivers: dict[str, RecvPair]
-    _recv_threads: set[RecvPair]
-    _notifs: collections.deque[Notification]
-    _failed: collections.deque[Notification]
-    _guard: WriteGuard | None
+class Receiver:
+    """An NcclTransport's receiving side: one RecvPair (rank 0, with its thread) per accepted sender."""
 
+    def __init__(self, state: NcclState, kind: str) -> None:
+        self._st = state
+        self._kind = kind
+        self._name = state.name
+        # Everything below changes under the state's lock (``_notified`` is a condition on it).
+        self._notified = threading.Condition(state.lock)
+        self._serving: dict[str, RecvPair] = {}  # the serving pair of each sender
+        self._live: set[RecvPair] = set()  # every live receiver pair, pairing ones included
+        self._notifs: collections.deque[Notification] = collections.deque()
+        self._failed: collections.deque[Notification] = collections.deque(maxlen=FAILED_WRITES_KEPT)
+        self._guard: WriteGuard | None = None
+        self.hooks = RecvHooks(
+            self._on_paired, self._on_pair_ended, self._notify, self._slot_view, self._region_bytes, self._admit,
+            state.pairings.append, self._write_failed,
+        )
+
+    def serving(self, sender: str) -> RecvPair | None:
+        with self._st.lock:
+            return self._serving.get(sender)
+
+    # Regions are only ever appended: the pair threads read them without the lock.
     def _region_bytes(self) -> list[int]:
-        return [r.length for r in self._regions]
+        return [r.length for r in self._st.regions]
 
     def _slot_view(self, chunk: wire.ChunkDest) -> torch.Tensor:
-        return self._views[chunk.region][chunk.offset : chunk.offset + chunk.nbytes]
-
-    # ---- receiver side --------------------------------------------------------------------------
+        return self._st.views[chunk.region][chunk.offset : chunk.offset + chunk.nbytes]
 
     def set_write_guard(self, guard: WriteGuard | None) -> None:
         self._guard = guard
@@ -60,43 +69,69 @@ class ReceiveSide:
         guard = self._guard
         if guard is None:
             return
-        with self._lock:
-            dests = [(self._regions[c.region].addr + c.offset, c.nbytes) for c in header.chunks]
+        with self._st.lock:
+            dests = [(self._st.regions[c.region].addr + c.offset, c.nbytes) for c in header.chunks]
         reason = guard(sender, dests, header.notif)
         if reason:
             raise ProtocolError(f"refused a write of {header.nbytes} bytes from {sender}: {reason}")
 
     def accept(self, peer: TransportInfo) -> None:
         """Start pairing with sender ``peer`` in a background thread; returns at once."""
-        if peer.kind != self.kind:
-            raise PeerUnreachable(f"peer {peer.name!r} speaks transport {peer.kind!r}, we speak {self.kind!r}")
-        with self._lock:
-            self._check_open()
-            pair = RecvPair(self._hooks, self._s, peer.name)
-            self._recv_threads.add(pair)
+        if peer.kind != self._kind:
+            raise PeerUnreachable(f"peer {peer.name!r} speaks transport {peer.kind!r}, we speak {self._kind!r}")
+        with self._st.lock:
+            settings = self._st.check_open()
+            pair = RecvPair(self.hooks, settings, peer.name)
+            self._live.add(pair)
         pair.start()
+
+    def disconnect(self, sender: str) -> list[RecvPair]:
+        """Stop every pair of ``sender``, the serving one and any still pairing (a sender that said
+        Goodbye right after its Hello must not leave a pair behind); returns them at once."""
+        with self._st.lock:
+            self._serving.pop(sender, None)
+            pairs = [p for p in self._live if p.sender == sender]
+        for pair in pairs:
+            self._stop_pair(pair)
+        return pairs
+
+    def stop_all(self) -> list[RecvPair]:
+        """Stop every pair and wake every ``wait_notifications`` (close); the caller joins them."""
+        with self._st.lock:
+            self._notified.notify_all()
+            pairs = list(self._live)
+            self._serving.clear()
+            self._live.clear()
+        for pair in pairs:
+            self._stop_pair(pair)
+        return pairs
+
+    def clear(self) -> None:
+        with self._st.lock:
+            self._notifs.clear()
+            self._failed.clear()
 
     def _on_paired(self, pair: RecvPair) -> bool:
         """A receiver pair is up: it becomes its sender's pair (an older one is stopped)."""
-        with self._lock:
-            if self._closed or pair.stopping:
+        with self._st.lock:
+            if self._st.lifecycle.closed or pair.stopping:
                 return False
-            old = self._receivers.get(pair.sender)
-            self._receivers[pair.sender] = pair
+            old = self._serving.get(pair.sender)
+            self._serving[pair.sender] = pair
         if old is not None:
-            self._stop_receiver(old)
+            self._stop_pair(old)
         return True
 
     def _on_pair_ended(self, pair: RecvPair) -> None:
-        with self._lock:
-            self._recv_threads.discard(pair)
-            if self._receivers.get(pair.sender) is pair:
-                del self._receivers[pair.sender]
+        with self._st.lock:
+            self._live.discard(pair)
+            if self._serving.get(pair.sender) is pair:
+                del self._serving[pair.sender]
 
-    def _stop_receiver(self, pair: RecvPair) -> None:
+    def _stop_pair(self, pair: RecvPair) -> None:
         """Stop a receiver pair, waking its store wait through our own store client."""
-        with self._lock:
-            store = self._store
+        with self._st.lock:
+            store = self._st.store
         pair.stop(store)
 
     def _notify(self, sender: str, payload: bytes) -> None:
@@ -112,15 +147,15 @@ class ReceiveSide:
 
     def get_failed_writes(self) -> list[Notification]:
         """Writes whose receives failed or never completed, reported once their pair was torn down."""
-        with self._lock:
-            self._check_open()
+        with self._st.lock:
+            self._st.check_open()
             out = list(self._failed)
             self._failed.clear()
         return out
 
     def get_notifications(self) -> list[Notification]:
-        with self._lock:
-            self._check_open()
+        with self._st.lock:
+            self._st.check_open()
             out = list(self._notifs)
             self._notifs.clear()
         return out
@@ -129,7 +164,8 @@ class ReceiveSide:
         """Block until a notification arrives (woken by the pair threads), or [] after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         with self._notified:
-            while not self._notifs and not self._closed:
+            self._st.check_open()
+            while not self._notifs and not self._st.lifecycle.closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break

@@ -2,7 +2,10 @@
 
 ``SendPair`` owns a queue of writes and the thread that posts them in order (doorbell, then the
 chunks' sends) and completes them oldest first; it holds the pair's store client and group and
-drops them when its thread ends. See transport.py for the whole design.
+drops them when its thread ends. The queue holds at most ``max_queued_writes`` writes not yet
+taken by the thread (``p2p.nccl_max_queued_writes``): a write past it is refused at once, never
+queued, so a pair whose thread is stuck cannot pile up its callers' memory without end. See
+transport.py for the whole design.
 """
 
 from __future__ import annotations
@@ -56,9 +59,22 @@ class SendPair:
         self._thread.start()
 
     def submit(self, write: PendingWrite) -> None:
+        """Queue ``write`` for the thread; raises (and settles it: nothing will read its sources) if
+        the pair is down or its queue is full."""
         with self._lock:
             if self.down:
+                write.fail("pair is down")
+                write.settle()
                 raise PeerUnreachable(f"pair {self.pair_id} to {self.peer} is down ({self.down}): connect() again")
+            queued = self._queue.qsize()  # only the thread takes items meanwhile: never more than counted
+            if queued >= self._s.max_queued_writes:
+                write.fail("queue full")
+                write.settle()
+                raise TransportError(
+                    f"pair {self.pair_id} to {self.peer} holds {queued} writes its thread has not posted yet, the "
+                    f"limit: write of {write.header.nbytes} bytes refused; raise p2p.nccl_max_queued_writes or "
+                    "send less at once"
+                )
             self._queue.put(write)
 
     def abort(self, write: PendingWrite) -> None:

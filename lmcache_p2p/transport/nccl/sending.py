@@ -1,8 +1,9 @@
 """The sending side of an NcclTransport: pairing with receivers and queueing writes on the pairs.
 
-A part of :class:`~lmcache_p2p.transport.nccl.transport.NcclTransport` (its attributes are set
-there): ``connect`` claims the receiver's offer and builds our side of the pair's group; writes
-go to the pair's thread (``send_pair.py``). See transport.py for the whole design.
+:class:`Sender` is composed into :class:`~lmcache_p2p.transport.nccl.transport.NcclTransport`
+and shares its :class:`~lmcache_p2p.transport.nccl.state.NcclState`; it owns the sender pairs.
+``connect`` claims the receiver's offer and builds our side of the pair's group; writes go to
+the pair's thread (``send_pair.py``). See transport.py for the whole design.
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ from lmcache_p2p.transport.nccl.pairs import (
     flat_bytes,
     new_send_ring,
 )
+from lmcache_p2p.transport.nccl.state import NcclState
 
 if TYPE_CHECKING:
-    import collections
-
     import torch
 
 logger = logging.getLogger(__name__)
@@ -60,41 +60,44 @@ def _claim_offer(store: Any, me: str, peer: str, deadline: float) -> str:
         time.sleep(OFFER_POLL_S)
 
 
-class SendSide:
-    """NcclTransport's sender half (a mixin: the state is NcclTransport's)."""
+class Sender:
+    """An NcclTransport's sending side: one SendPair (rank 1, with its thread) per receiver."""
 
-    _name: str
-    _lock: threading.RLock
-    _connect_lock: threading.Lock
-    _closed: bool
-    _s: PairSettings
-    _senders: dict[str, SendPair]
-    _stopped: list[Any]
-    _pairings: collections.deque[PairingReport]
+    def __init__(self, state: NcclState, kind: str) -> None:
+        self._st = state
+        self._kind = kind
+        self._name = state.name
+        self._connect_lock = threading.Lock()  # one pairing at a time
+        self._pairs: dict[str, SendPair] = {}  # receiver name -> its pair; under the state's lock
+
+    def pair(self, peer: str) -> SendPair | None:
+        with self._st.lock:
+            return self._pairs.get(peer)
 
     def connect(self, peer: TransportInfo, timeout_s: float) -> str:
         """Join the pair the receiver offers us (it must accept() us); PeerUnreachable after ``timeout_s``.
 
         Idempotent while the pair is up; a pair that went down is replaced by a new one.
         """
-        if peer.kind != self.kind:
-            raise PeerUnreachable(f"peer {peer.name!r} speaks transport {peer.kind!r}, we speak {self.kind!r}")
+        if peer.kind != self._kind:
+            raise PeerUnreachable(f"peer {peer.name!r} speaks transport {peer.kind!r}, we speak {self._kind!r}")
         if not peer.host or peer.port <= 0:
             raise PeerUnreachable(f"peer {peer.name!r} announced no NCCL store address ({peer.host}:{peer.port})")
         with self._connect_lock:
-            with self._lock:
-                self._check_open()
-                old = self._senders.get(peer.name)
+            with self._st.lock:
+                self._st.check_open()
+                old = self._pairs.get(peer.name)
             if old is not None and not old.down:
                 old.regions = list(peer.regions)
                 return peer.name
             if old is not None:
-                self._drop_sender(old)
+                old.stop()  # it went down; its thread ends alone (close joins it)
+                self._st.park([old])
             pair = self._join(peer, timeout_s)
-            with self._lock:
-                closed = self._closed
+            with self._st.lock:
+                closed = self._st.lifecycle.closed
                 if not closed:
-                    self._senders[peer.name] = pair
+                    self._pairs[peer.name] = pair
             pair.start()
             if closed:
                 pair.stop()  # its thread says BYE and drops the group
@@ -102,56 +105,69 @@ class SendSide:
         logger.info("%s: connected to %s (pair %s)", self._name, peer.name, pair.pair_id)
         return peer.name
 
+    def disconnect(self, peer: str) -> SendPair | None:
+        """Stop our pair to ``peer`` (returns at once; its thread ends alone); the stopped pair, if any."""
+        with self._st.lock:
+            pair = self._pairs.pop(peer, None)
+        if pair is not None:
+            pair.stop()
+        return pair
+
+    def stop_all(self) -> list[SendPair]:
+        """Stop every pair (close): their threads finish posted writes and end; the caller joins them."""
+        with self._st.lock:
+            pairs = list(self._pairs.values())
+            self._pairs.clear()
+        for pair in pairs:
+            pair.stop()
+        return pairs
+
     def _join(self, peer: TransportInfo, timeout_s: float) -> SendPair:
         """Pair with ``peer`` completely before returning (eager: nothing is left for the first write):
         group and communicator, a warm-up piece, the staging ring (GPU), and the receiver's "serving"."""
+        settings = self._st.check_open()
         deadline = time.monotonic() + timeout_s
         store = group_ops.store_client(peer.host, peer.port, timeout_s)
         group = ring = None
         try:
             pair_id = _claim_offer(store, self._name, peer.name, deadline)
-            local = group_ops.local_address_towards(self._s.host, peer.host)
-            group, ring, report = self._join_group(store, pair_id, peer.name, deadline, local)
-            store.set_timeout(group_ops.timedelta_s(self._s.timeout_s))
+            local = group_ops.local_address_towards(settings.host, peer.host)
+            group, ring, report = self._join_group(settings, store, pair_id, peer.name, deadline, local)
+            store.set_timeout(group_ops.timedelta_s(settings.timeout_s))
         except (*group_ops.dist_errors(), TransportError) as exc:
             group_ops.drop_group(group)
             if isinstance(exc, PeerUnreachable):
                 raise
             raise PeerUnreachable(f"cannot pair with {peer.name} within {timeout_s:.1f}s: {exc}") from exc
         report.log(self._name)
-        self._pairings.append(report)
-        return SendPair(self._s, peer, pair_id, store, group, ring)
+        self._st.pairings.append(report)
+        return SendPair(settings, peer, pair_id, store, group, ring)
 
-    def _join_group(self, store: Any, pair_id: str, peer: str, deadline: float, local: str
+    @staticmethod
+    def _join_group(s: PairSettings, store: Any, pair_id: str, peer: str, deadline: float, local: str
                     ) -> tuple[Any, Any, PairingReport]:
         """Build our side (rank 1) of the pair's group on our device: handshake, warm-up, the staging
         ring (GPU only), then wait until the receiver serves the pair."""
         import torch
 
-        on_device = torch.cuda.device(self._s.device) if self._s.cuda else contextlib.nullcontext()
+        on_device = torch.cuda.device(s.device) if s.cuda else contextlib.nullcontext()
         watch = Stopwatch()
         with on_device:
             join_s = max(group_ops.remaining_s(deadline), 0.001)
-            group = group_ops.new_group(store, pair_id, 1, self._s.device, local, join_s, self._s.watchdog_s)
+            group = group_ops.new_group(store, pair_id, 1, s.device, local, join_s, s.watchdog_s)
             laps = [watch.lap()]
             try:
-                group_ops.handshake(group, 1, self._s.device, deadline)
+                group_ops.handshake(group, 1, s.device, deadline)
                 laps.append(watch.lap())
-                warmed = group_ops.warm_up(group, 1, self._s.device, deadline)
-                ring = new_send_ring(self._s) if self._s.cuda else None
+                warmed = group_ops.warm_up(group, 1, s.device, deadline)
+                ring = new_send_ring(s) if s.cuda else None
                 laps.append(watch.lap())
-                group_ops.ready(group, 1, self._s.device, deadline)
+                group_ops.ready(group, 1, s.device, deadline)
                 laps.append(watch.lap())
             except BaseException:
                 group_ops.drop_group(group)
                 raise
         return group, ring, PairingReport("sender", peer, pair_id, *laps, warmed)
-
-    def _drop_sender(self, pair: SendPair) -> None:
-        """Stop a pair that went down; its thread ends alone (close joins it)."""
-        pair.stop()
-        with self._lock:
-            self._stopped.append(pair)
 
     # ---- writes -------------------------------------------------------------------------------
 
@@ -159,17 +175,17 @@ class SendSide:
         """Queue a write on the pair's sender thread; returns at once. Empty ``notif``: no notification."""
         if len(srcs) != len(dst_addrs) or not srcs:
             raise ValueError(f"write needs one destination per source, got {len(srcs)} and {len(dst_addrs)}")
-        with self._lock:
-            self._check_open()
-            pair = self._senders.get(peer)
+        with self._st.lock:
+            s = self._st.check_open()
+            pair = self._pairs.get(peer)
         if pair is None:
             raise PeerUnreachable(f"not connected to peer {peer!r}: connect() it first")
         for src in srcs:
-            self._check_device(src, "write")
+            self._st.check_device(src, "write")
         chunks = tuple(chunk_dest(pair, src, addr) for src, addr in zip(srcs, dst_addrs))
-        staged = self._s.cuda and any(src.device.type == "cpu" for src in srcs)
-        header = wire.Header(wire.HeaderKind.WRITE, chunks, self._s.stage_slot_bytes if staged else 0, bytes(notif))
-        write = PendingWrite(peer, header, [flat_bytes(src) for src in srcs], time.monotonic() + self._s.timeout_s)
+        staged = s.cuda and any(src.device.type == "cpu" for src in srcs)
+        header = wire.Header(wire.HeaderKind.WRITE, chunks, s.stage_slot_bytes if staged else 0, bytes(notif))
+        write = PendingWrite(peer, header, [flat_bytes(src) for src in srcs], time.monotonic() + s.timeout_s)
         pair.submit(write)
         return WriteHandle(peer=peer, nbytes=header.nbytes, token=(pair, write))
 
@@ -181,8 +197,7 @@ class SendSide:
             raise cls(f"write of {handle.nbytes} bytes to {handle.peer} failed: {write.error}")
         if write.done:
             return True
-        with self._lock:
-            self._check_open()
+        self._st.check_open()
         return False
 
     def wait(self, handle: WriteHandle, timeout_s: float) -> None:

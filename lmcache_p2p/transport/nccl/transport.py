@@ -6,6 +6,14 @@ notifications of completed writes. Device "cpu" runs the same code on Gloo (test
 "cuda[:N]" uses ProcessGroupNCCL. It never sets environment variables and never touches the
 default process group.
 
+Shape: :class:`NcclTransport` owns one :class:`~lmcache_p2p.transport.nccl.state.NcclState`
+(settings, lifecycle, lock, store, regions, pairing reports) and composes two sides that share
+it: a :class:`~lmcache_p2p.transport.nccl.sending.Sender` (the sender pairs) and a
+:class:`~lmcache_p2p.transport.nccl.receiving.Receiver` (the receiver pairs, the write guard,
+the notifications). It implements the two-sided hooks (``transport/two_sided.py``). Building it
+opens nothing; ``start()`` resolves the device and opens the TCPStore (every thread is a pair's,
+started by ``accept`` / ``connect``).
+
 Emulating a one-sided write on a two-sided library:
   * pairing - ``accept(sender)`` (receiver, control thread, returns at once) starts a thread that
     offers a fresh pair id in the store (``offer/<sender>``) and waits for its claim key;
@@ -65,47 +73,29 @@ see group.py ``nccl_env_for_pairs``.
 
 from __future__ import annotations
 
-import collections
 import logging
-import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Self
 
-from lmcache_p2p.errors import ClosedError, TransportError
+from lmcache_p2p.config import P2PConfig
 from lmcache_p2p.protocol import Region, TransportInfo
-from lmcache_p2p.transport.base import Notification, Transport, WriteGuard, region_of
+from lmcache_p2p.transport.base import Notification, Transport, WriteHandle, region_of
+from lmcache_p2p.transport.lifecycle import Lifecycle
 from lmcache_p2p.transport.nccl import group as group_ops
-from lmcache_p2p.transport.nccl.pairs import PairingReport, PairSettings, RecvHooks, RecvPair, SendPair, flat_bytes
-from lmcache_p2p.transport.nccl.receiving import ReceiveSide
-from lmcache_p2p.transport.nccl.sending import SendSide, contains
+from lmcache_p2p.transport.nccl.pairs import PairingReport, RecvPair, SendPair, flat_bytes
+from lmcache_p2p.transport.nccl.receiving import Receiver
+from lmcache_p2p.transport.nccl.sending import Sender, contains
+from lmcache_p2p.transport.nccl.state import NcclOptions, NcclState, resolve_device
 
 if TYPE_CHECKING:
     import torch
 
+    from lmcache_p2p.transport.two_sided import WriteGuard
+
 logger = logging.getLogger(__name__)
 
-PAIRING_REPORTS_KEPT = 64  # the latest pairings' timings that ``pairings()`` returns
-FAILED_WRITES_KEPT = 4096  # failed writes kept for get_failed_writes() when nobody drains them
-
-
-def _parse_device(device: str) -> Any:
-    import torch
-
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ValueError(f"NCCL transport device must be 'cpu' or 'cuda[:N]', got {device!r}")
-    if not torch.cuda.is_available():
-        raise TransportError(f"device {device!r} asked for, but CUDA is not available (p2p.buffer_device)")
-    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
-
-
-# ---- the transport ---------------------------------------------------------------------------
-
-
-class NcclTransport(SendSide, ReceiveSide, Transport):
+class NcclTransport(Transport):
     """Pair groups over torch.distributed (Gloo on "cpu", NCCL on "cuda"); see the module docstring."""
 
     kind = "nccl"
@@ -123,136 +113,128 @@ class NcclTransport(SendSide, ReceiveSide, Transport):
         stage_slot_bytes: int = 16 << 20,
         stage_slots: int = 4,
         max_inflight_writes: int = 8,
+        max_queued_writes: int = P2PConfig.nccl_max_queued_writes,
     ) -> None:
-        # Every attribute close() touches is set before anything that can fail.
-        self._name = name
-        self._advertise_host = advertise_host  # what peers dial (TransportInfo.host); default: host
-        self._lock = threading.RLock()
-        self._connect_lock = threading.Lock()
-        self._closed = False
-        self._store: Any = None
-        self._close_timeout_s = close_timeout_s
-        self._regions: list[Region] = []
-        self._views: list[Any] = []  # flat uint8 view of each registered tensor (keeps it alive)
-        self._notified = threading.Condition(self._lock)
-        self._senders: dict[str, SendPair] = {}
-        self._receivers: dict[str, RecvPair] = {}  # the serving pair of each sender
-        self._recv_threads: set[RecvPair] = set()  # every live receiver pair, pairing ones included
-        self._stopped: list[SendPair | RecvPair] = []  # disconnected pairs whose threads close() joins
-        self._notifs: collections.deque[Notification] = collections.deque()
-        self._failed: collections.deque[Notification] = collections.deque(maxlen=FAILED_WRITES_KEPT)
-        self._pairings: collections.deque[PairingReport] = collections.deque(maxlen=PAIRING_REPORTS_KEPT)
-        self._guard: WriteGuard | None = None
-        if timeout_s <= 0 or close_timeout_s <= 0 or stage_slot_bytes <= 0 or stage_slots <= 0:
-            raise ValueError("timeout_s, close_timeout_s, stage_slot_bytes and stage_slots must be positive")
-        if max_inflight_writes <= 0:
-            raise ValueError("max_inflight_writes must be positive")
-        try:
-            dev = _parse_device(device)
-            self._store = group_ops.host_store(host, port, timeout_s)
-            self._s = PairSettings(
-                name, host, self._store.port, dev, timeout_s, stage_slot_bytes, stage_slots, max_inflight_writes
-            )
-            self._hooks = RecvHooks(
-                self._on_paired, self._on_pair_ended, self._notify, self._slot_view, self._region_bytes, self._admit,
-                self._pairings.append, self._write_failed,
-            )
-        except BaseException:
-            self.close()
-            raise
-        logger.info("NCCL transport %s ready on %s (store %s:%d)", name, dev, host, self._s.port)
+        """Records the settings (ValueError for one out of range); ``start()`` opens the store."""
+        options = NcclOptions(host, port, advertise_host, device, timeout_s, close_timeout_s, stage_slot_bytes,
+                              stage_slots, max_inflight_writes, max_queued_writes)
+        self._state = NcclState(name, options, Lifecycle(f"NCCL transport {name!r}"))
+        self._sender = Sender(self._state, self.kind)
+        self._receiver = Receiver(self._state, self.kind)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
+    def start(self) -> Self:
+        """Resolve the device and open our TCPStore on ``host:port``; closes and raises if that fails."""
+        st, opts = self._state, self._state.options
+        with st.lock:
+            if not st.lifecycle.begin_start():
+                return self
+            try:
+                device = resolve_device(opts.device)
+                st.store = group_ops.host_store(opts.host, opts.port, opts.timeout_s)
+                settings = st.settings = opts.pair_settings(st.name, device, st.store.port)
+            except BaseException:
+                self.close()
+                raise
+            st.lifecycle.opened()
+        logger.info("NCCL transport %s ready on %s (store %s:%d)", st.name, device, opts.host, settings.port)
+        return self
+
     def close(self) -> None:
         """Stop every pair, join their threads (close_timeout_s in all), stop the store. Idempotent."""
-        with self._lock:
-            if self._closed:
+        st = self._state
+        with st.lock:
+            if not st.lifecycle.begin_close():
                 return
-            self._closed = True
-            self._notified.notify_all()  # wait_notifications callers return now
-            senders = list(self._senders.values())
-            receivers = list(self._recv_threads)
-            stopped, self._stopped = self._stopped, []
-            self._senders.clear()
-            self._receivers.clear()
-            self._recv_threads.clear()
-        for pair in senders:
-            pair.stop()
-        for rpair in receivers:
-            self._stop_receiver(rpair)
-        self._join_all([*senders, *receivers, *stopped])
-        with self._lock:
-            store, self._store = self._store, None  # dropping it stops the server; stragglers' waits fail
-            self._notifs.clear()
-            self._failed.clear()
+            stopped, st.stopped = st.stopped, []
+        pairs = [*self._sender.stop_all(), *self._receiver.stop_all(), *stopped]
+        self._join_all(pairs)
+        with st.lock:
+            store, st.store = st.store, None  # dropping it stops the server; stragglers' waits fail
+            self._receiver.clear()
         del store
-        logger.debug("NCCL transport %s closed", self._name)
+        logger.debug("NCCL transport %s closed", st.name)
 
     def _join_all(self, pairs: Sequence[SendPair | RecvPair]) -> None:
-        deadline = time.monotonic() + self._close_timeout_s
+        timeout_s = self._state.options.close_timeout_s
+        deadline = time.monotonic() + timeout_s
         for pair in pairs:
             if not pair.join(max(0.0, deadline - time.monotonic())):
-                logger.warning(
-                    "%s: a pair thread did not stop within %.1fs; it ends at its own deadline",
-                    self._name,
-                    self._close_timeout_s,
-                )
+                logger.warning("%s: a pair thread did not stop within %.1fs; it ends at its own deadline",
+                               self._state.name, timeout_s)
 
     def pairings(self) -> list[PairingReport]:
         """The latest pairings' timings, oldest first, both roles (at most PAIRING_REPORTS_KEPT)."""
-        return list(self._pairings)
+        return list(self._state.pairings)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"NCCL transport {self._name!r} is closed")
-
-    # ---- memory -------------------------------------------------------------------------------
+    # ---- memory and peers ---------------------------------------------------------------------
 
     def register(self, tensor: torch.Tensor) -> Region:
         """Record a contiguous tensor (host or device) as a region; a tensor inside a known one is not added."""
         region = region_of(tensor)
-        with self._lock:
-            self._check_open()
-            self._check_device(tensor, "register")
-            for known in self._regions:
+        st = self._state
+        with st.lock:
+            st.check_device(tensor, "register")
+            for known in st.regions:
                 if (known.device, known.device_id) == (region.device, region.device_id) and contains(
                     known, region.addr, region.length
                 ):
                     return known
-            self._regions.append(region)
-            self._views.append(flat_bytes(tensor))
-        logger.debug("%s registered %d bytes at 0x%x (%s)", self._name, region.length, region.addr, region.device)
+            st.regions.append(region)
+            st.views.append(flat_bytes(tensor))
+        logger.debug("%s registered %d bytes at 0x%x (%s)", st.name, region.length, region.addr, region.device)
         return region
 
-    def _check_device(self, tensor: torch.Tensor, what: str) -> None:
-        """NCCL moves memory of its own GPU only (host memory is staged); Gloo takes any."""
-        dev = tensor.device
-        if self._s.cuda and dev.type == "cuda" and dev.index != self._s.device.index:
-            raise ValueError(f"cannot {what} memory on {dev}: this NCCL transport runs on {self._s.device}")
-
     def info(self) -> TransportInfo:
-        with self._lock:
-            self._check_open()
-            return TransportInfo(
-                kind=self.kind, name=self._name, host=self._advertise_host or self._s.host, port=self._s.port,
-                regions=list(self._regions),
-            )
+        st = self._state
+        with st.lock:
+            settings = st.check_open()
+            return TransportInfo(kind=self.kind, name=st.name, host=st.options.advertise_host or settings.host,
+                                 port=settings.port, regions=list(st.regions))
 
     def disconnect(self, peer: str) -> None:
         """Stop our pair(s) with ``peer`` (as sender and/or receiver) and return at once; their
         threads finish posted writes (or fail them at their deadline), abort the group and end
-        alone (``close`` joins them). Unknown peers are ignored. As receiver, every pair of
-        ``peer`` stops, the serving one and any still pairing (a sender that said Goodbye right
-        after its Hello must not leave a pair behind)."""
-        with self._lock:
-            self._check_open()
-            sender = self._senders.pop(peer, None)
-            self._receivers.pop(peer, None)
-            receivers = [p for p in self._recv_threads if p.sender == peer]
-            self._stopped = [p for p in self._stopped if not p.join(0)]
-            self._stopped += [p for p in (sender, *receivers) if p is not None]
-        if sender is not None:
-            sender.stop()
-        for receiver in receivers:
-            self._stop_receiver(receiver)
+        alone (``close`` joins them). Unknown peers are ignored."""
+        self._state.check_open()
+        sender = self._sender.disconnect(peer)
+        receivers = self._receiver.disconnect(peer)
+        self._state.park([p for p in (sender, *receivers) if p is not None])
+
+    # ---- the sending side ---------------------------------------------------------------------
+
+    def connect(self, peer: TransportInfo, timeout_s: float) -> str:
+        return self._sender.connect(peer, timeout_s)
+
+    def write(self, peer: str, srcs: Sequence[torch.Tensor], dst_addrs: Sequence[int], notif: bytes) -> WriteHandle:
+        return self._sender.write(peer, srcs, dst_addrs, notif)
+
+    def poll(self, handle: WriteHandle) -> bool:
+        return self._sender.poll(handle)
+
+    def wait(self, handle: WriteHandle, timeout_s: float) -> None:
+        self._sender.wait(handle, timeout_s)
+
+    def abort(self, handle: WriteHandle) -> None:
+        self._sender.abort(handle)
+
+    def settled(self, handle: WriteHandle) -> bool:
+        return self._sender.settled(handle)
+
+    # ---- the receiving side (with the two-sided hooks) ---------------------------------------
+
+    def accept(self, peer: TransportInfo) -> None:
+        self._receiver.accept(peer)
+
+    def set_write_guard(self, guard: WriteGuard | None) -> None:
+        self._receiver.set_write_guard(guard)
+
+    def get_notifications(self) -> list[Notification]:
+        return self._receiver.get_notifications()
+
+    def wait_notifications(self, timeout_s: float) -> list[Notification]:
+        return self._receiver.wait_notifications(timeout_s)
+
+    def get_failed_writes(self) -> list[Notification]:
+        return self._receiver.get_failed_writes()

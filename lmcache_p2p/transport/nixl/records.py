@@ -1,6 +1,6 @@
 """The NIXL transport's records: NIXL's statuses, registered spans, registrations, peers, transfers.
 
-Plain data shared by the transport's parts (transport.py, submit.py, settle.py).
+Plain data shared by the transport's parts (state.py, peers.py, submit.py, settle.py).
 """
 
 from __future__ import annotations
@@ -13,11 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from lmcache_p2p.protocol import Region
 
 if TYPE_CHECKING:
-    import threading
-
     import torch
-
-    from lmcache_p2p.transport.nixl.staging import StagingRing
 
 BACKEND = "UCX"
 
@@ -95,19 +91,3 @@ def nixl_error_types(bindings: Any) -> tuple[type[BaseException], ...]:
     ]
     return (*found, RuntimeError)
 
-
-class NixlState:
-    """The state NixlTransport's write and settle paths share (declared once; NixlTransport sets it)."""
-
-    _name: str
-    _lock: threading.RLock
-    _agent: Any
-    _errors: tuple[type[BaseException], ...]
-    _disconnected: tuple[type[BaseException], ...]
-    _regs: list[Registration]
-    _peers: dict[str, Peer]
-    _inflight: dict[int, Xfer]
-    _retiring: set[str]
-    _leaked: list[Registration]
-    _ring: StagingRing | None
-    given_up: int

@@ -54,7 +54,7 @@ Row = tuple[int, int, int]  # (address, bytes, device id), as NIXL descriptors t
 
 
 class XferPort(Protocol):
-    """What the ring needs from its transport (implemented by NixlTransport)."""
+    """What the ring needs from its transport (implemented by submit.Submitter)."""
 
     def post_staged(self, peer: str, src_rows: list[Row], dst_rows: list[Row], notif: bytes) -> Any:
         """Post one VRAM -> VRAM transfer; return its token. PeerUnreachable / TransportError."""

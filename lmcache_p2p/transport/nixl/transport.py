@@ -50,31 +50,32 @@ or host sources, host or device destinations) is one NIXL transfer with one desc
 
 Threads: every call into the agent holds one lock (the agent is created without NIXL's own
 locking), so writes, polls and notification polls may come from different threads.
+
+Shape: :class:`NixlTransport` owns one :class:`~lmcache_p2p.transport.nixl.state.NixlState` (the
+lifecycle, lock, agent, registrations, peers, writes in flight, the staging ring) and composes
+the parts that share it: :class:`~lmcache_p2p.transport.nixl.peers.Peers` (connect, disconnect),
+:class:`~lmcache_p2p.transport.nixl.submit.Submitter` (writes) and
+:class:`~lmcache_p2p.transport.nixl.settle.Settler` (poll, abort, settle). Building it opens
+nothing; ``start()`` creates the agent, its UCX backend and the staging ring. NIXL is one-sided:
+it has none of the two-sided hooks (``transport/two_sided.py``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
-from lmcache_p2p.errors import ClosedError, PeerUnreachable, TransportError
+from lmcache_p2p.errors import TransportError
 from lmcache_p2p.protocol import Region, TransportInfo
-from lmcache_p2p.transport.base import Notification, Transport, region_of
-from lmcache_p2p.transport.nixl.records import (
-    BACKEND,
-    Peer,
-    Registration,
-    Xfer,
-    mem_type,
-    nixl_error_types,
-    span_of,
-    spans_of,
-)
-from lmcache_p2p.transport.nixl.settle import WriteSettling
+from lmcache_p2p.transport.base import Notification, Transport, WriteHandle, region_of
+from lmcache_p2p.transport.lifecycle import Lifecycle
+from lmcache_p2p.transport.nixl.peers import Peers
+from lmcache_p2p.transport.nixl.records import BACKEND, nixl_error_types, span_of
+from lmcache_p2p.transport.nixl.settle import Settler
 from lmcache_p2p.transport.nixl.staging import StagingRing
-from lmcache_p2p.transport.nixl.submit import WriteSubmission
+from lmcache_p2p.transport.nixl.state import NixlState
+from lmcache_p2p.transport.nixl.submit import Submitter
 
 if TYPE_CHECKING:
     import torch
@@ -84,7 +85,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_BACKEND_PARAMS: Mapping[str, str] = {"ucx_error_handling_mode": "none"}
 
 
-class NixlTransport(WriteSubmission, WriteSettling, Transport):
+class NixlTransport(Transport):
     """A NIXL agent with a UCX backend; see the module docstring."""
 
     kind = "nixl"
@@ -99,49 +100,57 @@ class NixlTransport(WriteSubmission, WriteSettling, Transport):
         stage_slots: int = 4,
     ) -> None:
         """``stage_device`` ("cuda:N", the sender's own GPU) enables the staging ring for host
-        sources written into a peer's GPU memory (``stage_slots`` x ``stage_slot_bytes`` of VRAM)."""
-        # Every attribute close() touches is set before anything that can fail.
-        self._name = name
-        self._lock = threading.RLock()
-        self._closed = False
-        self._agent: Any = None
-        self._errors: tuple[type[BaseException], ...] = (RuntimeError,)
-        self._disconnected: tuple[type[BaseException], ...] = ()
-        self._regs: list[Registration] = []
-        self._peers: dict[str, Peer] = {}
-        self._inflight: dict[int, Xfer] = {}  # posted and not yet settled (aborted ones included)
-        self._retiring: set[str] = set()  # disconnected peers whose agents stay until their writes settled
-        self._leaked: list[Registration] = []  # temp sources of writes NIXL refused to cancel
-        self.given_up = 0  # writes NIXL failed while their puts may still read: never settled
-        self._ring: StagingRing | None = None
-        params = dict(DEFAULT_BACKEND_PARAMS if backend_params is None else backend_params)
-        try:
-            self._agent = self._create_agent(name, params)
-            if stage_device is not None:
-                self._ring = self._create_ring(stage_device, stage_slot_bytes, stage_slots)
-        except BaseException:
-            self.close()
-            raise
-        logger.info("NIXL transport %s ready (UCX params %s, staging %s)", name, params,
-                    f"{stage_slots} x {stage_slot_bytes} bytes on {stage_device}" if self._ring else "off")
+        sources written into a peer's GPU memory (``stage_slots`` x ``stage_slot_bytes`` of VRAM).
+        Records the settings only; ``start()`` creates the agent."""
+        self._params = dict(DEFAULT_BACKEND_PARAMS if backend_params is None else backend_params)
+        self._stage = (stage_device, stage_slot_bytes, stage_slots)
+        self._state = NixlState(name, Lifecycle(f"NIXL transport {name!r}"))
+        self._settle = Settler(self._state)
+        self._submit = Submitter(self._state, self._settle)
+        self._peers = Peers(self._state, self._settle, self.kind)
+
+    @property
+    def given_up(self) -> int:
+        """Writes NIXL failed while their puts may still read: they never settle."""
+        return self._state.given_up
 
     # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> Self:
+        """Create the agent and its UCX backend (and the staging ring); closes and raises if that fails."""
+        st = self._state
+        stage_device, slot_bytes, slots = self._stage
+        with st.lock:
+            if not st.lifecycle.begin_start():
+                return self
+            try:
+                st.agent = self._create_agent(st.name, self._params)
+                st.lifecycle.opened()  # the ring registers its buffer through register()
+                if stage_device is not None:
+                    st.ring = self._create_ring(stage_device, slot_bytes, slots)
+            except BaseException:
+                self.close()
+                raise
+        logger.info("NIXL transport %s ready (UCX params %s, staging %s)", st.name, self._params,
+                    f"{slots} x {slot_bytes} bytes on {stage_device}" if st.ring else "off")
+        return self
 
     def _create_agent(self, name: str, params: dict[str, str]) -> Any:
         try:
             import nixl
         except ImportError as exc:
             raise TransportError("nixl is not importable: install nixl==1.5.1 (pyproject dependencies)") from exc
-        self._errors = nixl_error_types(nixl._bindings)
+        st = self._state
+        st.errors = nixl_error_types(nixl._bindings)
         gone = getattr(nixl._bindings, "nixlRemoteDisconnectError", None)
-        self._disconnected = (gone,) if isinstance(gone, type) else ()
+        st.disconnected = (gone,) if isinstance(gone, type) else ()
         try:
             agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=[]))
-        except self._errors as exc:
+        except st.errors as exc:
             raise TransportError(f"cannot create NIXL agent {name!r}: {exc}") from exc
         try:
             agent.create_backend(BACKEND, params)
-        except self._errors as exc:
+        except st.errors as exc:
             raise TransportError(
                 f"cannot create NIXL's UCX backend with params {params} for agent {name!r} "
                 "(check UCX_TLS / UCX_NET_DEVICES; UCX_TLS=sm needs ucx_error_handling_mode=none)"
@@ -155,41 +164,36 @@ class NixlTransport(WriteSubmission, WriteSettling, Transport):
         if dev.type != "cuda" or not torch.cuda.is_available():
             raise TransportError(f"staging device {device!r} is not a usable CUDA device (stage_device)")
         dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
-        ring = StagingRing(dev, slot_bytes, slots, self)
+        ring = StagingRing(dev, slot_bytes, slots, self._submit)
         self.register(ring.buffer)
         return ring
 
     def close(self) -> None:
         """Abort writes in flight, forget peers, deregister memory, drop the agent. Idempotent."""
-        with self._lock:
-            if self._closed:
+        st = self._state
+        with st.lock:
+            if not st.lifecycle.begin_close():
                 return
-            self._closed = True
-            agent, self._agent = self._agent, None
+            agent, st.agent = st.agent, None
             if agent is None:
                 return
-            if self._ring is not None:
-                self._ring.close()
-            unsettled = list(self._inflight.values())
+            if st.ring is not None:
+                st.ring.close()
+            unsettled = list(st.inflight.values())
             for xfer in unsettled:
-                self._release(agent, xfer, "transport closed", ended=False)
+                self._settle.release(agent, xfer, "transport closed", ended=False)
             if unsettled:
                 logger.warning("%s closed with %d write(s) in flight: they never settle (their sources stay "
-                               "referenced by their callers)", self._name, len(unsettled))
-            for peer in [*self._peers, *self._retiring]:
-                self._remove_remote(agent, peer)
-            self._peers.clear()
-            self._retiring.clear()
-            for reg in self._regs + self._leaked:
-                self._deregister(agent, reg)
-            self._regs.clear()
-            self._leaked.clear()
-        logger.debug("NIXL transport %s closed", self._name)
-
-    def _check_open(self) -> Any:
-        if self._closed or self._agent is None:
-            raise ClosedError(f"NIXL transport {self._name!r} is closed")
-        return self._agent
+                               "referenced by their callers)", st.name, len(unsettled))
+            for peer in [*st.peers, *st.retiring]:
+                st.remove_remote(agent, peer)
+            st.peers.clear()
+            st.retiring.clear()
+            for reg in st.regs + st.leaked:
+                st.deregister(agent, reg)
+            st.regs.clear()
+            st.leaked.clear()
+        logger.debug("NIXL transport %s closed", st.name)
 
     # ---- memory -------------------------------------------------------------------------------
 
@@ -201,143 +205,69 @@ class NixlTransport(WriteSubmission, WriteSettling, Transport):
         """
         region = region_of(tensor)
         wanted = span_of(region)
-        with self._lock:
-            agent = self._check_open()
-            for reg in self._regs:
+        st = self._state
+        with st.lock:
+            agent = st.check_open()
+            for reg in st.regs:
                 span = span_of(reg.region)
                 if span.device == wanted.device and span.holds(region.addr, region.length):
                     return reg.region  # already registered (the same tensor, or one inside it)
-            reg = self._register_regions(agent, [region])[0]
+            reg = st.register_regions(agent, [region])[0]
             reg.tensor = tensor
-            self._regs.append(reg)
-        logger.debug("%s registered %d bytes at 0x%x (%s:%d)", self._name, region.length, region.addr,
+            st.regs.append(reg)
+        logger.debug("%s registered %d bytes at 0x%x (%s:%d)", st.name, region.length, region.addr,
                      region.device, region.device_id)
         return region
 
-    def _register_regions(self, agent: Any, regions: Sequence[Region]) -> list[Registration]:
-        """One NIXL registration per region, so that each can be deregistered on its own."""
-        done: list[Registration] = []
-        try:
-            for region in regions:
-                descs = agent.get_reg_descs([(region.addr, region.length, region.device_id, "")], mem_type(region))
-                agent.register_memory(descs, backends=[BACKEND])
-                done.append(Registration(region, descs, None))
-        except self._errors as exc:
-            for reg in done:
-                self._deregister(agent, reg)
-            raise TransportError(
-                f"NIXL could not register {mem_type(region)} memory 0x{region.addr:x} (+{region.length} bytes): {exc}"
-            ) from exc
-        return done
-
-    def _deregister(self, agent: Any, reg: Registration) -> None:
-        try:
-            agent.deregister_memory(reg.descs, backends=[BACKEND])
-        except self._errors:
-            logger.warning("%s: NIXL failed to deregister 0x%x (+%d bytes)", self._name, reg.region.addr,
-                           reg.region.length, exc_info=True)
-
     def info(self) -> TransportInfo:
         """Our agent metadata and registered regions; publish it after the last ``register``."""
-        with self._lock:
-            agent = self._check_open()
+        st = self._state
+        with st.lock:
+            agent = st.check_open()
             try:
                 metadata = agent.get_agent_metadata()
-            except self._errors as exc:
-                raise TransportError(f"NIXL could not export metadata of {self._name!r}: {exc}") from exc
-            regions = [reg.region for reg in self._regs]
-        return TransportInfo(kind=self.kind, name=self._name, metadata=bytes(metadata), regions=regions)
+            except st.errors as exc:
+                raise TransportError(f"NIXL could not export metadata of {st.name!r}: {exc}") from exc
+            regions = [reg.region for reg in st.regs]
+        return TransportInfo(kind=self.kind, name=st.name, metadata=bytes(metadata), regions=regions)
 
     # ---- peers --------------------------------------------------------------------------------
 
     def connect(self, peer: TransportInfo, timeout_s: float) -> str:
-        """Load the peer's agent metadata (local work only: UCX connects on the first write).
-
-        Idempotent; new metadata under a known name (the peer restarted or registered more
-        memory) replaces the old. ``timeout_s`` bounds nothing here: nothing waits.
-        """
-        if peer.kind != self.kind:
-            raise PeerUnreachable(f"peer {peer.name!r} speaks transport {peer.kind!r}, we speak {self.kind!r}")
-        with self._lock:
-            agent = self._check_open()
-            if peer.name in self._retiring:
-                self._give_up_retiring(agent, peer.name)
-            known = self._peers.get(peer.name)
-            if known is not None and known.metadata == peer.metadata:
-                known.spans = spans_of(peer.regions)
-                return known.name
-            if known is not None:
-                self._forget_peer(agent, peer.name)
-            try:
-                loaded = agent.add_remote_agent(peer.metadata)
-            except self._errors as exc:
-                raise PeerUnreachable(
-                    f"NIXL rejected the metadata of peer {peer.name!r} ({len(peer.metadata)} bytes): {exc}"
-                ) from exc
-            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-            if name != peer.name:
-                self._remove_remote(agent, name)
-                raise PeerUnreachable(f"peer announced itself as {peer.name!r} but its NIXL agent is {name!r}")
-            self._peers[name] = Peer(name, bytes(peer.metadata), spans_of(peer.regions))
-        logger.debug("%s connected to %s (%d regions)", self._name, name, len(peer.regions))
-        return name
+        """Load the peer's agent metadata; ``timeout_s`` bounds nothing here: nothing waits."""
+        return self._peers.connect(peer)
 
     def disconnect(self, peer: str) -> None:
         """Abort our writes to ``peer`` and unload its agent; unknown peers are ignored."""
-        with self._lock:
-            agent = self._check_open()
-            self._forget_peer(agent, peer)
+        with self._state.lock:
+            agent = self._state.check_open()
+            self._peers.forget(agent, peer)
 
-    def _forget_peer(self, agent: Any, peer: str) -> None:
-        """Fail our writes to ``peer``; unload its agent now, or once its writes in flight settled."""
-        if self._peers.pop(peer, None) is None:
-            return
-        if self._ring is not None:
-            self._ring.fail_peer(peer, f"peer {peer} disconnected")
-        live = [x for x in self._inflight.values() if x.peer == peer]
-        for xfer in live:
-            if not xfer.done and not xfer.error:
-                xfer.error = f"peer {peer} disconnected"
-        if live:
-            self._retiring.add(peer)  # NIXL cannot report on a write to an agent it no longer knows
-        else:
-            self._remove_remote(agent, peer)
+    # ---- writes -------------------------------------------------------------------------------
 
-    def _reap_retiring(self, agent: Any) -> None:
-        """Advance writes to disconnected peers; unload each peer whose writes all settled."""
-        for peer in list(self._retiring):
-            for xfer in [x for x in self._inflight.values() if x.peer == peer and x.xfer is not None]:
-                self._advance(agent, xfer)
-            if not any(x.peer == peer for x in self._inflight.values()):
-                self._retiring.discard(peer)
-                self._remove_remote(agent, peer)
+    def write(self, peer: str, srcs: Sequence[torch.Tensor], dst_addrs: Sequence[int], notif: bytes) -> WriteHandle:
+        return self._submit.write(peer, srcs, dst_addrs, notif)
 
-    def _give_up_retiring(self, agent: Any, peer: str) -> None:
-        """``peer`` reconnects under the same name before its old writes settled: they never will."""
-        stuck = [x for x in self._inflight.values() if x.peer == peer]
-        for xfer in stuck:
-            self._release(agent, xfer, f"peer {peer} reconnected", ended=False)
-        logger.warning("%s: %s reconnected with %d old write(s) still in flight; they never settle", self._name,
-                       peer, len(stuck))
-        self._retiring.discard(peer)
-        self._remove_remote(agent, peer)
+    def poll(self, handle: WriteHandle) -> bool:
+        return self._settle.poll(handle)
 
-    def _remove_remote(self, agent: Any, name: str) -> None:
-        try:
-            agent.remove_remote_agent(name)
-        except self._errors:
-            logger.warning("%s: NIXL failed to remove remote agent %s", self._name, name, exc_info=True)
+    def abort(self, handle: WriteHandle) -> None:
+        self._settle.abort(handle)
+
+    def settled(self, handle: WriteHandle) -> bool:
+        return self._settle.settled(handle)
 
     # ---- notifications ------------------------------------------------------------------------
 
     def get_notifications(self) -> list[Notification]:
         """Payloads of writes into our memory completed since the last call (also drives UCX progress)."""
-        with self._lock:
-            agent = self._check_open()
-            if self._retiring:
-                self._reap_retiring(agent)
+        st = self._state
+        with st.lock:
+            agent = st.check_open()
+            if st.retiring:
+                self._settle.reap_retiring(agent)
             try:
                 new = agent.get_new_notifs()
-            except self._errors as exc:
-                raise TransportError(f"NIXL failed to read notifications of {self._name!r}: {exc}") from exc
+            except st.errors as exc:
+                raise TransportError(f"NIXL failed to read notifications of {st.name!r}: {exc}") from exc
         return [Notification(peer=str(peer), payload=bytes(p)) for peer, payloads in new.items() for p in payloads]
