@@ -243,6 +243,49 @@ def test_an_error_handing_a_store_over_releases_every_chunk_the_service_did_not_
         assert len(service.failures) == 1 and "unexpected error inside submit" in service.failures[0][2]
 
 
+def test_an_error_reaching_one_receiver_releases_the_chunks_of_the_receivers_not_reached_yet():
+    # One store, two receivers (a TP split whose pieces are the chunks themselves, as for MLA's latent).
+    from lmcache_p2p.backend.send_types import Chunk, Target
+
+    released: list[str] = []
+
+    def chunk(key: str) -> Chunk:
+        return Chunk(key, None, torch.zeros(1), lambda: released.append(key))
+
+    sends = [(Target("127.0.0.1", 7300), [chunk("a1"), chunk("a2")], "w0"),
+             (Target("127.0.0.1", 7301), [chunk("b1"), chunk("b2")], "w1")]
+    service = Submits(broken_at=0)
+    with pytest.raises(RuntimeError, match="unexpected error inside submit"):
+        sender_module._hand_over(service, "req-1", sends, True, 0.0, 0.0)
+    assert sorted(released) == ["a1", "a2", "b1", "b2"] and service.batches == []
+
+
+def test_gpu_done_orders_the_engine_and_the_load_stream_after_the_store_and_never_blocks(monkeypatch):
+    log: list[str] = []
+
+    class Event:
+        def __init__(self, **kwargs) -> None:
+            log.append(f"event {kwargs}")
+
+        def record(self, stream) -> None:
+            log.append(f"event recorded on {stream.name}")
+
+        def query(self) -> bool:
+            log.append("queried")
+            return False
+
+        def synchronize(self) -> None:
+            raise AssertionError("a blocking wait has no deadline")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("engine", log))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    from lmcache_p2p.backend.store_ready import gpu_done
+
+    done = gpu_done(Stream("store", log), Stream("load", log))
+    assert done() is False
+    assert log == ["engine waits for store", "load waits for store", "event {}", "event recorded on engine", "queried"]
+
+
 def vram_sender(service, handoff, ready):
     backend = sender_with(service, handoff)
     backend._arena = SimpleNamespace(device="cuda:0")
