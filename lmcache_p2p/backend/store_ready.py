@@ -49,6 +49,7 @@ _MODE_ATTR = "_lmcache_p2p_store_mode"  # on the engine's GPU connector: how its
 # How often the hand-off thread asks whether a store's GPU work is done. Sleeping between questions leaves the
 # engine's core and GIL alone (a blocking wait could not be bounded); the hand-over is at most this late.
 _READY_POLL_S = 0.0002
+_IDLE_WAIT_S = 1.0  # the idle thread's wait for a store (a submission or close() wakes it at once)
 _PLAIN_CONNECTOR = "LMCacheConnectorV1"  # vLLM's name for LMCache alone as the KV connector
 
 
@@ -130,7 +131,7 @@ class StoreHandoff:
         raise refusal
 
     def waiting(self) -> int:
-        """Stores submitted and not yet handed over."""
+        """Stores submitted whose wait for their GPU work has not ended."""
         with self._cond:
             return len(self._pending)
 
@@ -160,11 +161,11 @@ class StoreHandoff:
                 _quietly(store.fail, f"handing a store to the sender failed: {type(exc).__name__}: {exc}")
 
     def _next(self) -> PendingStore | None:
-        """The oldest store, left queued until handed over (it counts against ``max_stores``); None once
+        """The oldest store, left queued until its wait ends (it counts against ``max_stores``); None once
         closed and empty."""
         with self._cond:
             while not self._pending and not self._closed:
-                self._cond.wait()
+                self._cond.wait(_IDLE_WAIT_S)
             return self._pending[0] if self._pending else None
 
     def _wait_ready(self, store: PendingStore) -> str:
