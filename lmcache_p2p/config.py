@@ -146,6 +146,14 @@ class P2PConfig:
     # the batch goes to the sender once its chunks are written. false: the engine's thread waits, as LMCache's
     # adapter does (its slot mapping copy synchronizes each step's forward; the GPU idles while it stores).
     async_store: bool = True
+    # Sender with async_store: a store whose GPU work has not finished this long after the engine queued it
+    # fails (KvFailed to the proxy; its pages go back to the arena, rewritten only after that work on the GPU)
+    # instead of holding up every later store's hand-over.
+    store_ready_timeout_s: float = 30.0
+    # Sender: stores waiting for their GPU work (async_store) and batches waiting for the sender's thread
+    # (send queue) at most; one more is refused (its pages freed, the request failed) with an error naming it.
+    store_queue_max_stores: int = 1024
+    send_queue_max_batches: int = 4096
     # Receiver: keep chunks the engine loaded as an LRU cache in the receive buffer, so a later
     # request sharing a prefix is told not to send them again (evicted when a reservation needs room).
     buffer_cache: bool = True
@@ -331,6 +339,10 @@ def _convert(key: str, name: str, value: Any) -> Any:
         return _ports(key, value)
     if name.endswith("_s"):
         return _positive_float(key, value)
+    if name in ("store_queue_max_stores", "send_queue_max_batches"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(key, f"must be a whole number of at least 1, got {value!r}")
+        return value
     if name == "kv_heads_total":
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(key, f"must be a whole number of KV heads (0: read the model's config), got {value!r}")

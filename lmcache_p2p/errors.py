@@ -13,6 +13,7 @@
     │   ├── PeerUnreachable      connecting to a peer failed
     │   └── TransportTimeout     a transfer or a wait passed its deadline
     ├── BufferFull               the receive buffer cannot hold what was asked for (a refusal)
+    ├── QueueFull                a bounded queue inside the process is full (names the setting)
     ├── RequestFailed            a request's KV transfer ended without success (refused, cancelled, peer died)
     ├── ClosedError              the component was closed and cannot be used any more
     ├── LaunchError              ``lmcache-p2p launch`` cannot start or keep the deployment (cli/)
@@ -81,6 +82,14 @@ class PeerUnreachable(TransportError):
 
 class TransportTimeout(TransportError, TimeoutError):
     """A transfer or a wait on the transport passed its deadline."""
+
+
+class QueueFull(P2PError):
+    """A bounded queue inside this process holds its maximum; what was offered was refused and released."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(message)
 
 
 class BufferFull(P2PError):

@@ -18,8 +18,8 @@ instead of dropping chunks). Nothing else of LMCache changes.
 
 Ordering. LMCache's GPU connector gathers into a GPU destination on its ``store_stream`` and,
 unlike for a host destination, does not wait for it (LMCache 0.5.3 ``from_gpu``). The sender
-therefore synchronizes that stream before it hands VRAM chunks to a transport, which reads
-them on other streams (:func:`store_stream_of`).
+therefore waits for that stream before it hands VRAM chunks to a transport, which reads
+them on other streams (:func:`gpu_connector_of`, ``store_ready.py``).
 """
 
 from __future__ import annotations
@@ -129,12 +129,12 @@ def lend(local_cpu_backend: Any, arena: SendArena) -> Callable[[], None]:
     return undo
 
 
-def store_stream_of(storage_backend: Any) -> Any:
-    """The CUDA stream LMCache's GPU connector stores on, for the engine that owns ``storage_backend``.
+def gpu_connector_of(storage_backend: Any) -> Any:
+    """LMCache's GPU connector (its ``store_stream`` gathers, its ``load_stream`` retrieves) for the engine
+    that owns ``storage_backend``.
 
     Found through ``LMCacheEngineBuilder``'s engines (a worker process has one per LMCache
-    instance): the one whose storage manager holds this backend. None if there is none yet or
-    its connector has no ``store_stream`` (the caller then synchronizes the whole device).
+    instance): the one whose storage manager holds this backend. None if there is none yet.
     """
     try:
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
@@ -143,7 +143,7 @@ def store_stream_of(storage_backend: Any) -> Any:
     for engine in list(getattr(LMCacheEngineBuilder, "_instances", {}).values()):
         backends = getattr(getattr(engine, "storage_manager", None), "storage_backends", None) or {}
         if any(b is storage_backend for b in backends.values()):
-            return getattr(getattr(engine, "gpu_connector", None), "store_stream", None)
+            return getattr(engine, "gpu_connector", None)
     return None
 
 

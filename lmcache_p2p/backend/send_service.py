@@ -26,6 +26,7 @@ request id, peer and cause); should the thread stop anyway, ``submit`` refuses w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -40,10 +41,10 @@ from lmcache_p2p import protocol
 from lmcache_p2p.backend.announcer import Announcer
 from lmcache_p2p.backend.send_peers import Connected, PeerSessions
 from lmcache_p2p.backend.send_pipeline import AllocPipeline
-from lmcache_p2p.backend.send_types import Batch, Chunk, SendStats, Target
+from lmcache_p2p.backend.send_types import Batch, Chunk, SendStats, Target, release
 from lmcache_p2p.backend.send_writes import WriteTracker
 from lmcache_p2p.config import SENDER_IDLE_POLL_S, P2PConfig
-from lmcache_p2p.errors import ClosedError, P2PError
+from lmcache_p2p.errors import ClosedError, P2PError, QueueFull
 from lmcache_p2p.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,18 @@ _IDLE_POLL_MS = round(SENDER_IDLE_POLL_S * 1000)
 _RETRY_POLL_MS = 1  # while only refused Allocs wait for their retry
 _LOOP_ERROR_PAUSE_S = 0.05  # after an unexpected error in the loop itself (never a hot error loop)
 _LOOP_ERRORS_MAX = 100  # consecutive loop errors after which the thread gives up (submit then refuses)
+
+
+@dataclasses.dataclass(frozen=True)
+class Inbound:
+    """What the engine's side hands the service thread: a store batch, or a request's ending."""
+
+    key: str  # the pipeline's key: the request's id, or ``wire_id@receiver`` for a share of it
+    target: Target | None  # None: the base request needs nothing from us (KvSent), or it failed before routing
+    batch: Batch | None
+    wire_id: str = ""
+    base_id: str = ""
+    failure: str = ""  # not "": the request's KV will not come (its store failed before it reached us)
 
 
 class SendService:
@@ -72,8 +85,8 @@ class SendService:
         self.sender_id = f"{self.instance_id}/r{tp_rank}/{uuid.uuid4().hex[:8]}"
         self._codec = protocol.Codec(cfg.shared_secret, identity=self.sender_id, window_s=cfg.auth_window_s,
                                      names=[self.sender_id])
-        # (pipeline key, target, batch, wire id, base id); target None: the base request needs nothing from us
-        self._inbox: deque[tuple[str, Target | None, Batch, str, str]] = deque()
+        self._inbox: deque[Inbound] = deque()  # at most p2p.send_queue_max_batches
+        self._inbox_max = cfg.send_queue_max_batches
         self._connected: deque[Connected] = deque()  # results of pairing threads (under _inbox_lock)
         self._inbox_lock = threading.Lock()
         self._wake_r = self._wake_w = -1
@@ -157,22 +170,43 @@ class SendService:
         submit_s = (queued_s or time.perf_counter()) - called_s
         key = f"{wire_id}@{target.address}" if wire_id else req_id
         with self._inbox_lock:
-            refusal = self._refusal()
-            if not refusal:
-                self._inbox.append((key, target, Batch(chunks, last, called_s, submit_s),
-                                    wire_id, req_id if wire_id else ""))
+            refusal, full = self._refusal(), self._full()
+            if not refusal and not full:
+                self._inbox.append(Inbound(key, target, Batch(chunks, last, called_s, submit_s),
+                                           wire_id, req_id if wire_id else ""))
                 self._wake_locked()
+                return
+        release(chunks)
         if refusal:
-            for c in chunks:
-                c.done()
             raise ClosedError(f"request {req_id}: KV not sent to {target.endpoint}: {refusal}")
+        raise QueueFull("p2p.send_queue_max_batches", f"request {req_id}: KV not sent to {target.endpoint}: {full}")
 
     def nothing_to_send(self, req_id: str) -> None:
         """Another rank feeds every decoder rank this request's KV: report it done (KvSent, no chunks)."""
+        self._post(Inbound(req_id, None, Batch([], True)), "its KvSent")
+
+    def fail_request(self, req_id: str, shares: list[tuple[Target, str]], reason: str) -> None:
+        """A store of ``req_id`` failed before it reached us (its chunks were released): fail the request on
+        every receiver of ``shares`` (target, wire id; empty: it had none), KvFailed to the proxy."""
+        for target, wire_id in shares or [(None, "")]:
+            key = f"{wire_id}@{target.address}" if wire_id and target else req_id
+            self._post(Inbound(key, target, None, wire_id, req_id if wire_id else "", failure=reason), "its KvFailed")
+
+    def _post(self, item: Inbound, what: str) -> None:
         with self._inbox_lock:
-            if not self._refusal():
-                self._inbox.append((req_id, None, Batch([], True), "", ""))
+            problem = self._refusal() or self._full()
+            if not problem:
+                self._inbox.append(item)
                 self._wake_locked()
+                return
+        logger.error("request %s: %s is not reported (the proxy's KV wait ends it): %s", item.base_id or item.key,
+                     what, problem)
+
+    def _full(self) -> str:
+        if len(self._inbox) < self._inbox_max:
+            return ""
+        return (f"the sender's queue holds {len(self._inbox)} batches (p2p.send_queue_max_batches "
+                f"{self._inbox_max}): raise p2p.send_queue_max_batches, or see why the sender's thread is behind")
 
     def _refusal(self) -> str:
         if self._closed:
@@ -277,9 +311,9 @@ class SendService:
         self._pipeline.shutdown()
         with self._inbox_lock:
             pending, self._inbox = list(self._inbox), deque()
-        for _, _, batch, _, _ in pending:
-            for c in batch.chunks:
-                c.done()
+        for item in pending:
+            if item.batch is not None:
+                release(item.batch.chunks)
         self._writes.progress_unsettled(final=True)
         for peer in list(self._peers.peers.values()):
             self._peers.send(peer, protocol.Goodbye(self.sender_id, self._tp_rank))
@@ -299,13 +333,23 @@ class SendService:
     def _take_inbox(self) -> None:
         with self._inbox_lock:
             items, self._inbox = self._inbox, deque()
-        for key, target, batch, wire_id, base_id in items:
-            if target is None:
-                self._report(protocol.KvSent(key, self.instance_id, self._tp_rank, tp_size=self._tp_size))
-                continue
-            self._pipeline.guarded(key, target.endpoint, "queueing a store batch",
-                                   lambda r=key, t=target, b=batch, w=wire_id, i=base_id:
-                                   self._pipeline.queue_batch(r, t, b, w, i))
+        for item in items:
+            if item.failure:
+                self._fail(item)
+            elif item.target is None:
+                self._report(protocol.KvSent(item.key, self.instance_id, self._tp_rank, tp_size=self._tp_size))
+            else:
+                self._pipeline.guarded(item.key, item.target.endpoint, "queueing a store batch",
+                                       lambda i=item: self._pipeline.queue_batch(i.key, i.target, i.batch, i.wire_id,
+                                                                                 i.base_id))
+
+    def _fail(self, item: Inbound) -> None:
+        if item.key in self._pipeline.requests:  # earlier batches went: cancel them on the receiver too
+            self._pipeline.fail(item.key, item.failure)
+        else:
+            logger.error("request %s: %s", item.base_id or item.key, item.failure)
+            self._pipeline.failed += 1
+            self._report(protocol.KvFailed(item.base_id or item.key, self.instance_id, self._tp_rank, item.failure))
 
     def _take_connected(self) -> None:
         with self._inbox_lock:

@@ -22,14 +22,13 @@ from lmcache_p2p.backend.common import (build_transport, check_rank_stores, chun
                                         load_config, tp_rank_of, worker_gpu)
 from lmcache_p2p.backend.relayout import pack_heads
 from lmcache_p2p.backend.plugin_base import P2PPlugin
-from lmcache_p2p.backend.send_buffer import SendArena, lend, store_stream_of
+from lmcache_p2p.backend.send_buffer import SendArena, gpu_connector_of, lend
 from lmcache_p2p.backend.send_gather import install as install_batched_gather
-from lmcache_p2p.backend.send_gather import installed as batched_gather_installed
 from lmcache_p2p.backend.send_service import Chunk, SendService, Target
 from lmcache_p2p.backend.send_types import release
-from lmcache_p2p.backend.store_ready import StoreHandoff, gpu_done, install_async_slot_mapping
+from lmcache_p2p.backend.store_ready import StoreHandoff, StoreMode, gpu_done, install_async_slot_mapping, store_mode_of
 from lmcache_p2p.config import Role
-from lmcache_p2p.errors import ClosedError, ConfigError, P2PError
+from lmcache_p2p.errors import ClosedError, ConfigError, P2PError, QueueFull
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ class SenderBackend(P2PPlugin):
         self._layout: kv_layout.KvLayout | None = None  # our rank's KV split (None: unknown, rank r -> r)
         self._arena: SendArena | None = None
         self._unlend: Callable[[], None] | None = None
-        self._store_stream: Any = None  # LMCache's store stream, once looked up (False: none found)
+        self._connector: Any = None  # LMCache's GPU connector, once looked up (False: none found)
         self._handoff: StoreHandoff | None = None  # p2p.async_store: stores reach the service off the engine's thread
         try:
             gpu = worker_gpu(dst_device)
@@ -107,9 +106,9 @@ class SenderBackend(P2PPlugin):
         ungather = install_batched_gather() if self.cfg.batched_gather else (lambda: None)
         unslots: Callable[[], None] = lambda: None
         if self.cfg.async_store:
-            self._handoff = StoreHandoff(f"p2p-store-{self._tp_rank}")
-            if batched_gather_installed():  # it orders the gather after the forward on the GPU (store_ready.py)
-                unslots = install_async_slot_mapping()
+            self._handoff = StoreHandoff(f"p2p-store-{self._tp_rank}", timeout_s=self.cfg.store_ready_timeout_s,
+                                         max_stores=self.cfg.store_queue_max_stores)
+            unslots = install_async_slot_mapping()  # each step's StoreMode is chosen where the connector is known
 
         def undo() -> None:
             unslots()
@@ -118,16 +117,19 @@ class SenderBackend(P2PPlugin):
 
         self._unlend = undo
 
-    def _after_store(self, device: str) -> Callable[[], None] | None:
-        """VRAM chunks: LMCache's connector gathered them on its store stream without waiting. With a hand-off,
-        the engine's stream is ordered after that stream (a split of heads below runs on it) and the wait for
-        all of it is returned; else this thread waits now, and None is returned."""
-        if self._store_stream is None:  # looked up once: the engine exists by the first store
-            self._store_stream = store_stream_of(self) or False
-        if self._store_stream and self._handoff is not None:
-            return gpu_done(self._store_stream)
-        if self._store_stream:
-            self._store_stream.synchronize()
+    def _after_store(self, device: str) -> Callable[[], bool] | None:
+        """VRAM chunks: LMCache's connector gathered them on its store stream without waiting. With a hand-off
+        (the store's StoreMode is not SYNC), the engine's stream (a split of heads below runs on it) and LMCache's
+        load stream are ordered after that stream and a check for all of it is returned; else this thread waits
+        now, and None is returned."""
+        if self._connector is None:  # looked up once: the engine exists by the first store
+            self._connector = gpu_connector_of(self) or False
+        connector = self._connector
+        store_stream = getattr(connector, "store_stream", None) if connector else None
+        if store_stream is not None and self._handoff is not None and store_mode_of(connector) is not StoreMode.SYNC:
+            return gpu_done(store_stream, getattr(connector, "load_stream", None))
+        if store_stream is not None:
+            store_stream.synchronize()
         else:
             import torch
 
@@ -169,15 +171,20 @@ class SenderBackend(P2PPlugin):
         queued_s = time.perf_counter()
 
         def hand_over() -> None:
-            if not sends and last:
-                service.nothing_to_send(req_id)  # another rank feeds every decoder rank
-            for target, chunks, wire_id in sends:
-                _submit_runs(service, req_id, target, chunks, last, called_s, wire_id, queued_s)
+            _hand_over(service, req_id, sends, last, called_s, queued_s)
 
         if self._handoff is None:
             hand_over()
-        else:
-            self._handoff.submit(ready, hand_over, lambda: release(c for _, chunks, _ in sends for c in chunks))
+            return None
+
+        def fail(reason: str) -> None:
+            service.fail_request(req_id, [(target, wire_id) for target, _, wire_id in sends], reason)
+
+        try:
+            self._handoff.submit(ready, hand_over, lambda: release(c for _, chunks, _ in sends for c in chunks), fail)
+        except QueueFull as exc:  # its chunks were released; the engine goes on, the request fails
+            logger.error("request %s: KV not sent: %s", req_id, exc)
+            fail(str(exc))
         return None
 
     def _sends(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj], transfer_spec: Any, req_id: str,
@@ -252,18 +259,35 @@ def _no_reference() -> None:
     """A packed copy holds no reference of LMCache's: nothing to drop."""
 
 
+def _hand_over(service: SendService, req_id: str, sends: list[tuple[Target, list[Chunk], str]], last: bool,
+               called_s: float, queued_s: float) -> None:
+    """Every receiver's chunks of one store to the service. Whatever happens, each chunk is given to the
+    service or released: an error releases those of the receivers not reached yet, then propagates."""
+    if not sends and last:
+        service.nothing_to_send(req_id)  # another rank feeds every decoder rank
+    for n, (target, chunks, wire_id) in enumerate(sends):
+        try:
+            _submit_runs(service, req_id, target, chunks, last, called_s, wire_id, queued_s)
+        except BaseException:
+            release(c for _, later, _ in sends[n + 1:] for c in later)
+            raise
+
+
 def _submit_runs(service: SendService, req_id: str, target: Target, chunks: list[Chunk], last: bool,
                  called_s: float, wire_id: str = "", queued_s: float = 0.0) -> None:
     """Submit ``chunks`` to ``target``. One write moves sources of one device: a store that found the
     arena full midway (some chunks in VRAM, the rest in host memory) goes as consecutive batches,
-    ``last`` on the final one."""
+    ``last`` on the final one. A refusal (P2PError) is logged; any other error propagates. Either way the
+    runs not submitted are released (``submit`` releases its own batch's chunks when it raises)."""
     runs = _runs_by_device(chunks) or [chunks]  # an empty store still carries its last flag
     for i, run in enumerate(runs):
         try:
             service.submit(req_id, target, run, last and i == len(runs) - 1, called_s, wire_id, queued_s)
-        except P2PError as exc:
+        except BaseException as exc:
+            release(c for later in runs[i + 1:] for c in later)
+            if not isinstance(exc, P2PError):
+                raise
             logger.error("request %s: KV not sent to %s: %s", req_id, target.endpoint, exc)
-            release(c for later in runs[i + 1:] for c in later)  # submit released its own batch's chunks
             break
 
 

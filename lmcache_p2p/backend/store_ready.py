@@ -6,107 +6,214 @@ finished: LMCache's adapter copies each request's slot mapping to the GPU from p
 (``slot_mapping.to(self.device)``: a copy that synchronizes the engine's stream, so the CPU waits for the
 whole forward), and the sender synchronized LMCache's store stream before it handed the chunks over. The
 store's own CPU work (chunk hashes, pages, the gather's launches, the hand-over) then ran while the GPU had
-nothing queued: at every chunked-prefill step the GPU idled ~6 ms, and the last step's store delayed the
-first token (run 12 on one H200: 24 ms per 32k prompt, 0.13 ms for the single instance).
+nothing queued.
 
-Here, each of those waits becomes an order on the GPU:
+Here, each of those waits becomes an order on the GPU, where it is known to hold:
 
+* every KV writer is ordered after the gather. vLLM's forward runs on the engine's stream, which waits for the
+  store stream (``send_gather.gather_store``, and :func:`gpu_done` for any connector); LMCache's retrieve
+  writes KV on the connector's ``load_stream`` (a prefiller with a cache backend still looks up), which
+  :func:`gpu_done` also makes wait for the store stream, so no block freed after this step (a finished,
+  aborted or preempted request's) is rewritten before the gather read it. Another vLLM KV connector beside
+  LMCache (``MultiConnector``) writes on streams we cannot order: the store is then synchronous
+  (:attr:`StoreMode.SYNC`);
 * :func:`install_async_slot_mapping`: ``wait_for_save`` finds each request's slot mapping on the GPU already,
-  copied from pinned memory without a wait, so LMCache's own ``.to`` is a no-op;
-* ``send_gather.gather_store``: the store stream waits (on the GPU) for the engine's stream, so the gather
-  reads what the forward wrote, and the engine's stream waits for the gather, so no block the engine frees
-  after this step (a finished or preempted request's) is written by a later step before it was read;
+  copied from pinned memory without a wait, only when the engine's connector gathers through
+  ``send_gather.gather_store`` (:attr:`StoreMode.WAIT_FREE`), whose store stream waits for the forward on the
+  GPU. Any other connector (LMCache's ``VLLMPagedMemGPUConnectorV3``, ``use_gpu_connector_v3: true``, gathers
+  on its store stream with no such wait) keeps LMCache's own wait (:attr:`StoreMode.HANDOFF`);
 * the sender records an event after the store's GPU work and :class:`StoreHandoff`'s thread hands the batch to
-  the send service once that event completed: in order, off the engine's thread.
-
-The slot mapping goes async only with the batched gather (it is what orders the store stream after the
-forward; LMCache's own ``from_gpu`` relies on the wait).
+  the send service once that event completed: in order, off the engine's thread, each wait bounded by
+  ``p2p.store_ready_timeout_s`` (the request then fails and its pages go back; the stalled work runs first on
+  the store stream, so a page is rewritten only after it).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import enum
 import functools
 import logging
-import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-from lmcache_p2p.errors import ClosedError
+from lmcache_p2p.errors import ClosedError, QueueFull
 
 logger = logging.getLogger(__name__)
 
 _INSTALLED_ATTR = "_lmcache_p2p_async_slot_mapping"
+_MODE_ATTR = "_lmcache_p2p_store_mode"  # on the engine's GPU connector: how its latest store may be handed over
+# How often the hand-off thread asks whether a store's GPU work is done. Sleeping between questions leaves the
+# engine's core and GIL alone (a blocking wait could not be bounded); the hand-over is at most this late.
+_READY_POLL_S = 0.0002
+_IDLE_WAIT_S = 1.0  # the idle thread's wait for a store (a submission or close() wakes it at once)
+_PLAIN_CONNECTOR = "LMCacheConnectorV1"  # vLLM's name for LMCache alone as the KV connector
+
+
+class StoreMode(enum.Enum):
+    """How a store's GPU work is waited for (decided per store by ``wait_for_save``'s wrapper)."""
+
+    WAIT_FREE = "wait_free"  # slot mappings copied without a wait; the gather waits for the forward on the GPU
+    HANDOFF = "handoff"  # LMCache's own wait for the forward; the hand-off thread waits for the gather
+    SYNC = "sync"  # the engine's thread waits for the gather (a KV writer we cannot order exists)
+
+
+def store_mode_of(connector: Any) -> StoreMode:
+    """The mode ``wait_for_save``'s wrapper chose for ``connector``'s stores (SYNC when it never ran)."""
+    mode = getattr(connector, _MODE_ATTR, None)
+    return mode if isinstance(mode, StoreMode) else StoreMode.SYNC
+
+
+def store_mode(adapter: Any) -> StoreMode | None:
+    """The mode for this step's stores by LMCache's adapter; None when it stores nothing on a GPU here (a
+    consumer, layerwise, no engine or a CPU engine)."""
+    from lmcache_p2p.backend.send_gather import gathers
+
+    engine = getattr(adapter, "lmcache_engine", None)
+    if (engine is None or getattr(adapter, "kv_role", None) == "kv_consumer" or getattr(adapter, "use_layerwise", False)
+            or not _is_cuda_device(getattr(adapter, "device", None))):
+        return None
+    transfer_config = getattr(getattr(adapter, "_vllm_config", None), "kv_transfer_config", None)
+    if getattr(transfer_config, "kv_connector", None) != _PLAIN_CONNECTOR:
+        return StoreMode.SYNC
+    return StoreMode.WAIT_FREE if gathers(getattr(engine, "gpu_connector", None)) else StoreMode.HANDOFF
+
+
+@dataclasses.dataclass
+class PendingStore:
+    """One store on its way to the send service."""
+
+    ready: Callable[[], bool] | None  # whether its GPU work is done (raises on a CUDA error); None: nothing to wait
+    hand_over: Callable[[], None]  # gives its chunks to the send service (releases what it did not give)
+    release: Callable[[], None]  # hands its chunks back: they will not be sent
+    fail: Callable[[str], None]  # tells the proxy its request's KV will not come (KvFailed)
+    deadline: float  # monotonic: its GPU work must be done by then
 
 
 class StoreHandoff:
-    """Runs each store's hand-over in submission order, each once its GPU work is done, on one thread."""
+    """Runs each store's hand-over in submission order, each once its GPU work is done, on one thread.
 
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None] | None, Callable[[], None],
-                                             Callable[[], None]] | None] = queue.SimpleQueue()
+    At most ``max_stores`` wait (``p2p.store_queue_max_stores``); each waits at most ``timeout_s``
+    (``p2p.store_ready_timeout_s``) after its submission."""
+
+    def __init__(self, name: str, *, timeout_s: float, max_stores: int, poll_s: float = _READY_POLL_S) -> None:
+        self._timeout_s = timeout_s
+        self._max_stores = max_stores
+        self._poll_s = poll_s
+        self._pending: collections.deque[PendingStore] = collections.deque()
         self._closed = False
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, ready: Callable[[], None] | None, hand_over: Callable[[], None],
-               release: Callable[[], None]) -> None:
-        """Queue ``hand_over`` to run after ``ready`` (which blocks until the store's GPU work is done; None:
-        nothing to wait for) and after every earlier submission. ``release`` hands the chunks back when
-        ``hand_over`` cannot run. ClosedError (after ``release``) once closed."""
-        with self._lock:
-            if not self._closed:
-                self._queue.put((ready, hand_over, release))
+    def submit(self, ready: Callable[[], bool] | None, hand_over: Callable[[], None], release: Callable[[], None],
+               fail: Callable[[str], None]) -> None:
+        """Queue ``hand_over`` to run once ``ready()`` says the store's GPU work is done (None: nothing to wait
+        for) and after every earlier submission. Refused after ``release()``: ClosedError once closed,
+        QueueFull when ``max_stores`` wait already."""
+        with self._cond:
+            if self._closed:
+                refusal: Exception = ClosedError("sender backend is closed")
+            elif len(self._pending) >= self._max_stores:
+                refusal = QueueFull("p2p.store_queue_max_stores", (
+                    f"{len(self._pending)} stores already wait for their GPU work (p2p.store_queue_max_stores "
+                    f"{self._max_stores}); this one is not sent: raise p2p.store_queue_max_stores, or see why the "
+                    "GPU is this far behind"))
+            else:
+                self._pending.append(PendingStore(ready, hand_over, release, fail,
+                                                  time.monotonic() + self._timeout_s))
+                self._cond.notify()
                 return
         release()
-        raise ClosedError("sender backend is closed")
+        raise refusal
+
+    def waiting(self) -> int:
+        """Stores submitted whose wait for their GPU work has not ended."""
+        with self._cond:
+            return len(self._pending)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Run what was queued (its GPU work finishing), then stop the thread."""
-        with self._lock:
+        """Run what was queued (its GPU work finishing or timing out), then stop the thread."""
+        with self._cond:
             if self._closed:
                 return
             self._closed = True
-            self._queue.put(None)
+            self._cond.notify()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.error("lmcache_p2p sender: store hand-over thread did not stop within %.1fs", timeout_s)
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            ready, hand_over, release = item
-            try:
-                if ready is not None:
-                    ready()
-            except Exception:  # a CUDA error: the chunks' bytes cannot be trusted; the proxy's KV wait fails it
-                logger.exception("lmcache_p2p sender: a store's GPU work failed; its KV is not sent")
-                release()
+        while (store := self._next()) is not None:
+            problem = self._wait_ready(store)
+            if problem:
+                logger.error("lmcache_p2p sender: %s; its KV is not sent", problem)
+                store.release()
+                _quietly(store.fail, problem)
                 continue
             try:
-                hand_over()
-            except Exception:
+                store.hand_over()
+            except Exception as exc:  # what it did not give the service, it released
                 logger.exception("lmcache_p2p sender: handing a store to the send service failed")
+                _quietly(store.fail, f"handing a store to the sender failed: {type(exc).__name__}: {exc}")
+
+    def _next(self) -> PendingStore | None:
+        """The oldest store, left queued until its wait ends (it counts against ``max_stores``); None once
+        closed and empty."""
+        with self._cond:
+            while not self._pending and not self._closed:
+                self._cond.wait(_IDLE_WAIT_S)
+            return self._pending[0] if self._pending else None
+
+    def _wait_ready(self, store: PendingStore) -> str:
+        """"" once the store's GPU work is done; else why it will never be sent."""
+        try:
+            while store.ready is not None and not store.ready():
+                if time.monotonic() >= store.deadline:
+                    return (f"a store's GPU work did not finish within {self._timeout_s:g}s "
+                            "(p2p.store_ready_timeout_s)")
+                time.sleep(self._poll_s)
+        except Exception as exc:  # a CUDA error: the chunks' bytes cannot be trusted
+            logger.exception("lmcache_p2p sender: a store's GPU work failed")
+            return f"a store's GPU work failed: {type(exc).__name__}: {exc}"
+        finally:
+            with self._cond:
+                self._pending.popleft()
+        return ""
 
 
-def gpu_done(store_stream: Any) -> Callable[[], None]:
-    """Called on the engine's thread after a store's GPU work was queued: the engine's stream is made to wait
-    for ``store_stream`` (on the GPU) and an event recorded on it; the returned callable blocks until it
-    completed (the GIL released)."""
+def _quietly(fn: Callable[[str], None], reason: str) -> None:
+    try:
+        fn(reason)
+    except Exception:
+        logger.exception("lmcache_p2p sender: reporting a failed store failed")
+
+
+def gpu_done(store_stream: Any, load_stream: Any = None) -> Callable[[], bool]:
+    """Called on the engine's thread after a store's GPU work was queued: the engine's stream (the forward) and
+    ``load_stream`` (LMCache's retrieve) are made to wait for ``store_stream`` on the GPU, and an event is
+    recorded; the returned callable says whether it completed (it never blocks)."""
     import torch
 
     engine = torch.cuda.current_stream()
     engine.wait_stream(store_stream)
+    if load_stream is not None:
+        load_stream.wait_stream(store_stream)
     event = torch.cuda.Event()
     event.record(engine)
-    return event.synchronize
+    return event.query
 
 
 def install_async_slot_mapping(adapter_cls: Any = None, to_device: Callable[[Any, Any], Any] | None = None
                                ) -> Callable[[], None]:
-    """Make LMCache's ``wait_for_save`` (default ``LMCacheConnectorV1Impl``'s) find each request's slot mapping
-    on its GPU, copied without a wait (:func:`_pinned_to_device`); returns the undo. A no-op (and a no-op undo)
-    when LMCache has no such adapter or it is already installed."""
+    """Make LMCache's ``wait_for_save`` (default ``LMCacheConnectorV1Impl``'s) choose each step's
+    :class:`StoreMode` (:func:`store_mode`, marked on the engine's GPU connector for the sender) and, in
+    WAIT_FREE, find each request's slot mapping on its GPU, copied without a wait (:func:`_pinned_to_device`);
+    returns the undo. A no-op (and a no-op undo) when LMCache has no such adapter or it is already installed:
+    every store is then synchronous (SYNC)."""
     if adapter_cls is None:
         try:
             from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl as adapter_cls
@@ -120,12 +227,16 @@ def install_async_slot_mapping(adapter_cls: Any = None, to_device: Callable[[Any
 
     @functools.wraps(original)
     def wait_for_save(self: Any) -> Any:
-        slot_mappings_to_device(self, move)
+        mode = store_mode(self)
+        if mode is not None:
+            _mark(self.lmcache_engine, mode)
+        if mode is StoreMode.WAIT_FREE:
+            slot_mappings_to_device(self, move)
         return original(self)
 
     adapter_cls.wait_for_save = wait_for_save
     setattr(adapter_cls, _INSTALLED_ATTR, True)
-    logger.info("lmcache_p2p sender: %s.wait_for_save stores without waiting for the step's forward",
+    logger.info("lmcache_p2p sender: %s.wait_for_save stores without the engine waiting for the store's GPU work",
                 adapter_cls.__name__)
 
     def undo() -> None:
@@ -135,13 +246,18 @@ def install_async_slot_mapping(adapter_cls: Any = None, to_device: Callable[[Any
     return undo
 
 
+def _mark(engine: Any, mode: StoreMode) -> None:
+    connector = getattr(engine, "gpu_connector", None)
+    if connector is not None and getattr(connector, _MODE_ATTR, None) is not mode:
+        if mode is not StoreMode.WAIT_FREE and not hasattr(connector, _MODE_ATTR):
+            logger.info("lmcache_p2p sender: %s stores keep LMCache's wait for the forward (%s)",
+                        type(connector).__name__, mode.value)
+        setattr(connector, _MODE_ATTR, mode)
+
+
 def slot_mappings_to_device(adapter: Any, move: Callable[[Any, Any], Any]) -> None:
-    """Each request's slot mapping of this step, on the adapter's device (a producer that stores whole steps
-    on a GPU; any other adapter is left as it is)."""
+    """Each request's slot mapping of this step, on the adapter's device (only for WAIT_FREE stores)."""
     device = getattr(adapter, "device", None)
-    if (getattr(adapter, "kv_role", None) == "kv_consumer" or getattr(adapter, "use_layerwise", False)
-            or getattr(adapter, "lmcache_engine", None) is None or not _is_cuda_device(device)):
-        return
     metadata = adapter._parent._get_connector_metadata()
     for request in getattr(metadata, "requests", ()):
         slots = getattr(request, "slot_mapping", None)

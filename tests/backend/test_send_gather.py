@@ -9,7 +9,9 @@ both ways and compares the bytes (bench/store_gather.py).
 
 from __future__ import annotations
 
+import inspect
 import logging
+import sys
 
 import pytest
 import torch
@@ -155,3 +157,104 @@ def test_batched_gather_is_on_by_default_and_must_be_a_bool():
     assert P2PConfig.from_mapping({"role": "sender", "batched_gather": False}).batched_gather is False
     with pytest.raises(ConfigError, match=r"p2p\.batched_gather"):
         P2PConfig.from_mapping({"role": "sender", "batched_gather": "no"})
+
+
+# ---- the kernel is resolved for the installed LMCache, its signature checked at install time -----------
+
+
+def test_with_the_installed_lmcache_nothing_is_installed_and_one_line_says_why(caplog):
+    import lmcache
+    from lmcache.v1.gpu_connector.gpu_connectors import VLLMPagedMemGPUConnectorV2
+
+    if lmcache.__version__.startswith("0.5.3"):
+        pytest.skip("LMCache 0.5.3 has the kernel the pass knows (the GPU test covers it)")
+    original = VLLMPagedMemGPUConnectorV2.__dict__["batched_from_gpu"]
+    with caplog.at_level(logging.INFO, logger="lmcache_p2p.backend.send_gather"):
+        undo = send_gather.install()
+    undo()
+    assert VLLMPagedMemGPUConnectorV2.__dict__["batched_from_gpu"] is original
+    assert not send_gather.installed() and not send_gather.gathers(object.__new__(VLLMPagedMemGPUConnectorV2))
+    lines = [r for r in caplog.records if r.name == "lmcache_p2p.backend.send_gather"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert "not installed" in lines[0].getMessage() and "multi_layer_kv_transfer" in lines[0].getMessage()
+
+
+class TransferDirection:
+    H2D, D2H = "H2D", "D2H"
+
+
+def kernel_053(calls: list):
+    """LMCache 0.5.3's ``lmcache.c_ops.multi_layer_kv_transfer`` as a compiled pybind11 function shows it: no
+    Python signature, the signature line first in its docstring."""
+
+    class Compiled:
+        __name__ = "multi_layer_kv_transfer"
+        __doc__ = ("multi_layer_kv_transfer(key_value: torch.Tensor, key_value_ptrs: torch.Tensor, slot_mapping: "
+                   "torch.Tensor, paged_memory_device: torch.device, page_buffer_size: int, direction: "
+                   "lmcache.c_ops.TransferDirection, engine_kv_format: lmcache.c_ops.EngineKVFormat, "
+                   "block_size: int = 0, head_size: int = 0, skip_prefix_n_tokens: int = 0) -> None\n")
+        @property
+        def __signature__(self):
+            raise ValueError("no signature found for builtin")  # what inspect says of a pybind11 function
+
+        def __call__(self, *args, **kwargs) -> None:
+            calls.append((args, kwargs))
+
+    return Compiled()
+
+
+def kernel_056(key_value, key_value_ptrs, slot_mapping, paged_memory_device, page_buffer_size, direction,
+               engine_kv_format, block_size=0, head_size=0, skip_prefix_n_tokens=0, block_stride_elems=0) -> None:
+    raise AssertionError("never called: its block stride would be left out")
+
+
+@pytest.fixture
+def connector_module(monkeypatch):
+    """A module shaped like LMCache's gpu_connectors.py, its kernel reached as ``lmc_ops`` (0.5.3's name)."""
+    import types
+
+    def make(kernel) -> type:
+        module = types.ModuleType("fake_lmcache_gpu_connectors")
+        module.lmc_ops = types.SimpleNamespace(__name__="lmcache.c_ops", multi_layer_kv_transfer=kernel,
+                                               TransferDirection=TransferDirection)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        return type("VLLMPagedMemGPUConnectorV2", (FakeConnector,),
+                    {"batched_from_gpu": FakeConnector.batched_from_gpu, "__module__": module.__name__})
+
+    return make
+
+
+def test_a_kernel_with_lmcache_053s_signature_is_installed_and_called_as_from_gpu_calls_it(connector_module, store):
+    calls: list = []
+    kernel = kernel_053(calls)
+    with pytest.raises(ValueError):
+        inspect.signature(kernel)
+    assert send_gather.parameters_of(kernel) == send_gather.KERNEL_PARAMETERS
+    cls = connector_module(kernel)
+    undo = send_gather.install(cls, on_device=lambda tensor: True)
+    try:
+        assert send_gather.installed(cls) and send_gather.gathers(cls())
+        connector = cls()
+        connector.engine_kv_format, connector.page_buffer_size, connector.block_size, connector.head_size = (
+            "NL_X_TWO_NB_BS_NH_HS", BLOCKS * BLOCK, BLOCK, HEAD)
+        kvcaches, slot_mapping, arena = store
+        objs, starts, ends = chunks_of(arena, spill_last=False)
+        connector.batched_from_gpu(objs, starts, ends, kvcaches=kvcaches, slot_mapping=slot_mapping)
+    finally:
+        undo()
+    assert not send_gather.installed(cls)
+    assert len(calls) == 4
+    args, kwargs = calls[-1]
+    assert args[0].data_ptr() == objs[-1].tensor.data_ptr() and args[0].shape[2] == 5 and args[1] == "pointers" and torch.equal(args[2], slot_mapping[starts[-1]:])
+    assert args[3:] == (kvcaches[0].device, BLOCKS * BLOCK, "D2H", "NL_X_TWO_NB_BS_NH_HS")
+    assert kwargs == {"block_size": BLOCK, "head_size": HEAD}
+
+
+@pytest.mark.parametrize("kernel", [kernel_056, lambda *args, **kwargs: None], ids=["block-stride", "untyped"])
+def test_a_kernel_with_any_other_signature_is_not_installed(connector_module, kernel, caplog):
+    cls = connector_module(kernel)
+    with caplog.at_level(logging.INFO, logger="lmcache_p2p.backend.send_gather"):
+        send_gather.install(cls)()
+    assert not send_gather.installed(cls) and cls.__dict__["batched_from_gpu"] is FakeConnector.batched_from_gpu
+    [line] = [r.getMessage() for r in caplog.records if r.name == "lmcache_p2p.backend.send_gather"]
+    assert "not installed" in line and "lmcache.c_ops.multi_layer_kv_transfer takes (" in line

@@ -21,7 +21,7 @@ import zmq
 from lmcache_p2p import protocol
 from lmcache_p2p.backend.send_service import Chunk, SendService, Target
 from lmcache_p2p.config import P2PConfig, Role
-from lmcache_p2p.errors import ClosedError, PeerUnreachable, TransportError
+from lmcache_p2p.errors import ClosedError, PeerUnreachable, QueueFull, TransportError
 from lmcache_p2p.transport import Notification, Transport, WriteHandle
 
 from fake_proxy import FakeProxy
@@ -728,3 +728,45 @@ def test_a_grant_for_a_request_that_already_failed_is_cancelled_at_once(
     service.submit("req-b", receiver.target, chunks.make(1), last=True)
     receiver.grant()
     wait_for(lambda: service.stats().requests_done == 1, "request B to complete, untouched")
+
+
+# ---- a store that failed before it reached the service; the bounded inbox ------------------------------
+
+
+def test_a_store_failed_on_a_requests_first_batch_is_reported_kv_failed(make_service, receiver, proxy) -> None:
+    service = make_service(proxy_url=proxy.url, heartbeat_interval_s=0.05)
+    proxy.recv(protocol.Announce)
+    service.fail_request("req-1", [(receiver.target, "")], "a store's GPU work did not finish within 1s "
+                                                          "(p2p.store_ready_timeout_s)")
+    failed = proxy.recv(protocol.KvFailed)
+    assert failed.req_id == "req-1" and "p2p.store_ready_timeout_s" in failed.reason
+    assert service.stats().requests_failed == 1 and service.pending_requests() == 0
+
+
+def test_a_store_failed_after_earlier_batches_went_cancels_them_on_the_receiver(
+        make_service, receiver, chunks, proxy) -> None:
+    service = make_service(proxy_url=proxy.url, heartbeat_interval_s=0.05)
+    proxy.recv(protocol.Announce)
+    first = chunks.make(2)
+    service.submit("req-1", receiver.target, first, last=False)
+    receiver.welcome()
+    receiver.grant()
+    wait_for(lambda: sorted(chunks.released) == sorted(_keys(first)), "the first batch's writes")
+    service.fail_request("req-1", [(receiver.target, "")], "a store's GPU work failed: RuntimeError: CUDA error")
+    failed = proxy.recv(protocol.KvFailed)
+    assert failed.req_id == "req-1" and "CUDA error" in failed.reason
+    receiver.recv(protocol.Cancel)
+    assert receiver.cancels() == ["req-1"]
+
+
+def test_a_full_send_queue_refuses_with_the_setting_to_raise_and_releases_the_batch(
+        make_service, receiver, chunks, monkeypatch) -> None:
+    service = make_service(send_queue_max_batches=2)
+    monkeypatch.setattr(service, "_take_inbox", lambda: None)  # the service's thread is behind
+    service.submit("req-1", receiver.target, chunks.make(1), last=False)
+    service.submit("req-1", receiver.target, chunks.make(1), last=False)
+    third = chunks.make(2)
+    with pytest.raises(QueueFull, match=r"p2p\.send_queue_max_batches") as refused:
+        service.submit("req-1", receiver.target, third, last=True)
+    assert refused.value.key == "p2p.send_queue_max_batches"
+    assert sorted(chunks.released) == sorted(_keys(third)) and service.pending_requests() == 2

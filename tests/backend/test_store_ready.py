@@ -9,27 +9,38 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lmcache_p2p.backend import send_gather, sender as sender_module
-from lmcache_p2p.backend.store_ready import StoreHandoff, install_async_slot_mapping
+from lmcache_p2p.backend.store_ready import StoreHandoff, StoreMode, install_async_slot_mapping, store_mode_of
 from lmcache_p2p.config import P2PConfig
-from lmcache_p2p.errors import ClosedError
+from lmcache_p2p.errors import ClosedError, ConfigError, QueueFull
 
 
 # ---- the hand-off thread ----------------------------------------------------------------------------
 
 
+def make_handoff(name: str = "test-store", timeout_s: float = 10.0, max_stores: int = 64) -> StoreHandoff:
+    return StoreHandoff(name, timeout_s=timeout_s, max_stores=max_stores)
+
+
+def no_failure(reason: str) -> None:
+    raise AssertionError(f"unexpected failure: {reason}")
+
+
 def test_hand_overs_run_in_order_each_after_its_gpu_work_and_never_on_the_callers_thread():
-    handoff = StoreHandoff("test-store")
+    handoff = make_handoff()
     gate = threading.Event()
     ran: list[tuple[str, str]] = []
     try:
-        handoff.submit(gate.wait, lambda: ran.append(("first", threading.current_thread().name)), lambda: None)
-        handoff.submit(None, lambda: ran.append(("second", threading.current_thread().name)), lambda: None)
+        handoff.submit(gate.is_set, lambda: ran.append(("first", threading.current_thread().name)), lambda: None,
+                       no_failure)
+        handoff.submit(None, lambda: ran.append(("second", threading.current_thread().name)), lambda: None,
+                       no_failure)
         assert not gate.wait(0.05) and ran == []  # the second waits behind the first's GPU work
         gate.set()
     finally:
@@ -37,48 +48,101 @@ def test_hand_overs_run_in_order_each_after_its_gpu_work_and_never_on_the_caller
     assert ran == [("first", "test-store"), ("second", "test-store")]
 
 
-def test_failed_gpu_work_hands_its_chunks_back_and_later_stores_still_go():
-    handoff = StoreHandoff("test-store")
-    released, ran = [], []
+def test_failed_gpu_work_hands_its_chunks_back_fails_the_request_and_later_stores_still_go():
+    handoff = make_handoff()
+    released, ran, failed = [], [], []
 
-    def broken() -> None:
+    def broken() -> bool:
         raise RuntimeError("CUDA error: an illegal memory access")
 
-    handoff.submit(broken, lambda: ran.append("broken"), lambda: released.append("broken"))
-    handoff.submit(None, lambda: ran.append("next"), lambda: released.append("next"))
+    handoff.submit(broken, lambda: ran.append("broken"), lambda: released.append("broken"), failed.append)
+    handoff.submit(None, lambda: ran.append("next"), lambda: released.append("next"), failed.append)
     handoff.close()
     assert released == ["broken"] and ran == ["next"]
+    assert len(failed) == 1 and "illegal memory access" in failed[0]
+
+
+def test_gpu_work_that_never_finishes_fails_its_store_at_the_deadline_and_later_stores_go():
+    handoff = make_handoff(timeout_s=0.1)
+    released, ran, failed = [], [], []
+    started = time.monotonic()
+    handoff.submit(lambda: False, lambda: ran.append("hung"), lambda: released.append("hung"), failed.append)
+    handoff.submit(None, lambda: ran.append("next"), lambda: released.append("next"), failed.append)
+    handoff.close()
+    assert time.monotonic() - started < 5.0
+    assert released == ["hung"] and ran == ["next"]
+    assert len(failed) == 1 and "p2p.store_ready_timeout_s" in failed[0]
 
 
 def test_a_store_after_close_is_handed_back_with_a_clear_error():
-    handoff = StoreHandoff("test-store")
+    handoff = make_handoff()
     handoff.close()
     released = []
     with pytest.raises(ClosedError, match="closed"):
-        handoff.submit(None, lambda: None, lambda: released.append(True))
+        handoff.submit(None, lambda: None, lambda: released.append(True), no_failure)
     assert released == [True]
+
+
+def test_a_full_hand_off_refuses_with_the_setting_to_raise_and_hands_the_chunks_back():
+    handoff = make_handoff(max_stores=2)
+    gate = threading.Event()
+    released = []
+    try:
+        handoff.submit(gate.is_set, lambda: None, lambda: released.append(1), no_failure)
+        handoff.submit(gate.is_set, lambda: None, lambda: released.append(2), no_failure)
+        with pytest.raises(QueueFull, match=r"p2p\.store_queue_max_stores") as refused:
+            handoff.submit(gate.is_set, lambda: None, lambda: released.append(3), no_failure)
+        assert refused.value.key == "p2p.store_queue_max_stores" and released == [3]
+        gate.set()
+    finally:
+        handoff.close()
+    assert released == [3] and handoff.waiting() == 0
+
+
+@pytest.mark.parametrize("key", ["store_queue_max_stores", "send_queue_max_batches"])
+def test_queue_bounds_are_whole_numbers_named_when_wrong(key):
+    assert getattr(P2PConfig.from_mapping({"role": "sender", key: 7}), key) == 7
+    for bad in (0, -1, 2.5, "many", True):
+        with pytest.raises(ConfigError, match=rf"p2p\.{key}"):
+            P2PConfig.from_mapping({"role": "sender", key: bad})
+    with pytest.raises(ConfigError, match=r"p2p\.store_ready_timeout_s"):
+        P2PConfig.from_mapping({"role": "sender", "store_ready_timeout_s": 0})
 
 
 # ---- the sender hands its stores over through it ------------------------------------------------------
 
 
 class Submits:
-    def __init__(self) -> None:
+    """SendService as the sender's hand-over sees it. ``broken_at``: that submit (0-based) raises an unexpected
+    error, after releasing its own chunks as SendService.submit does whenever it raises."""
+
+    def __init__(self, broken_at: int | None = None) -> None:
         self.batches: list[tuple[list[str], bool, str]] = []
         self.nothing: list[str] = []
+        self.failures: list[tuple[str, list, str]] = []
+        self._broken_at = broken_at
+        self._calls = 0
 
     def submit(self, req_id, target, chunks, last, called_s=0.0, wire_id="", queued_s=0.0) -> None:
+        self._calls += 1
+        if self._calls - 1 == self._broken_at:
+            for c in chunks:
+                c.done()
+            raise RuntimeError("an unexpected error inside submit")
         self.batches.append(([c.key for c in chunks], last, threading.current_thread().name))
 
     def nothing_to_send(self, req_id) -> None:
         self.nothing.append(req_id)
 
+    def fail_request(self, req_id, shares, reason) -> None:
+        self.failures.append((req_id, shares, reason))
+
 
 class Obj:
-    """A MemoryObj as far as the sender reads it; counts its references."""
+    """A MemoryObj as far as the sender reads it; counts its references. ``tensor``: default a host one."""
 
-    def __init__(self) -> None:
-        self.tensor = torch.zeros(2, 1, 4, 8)
+    def __init__(self, tensor=None) -> None:
+        self.tensor = torch.zeros(2, 1, 4, 8) if tensor is None else tensor
         self.refs = 1
 
     def ref_count_up(self) -> None:
@@ -102,8 +166,14 @@ class Obj:
 def sender_with(service, handoff):
     backend = object.__new__(sender_module.SenderBackend)
     backend._service, backend._arena, backend._tp_rank, backend._warned_no_spec = service, None, 0, False
-    backend._layout, backend._handoff, backend._store_stream = None, handoff, None
+    backend._layout, backend._handoff, backend._connector = None, handoff, None
     return backend
+
+
+def vram_tensor():
+    """What the sender reads of an arena page's tensor (there is no GPU here)."""
+    return SimpleNamespace(is_cuda=True, device="cuda:0", nbytes=2 * 4 * 8 * 4, shape=torch.Size([2, 1, 4, 8]),
+                           dtype=torch.float32)
 
 
 def keys_of(*hashes):
@@ -119,7 +189,7 @@ def spec(last: bool, ports=(7300,)):
 
 
 def test_a_senders_stores_reach_the_service_in_order_on_the_hand_off_thread():
-    service, handoff = Submits(), StoreHandoff("p2p-store-0")
+    service, handoff = Submits(), make_handoff("p2p-store-0")
     backend = sender_with(service, handoff)
     backend.batched_submit_put_task(keys_of(1, 2), [Obj(), Obj()], transfer_spec=spec(last=False))
     backend.batched_submit_put_task(keys_of(3), [Obj()], transfer_spec=spec(last=True))
@@ -128,7 +198,7 @@ def test_a_senders_stores_reach_the_service_in_order_on_the_hand_off_thread():
 
 
 def test_a_store_refused_by_a_closed_hand_off_drops_the_references_it_took():
-    service, handoff = Submits(), StoreHandoff("p2p-store-0")
+    service, handoff = Submits(), make_handoff("p2p-store-0")
     handoff.close()
     backend = sender_with(service, handoff)
     objs = [Obj(), Obj()]
@@ -149,6 +219,121 @@ def test_a_bad_spec_for_a_later_decoder_rank_takes_no_reference_at_all():
     assert objs[0].refs == 1 and backend._service.batches == []
 
 
+@pytest.mark.parametrize("broken_at", [0, 1], ids=["first-run", "second-run"])
+@pytest.mark.parametrize("with_handoff", [False, True], ids=["engine-thread", "hand-off-thread"])
+def test_an_error_handing_a_store_over_releases_every_chunk_the_service_did_not_take(broken_at, with_handoff):
+    # Three runs: host chunks, VRAM chunks (the arena filled and emptied midway), host chunks again.
+    service = Submits(broken_at=broken_at)
+    handoff = make_handoff("p2p-store-0") if with_handoff else None
+    backend = sender_with(service, handoff)
+    objs = [Obj(), Obj(vram_tensor()), Obj(vram_tensor()), Obj()]
+    try:
+        if with_handoff:
+            backend.batched_submit_put_task(keys_of(1, 2, 3, 4), objs, transfer_spec=spec(last=True))
+        else:
+            with pytest.raises(RuntimeError, match="unexpected error inside submit"):
+                backend.batched_submit_put_task(keys_of(1, 2, 3, 4), objs, transfer_spec=spec(last=True))
+    finally:
+        if handoff is not None:
+            handoff.close()
+    taken = {key for keys, _, _ in service.batches for key in keys}
+    assert [o.refs for o, k in zip(objs, "1234")] == [2 if k in taken else 1 for k in "1234"]
+    assert len(service.batches) == broken_at  # nothing after the error was submitted
+    if with_handoff:  # the request is failed at once rather than left to the proxy's KV timeout
+        assert len(service.failures) == 1 and "unexpected error inside submit" in service.failures[0][2]
+
+
+def test_an_error_reaching_one_receiver_releases_the_chunks_of_the_receivers_not_reached_yet():
+    # One store, two receivers (a TP split whose pieces are the chunks themselves, as for MLA's latent).
+    from lmcache_p2p.backend.send_types import Chunk, Target
+
+    released: list[str] = []
+
+    def chunk(key: str) -> Chunk:
+        return Chunk(key, None, torch.zeros(1), lambda: released.append(key))
+
+    sends = [(Target("127.0.0.1", 7300), [chunk("a1"), chunk("a2")], "w0"),
+             (Target("127.0.0.1", 7301), [chunk("b1"), chunk("b2")], "w1")]
+    service = Submits(broken_at=0)
+    with pytest.raises(RuntimeError, match="unexpected error inside submit"):
+        sender_module._hand_over(service, "req-1", sends, True, 0.0, 0.0)
+    assert sorted(released) == ["a1", "a2", "b1", "b2"] and service.batches == []
+
+
+def test_gpu_done_orders_the_engine_and_the_load_stream_after_the_store_and_never_blocks(monkeypatch):
+    log: list[str] = []
+
+    class Event:
+        def __init__(self, **kwargs) -> None:
+            log.append(f"event {kwargs}")
+
+        def record(self, stream) -> None:
+            log.append(f"event recorded on {stream.name}")
+
+        def query(self) -> bool:
+            log.append("queried")
+            return False
+
+        def synchronize(self) -> None:
+            raise AssertionError("a blocking wait has no deadline")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("engine", log))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    from lmcache_p2p.backend.store_ready import gpu_done
+
+    done = gpu_done(Stream("store", log), Stream("load", log))
+    assert done() is False
+    assert log == ["engine waits for store", "load waits for store", "event {}", "event recorded on engine", "queried"]
+
+
+def vram_sender(service, handoff, ready):
+    backend = sender_with(service, handoff)
+    backend._arena = SimpleNamespace(device="cuda:0")
+    backend._after_store = lambda device: ready
+    return backend
+
+
+def test_a_failed_gpu_wait_on_a_requests_first_batch_fails_the_request_and_frees_its_pages():
+    def broken() -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    service, handoff = Submits(), make_handoff("p2p-store-0")
+    objs = [Obj(vram_tensor()), Obj(vram_tensor())]
+    vram_sender(service, handoff, broken).batched_submit_put_task(keys_of(1, 2), objs, transfer_spec=spec(last=False))
+    handoff.close()
+    assert [o.refs for o in objs] == [1, 1] and service.batches == []
+    [(req_id, shares, reason)] = service.failures
+    assert req_id == "req-1" and [t.endpoint for t, _ in shares] == ["tcp://127.0.0.1:7300"]
+    assert "illegal memory access" in reason
+
+
+def test_a_store_whose_gpu_work_outlives_store_ready_timeout_fails_and_frees_its_pages():
+    service, handoff = Submits(), make_handoff("p2p-store-0", timeout_s=0.1)
+    objs = [Obj(vram_tensor())]
+    vram_sender(service, handoff, lambda: False).batched_submit_put_task(keys_of(1), objs, transfer_spec=spec(True))
+    handoff.close()
+    assert objs[0].refs == 1 and service.batches == []
+    [(req_id, _, reason)] = service.failures
+    assert req_id == "req-1" and "p2p.store_ready_timeout_s" in reason
+
+
+def test_a_store_refused_by_a_full_hand_off_frees_its_pages_and_fails_the_request_without_raising():
+    gate = threading.Event()
+    service, handoff = Submits(), make_handoff("p2p-store-0", max_stores=1)
+    backend = vram_sender(service, handoff, gate.is_set)
+    first, second = [Obj(vram_tensor())], [Obj(vram_tensor())]
+    try:
+        backend.batched_submit_put_task(keys_of(1), first, transfer_spec=spec(last=False))
+        backend.batched_submit_put_task(keys_of(2), second, transfer_spec=spec(last=True))  # the engine goes on
+        assert second[0].refs == 1
+        [(req_id, _, reason)] = service.failures
+        assert req_id == "req-1" and "p2p.store_queue_max_stores" in reason
+        gate.set()
+    finally:
+        handoff.close()
+    assert [keys for keys, _, _ in service.batches] == [["1"]]
+
+
 class Stream:
     def __init__(self, name: str, log: list) -> None:
         self.name, self.log = name, log
@@ -160,19 +345,40 @@ class Stream:
         self.log.append(f"cpu waits for {self.name}")
 
 
-def test_vram_chunks_wait_on_the_gpu_with_a_hand_off_and_on_the_engines_thread_without(monkeypatch):
+def connector_in(mode: StoreMode | None, log: list):
+    connector = SimpleNamespace(store_stream=Stream("store", log), load_stream=Stream("load", log))
+    if mode is not None:
+        connector._lmcache_p2p_store_mode = mode
+    return connector
+
+
+@pytest.mark.parametrize("mode", [StoreMode.WAIT_FREE, StoreMode.HANDOFF])
+def test_vram_chunks_wait_on_the_gpu_with_a_hand_off_and_on_the_engines_thread_without(monkeypatch, mode):
     log: list[str] = []
-    monkeypatch.setattr(sender_module, "gpu_done", lambda stream: log.append(f"event after {stream.name}") or
-                        (lambda: log.append("hand-off waits for the event")))
-    handoff = StoreHandoff("p2p-store-0")
+    monkeypatch.setattr(sender_module, "gpu_done", lambda store, load: log.append(
+        f"event after {store.name}, {load.name} ordered after it") or (lambda: log.append("hand-off checks") or True))
+    handoff = make_handoff("p2p-store-0")
     backend = sender_with(Submits(), handoff)
-    backend._store_stream = Stream("store", log)
-    assert backend._after_store("cuda:0")() is None  # the returned wait runs on the hand-off thread
-    assert log == ["event after store", "hand-off waits for the event"]
+    backend._connector = connector_in(mode, log)
+    assert backend._after_store("cuda:0")() is True  # the returned check runs on the hand-off thread
+    assert log == ["event after store, load ordered after it", "hand-off checks"]
     handoff.close()
     log.clear()
     backend._handoff = None
     assert backend._after_store("cuda:0") is None and log == ["cpu waits for store"]
+
+
+@pytest.mark.parametrize("mode", [StoreMode.SYNC, None], ids=["another-kv-writer", "never-decided"])
+def test_a_store_in_sync_mode_waits_on_the_engines_thread_even_with_a_hand_off(monkeypatch, mode):
+    log: list[str] = []
+    monkeypatch.setattr(sender_module, "gpu_done", lambda store, load: pytest.fail("no hand-off in SYNC mode"))
+    handoff = make_handoff("p2p-store-0")
+    backend = sender_with(Submits(), handoff)
+    backend._connector = connector_in(mode, log)
+    try:
+        assert backend._after_store("cuda:0") is None and log == ["cpu waits for store"]
+    finally:
+        handoff.close()
 
 
 def test_async_store_is_on_by_default_and_must_be_a_bool():
@@ -184,7 +390,27 @@ def test_async_store_is_on_by_default_and_must_be_a_bool():
         P2PConfig.from_mapping({"role": "sender", "async_store": "yes"})
 
 
-# ---- LMCache's wait_for_save finds the slot mappings on the GPU ----------------------------------------
+# ---- LMCache's wait_for_save finds the slot mappings on the GPU (only for a connector gathered through us) ----
+
+
+class V2Like:
+    """LMCache's VLLMPagedMemGPUConnectorV2 as far as the choice of mode reads it (send_gather.install patches
+    a fresh subclass of it per test)."""
+
+    def from_gpu(self, obj, start, end, **kwargs) -> None: ...
+
+    def initialize_kvcaches_ptr(self, **kwargs) -> None: ...
+
+    def _initialize_pointers(self, kvcaches) -> None: ...
+
+    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs) -> None: ...
+
+
+class V3Like:
+    """LMCache's VLLMPagedMemGPUConnectorV3 (``use_gpu_connector_v3: true``): its own batched_from_gpu, which
+    gathers on its store stream without waiting for the engine's stream; never patched."""
+
+    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs) -> None: ...
 
 
 def adapter_class(seen: list):
@@ -193,10 +419,11 @@ def adapter_class(seen: list):
 
         kv_role = "kv_producer"
         use_layerwise = False
-        lmcache_engine = object()
 
-        def __init__(self, device, requests) -> None:
+        def __init__(self, device, requests, connector=None, kv_connector="LMCacheConnectorV1") -> None:
             self.device = device
+            self.lmcache_engine = SimpleNamespace(gpu_connector=connector)
+            self._vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector=kv_connector))
             metadata = SimpleNamespace(requests=requests)
             self._parent = SimpleNamespace(_get_connector_metadata=lambda: metadata)
 
@@ -211,29 +438,59 @@ def moved(slots, device):
     return slots.to("meta")  # stands in for the pinned, non-blocking copy to the GPU
 
 
-def test_wait_for_save_sees_every_slot_mapping_on_the_device_already():
+@pytest.fixture
+def gathered():
+    """A V2-like connector class whose batched_from_gpu send_gather installed (the kernel stood in)."""
+    cls = type("GatheredV2", (V2Like,), {"batched_from_gpu": V2Like.batched_from_gpu})
+    undo = send_gather.install(cls, transfer=lambda *args: None)
+    yield cls
+    undo()
+
+
+def test_wait_for_save_sees_every_slot_mapping_on_the_device_already(gathered):
     seen: list[str] = []
     cls = adapter_class(seen)
     undo = install_async_slot_mapping(cls, to_device=moved)
     try:
         assert install_async_slot_mapping(cls, to_device=moved)() is None  # installed once
         requests = [SimpleNamespace(slot_mapping=torch.arange(4)), SimpleNamespace(slot_mapping=torch.arange(3))]
-        cls("cuda", requests).wait_for_save()
-        assert seen == ["meta", "meta"]
+        connector = gathered()
+        cls("cuda", requests, connector).wait_for_save()
+        assert seen == ["meta", "meta"] and store_mode_of(connector) is StoreMode.WAIT_FREE
         seen.clear()
-        cls("cpu", [SimpleNamespace(slot_mapping=torch.arange(4))]).wait_for_save()  # a CPU engine: as it was
-        consumer = cls("cuda", [SimpleNamespace(slot_mapping=torch.arange(4))])
+        cls("cpu", [SimpleNamespace(slot_mapping=torch.arange(4))], gathered()).wait_for_save()  # a CPU engine
+        consumer = cls("cuda", [SimpleNamespace(slot_mapping=torch.arange(4))], gathered())
         consumer.kv_role = "kv_consumer"
         consumer.wait_for_save()
-        layerwise = cls("cuda", [SimpleNamespace(slot_mapping=torch.arange(4))])
+        layerwise = cls("cuda", [SimpleNamespace(slot_mapping=torch.arange(4))], gathered())
         layerwise.use_layerwise = True
         layerwise.wait_for_save()
         assert seen == ["cpu", "cpu", "cpu"]
     finally:
         undo()
     seen.clear()
-    cls("cuda", [SimpleNamespace(slot_mapping=torch.arange(4))]).wait_for_save()
+    cls("cuda", [SimpleNamespace(slot_mapping=torch.arange(4))], gathered()).wait_for_save()
     assert seen == ["cpu"]  # undone: LMCache's own method again
+
+
+@pytest.mark.parametrize("connector_cls, kv_connector, mode", [
+    (V3Like, "LMCacheConnectorV1", StoreMode.HANDOFF),  # use_gpu_connector_v3: LMCache's wait stays
+    (V2Like, "LMCacheConnectorV1", StoreMode.HANDOFF),  # the gather not installed (another kernel)
+    ("gathered", "MultiConnector", StoreMode.SYNC),  # another KV connector writes KV on streams we cannot order
+], ids=["v3", "v2-not-gathered", "multi-connector"])
+def test_a_connector_not_gathered_through_us_keeps_lmcaches_wait_for_the_forward(
+        gathered, connector_cls, kv_connector, mode):
+    seen: list[str] = []
+    cls = adapter_class(seen)
+    connector = (gathered if connector_cls == "gathered" else connector_cls)()
+    assert send_gather.gathers(connector) is (connector_cls == "gathered")
+    undo = install_async_slot_mapping(cls, to_device=moved)
+    try:
+        cls("cuda", [SimpleNamespace(slot_mapping=torch.arange(4))], connector, kv_connector).wait_for_save()
+    finally:
+        undo()
+    assert seen == ["cpu"]  # the slot mapping stays on the host: LMCache's pageable copy waits for the forward
+    assert store_mode_of(connector) is mode
 
 
 # ---- the gather is ordered after the forward, and the engine after the gather -------------------------
