@@ -46,9 +46,11 @@ logger = logging.getLogger(__name__)
 
 _INSTALLED_ATTR = "_lmcache_p2p_async_slot_mapping"
 _MODE_ATTR = "_lmcache_p2p_store_mode"  # on the engine's GPU connector: how its latest store may be handed over
-# How often the hand-off thread asks whether a store's GPU work is done. Sleeping between questions leaves the
-# engine's core and GIL alone (a blocking wait could not be bounded); the hand-over is at most this late.
-_READY_POLL_S = 0.0002
+# How often the hand-off thread asks whether a store's GPU work is done: first after _READY_POLL_S, then twice as
+# long each time up to _READY_POLL_MAX_S. Sleeping between questions leaves the engine's core and GIL alone (a
+# blocking wait could not be bounded); a long store is asked about rarely, a short one is handed over soon.
+_READY_POLL_S = 0.0001
+_READY_POLL_MAX_S = 0.001
 _IDLE_WAIT_S = 1.0  # the idle thread's wait for a store (a submission or close() wakes it at once)
 _PLAIN_CONNECTOR = "LMCacheConnectorV1"  # vLLM's name for LMCache alone as the KV connector
 
@@ -170,12 +172,14 @@ class StoreHandoff:
 
     def _wait_ready(self, store: PendingStore) -> str:
         """"" once the store's GPU work is done; else why it will never be sent."""
+        poll_s = self._poll_s
         try:
             while store.ready is not None and not store.ready():
                 if time.monotonic() >= store.deadline:
                     return (f"a store's GPU work did not finish within {self._timeout_s:g}s "
                             "(p2p.store_ready_timeout_s)")
-                time.sleep(self._poll_s)
+                time.sleep(poll_s)
+                poll_s = min(2 * poll_s, max(self._poll_s, _READY_POLL_MAX_S))
         except Exception as exc:  # a CUDA error: the chunks' bytes cannot be trusted
             logger.exception("lmcache_p2p sender: a store's GPU work failed")
             return f"a store's GPU work failed: {type(exc).__name__}: {exc}"
