@@ -13,6 +13,7 @@ from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.flow import flow as flow_module
 from lmcache_p2p.proxy.router.registry import Instance
 
+from . import fakes
 from .conftest import eventually, make_cluster
 from .fakes import MESSAGES, MODEL, PROMPT, chat_prompt, expected_text, generate, token_text, tokenize
 
@@ -608,6 +609,36 @@ async def test_a_stream_broken_after_a_held_back_character_continues_with_its_te
         text, token_ids = await completion(c, body, stream)
         assert text == expected_text(ids, 10) and token_ids == out
         assert c.metric("lmcache_p2p_proxy_failovers_total", phase="migrate") == 2
+        assert_idle(c)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_continuation_that_regenerates_other_tokens_ends_with_an_error_and_nothing_twice(stream):
+    """Without a proxy tokenizer a greedy continuation generates the last delta's tokens again; an instance
+    that generates others (numerics that differ) must not have them sent: the client holds those positions."""
+    async with make_cluster(n_decode=1, tokenizer="none") as c:
+        ids = tokenize(PROMPT)
+        out = generate(ids, 10)
+        c.decoders[0].vllm.die_after = 3  # it sends out[1:4], out[3] without text: regenerated with out[2] at least
+        for node in c.prefillers + c.decoders:
+            node.vllm.held_tokens = {out[3]}
+        prefiller = c.prefillers[0].vllm  # the first token as one instance, then other tokens than the decoder's
+        prefiller.model = lambda t: fakes.next_token(t) if len(t) <= len(ids) else fakes.next_token(t) % 89 + 11
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "return_token_ids": True, "stream": stream,
+                "temperature": 0}
+        if stream:
+            events = await c.stream("/v1/completions", body)
+            assert events[-2]["error"]["type"] == "ContinuationMismatchError" and events[-1] == "[DONE]"
+            chunks = [e["choices"][0] for e in events[:-2] if e.get("choices")]
+            assert [t for ch in chunks for t in ch["token_ids"]] == out[:4]
+            assert "".join(ch["text"] for ch in chunks) == expected_text(ids, 3)  # out[3]'s text was held back
+        else:
+            resp = await c.post("/v1/completions", body)
+            assert resp.status_code == 502 and resp.json()["error"]["type"] == "ContinuationMismatchError"
+        continuation = prefiller.calls("/v1/completions")[-1]
+        done = continuation["prompt"][len(ids):]  # out[0] at least; what the client has after it is regenerated
+        assert continuation["prompt"] == ids + out[:len(done)] and 1 <= len(done) <= 2
+        assert continuation["max_tokens"] == 10 - len(done)
         assert_idle(c)
 
 
