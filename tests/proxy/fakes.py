@@ -202,7 +202,7 @@ class FakeVllm:
             status, error = self.errors.pop(0)
             return JSONResponse(error, status_code=status)
         prompt = body["prompt"]
-        ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt)
+        ids = self._truncate(list(prompt), body) if isinstance(prompt, list) else self._truncate_text(prompt, body)
         await self._maybe_send_kv(body)
         if self.break_next:
             return self._broken()
@@ -226,7 +226,7 @@ class FakeVllm:
         if self.errors:
             status, error = self.errors.pop(0)
             return JSONResponse(error, status_code=status)
-        ids = self.encode(chat_prompt(body["messages"]))
+        ids = self._truncate(self.encode(chat_prompt(body["messages"])), body)  # chat: no special tokens added
         await self._maybe_send_kv(body)
         if self.break_next:
             return self._broken()
@@ -266,6 +266,21 @@ class FakeVllm:
             raise ConnectionResetError(f"fake {self.name} killed mid-request")
 
         return StreamingResponse(body(), media_type="application/json")
+
+    def _truncate(self, ids: list[int], body: dict[str, Any], special: int = 0) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the last N ids (the first with truncation_side right); -1 is the
+        context less one. ``special``: the first ids are special tokens the tokenizer added to a text, which
+        a Hugging Face tokenizer keeps when it truncates."""
+        limit = body.get("truncate_prompt_tokens")
+        if limit is not None and limit < 0:
+            limit = self.max_model_len - 1 if self.max_model_len is not None else None
+        if limit is None or limit >= len(ids):
+            return ids
+        kept, content, limit = ids[:special], ids[special:], limit - special
+        return kept + (content[:limit] if body.get("truncation_side") == "right" else content[len(content) - limit:])
+
+    def _truncate_text(self, text: str, body: dict[str, Any]) -> list[int]:
+        return self._truncate(self.encode(text), body, special=1 if self.encode is tokenize else 0)  # its BOS
 
     def _text(self, tokens: list[int]) -> str:
         return "" if self.hold_back_text else self.text_of(tokens)

@@ -642,6 +642,47 @@ async def test_a_continuation_that_regenerates_other_tokens_ends_with_an_error_a
         assert_idle(c)
 
 
+@pytest.mark.parametrize("form", ["ids", "text", "chat"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_truncate_prompt_tokens_cuts_the_prompt_once_as_one_instance_does(form, stream):
+    """vLLM keeps the prompt's last N tokens. A decoder given the field with prompt + output would cut the
+    output's context as well: every decode and continuation gets the truncated prompt's ids, never the field."""
+    async with make_cluster(n_decode=2) as c:
+        for node in c.decoders:
+            node.vllm.die_after = 3  # two migrations: the prefiller finishes the output colocated
+        if form == "chat":
+            path, body, kept = "/v1/chat/completions", {"messages": MESSAGES}, tokenize(chat_prompt(MESSAGES))[-20:]
+        elif form == "text":  # vLLM truncates a text as its tokenizer does: the BOS it adds is kept
+            path, body, kept = "/v1/completions", {"prompt": PROMPT}, tokenize(PROMPT)[:1] + tokenize(PROMPT)[-19:]
+        else:
+            path, body, kept = "/v1/completions", {"prompt": tokenize(PROMPT)}, tokenize(PROMPT)[-20:]
+        body.update(model=MODEL, max_tokens=10, truncate_prompt_tokens=20, return_token_ids=True, stream=stream,
+                    stream_options={"include_usage": True} if stream else None)
+        if stream:
+            events = await c.stream(path, body)
+            assert all("error" not in e for e in events[:-1])
+            chunks = [e["choices"][0] for e in events[:-1] if e.get("choices")]
+            token_ids = [t for ch in chunks for t in ch.get("token_ids") or ()]
+            prompt_ids = next(ch.get("prompt_token_ids") for e in events[:-1] if e.get("choices")
+                              for ch in [e["choices"][0], e] if ch.get("prompt_token_ids"))
+            usage = events[-2]["usage"]
+        else:
+            resp = await c.post(path, body)
+            assert resp.status_code == 200, resp.text
+            answer = resp.json()
+            token_ids, usage = answer["choices"][0]["token_ids"], answer["usage"]
+            prompt_ids = answer["prompt_token_ids"] if form == "chat" else answer["choices"][0]["prompt_token_ids"]
+        assert token_ids == generate(kept, 10)
+        assert prompt_ids == kept and usage["prompt_tokens"] == 20
+        prefill, *continued = c.prefillers[0].vllm.requests
+        assert prefill[1]["truncate_prompt_tokens"] == 20  # a text or chat prompt is truncated where it is tokenized
+        decodes = [b for n in c.decoders for b in n.vllm.calls("/v1/completions")] + [b for _, b in continued]
+        assert len(decodes) == 3 and all("truncate_prompt_tokens" not in b for b in decodes)
+        assert sorted(len(b["prompt"]) for b in decodes) == [21, 24, 27]
+        assert all(b["prompt"] == kept + token_ids[:len(b["prompt"]) - 20] for b in decodes)
+        assert_idle(c)
+
+
 async def test_migration_is_bounded_by_the_migration_limit():
     async with make_cluster(n_decode=2, migration_limit=0) as c:
         for node in c.decoders:
