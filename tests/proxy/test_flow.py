@@ -683,6 +683,24 @@ async def test_truncate_prompt_tokens_cuts_the_prompt_once_as_one_instance_does(
         assert_idle(c)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_seeded_sampled_request_gets_its_seed_on_every_decode_and_equals_one_instance(stream):
+    """vLLM's default GPU model runner draws a seeded token from the seed and the token's position: a decoder
+    (or a continuation) prompted with prompt + output and the same seed draws what one instance would."""
+    async with make_cluster(n_decode=2) as c:
+        for node in c.decoders:
+            node.vllm.die_after = 3  # two migrations: the prefiller finishes the output colocated
+        ids = tokenize(PROMPT)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0.8, "seed": 7,
+                "return_token_ids": True, "stream": stream}
+        _, token_ids = await completion(c, body, stream)
+        assert fakes.generate_seeded(ids, 10, 7) != generate(ids, 10)  # the seed matters here
+        assert token_ids == fakes.generate_seeded(ids, 10, 7)
+        bodies = [b for n in c.prefillers + c.decoders for b in n.vllm.calls("/v1/completions")]
+        assert len(bodies) == 4 and all(b["seed"] == 7 and b["temperature"] == 0.8 for b in bodies)
+        assert_idle(c)
+
+
 async def test_migration_is_bounded_by_the_migration_limit():
     async with make_cluster(n_decode=2, migration_limit=0) as c:
         for node in c.decoders:

@@ -17,6 +17,14 @@ applies it (``truncate_prompt``): to the ids the proxy holds, and by the prefill
 prompt it tokenizes (its answer names the ids it kept). It never goes to a decode: there it would cut
 prompt + output, and the context would shift against one instance's.
 
+``seed`` goes unchanged to the prefill, the decode and every continuation. vLLM 0.32's default model
+runner (V2, wherever Triton runs) draws a seeded token from the seed and the token's position in the
+sequence, so a decoder prompted with prompt + output draws each later token as one instance would: the
+output equals one instance's, migrated or not. The V1 model runner (no Triton, e.g. vLLM-CPU without
+Triton's CPU backend, or ``VLLM_USE_V2_MODEL_RUNNER=0``) keeps a generator per request instead, which no
+API can hand over: each instance's starts afresh, so there the output after the first token, and after
+a migration, is another sample than one instance's for that seed. Greedy output never depends on it.
+
 What cannot be split between two instances is refused with 400: ``n``/``best_of`` > 1, beam
 search, ``echo``, batched prompts, prompt embeddings, ``prompt_logprobs``, structured outputs and a forced
 ``tool_choice`` ("required" or a named tool: the decoder's grammar would restart after the prefiller's
