@@ -12,7 +12,9 @@
             │   └── UpstreamConnectError  502: no connection (refused / connect timeout): nothing was sent,
             │                             so the call may be retried on another instance
             ├── UpstreamTimeout    504: no answer within the deadline
-            └── UpstreamMalformed  502: an answer without what the proxy needs
+            ├── UpstreamMalformed  502: an answer without what the proxy needs
+            └── ContinuationMismatch  502: an instance continuing a broken stream did not regenerate
+                                      the tokens the client already has
 
 Every one renders as ``{"error": {"message", "type", "param", "code"}}`` (vLLM's shape; ``code`` is
 the HTTP status).
@@ -90,6 +92,13 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamMalformed(UpstreamError):
     pass
+
+
+class ContinuationMismatch(UpstreamError):
+    """A continued stream did not start with what the client already has: its output cannot be sent on
+    without repeating positions (never retried elsewhere: a migration is for broken streams)."""
+
+    error_type = "ContinuationMismatchError"
 
 
 class ClientDisconnected(P2PError):

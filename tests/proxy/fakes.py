@@ -92,6 +92,28 @@ def penalized(body: dict[str, Any]) -> bool:
     return any(body.get(k) for k in ("presence_penalty", "frequency_penalty", "bad_words"))
 
 
+def sampled_token(ids: list[int], seed: int) -> int:
+    """The next token of seeded sampling as vLLM's default GPU model runner (V2) draws it: its noise is a
+    function of the seed and the token's position in the sequence, not of the draws made before."""
+    noise = (seed * 2654435761 + len(ids) * 40503) % 13
+    return (next_token(ids) + noise) % 90 + 10
+
+
+def seeded(body: dict[str, Any]) -> int | None:
+    """The seed of a sampled request (None: greedy, or sampled without a seed, which the fake serves greedily)."""
+    temperature = body.get("temperature")
+    sampled = temperature is None or temperature > 0
+    return body.get("seed") if sampled else None
+
+
+def generate_seeded(prompt_ids: list[int], n: int, seed: int) -> list[int]:
+    """What a single instance outputs for a seeded sampled request."""
+    ids = list(prompt_ids)
+    for _ in range(n):
+        ids.append(sampled_token(ids, seed))
+    return ids[len(prompt_ids):]
+
+
 PROMPT = "The quick brown fox jumps over the lazy dog"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 
@@ -203,14 +225,14 @@ class FakeVllm:
             status, error = self.errors.pop(0)
             return JSONResponse(error, status_code=status)
         prompt = body["prompt"]
-        ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt)
+        ids = self._truncate(list(prompt), body) if isinstance(prompt, list) else self._truncate_text(prompt, body)
         await self._maybe_send_kv(body)
         if self.break_next:
             return self._broken()
         refused = self._context_refusal(ids, body.get("max_tokens", 16))
         if refused is not None:
             return refused
-        tokens, finish = self._generate(ids, body.get("max_tokens", 16), penalized(body))
+        tokens, finish = self._generate(ids, body.get("max_tokens", 16), penalized(body), seeded(body))
         if body.get("stream"):
             return StreamingResponse(self._stream(body, ids, tokens, finish), media_type="text/event-stream")
         choice = {"index": 0, "text": self._text(tokens), "logprobs": self._logprobs(body, tokens, 0),
@@ -227,12 +249,12 @@ class FakeVllm:
         if self.errors:
             status, error = self.errors.pop(0)
             return JSONResponse(error, status_code=status)
-        ids = self.encode(chat_prompt(body["messages"]))
+        ids = self._truncate(self.encode(chat_prompt(body["messages"])), body)  # chat: no special tokens added
         await self._maybe_send_kv(body)
         if self.break_next:
             return self._broken()
         tokens, finish = self._generate(ids, body.get("max_completion_tokens") or body.get("max_tokens") or 16,
-                                        penalized(body))
+                                        penalized(body), seeded(body))
         choice = {"index": 0, "message": {"role": "assistant", "content": self._text(tokens)},
                   "logprobs": None, "finish_reason": finish}
         answer = self._answer("chat.completion", [choice], ids, tokens, body)
@@ -268,6 +290,21 @@ class FakeVllm:
 
         return StreamingResponse(body(), media_type="application/json")
 
+    def _truncate(self, ids: list[int], body: dict[str, Any], special: int = 0) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the last N ids (the first with truncation_side right); -1 is the
+        context less one. ``special``: the first ids are special tokens the tokenizer added to a text, which
+        a Hugging Face tokenizer keeps when it truncates."""
+        limit = body.get("truncate_prompt_tokens")
+        if limit is not None and limit < 0:
+            limit = self.max_model_len - 1 if self.max_model_len is not None else None
+        if limit is None or limit >= len(ids):
+            return ids
+        kept, content, limit = ids[:special], ids[special:], limit - special
+        return kept + (content[:limit] if body.get("truncation_side") == "right" else content[len(content) - limit:])
+
+    def _truncate_text(self, text: str, body: dict[str, Any]) -> list[int]:
+        return self._truncate(self.encode(text), body, special=1 if self.encode is tokenize else 0)  # its BOS
+
     def _text(self, tokens: list[int]) -> str:
         return "" if self.hold_back_text else self.text_of(tokens)
 
@@ -286,13 +323,17 @@ class FakeVllm:
         return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": "max_tokens",
                                        "code": 400}}, status_code=400)
 
-    def _generate(self, ids: list[int], max_tokens: int | None, penalize: bool = False) -> tuple[list[int], str]:
+    def _generate(self, ids: list[int], max_tokens: int | None, penalize: bool = False,
+                  seed: int | None = None) -> tuple[list[int], str]:
         n = 20 if max_tokens is None else max_tokens
         if self.max_model_len is not None:
             n = min(n, self.max_model_len - len(ids))
         tokens = list(ids)
         for _ in range(n):
-            tokens.append(penalized_token(tokens, tokens[len(ids):]) if penalize else self.model(tokens))
+            if seed is not None:
+                tokens.append(sampled_token(tokens, seed))
+            else:
+                tokens.append(penalized_token(tokens, tokens[len(ids):]) if penalize else self.model(tokens))
         tokens = tokens[len(ids):]
         if self.eos_at is not None and self.eos_at < len(tokens):
             return tokens[: self.eos_at] + [EOS], "stop"

@@ -13,6 +13,7 @@ from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.flow import flow as flow_module
 from lmcache_p2p.proxy.router.registry import Instance
 
+from . import fakes
 from .conftest import eventually, make_cluster
 from .fakes import MESSAGES, MODEL, PROMPT, chat_prompt, expected_text, generate, token_text, tokenize
 
@@ -608,6 +609,95 @@ async def test_a_stream_broken_after_a_held_back_character_continues_with_its_te
         text, token_ids = await completion(c, body, stream)
         assert text == expected_text(ids, 10) and token_ids == out
         assert c.metric("lmcache_p2p_proxy_failovers_total", phase="migrate") == 2
+        assert_idle(c)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_continuation_that_regenerates_other_tokens_ends_with_an_error_and_nothing_twice(stream):
+    """Without a proxy tokenizer a greedy continuation generates the last delta's tokens again; an instance
+    that generates others (numerics that differ) must not have them sent: the client holds those positions."""
+    async with make_cluster(n_decode=1, tokenizer="none") as c:
+        ids = tokenize(PROMPT)
+        out = generate(ids, 10)
+        c.decoders[0].vllm.die_after = 3  # it sends out[1:4], out[3] without text: regenerated with out[2] at least
+        for node in c.prefillers + c.decoders:
+            node.vllm.held_tokens = {out[3]}
+        prefiller = c.prefillers[0].vllm  # the first token as one instance, then other tokens than the decoder's
+        prefiller.model = lambda t: fakes.next_token(t) if len(t) <= len(ids) else fakes.next_token(t) % 89 + 11
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "return_token_ids": True, "stream": stream,
+                "temperature": 0}
+        if stream:
+            events = await c.stream("/v1/completions", body)
+            assert events[-2]["error"]["type"] == "ContinuationMismatchError" and events[-1] == "[DONE]"
+            chunks = [e["choices"][0] for e in events[:-2] if e.get("choices")]
+            assert [t for ch in chunks for t in ch["token_ids"]] == out[:4]
+            assert "".join(ch["text"] for ch in chunks) == expected_text(ids, 3)  # out[3]'s text was held back
+        else:
+            resp = await c.post("/v1/completions", body)
+            assert resp.status_code == 502 and resp.json()["error"]["type"] == "ContinuationMismatchError"
+        continuation = prefiller.calls("/v1/completions")[-1]
+        done = continuation["prompt"][len(ids):]  # out[0] at least; what the client has after it is regenerated
+        assert continuation["prompt"] == ids + out[:len(done)] and 1 <= len(done) <= 2
+        assert continuation["max_tokens"] == 10 - len(done)
+        assert_idle(c)
+
+
+@pytest.mark.parametrize("form", ["ids", "text", "chat"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_truncate_prompt_tokens_cuts_the_prompt_once_as_one_instance_does(form, stream):
+    """vLLM keeps the prompt's last N tokens. A decoder given the field with prompt + output would cut the
+    output's context as well: every decode and continuation gets the truncated prompt's ids, never the field."""
+    async with make_cluster(n_decode=2) as c:
+        for node in c.decoders:
+            node.vllm.die_after = 3  # two migrations: the prefiller finishes the output colocated
+        if form == "chat":
+            path, body, kept = "/v1/chat/completions", {"messages": MESSAGES}, tokenize(chat_prompt(MESSAGES))[-20:]
+        elif form == "text":  # vLLM truncates a text as its tokenizer does: the BOS it adds is kept
+            path, body, kept = "/v1/completions", {"prompt": PROMPT}, tokenize(PROMPT)[:1] + tokenize(PROMPT)[-19:]
+        else:
+            path, body, kept = "/v1/completions", {"prompt": tokenize(PROMPT)}, tokenize(PROMPT)[-20:]
+        body.update(model=MODEL, max_tokens=10, truncate_prompt_tokens=20, return_token_ids=True, stream=stream,
+                    stream_options={"include_usage": True} if stream else None)
+        if stream:
+            events = await c.stream(path, body)
+            assert all("error" not in e for e in events[:-1])
+            chunks = [e["choices"][0] for e in events[:-1] if e.get("choices")]
+            token_ids = [t for ch in chunks for t in ch.get("token_ids") or ()]
+            prompt_ids = next(ch.get("prompt_token_ids") for e in events[:-1] if e.get("choices")
+                              for ch in [e["choices"][0], e] if ch.get("prompt_token_ids"))
+            usage = events[-2]["usage"]
+        else:
+            resp = await c.post(path, body)
+            assert resp.status_code == 200, resp.text
+            answer = resp.json()
+            token_ids, usage = answer["choices"][0]["token_ids"], answer["usage"]
+            prompt_ids = answer["prompt_token_ids"] if form == "chat" else answer["choices"][0]["prompt_token_ids"]
+        assert token_ids == generate(kept, 10)
+        assert prompt_ids == kept and usage["prompt_tokens"] == 20
+        prefill, *continued = c.prefillers[0].vllm.requests
+        assert prefill[1]["truncate_prompt_tokens"] == 20  # a text or chat prompt is truncated where it is tokenized
+        decodes = [b for n in c.decoders for b in n.vllm.calls("/v1/completions")] + [b for _, b in continued]
+        assert len(decodes) == 3 and all("truncate_prompt_tokens" not in b for b in decodes)
+        assert sorted(len(b["prompt"]) for b in decodes) == [21, 24, 27]
+        assert all(b["prompt"] == kept + token_ids[:len(b["prompt"]) - 20] for b in decodes)
+        assert_idle(c)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_seeded_sampled_request_gets_its_seed_on_every_decode_and_equals_one_instance(stream):
+    """vLLM's default GPU model runner draws a seeded token from the seed and the token's position: a decoder
+    (or a continuation) prompted with prompt + output and the same seed draws what one instance would."""
+    async with make_cluster(n_decode=2) as c:
+        for node in c.decoders:
+            node.vllm.die_after = 3  # two migrations: the prefiller finishes the output colocated
+        ids = tokenize(PROMPT)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0.8, "seed": 7,
+                "return_token_ids": True, "stream": stream}
+        _, token_ids = await completion(c, body, stream)
+        assert fakes.generate_seeded(ids, 10, 7) != generate(ids, 10)  # the seed matters here
+        assert token_ids == fakes.generate_seeded(ids, 10, 7)
+        bodies = [b for n in c.prefillers + c.decoders for b in n.vllm.calls("/v1/completions")]
+        assert len(bodies) == 4 and all(b["seed"] == 7 and b["temperature"] == 0.8 for b in bodies)
         assert_idle(c)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from lmcache_p2p.proxy.errors import ContinuationMismatch
 from lmcache_p2p.proxy.http.held_text import HeldText, Replay
 from lmcache_p2p.proxy.http.responses import Delta
 
@@ -21,10 +24,22 @@ def test_the_last_delta_with_text_and_those_without_after_it_are_generated_again
     assert out == [None, None, None, delta(" d e", 5)]
 
 
-def test_a_continuation_that_generates_other_tokens_is_passed_on_as_it_is():
+def test_a_continuation_that_generates_other_tokens_ends_the_output_rather_than_repeat_positions():
+    """The client has 7 and 8: another token in their place would be a second token at a position it holds
+    (and one more than max_tokens allows)."""
     replay = Replay([7, 8], " x")
-    assert replay.filter(delta(" y", 9)) == delta(" y", 9)
-    assert replay.filter(delta(" z", 10)) == delta(" z", 10)
+    with pytest.raises(ContinuationMismatch, match=r"generated token ids \[9\] where the client already has \[7\]"):
+        replay.filter(delta(" y", 9))
+    replay = Replay([7, 8], " x")
+    assert replay.filter(delta("", 7)) is None
+    with pytest.raises(ContinuationMismatch, match="--tokenizer"):
+        replay.filter(delta(" x z", 10, 11))  # 8 regenerated as 10
+
+
+def test_a_continuation_whose_text_differs_from_what_the_client_has_ends_the_output():
+    replay = Replay([7], " x")
+    with pytest.raises(ContinuationMismatch, match="sent the text ' y' where the client already has ' x'"):
+        replay.filter(delta(" y", 7))
 
 
 def test_nothing_is_generated_again_under_sampling_or_for_instances_without_text():

@@ -8,7 +8,7 @@ import pytest
 
 from lmcache_p2p.proxy.errors import BadRequest, UpstreamMalformed
 from lmcache_p2p.proxy.http.responses import Delta, first_token, renderer_for
-from lmcache_p2p.proxy.http.shaping import Endpoint, decode_body, parse_client_request, prefill_body
+from lmcache_p2p.proxy.http.shaping import Endpoint, decode_body, parse_client_request, prefill_body, truncate_prompt
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
         "temperature": 0.5, "logprobs": True, "top_logprobs": 2, "tools": [], "min_tokens": 3,
@@ -64,6 +64,9 @@ def test_prefiller_returns_token_ids_only_where_the_proxy_lacks_them():
     (Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
                      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     (Endpoint.CHAT, ["not", "an", "object"], "JSON object"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": "5"}, "truncate_prompt_tokens must be"),
+    (Endpoint.COMPLETIONS, {"prompt": "x", "truncation_side": "middle"}, "truncation_side must be"),
 ])
 def test_unsplittable_or_invalid_requests_are_400(endpoint, body, message):
     with pytest.raises(BadRequest, match=message) as info:
@@ -121,3 +124,29 @@ def test_exact_prompt_tokens_win_over_the_estimate():
     assert req.exact_prompt_tokens is None and req.prompt_tokens == req.prompt_tokens_estimate == 100
     ids = parse_client_request(Endpoint.COMPLETIONS, {"prompt": [4, 5, 6]}, chars_per_token=4)
     assert ids.exact_prompt_tokens == ids.prompt_tokens == 3
+
+
+@pytest.mark.parametrize("fields, max_model_len, kept", [
+    ({}, None, list(range(10))),
+    ({"truncate_prompt_tokens": 4}, None, [6, 7, 8, 9]),  # vLLM truncates a generation's prompt on the left
+    ({"truncate_prompt_tokens": 4, "truncation_side": "left"}, None, [6, 7, 8, 9]),
+    ({"truncate_prompt_tokens": 4, "truncation_side": "right"}, None, [0, 1, 2, 3]),
+    ({"truncate_prompt_tokens": 40}, None, list(range(10))),
+    ({"truncate_prompt_tokens": 0}, None, []),
+    ({"truncate_prompt_tokens": -1}, 6, [5, 6, 7, 8, 9]),  # the context less one token
+    ({"truncate_prompt_tokens": -1}, None, list(range(10))),  # the prefill truncates them (it gets the field)
+])
+def test_prompt_ids_are_truncated_as_vllm_truncates_a_token_prompt(fields, max_model_len, kept):
+    req = parse_client_request(Endpoint.COMPLETIONS, {"prompt": list(range(10)), **fields}, 4)
+    assert truncate_prompt(req, list(range(10)), max_model_len) == kept
+    assert truncate_prompt(req, kept, max_model_len) == kept  # ids a prefiller truncated stay as they are
+
+
+@pytest.mark.parametrize("endpoint, body", [(Endpoint.COMPLETIONS, {"prompt": [1, 2, 3]}), (Endpoint.CHAT, CHAT)])
+def test_prompt_truncation_goes_to_the_prefill_never_to_a_decode(endpoint, body):
+    """On a decoder it would cut prompt + output; the prefill truncates a text or chat prompt and names its ids."""
+    req = parse_client_request(endpoint, {**body, "truncate_prompt_tokens": 2, "truncation_side": "right"}, 4)
+    prefill = prefill_body(req, {"k": 1})
+    assert prefill["truncate_prompt_tokens"] == 2 and prefill["return_token_ids"] is True
+    decode = decode_body(req, [1, 2], [9], proxy_text=False)
+    assert "truncate_prompt_tokens" not in decode and "truncation_side" not in decode

