@@ -27,7 +27,7 @@ kv_wait, decode_start, decode_first at the proxy, and store, submit, transfer as
 sender reports them (``KvSent``); ``recent`` lists the last 256 requests' phases
 (``{"req_id", <phase>: ms | null}``); Prometheus has them as ``lmcache_p2p_proxy_phase_seconds{phase}``.
 
-Reading order: ``settings`` -> ``router.registry`` -> ``router.routing`` -> ``router.placement`` ->
+Reading order: ``settings`` -> ``router.registry`` -> ``router.routing`` -> ``flow.placement`` ->
 ``handover.waiters`` -> ``control`` -> ``http.shaping`` -> ``flow.flow`` -> ``flow.host`` -> ``http.app``
 -> ``server``; then ``relay`` for ``--workers N``.
 

@@ -18,7 +18,7 @@ when there is one) and then recomputes, ``recompute`` sends the decode at once (
 recomputes what it lacks), ``fail`` answers 502/504. Nothing waits without a deadline.
 
 The parts, each in its module: where the request runs and where it moves on a failure
-(``router/placement.py``), the prefill attempts (``flow/prefill.py``), the KV handover (``handover/request.py``), the
+(``flow/placement.py``), the prefill attempts (``flow/prefill.py``), the KV handover (``flow/handover.py``), the
 decode stream and migration (``flow/decode.py``, the same loop for relay workers), the output's
 text and what it teaches the router and the metrics (``flow/output.py``), the request's phase
 (``flow/phase.py``). This module holds them together behind the step API the client side drives
@@ -86,10 +86,10 @@ from lmcache_p2p.proxy.handover.cancel import KvCanceller
 from lmcache_p2p.proxy.errors import UpstreamConnectError, UpstreamError
 from lmcache_p2p.proxy.flow.context import FlowSettings, RequestContext, Services
 from lmcache_p2p.proxy.flow.phase import FlowPhase, Phases
-from lmcache_p2p.proxy.handover.request import KvHandover
+from lmcache_p2p.proxy.flow.handover import KvHandover
 from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
 from lmcache_p2p.proxy.flow.output import RequestOutput
-from lmcache_p2p.proxy.router.placement import Placement
+from lmcache_p2p.proxy.flow.placement import Placement
 from lmcache_p2p.proxy.flow.prefill import PrefillAttempts
 from lmcache_p2p.proxy.router.registry import Registry
 from lmcache_p2p.proxy.relay.messages import Target
