@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from lmcache_p2p.config import Role
-from lmcache_p2p.proxy.http import app as app_module
+from lmcache_p2p.proxy import app as app_module
 from lmcache_p2p.proxy.flow.flow import RequestFlow
 from lmcache_p2p.proxy.router.registry import StaticInstance
 

@@ -1,7 +1,7 @@
 """One relay worker process of ``--workers N`` (started by ``relay/workers.py``, never by hand).
 
 It serves the proxy's public HTTP port (its own SO_REUSEPORT listener, next to the other workers')
-with the same app and request path as one process (``http/app.py``, ``flow/client.py``); only its link
+with the same app and request path as one process (``app.py``, ``flow/client.py``); only its link
 differs: the coordinator prefills (routing, admission, KV wait) and names the decoder, reached over
 its Unix socket (``relay/link.py``, ``relay/messages.py``); this process streams the decode, makes
 the client's text (its own copy of the tokenizer) and renders the client's events. Other endpoints (``/health``, ``/metrics``,
@@ -28,9 +28,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from lmcache_p2p.proxy.http.app import ProxyApp, warm_up
+from lmcache_p2p.proxy.app import ProxyApp
+from lmcache_p2p.proxy.listener import bind_http, warm_up
 from lmcache_p2p.proxy.errors import ProxyError
-from lmcache_p2p.proxy.relay.link import CoordinatorLink, Tokenizers
+from lmcache_p2p.proxy.relay.link import CoordinatorLink
+from lmcache_p2p.proxy.relay.tokenizers import Tokenizers
 from lmcache_p2p.proxy.relay.messages import PREFIX, Hello, TokenizerSource
 from lmcache_p2p.proxy.http.shaping import Endpoint
 from lmcache_p2p.proxy.http.tokenizer import NONE
@@ -87,10 +89,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from lmcache_p2p.proxy.server import bind_http
-
     sock = bind_http(args.host, args.port, reuse_port=True)
-    link = CoordinatorLink(args.uds, args.index, args.coordinator_timeout_s)
+    link = CoordinatorLink(args.uds, args.index, args.coordinator_timeout_s, Tokenizers())
     upstream = Upstream(args.connect_timeout_s, args.dead_peer_timeout_s)
     worker_app = WorkerApp(link, upstream, args.chars_per_token)
     if args.tokenizer != NONE:
