@@ -64,7 +64,8 @@ class Proxy:
         self.upstream = Upstream(settings.connect_timeout_s, settings.dead_peer_timeout_s)
         codec = Codec(settings.shared_secret, identity=settings.identity, window_s=settings.auth_window_s)
         self.canceller = KvCanceller(codec, self.metrics)
-        tokenizers = TokenizerProvider(settings.tokenizer, self.upstream, settings.connect_timeout_s)
+        tokenizers = TokenizerProvider(settings.tokenizer, self.upstream, settings.connect_timeout_s,
+                                       load_timeout_s=settings.tokenizer_load_timeout_s)
         self.prober = HealthProber(self.registry, self.upstream, settings.health_probe_interval_s,
                                    settings.health_probe_timeout_s, on_up=tokenizers.check_instance)
         self.registry.on_pending.append(self.prober.watch)

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 class Tokenizers:
     """The tokenizer the coordinator names, loaded once in this process (off the event loop)."""
 
-    def __init__(self) -> None:
+    def __init__(self, load_timeout_s: float) -> None:
+        self._load_timeout_s = load_timeout_s  # a request's wait for the load (the proxy's --tokenizer-load-timeout-s)
         self._loading: dict[str, asyncio.Task[ProxyTokenizer | None]] = {}
         self._import: asyncio.Task[Any] | None = None
 
@@ -38,8 +39,14 @@ class Tokenizers:
             self._loading[source] = asyncio.get_running_loop().create_task(self._load(source), name="relay-tokenizer")
 
     async def get(self, source: str) -> ProxyTokenizer:
+        """The tokenizer from ``source``; raises ProxyError (503) when it does not load within the timeout (the
+        load carries on: a later request may find it loaded) or cannot load."""
         self.preload(source)
-        tokenizer = await asyncio.shield(self._loading[source])
+        try:
+            tokenizer = await asyncio.wait_for(asyncio.shield(self._loading[source]), self._load_timeout_s)
+        except TimeoutError:
+            raise ProxyError(f"this relay worker did not load the coordinator's tokenizer {source} within "
+                             f"{self._load_timeout_s:g} s: raise --tokenizer-load-timeout-s", status_code=503) from None
         if tokenizer is None:
             raise ProxyError(f"this relay worker cannot load the coordinator's tokenizer {source}")
         return tokenizer

@@ -82,6 +82,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--graceful-shutdown-s", type=float, required=True)
     p.add_argument("--tokenizer", default=NONE, help="the proxy's --tokenizer: a folder is loaded at start; 'auto': "
                    "transformers is imported at start and the coordinator's folder loaded once it knows it")
+    p.add_argument("--tokenizer-load-timeout-s", type=float, required=True,
+                   help="longest a request waits for this worker's load of the tokenizer")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -90,7 +92,7 @@ async def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     sock = bind_http(args.host, args.port, reuse_port=True)
-    link = CoordinatorLink(args.uds, args.index, args.coordinator_timeout_s, Tokenizers())
+    link = CoordinatorLink(args.uds, args.index, args.coordinator_timeout_s, Tokenizers(args.tokenizer_load_timeout_s))
     upstream = Upstream(args.connect_timeout_s, args.dead_peer_timeout_s)
     worker_app = WorkerApp(link, upstream, args.chars_per_token)
     if args.tokenizer != NONE:
