@@ -13,7 +13,7 @@ from lmcache_p2p.proxy.router.registry import StaticInstance
 
 from .conftest import eventually, make_cluster
 from .fakes import MODEL, FakeAgent, FakeVllm, generate, token_text, tokenize
-from .test_routing import assert_idle
+from .router.test_routing import assert_idle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 

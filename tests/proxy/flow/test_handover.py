@@ -16,8 +16,8 @@ from lmcache_p2p.proxy.relay.tokenizers import Tokenizers
 from lmcache_p2p.proxy.relay.worker import WorkerApp
 from lmcache_p2p.proxy.upstream import Upstream
 
-from .conftest import eventually, make_cluster
-from .fakes import MODEL, PROMPT, expected_text, tokenize
+from ..conftest import eventually, make_cluster
+from ..fakes import MODEL, PROMPT, expected_text, tokenize
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 

@@ -13,8 +13,8 @@ from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.flow import flow as flow_module
 from lmcache_p2p.proxy.router.registry import Instance
 
-from .conftest import eventually, make_cluster
-from .fakes import MESSAGES, MODEL, PROMPT, chat_prompt, expected_text, generate, token_text, tokenize
+from ..conftest import eventually, make_cluster
+from ..fakes import MESSAGES, MODEL, PROMPT, chat_prompt, expected_text, generate, token_text, tokenize
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 

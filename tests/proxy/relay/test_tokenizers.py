@@ -24,9 +24,9 @@ from lmcache_p2p.proxy.relay.link import CoordinatorLink
 from lmcache_p2p.proxy.relay.worker import WorkerApp
 from lmcache_p2p.proxy.upstream import Upstream
 
-from .conftest import eventually, make_cluster
-from .fakes import MODEL, PROMPT
-from .test_routing import assert_idle
+from ..conftest import eventually, make_cluster
+from ..fakes import MODEL, PROMPT
+from ..router.test_routing import assert_idle
 
 pytestmark = pytest.mark.timeout(300)
 

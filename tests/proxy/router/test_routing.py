@@ -12,8 +12,8 @@ from lmcache_p2p.proxy.errors import NoCapacity, NoInstanceAvailable
 from lmcache_p2p.proxy.router.registry import Registry, StaticInstance
 from lmcache_p2p.proxy.router.routing import Policy, RequestCost, Router, chunks_needed, exceeds_every_buffer
 
-from .conftest import eventually, make_cluster
-from .fakes import (MESSAGES, MODEL, PROMPT, FakeReceiverControl, FakeVllm, chat_prompt, expected_text, fingerprint, generate,
+from ..conftest import eventually, make_cluster
+from ..fakes import (MESSAGES, MODEL, PROMPT, FakeReceiverControl, FakeVllm, chat_prompt, expected_text, fingerprint, generate,
                     token_text, tokenize)
 
 def assert_idle(cluster) -> None:
