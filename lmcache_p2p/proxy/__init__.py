@@ -1,19 +1,23 @@
 """The disaggregated-serving proxy: an OpenAI-compatible router with a live instance registry.
 
-Owns, by subpackage (each opens with what it owns and must not do):
+Owns, by part (each subpackage opens with what it owns and must not do). The parts form layers:
+each imports only parts below it (``scripts/check_shape.py`` fails on two parts that import each
+other, and on any import circle):
 
-* ``http/``: the OpenAI endpoints (``app``), request and response shapes, the tokenizer and the
-  client's text made from token ids;
-* ``router/``: the registry of prefillers and decoders, health gating, routing modes and one class
-  per policy, prefix affinity, the admission queue for decoder buffer credit, one request's placement;
-* ``handover/``: KV-ready waits on every TP rank, ``Cancel`` for unused KV, one request's handover;
-* ``flow/``: one request's steps (prefill -> handover -> decode, an explicit phase), the decode
-  session with migration, and the one request path both one process and relay workers drive;
+* ``server``: process lifetime (one process, or the coordinator of ``--workers N``);
+* ``relay/``: ``--workers N`` relay processes, their coordinator, and the one place steps become
+  wire messages (``relay/link.py``);
+* ``app``: the OpenAI endpoints; a generation request runs as a ``flow.client.ClientFlow``;
+* ``flow/``: one request, end to end: the typed step API (``flow/steps.py``) that its ``RequestFlow``
+  implements, its placement, prefill attempts, KV handover, decode session with migration, output;
+* ``control``: the control socket where instances announce themselves and report KV;
+* ``handover/``: the KV-ready waiters on every TP rank and ``Cancel`` for unused KV (services);
+* ``http/``: request and response shapes, the tokenizer and the client's text made from token ids;
 * ``observe/``: metrics, ``/stats`` and the per-request timeline;
-* ``relay/``: ``--workers N`` relay processes and their coordinator;
-* at the top: flags (``settings``), the errors it answers with (``errors``), HTTP calls to instances
-  (``upstream``), the control socket where instances announce themselves and report KV
-  (``control``) and process lifetime (``server``).
+* ``router/``: the registry of prefillers and decoders, health gating, routing modes and one class
+  per policy, prefix affinity, decoder buffer credit and the admission queue for it;
+* at the bottom: flags (``settings``), the HTTP port (``listener``), HTTP calls to instances
+  (``upstream``) and the errors it answers with (``errors``).
 
 Metrics: Prometheus at ``GET /metrics``; a TTFT / handover summary line in the log every
 ``--summary-interval-s``; and for benchmarks ``GET /stats``, a read-only JSON summary of every
@@ -27,9 +31,10 @@ kv_wait, decode_start, decode_first at the proxy, and store, submit, transfer as
 sender reports them (``KvSent``); ``recent`` lists the last 256 requests' phases
 (``{"req_id", <phase>: ms | null}``); Prometheus has them as ``lmcache_p2p_proxy_phase_seconds{phase}``.
 
-Reading order: ``settings`` -> ``router.registry`` -> ``router.routing`` -> ``router.placement`` ->
-``handover.waiters`` -> ``control`` -> ``http.shaping`` -> ``flow.flow`` -> ``flow.host`` -> ``http.app``
--> ``server``; then ``relay`` for ``--workers N``.
+Reading order: ``settings`` -> ``router.registry`` -> ``router.routing`` -> ``handover.waiters`` ->
+``control`` -> ``http.shaping`` -> ``flow.steps`` -> ``flow.flow`` (then ``flow.placement``,
+``flow.prefill``, ``flow.handover``, ``flow.decode``) -> ``flow.client`` -> ``app`` -> ``server``; then
+``relay`` for ``--workers N`` (``relay.link`` -> ``relay.host`` -> ``relay.coordinator``).
 
 Must not: import lmcache, vllm, torch or nixl (it speaks to instances only over HTTP and the
 control protocol); parse addresses out of request ids (routing data travels in

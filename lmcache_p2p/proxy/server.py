@@ -27,8 +27,9 @@ import uvicorn
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.protocol import Codec
-from lmcache_p2p.proxy.http.app import ProxyApp, warm_up
-from lmcache_p2p.proxy.flow.host import FlowHost, LocalLink
+from lmcache_p2p.proxy.app import ProxyApp
+from lmcache_p2p.proxy.listener import bind_http, warm_up
+from lmcache_p2p.proxy.relay.host import FlowHost
 from lmcache_p2p.proxy.handover.cancel import KvCanceller
 from lmcache_p2p.proxy.control import ControlListener
 from lmcache_p2p.proxy.relay.coordinator import RelayCoordinator
@@ -65,7 +66,8 @@ class Proxy:
         self.control = ControlListener(settings.control_host, settings.control_port, codec,
                                        self.registry, self.waiters, self.metrics, settings.control_name_hosts)
         self.canceller = KvCanceller(codec, self.metrics, signer_for=self.control.name_for)
-        tokenizers = TokenizerProvider(settings.tokenizer, self.upstream, settings.connect_timeout_s)
+        tokenizers = TokenizerProvider(settings.tokenizer, self.upstream, settings.connect_timeout_s,
+                                       load_timeout_s=settings.tokenizer_load_timeout_s)
         self.prober = HealthProber(self.registry, self.upstream, settings.health_probe_interval_s,
                                    settings.health_probe_timeout_s, on_up=tokenizers.check_instance)
         self.registry.on_pending.append(self.prober.watch)
@@ -78,8 +80,8 @@ class Proxy:
             FlowSettings.of(settings),
             tokenizers=tokenizers,
         )
-        self.flows = FlowHost(self.orchestrator)  # every open request, whoever serves its client
-        self.proxy_app = ProxyApp(self.orchestrator, LocalLink(self.flows), self.upstream, settings.chars_per_token,
+        self.flows = FlowHost(self.orchestrator)  # the requests relay workers serve the clients of (--workers N)
+        self.proxy_app = ProxyApp(self.orchestrator, self.orchestrator, self.upstream, settings.chars_per_token,
                                   settings.connect_timeout_s,
                                   admin_secret=settings.shared_secret, clock=self.orchestrator.clock)
         self.app = self.proxy_app.build()
@@ -201,6 +203,7 @@ class Proxy:
         if self.workers is not None:
             await self.workers.stop(self.settings.graceful_shutdown_s)
         self.flows.close_all()
+        self.orchestrator.close_all()
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             await asyncio.wait({self._http_task}, timeout=self.settings.graceful_shutdown_s + 1.0)
@@ -308,31 +311,3 @@ def _uvicorn_server(app: Any, settings: ProxySettings) -> uvicorn.Server:
         timeout_keep_alive=30,
     )
     return _Server(config)
-
-
-def bind_http(host: str, port: int, *, listen: bool = True, reuse_port: bool = False) -> socket.socket:
-    """A listening socket (port 0: ephemeral); bound here so a busy port fails before anything starts.
-
-    Made with ``IPPROTO_TCP`` explicitly: asyncio sets TCP_NODELAY only on accepted sockets whose
-    proto says TCP (proto 0 is skipped). Without it, Nagle held each streamed chunk written after
-    the response headers until the client's delayed ACK, which delayed a streaming client's first token.
-
-    ``reuse_port`` (``--workers N``): SO_REUSEPORT, so that each relay worker listens on the port with
-    its own socket and the kernel spreads new connections over them (one shared listening socket
-    let the least busy process take nearly every connection). The coordinator holds the port with
-    a socket that does not listen (``listen=False``): it gets no connections.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"cannot bind the proxy's HTTP port {host}:{port} (--host/--port): {exc}") from exc
-    if listen:
-        sock.listen(2048)
-    sock.setblocking(False)
-    return sock

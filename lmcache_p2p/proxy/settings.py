@@ -96,6 +96,7 @@ class ProxySettings:
     admission_queue_max: int = 1024
     tokenizer: str = "auto"  # a folder, "auto" (the served model's folder) or "none"
     tokenizer_wait_s: float = 10.0  # longest a request waits for the tokenizer's first load
+    tokenizer_load_timeout_s: float = 120.0  # longest wait for one load of it (transformers' import included)
     migration_limit: int = 2
     workers: int = 1  # relay processes on the HTTP port; 1: the proxy is one process (see relay/workers.py)
     static_instances: tuple[StaticInstance, ...] = ()
@@ -167,6 +168,8 @@ class ProxySettings:
             raise ConfigError("--admission-timeout-s / --admission-queue-max",
                               f"must be >= 0 (0: never wait), got {args.admission_timeout_s} / "
                               f"{args.admission_queue_max}")
+        if args.tokenizer_load_timeout_s <= 0:
+            raise ConfigError("--tokenizer-load-timeout-s", f"must be positive, got {args.tokenizer_load_timeout_s}")
         if args.tokenizer_wait_s < 0:
             raise ConfigError("--tokenizer-wait-s", f"must be >= 0, got {args.tokenizer_wait_s}")
         if args.migration_limit < 0:
@@ -202,6 +205,7 @@ class ProxySettings:
             admission_queue_max=args.admission_queue_max,
             tokenizer=args.tokenizer,
             tokenizer_wait_s=args.tokenizer_wait_s,
+            tokenizer_load_timeout_s=args.tokenizer_load_timeout_s,
             migration_limit=args.migration_limit,
             workers=args.workers,
             static_instances=tuple(args.prefill or ()) + tuple(args.decode or ()),
@@ -403,6 +407,10 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("--tokenizer-wait-s", "tokenizer_wait_s",
           "longest a request waits for the tokenizer while it first loads (the proxy loads it as soon as an "
           "instance registers); a request that gives up goes with estimated counts and the instances' text "
+          "(default %(default)s)"),
+    _Flag("--tokenizer-load-timeout-s", "tokenizer_load_timeout_s",
+          "longest wait for one load of the tokenizer (the import of transformers included), in the proxy and in "
+          "each relay worker; past it the proxy goes without (and tries again) and a relay worker answers 503 "
           "(default %(default)s)"),
     _Flag("--migration-limit", "migration_limit",
           "times one request's decode stream may move to another instance when its decoder fails mid-stream; "

@@ -144,7 +144,7 @@ def start_cluster(model_dir, log_dir, *, decoders_ever: int) -> Cluster:
         c = Cluster(model_dir, log_dir, prefill=1, decode=1,
                     # least_loaded: the join test checks that a new decoder takes its share of a trickle
                     # of 5 repeating prompts; --policy prefix (the default) rightly keeps those on the
-                    # decoder that holds their KV while the load is balanced (tests/proxy/test_prefix.py)
+                    # decoder that holds their KV while the load is balanced (tests/proxy/router/test_prefix.py)
                     proxy_args=("--on-kv-failure", "fail", "--instance-ttl-s", "6", "--policy", "least_loaded"))
     try:
         c.start()

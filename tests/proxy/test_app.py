@@ -7,13 +7,13 @@ import asyncio
 import pytest
 
 from lmcache_p2p.config import Role
-from lmcache_p2p.proxy.http import app as app_module
+from lmcache_p2p.proxy import app as app_module
 from lmcache_p2p.proxy.flow.flow import RequestFlow
 from lmcache_p2p.proxy.router.registry import StaticInstance
 
 from .conftest import eventually, make_cluster
 from .fakes import MODEL, FakeAgent, FakeVllm, generate, token_text, tokenize
-from .test_routing import assert_idle
+from .router.test_routing import assert_idle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 

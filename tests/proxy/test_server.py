@@ -43,7 +43,7 @@ async def test_accepted_http_connections_have_tcp_nodelay():
     import asyncio
     import socket
 
-    from lmcache_p2p.proxy.server import bind_http
+    from lmcache_p2p.proxy.listener import bind_http
 
     accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
@@ -160,7 +160,7 @@ def test_warm_up_loads_what_the_first_stream_would_load_on_its_first_byte():
     """anyio imports its asyncio backend (~25 ms) at its first use, Starlette's first StreamingResponse: a
     proxy process (one process, or each relay worker) does it at start, before its first client."""
     code = ("import asyncio, sys\n"
-            "from lmcache_p2p.proxy.http.app import warm_up\n"
+            "from lmcache_p2p.proxy.listener import warm_up\n"
             "before = 'anyio._backends._asyncio' in sys.modules\n"
             "asyncio.run(warm_up())\n"
             "print(before, 'anyio._backends._asyncio' in sys.modules)\n")

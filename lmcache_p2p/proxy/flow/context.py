@@ -2,7 +2,7 @@
 request's own facts (its body, prompt ids, stamps, how it is served).
 
 It owns these plain holders only. It must not decide anything (no routing, no waiting, no I/O):
-the parts that do (``router/placement.py``, ``flow/prefill.py``, ``handover/request.py``, ``flow/output.py``, ``flow/flow.py``)
+the parts that do (``flow/placement.py``, ``flow/prefill.py``, ``flow/handover.py``, ``flow/output.py``, ``flow/flow.py``)
 read and fill them. The flow's settings are derived from ``ProxySettings``: no default is declared
 here, so each is written once (``settings.py``).
 """

@@ -7,11 +7,11 @@ the request's owner names, the client's text, and migration when a stream breaks
       broken / silent / 5xx -> broken()     continue after the output so far, elsewhere
     the output ends (finish, a stop string, or the context is full)
 
-The steps are one API (:class:`DecodeSteps`) with two transports: the request's flow in this process
-(``flow/flow.py``) or the coordinator of ``--workers N`` over its Unix socket (``relay/worker.py``). So the
-decode and migration loop exists once, here. It owns the stream, the output ids the client has and
-its text (``shape_delta``, ``http/held_text.py``). It must not choose instances, wait for the KV or
-account load: those are the steps' owner's, behind ``DecodeSteps``.
+The steps are the request's step API (``flow/steps.py``): the request's ``RequestFlow`` itself in this
+process, or the coordinator of ``--workers N`` through ``relay/link.py``. So the decode and migration
+loop exists once, here. It owns the stream, the output ids the client has and its text
+(``shape_delta``, ``http/held_text.py``). It must not choose instances, wait for the KV or account
+load: those are the steps' owner's.
 """
 
 from __future__ import annotations
@@ -19,37 +19,20 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Protocol
 
 from lmcache_p2p.proxy.http.detokenize import OutputText
 from lmcache_p2p.proxy.errors import UpstreamConnectError, UpstreamError, UpstreamStatus, UpstreamTimeout, \
     UpstreamUnreachable
 from lmcache_p2p.proxy.http.held_text import HeldText, Replay
 from lmcache_p2p.proxy.flow.output import end_of_context, shape_delta
-from lmcache_p2p.proxy.relay.messages import Target
+from lmcache_p2p.proxy.flow.steps import RequestSteps, Target
 from lmcache_p2p.proxy.http.responses import Delta, decode_delta
 from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint
 from lmcache_p2p.proxy.upstream import Upstream
 
 
-class DecodeSteps(Protocol):
-    """What the decode asks of the request's owner; a None target: the decode may not go on."""
-
-    async def plan(self) -> Target:
-        """Wait for the KV (retrying or recomputing per policy); where the first decode goes."""
-
-    async def unreachable(self, exc: UpstreamConnectError) -> Target | None:
-        """The target refused the connection (nothing was sent): where the decode goes instead."""
-
-    async def broken(self, output_ids: list[int], finished: bool, rewound: int, exc: UpstreamError) -> Target | None:
-        """The stream broke after ``output_ids``: where it continues (the last ``rewound`` generated again)."""
-
-    def started(self, decode_sent_s: float, first_decoded_s: float) -> None:
-        """The target sent its first output (it has loaded the KV); the stamps of its request and output."""
-
-
 class DecodeSession:
-    def __init__(self, steps: DecodeSteps, upstream: Upstream, req: ClientRequest, headers: Mapping[str, str],
+    def __init__(self, steps: RequestSteps, upstream: Upstream, req: ClientRequest, headers: Mapping[str, str],
                  idle_timeout_s: float, text: OutputText | None, output_ids: list[int],
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self._steps = steps

@@ -2,15 +2,14 @@
 and prefiller P, prefill on P (its KV goes to D), wait until every TP rank of D reports the KV
 ready, then name the decode on D and follow it (migration) until the request closes.
 
-    flow = orchestrator.open(request)        # flow_host.FlowHost holds it under the client side's handle
+    flow = orchestrator.open(req, headers, received_s)
     try:
-        first = await flow.prefill()         # the first token (the client side sends it at once)
-        target = await flow.plan_decode()    # KV ready (or retried / recomputed): where the decode goes
+        opened = await flow.prefill()        # the first token (the client side sends it at once)
+        target = await flow.plan()           # KV ready (or retried / recomputed): where the decode goes
         ...                                  # the client side streams it (flow/decode.py), reporting
-                                             # decode_started / decode_unreachable / decode_broken
-        flow.decode_ended(output_ids)
+                                             # started / unreachable / broken
     finally:
-        flow.close()                         # never awaits: safe in a cancelled task
+        flow.close(answer)                   # never awaits: safe in a cancelled task
 
 The waiter for "KV ready" is registered before the prefill is sent. On a KV failure or timeout
 (``--kv-timeout-s``) the policy decides: ``retry`` prefills once more (token ids, another pair
@@ -18,13 +17,12 @@ when there is one) and then recomputes, ``recompute`` sends the decode at once (
 recomputes what it lacks), ``fail`` answers 502/504. Nothing waits without a deadline.
 
 The parts, each in its module: where the request runs and where it moves on a failure
-(``router/placement.py``), the prefill attempts (``flow/prefill.py``), the KV handover (``handover/request.py``), the
+(``flow/placement.py``), the prefill attempts (``flow/prefill.py``), the KV handover (``flow/handover.py``), the
 decode stream and migration (``flow/decode.py``, the same loop for relay workers), the output's
 text and what it teaches the router and the metrics (``flow/output.py``), the request's phase
-(``flow/phase.py``). This module holds them together behind the step API the client side drives
-(``flow/client.py``, in this process through ``flow_host.LocalLink``, in a relay worker through the
-coordinator): ``prefill``, ``plan_decode``, ``decode_unreachable``, ``decode_started``,
-``decode_broken``, ``decode_ended``, ``close``.
+(``flow/phase.py``). This module holds them together and implements the step API the client side
+drives (``flow/steps.py``): in this process the client side calls these methods; a relay worker's
+steps arrive through the coordinator (``relay/host.py``), which calls the same methods.
 
 Routing (``router/routing.py`` has the policy): a disaggregated request first waits in the admission
 queue (``router/admission.py``) for buffer credit on a decoder whose KV fingerprint matches a prefiller's,
@@ -80,28 +78,31 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 
+from lmcache_p2p.proxy.errors import ProxyError
+
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.router.admission import AdmissionQueue
 from lmcache_p2p.proxy.handover.cancel import KvCanceller
 from lmcache_p2p.proxy.errors import UpstreamConnectError, UpstreamError
 from lmcache_p2p.proxy.flow.context import FlowSettings, RequestContext, Services
 from lmcache_p2p.proxy.flow.phase import FlowPhase, Phases
-from lmcache_p2p.proxy.handover.request import KvHandover
+from lmcache_p2p.proxy.flow.handover import KvHandover
 from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
 from lmcache_p2p.proxy.flow.output import RequestOutput
-from lmcache_p2p.proxy.router.placement import Placement
+from lmcache_p2p.proxy.flow.placement import Placement
 from lmcache_p2p.proxy.flow.prefill import PrefillAttempts
 from lmcache_p2p.proxy.router.registry import Registry
-from lmcache_p2p.proxy.relay.messages import Target
+from lmcache_p2p.proxy.flow.steps import Answer, Count, Opened, Target
 from lmcache_p2p.proxy.http.responses import FirstToken
 from lmcache_p2p.proxy.router.routing import ColocatedReason, RequestCost, Router
-from lmcache_p2p.proxy.http.shaping import ClientRequest, decode_body, reads_output_tokens, truncate_prompt
+from lmcache_p2p.proxy.http.shaping import (ClientRequest, Endpoint, decode_body, reads_output_tokens,
+                                            truncate_prompt)
 from lmcache_p2p.proxy.observe.timeline import Timeline
 from lmcache_p2p.proxy.http.tokenizer import ProxyTokenizer, TokenizerProvider
 from lmcache_p2p.proxy.upstream import Upstream
 from lmcache_p2p.proxy.handover.waiters import KvWaiters
 
-__all__ = ["FlowSettings", "Orchestrator", "RequestFlow"]
+__all__ = ["FlowSettings", "Orchestrator", "RequestFlow", "apply_count"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,18 +128,34 @@ class Orchestrator:
         registry.on_pending.append(router.forget)  # new, restarted, moved or down: caches may be gone
         router.on_prefix_decision.append(lambda role, d: metrics.reuse.observe_decision(role.value, d.value))
         self.tokenizers = tokenizers or TokenizerProvider.fixed(None)
+        self._open: set[RequestFlow] = set()  # closed at shutdown (their leases, their KV on decoders)
+
+    def __len__(self) -> int:
+        """Requests open."""
+        return len(self._open)
 
     def services(self) -> Services:
         return Services(self.registry, self.router, self.waiters, self.upstream, self.canceller, self.metrics,
                         self.settings, self.clock, self.admission, self.tokenizers)
 
     def open(self, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> RequestFlow:
-        return RequestFlow(self.services(), req, headers, received_s)
+        flow = RequestFlow(self.services(), req, headers, received_s, on_closed=self._open.discard)
+        self._open.add(flow)
+        return flow
+
+    def count(self, count: Count) -> None:
+        apply_count(self.metrics, count)
+
+    def close_all(self) -> None:
+        for flow in list(self._open):
+            flow.close()
 
 
 class RequestFlow:
-    def __init__(self, services: Services, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> None:
+    def __init__(self, services: Services, req: ClientRequest, headers: Mapping[str, str], received_s: float,
+                 on_closed: Callable[[RequestFlow], None] = lambda flow: None) -> None:
         self._s = services
+        self._on_closed = on_closed
         ctx = self._ctx = RequestContext(req, headers, received_s, uuid.uuid4().hex, Timeline(received_s))
         self._phases = Phases(ctx.response_id)
         self._placement = Placement(services, ctx)
@@ -188,30 +205,6 @@ class RequestFlow:
         return self._output.tokenizer_source
 
     @property
-    def tokenizer(self) -> ProxyTokenizer | None:
-        return self._output.tokenizer
-
-    # ---- phase 1: prefill ----------------------------------------------------------------------
-
-    async def prefill(self) -> FirstToken:
-        """Route, prefill on the client's endpoint, learn the prompt ids; returns the first token.
-
-        Colocated (``self.colocated``), no prefill runs: the returned first token is empty and the
-        serving instance generates the whole output in the decode.
-        """
-        ctx = self._ctx
-        req = ctx.req = await self._measure(ctx.req)
-        first = await self._prefill.run(RequestCost(req.prompt_tokens, req.output_tokens_estimate))
-        self.first = self._output.shape_first(first)
-        ctx.prefill_done_s = self._s.clock()
-        if self._phases.now is FlowPhase.CLOSED:  # its handler gave up (client gone): close() frees what it took
-            return self.first
-        self._phases.advance(FlowPhase.PREFILLED)
-        if ctx.colocated is None:
-            self._s.metrics.observe_ttft(req.endpoint.value, ctx.prefill_done_s - ctx.received_s)
-        return self.first
-
-    @property
     def decoder_regenerates_first(self) -> bool:
         """The proxy has no tokenizer, the prompt is text and the first token has no text of its own.
 
@@ -234,26 +227,24 @@ class RequestFlow:
             return True  # the serving instance generates the whole output
         return self._output.needs_decode_after(self._first_or_raise())
 
-    def close(self) -> None:
-        """Abandon a KV handover the decode did not take (cancel it), release the decoder; never awaits.
-        Called again (a prefill that ended after its handler gave up), it releases what was taken since."""
-        if self._handover.pending:
-            ended = self.first is not None and not self.needs_decode
-            self._handover.abandon("no decode needed: the first token ended the output" if ended
-                                   else "the request ended before its decode (client gone or an error)")
-        self._handover.free_taken()
-        lease = self._placement.leased
-        if self._phases.now is not FlowPhase.CLOSED:
-            if self._phases.now is not FlowPhase.ENDED:
-                self._output.remember(lease)
-            self._output.observe_reuse(self._handover.outcome, lease)
-            self._output.record_timeline()
-            self._phases.advance(FlowPhase.CLOSED)
-        self._placement.release()
+    # ---- the steps (flow/steps.py: the client side's, in this process or through the coordinator) -------
 
-    # ---- the decode's steps (this process's session, or a relay worker's through the coordinator) ----
+    async def prefill(self) -> Opened:
+        """Route, prefill on the client's endpoint, learn the prompt ids; the first token and what serving the
+        rest needs. Colocated (``self.colocated``), no prefill runs: the first token is empty and the serving
+        instance generates the whole output in the decode."""
+        first = await self._prefill_first()
+        return Opened(self.response_id, dataclasses.replace(first, prompt_ids=None), self.prompt_ids,
+                      self.needs_decode, self.decoder_regenerates_first, self.colocated is not None, self.proxy_text,
+                      self.tokenizer_source, self._s.settings.decode_idle_timeout_s)
 
-    async def plan_decode(self) -> Target:
+    async def tokenizer(self) -> ProxyTokenizer:
+        tokenizer = self._output.tokenizer
+        if tokenizer is None:
+            raise ProxyError(f"request {self.response_id}: no tokenizer loaded from {self.tokenizer_source}")
+        return tokenizer
+
+    async def plan(self) -> Target:
         """Wait for the KV (retrying or recomputing per policy), then where the first decode goes."""
         await self._handover.settle(self._prefill.retry)
         if self.decoder_regenerates_first:
@@ -261,7 +252,7 @@ class RequestFlow:
         self._phases.advance(FlowPhase.PLANNED)
         return self._target()
 
-    def decode_unreachable(self, exc: UpstreamConnectError) -> Target | None:
+    async def unreachable(self, exc: UpstreamConnectError) -> Target | None:
         """The target refused the connection (nothing was sent): another decoder recomputes; None when none."""
         decoder = self._placement.lease().instance
         self._connect_failed.add(decoder.instance_id)
@@ -273,7 +264,7 @@ class RequestFlow:
             return None
         return self._target()
 
-    def decode_started(self, decode_sent_s: float | None = None, first_decoded_s: float | None = None) -> None:
+    def started(self, decode_sent_s: float | None = None, first_decoded_s: float | None = None) -> None:
         """The target sent its first output: it has loaded the request's KV. The stamps (same machine,
         same monotonic clock) of its decode request and that first output, when the caller has them."""
         if self._phases.now is not FlowPhase.PLANNED:
@@ -286,8 +277,7 @@ class RequestFlow:
         self._output.first_output(self._s.clock() if first_decoded_s is None else first_decoded_s, lease)
         self._handover.free_taken()
 
-    def decode_broken(self, output_ids: list[int], finished: bool, exc: UpstreamError,
-                      rewound: int = 0) -> Target | None:
+    async def broken(self, output_ids: list[int], finished: bool, rewound: int, exc: UpstreamError) -> Target | None:
         """The stream broke after ``output_ids``: where it continues (its last ``rewound`` generated again);
         None when it may not (finished, the migration limit, sampling that reads the output)."""
         self._output.ids[:] = output_ids
@@ -305,14 +295,59 @@ class RequestFlow:
         self._connect_failed = set()
         return self._target()
 
-    def decode_ended(self, output_ids: list[int]) -> None:
-        """The output is complete (before the client's [DONE]: its next turn may follow at once)."""
-        self._output.ids[:] = output_ids
-        if self._phases.may(FlowPhase.ENDED):
-            self._phases.advance(FlowPhase.ENDED)
-            self._output.remember(self._placement.leased)
+    async def end(self, answer: Answer) -> None:
+        """The answer is complete (before the client's [DONE]: its next turn may follow at once)."""
+        self.close(answer)
+
+    def close(self, answer: Answer | None = None) -> None:
+        """Abandon a KV handover the decode did not take (cancel it), release the decoder; never awaits.
+        ``answer``: the client side's (its counts, the output it got), taken once. Called again (a prefill
+        that ended after its handler gave up), it releases what was taken since."""
+        if answer is not None and self._phases.now is not FlowPhase.CLOSED:
+            self._take(answer)
+        if self._handover.pending:
+            ended = self.first is not None and not self.needs_decode
+            self._handover.abandon("no decode needed: the first token ended the output" if ended
+                                   else "the request ended before its decode (client gone or an error)")
+        self._handover.free_taken()
+        lease = self._placement.leased
+        if self._phases.now is not FlowPhase.CLOSED:
+            if self._phases.now is not FlowPhase.ENDED:
+                self._output.remember(lease)
+            self._output.observe_reuse(self._handover.outcome, lease)
+            self._output.record_timeline()
+            self._phases.advance(FlowPhase.CLOSED)
+            self._on_closed(self)
+        self._placement.release()
+
+    async def closing(self) -> None:
+        """Nothing to wait for: ``close`` closed it."""
 
     # ---- internals -------------------------------------------------------------------------------
+
+    async def _prefill_first(self) -> FirstToken:
+        ctx = self._ctx
+        req = ctx.req = await self._measure(ctx.req)
+        first = await self._prefill.run(RequestCost(req.prompt_tokens, req.output_tokens_estimate))
+        self.first = self._output.shape_first(first)
+        ctx.prefill_done_s = self._s.clock()
+        if self._phases.now is FlowPhase.CLOSED:  # its handler gave up (client gone): close() frees what it took
+            return self.first
+        self._phases.advance(FlowPhase.PREFILLED)
+        if ctx.colocated is None:
+            self._s.metrics.observe_ttft(req.endpoint.value, ctx.prefill_done_s - ctx.received_s)
+        return self.first
+
+    def _take(self, answer: Answer) -> None:
+        """The client side's answer: its counts, when its first byte went out, the output it got."""
+        for one in answer.counts:
+            apply_count(self._s.metrics, one)
+        if answer.first_byte_s is not None and self.timeline.first_byte_s is None:
+            self.timeline.first_byte_s = answer.first_byte_s
+        self._output.ids[:] = answer.output_ids
+        if self._phases.may(FlowPhase.ENDED):  # the output is complete, or as complete as it will be
+            self._phases.advance(FlowPhase.ENDED)
+            self._output.remember(self._placement.leased)
 
     def _target(self) -> Target:
         """The current decoder and the decode request that continues after the output so far. The decoder
@@ -374,3 +409,11 @@ class RequestFlow:
         if req.prompt_tokens_estimate <= _INLINE_TOKENIZE_MAX_TOKENS:
             return tokenizer.prompt_ids(req)
         return await asyncio.to_thread(tokenizer.prompt_ids, req)
+
+
+def apply_count(metrics: ProxyMetrics, count: Count) -> None:
+    endpoint = Endpoint(count.endpoint)
+    if count.status is not None:
+        metrics.requests.labels(endpoint.value, str(count.status)).inc()
+    if count.error is not None:
+        metrics.errors.labels(endpoint.value, count.error).inc()

@@ -4,8 +4,8 @@ serves the whole request; its prompt ids learned here), and the retry prefill a 
 
 A refused connection goes to another instance of that role; a prefill whose connection broke after
 it was sent is retried once elsewhere (the client has received nothing yet), then fails. It owns
-these attempts. It must not choose instances itself (``router/placement.py``), wait for the KV
-(``handover/request.py``) or shape the client's output (``flow/output.py``).
+these attempts. It must not choose instances itself (``flow/placement.py``), wait for the KV
+(``flow/handover.py``) or shape the client's output (``flow/output.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.router.admission import Admission, Outcome
 from lmcache_p2p.proxy.errors import UpstreamConnectError, UpstreamMalformed, UpstreamUnreachable
 from lmcache_p2p.proxy.flow.context import RequestContext, Services, nothing_routable
-from lmcache_p2p.proxy.handover.request import KvHandover
+from lmcache_p2p.proxy.flow.handover import KvHandover
 from lmcache_p2p.proxy.observe.metrics import RequestReuse
-from lmcache_p2p.proxy.router.placement import Placement
+from lmcache_p2p.proxy.flow.placement import Placement
 from lmcache_p2p.proxy.router.registry import Instance, Lease
 from lmcache_p2p.proxy.http.responses import FirstToken, first_token
 from lmcache_p2p.proxy.router.routing import ColocatedReason, RequestCost, chunks_needed

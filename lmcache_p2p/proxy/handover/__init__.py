@@ -1,8 +1,9 @@
-"""The KV handover: from "the prefill stored the KV" to "the decoder may load it".
+"""The KV handover's shared services: from "the prefill stored the KV" to "the decoder may load it".
 
-Owns: per-request waits for KV ready on every TP rank of the chosen decoder (``waiters``), the
-``Cancel`` sent for KV the proxy will not use (``cancel``), and one request's handover: its waiter,
-settle or retry, take, abandon (``request``).
+Owns: the waits for KV ready on every TP rank of a decoder (``waiters``, fed by the control socket)
+and the ``Cancel`` sent for KV the proxy will not use (``cancel``). One request's handover (its
+waiter, settle or retry, take, abandon) is the request's own: ``flow/handover.py``.
 
-Must not: choose instances or make client responses; it never waits without a deadline.
+A service below the request's flow. Must not: import ``flow``, choose instances or make client
+responses; it never waits without a deadline.
 """

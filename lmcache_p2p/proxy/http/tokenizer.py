@@ -150,10 +150,11 @@ class TokenizerProvider:
     tells when a prompt + the output so far fill the context (no decode can follow).
     """
 
-    def __init__(self, source: str, upstream: Upstream | None, timeout_s: float) -> None:
+    def __init__(self, source: str, upstream: Upstream | None, timeout_s: float, *, load_timeout_s: float) -> None:
         self._source = source or AUTO
         self._upstream = upstream
         self._timeout_s = timeout_s
+        self._load_timeout_s = load_timeout_s  # --tokenizer-load-timeout-s
         self._loading: asyncio.Task[ProxyTokenizer | None] | None = None
         self._done = upstream is None and self._source in (AUTO, NONE)
         self._tokenizer: ProxyTokenizer | None = None
@@ -164,7 +165,7 @@ class TokenizerProvider:
     @classmethod
     def fixed(cls, tokenizer: ProxyTokenizer | None, max_model_len: int | None = None) -> TokenizerProvider:
         """A provider that already holds ``tokenizer`` (tests, embedding)."""
-        provider = cls(NONE, None, 0.0)
+        provider = cls(NONE, None, 0.0, load_timeout_s=0.0)
         provider._tokenizer, provider.max_model_len, provider._done = tokenizer, max_model_len, True
         return provider
 
@@ -231,7 +232,12 @@ class TokenizerProvider:
                 return None
             path = root
         if self._prefetch is not None:  # a second thread importing transformers meanwhile sees it half-initialized
-            await asyncio.wait({self._prefetch})  # ("cannot import name 'AutoTokenizer'"); the import has no deadline
+            done, _ = await asyncio.wait({self._prefetch}, timeout=self._load_timeout_s)  # (AutoTokenizer missing)
+            if not done:  # raised to ``get``, which lets a later request try again
+                logger.warning("importing transformers for the tokenizer took more than %g s: no tokenizer for now "
+                               "(raise --tokenizer-load-timeout-s)", self._load_timeout_s)
+                raise ProxyError(f"importing transformers took more than {self._load_timeout_s:g} s "
+                                 "(--tokenizer-load-timeout-s)")
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, path)
         except Exception as exc:

@@ -1,13 +1,13 @@
 """The coordinator's side of ``--workers N``: the relay API its workers call (``relay/messages.py``).
 
 The coordinator keeps everything that is one per proxy: the registry, routing, admission credit,
-the KV waiters, the control socket, metrics, and the open requests (``flow/host.py``: the same
-steps one process's own requests take through its local link). This module is their HTTP side:
+the KV waiters, the control socket, metrics, and the open requests (``relay/host.py``: the same
+steps one process's own requests take, as calls of their ``RequestFlow``). This module is their HTTP side:
 it decodes a worker's step, calls the host, and answers (an error as a ``Failed`` body). ``open``
 answers the first token at once and, on the same answer, where the decode goes once the KV is
 ready, so the worker's decode waits for no call of its own. A dead worker's requests are closed
 (``forget_worker``: no leaked load). A "closed" whose answer the worker did not get is sent again
-(``relay_link.CoordinatorLink.tell``); a second one is ignored by the host.
+(``relay/link.py``, ``CoordinatorLink.tell``); a second one is ignored by the host.
 
 The public endpoints (``/health``, ``/metrics``, ``/stats``, ``/instances``...) are served here
 too, on the same socket: workers pass them through.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -26,10 +26,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from lmcache_p2p.proxy.http.app import error_name, unless_disconnected
+from lmcache_p2p.proxy.app import error_name, unless_disconnected
 from lmcache_p2p.proxy.errors import ClientDisconnected, ProxyError
 from lmcache_p2p.proxy.flow.flow import Orchestrator
-from lmcache_p2p.proxy.flow.host import FlowHost
+from lmcache_p2p.proxy.relay.host import FlowHost
 from lmcache_p2p.proxy.relay.messages import (
     PREFIX,
     Count,
@@ -124,10 +124,10 @@ class RelayCoordinator:
             yield msgspec.json.encode(Planned(target)) + b"\n"
 
     async def _unreachable(self, request: Request) -> Response:
-        return self._target_step(await self._step(request), self._host.unreachable)
+        return await self._target_step(self._host.unreachable(await self._step(request)))
 
     async def _broken(self, request: Request) -> Response:
-        return self._target_step(await self._step(request), self._host.broken)
+        return await self._target_step(self._host.broken(await self._step(request)))
 
     async def _started(self, request: Request) -> Response:
         self._host.started(await self._step(request))
@@ -154,9 +154,9 @@ class RelayCoordinator:
     async def _step(self, request: Request) -> Step:
         return msgspec.json.decode(await request.body(), type=Step)
 
-    def _target_step(self, step: Step, on: Callable[[Step], Planned]) -> Response:
+    async def _target_step(self, planned: Awaitable[Planned]) -> Response:
         try:
-            return _answer(on(step))
+            return _answer(await planned)
         except ProxyError as exc:
             return _failed(exc)
 

@@ -2,16 +2,20 @@
 msgspec JSON (``relay/messages.py``); the ``open`` answer read line by line; step reports that
 nothing waits for sent in tasks, in order; other endpoints passed through.
 
-It owns the connection and the retries of reports. It must not decide anything about a request:
-the worker's flow (``relay/worker.py``) says what to send, the coordinator answers.
+:class:`RemoteSteps` is one request's step API (``flow/steps.py``) in a relay worker: the only code that
+turns steps into wire messages (the coordinator's ``relay/host.py`` turns them back into calls of the
+request's ``RequestFlow``). :class:`CoordinatorLink` opens them (``flow.steps.RequestOwner``).
+
+It owns the connection, the order of a request's reports and their retries. It must not decide
+anything about a request: the client side (``flow/client.py``) says what to send, the coordinator
+answers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
-import importlib
 import logging
+import uuid
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
 
@@ -20,22 +24,23 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lmcache_p2p.proxy.errors import ProxyError
+from lmcache_p2p.proxy.errors import ProxyError, UpstreamConnectError, UpstreamError
+from lmcache_p2p.proxy.flow.steps import Answer, Count, Opened, Target
 from lmcache_p2p.proxy.http.shaping import ClientRequest
-from lmcache_p2p.proxy.http.tokenizer import ProxyTokenizer, load_tokenizer
+from lmcache_p2p.proxy.http.tokenizer import ProxyTokenizer
 from lmcache_p2p.proxy.relay.messages import (
     PREFIX,
     PROTOCOL_VERSION,
     VERSION_HEADER,
     Failed,
     Open,
-    Opened,
     PlanFailed,
     Planned,
-    Target,
+    Step,
     WirePlanLine,
     WirePlanned,
 )
+from lmcache_p2p.proxy.relay.tokenizers import Tokenizers
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,7 @@ _PASSED_HEADERS = ("authorization", "content-type")
 _ANSWER_HEADERS = ("content-type", "www-authenticate")
 _LINK_ERRORS = (aiohttp.ClientError, TimeoutError)
 _RETRY_BACKOFF_S = 0.1  # before the second attempt; doubled before each next one
+CLOSED_ATTEMPTS = 5  # "closed" returns the request's lease: sent again after a link error
 
 
 class RelayedError(ProxyError):
@@ -62,9 +68,9 @@ class CoordinatorLink:
     On aiohttp, as the proxy's calls to instances: three calls per request (open, started, closed),
     so the client library's per-call cost is on every request's TTFT (open) and on the relay's CPU."""
 
-    def __init__(self, uds_path: str, worker: int, timeout_s: float) -> None:
+    def __init__(self, uds_path: str, worker: int, timeout_s: float, tokenizers: Tokenizers) -> None:
         self.worker = worker
-        self.tokenizers = Tokenizers()
+        self.tokenizers = tokenizers
         self._uds_path = uds_path
         self._timeout_s = timeout_s
         self._session: Any = None  # aiohttp.ClientSession, made on first use (it belongs to the running loop)
@@ -83,8 +89,11 @@ class CoordinatorLink:
         async with self._client().post(f"{PREFIX}/{step}", data=msgspec.json.encode(msg)) as resp:
             return resp.status, await resp.read()
 
-    async def tokenizer(self, source: str, handle: str) -> ProxyTokenizer:
-        return await self.tokenizers.get(source)
+    def open(self, req: ClientRequest, headers: Mapping[str, str], received_s: float) -> RemoteSteps:
+        return RemoteSteps(self, req, headers, received_s)
+
+    def count(self, count: Count) -> None:
+        self.tell_later("count", count)
 
     async def call(self, step: str, msg: msgspec.Struct) -> Planned:
         """A step answered with where the decode goes (``unreachable``, ``broken``)."""
@@ -99,8 +108,8 @@ class CoordinatorLink:
             raise _relayed(status, content)
         return msgspec.json.decode(content, type=answer)
 
-    async def open(self, handle: str, req: ClientRequest, headers: Mapping[str, str],
-                   received_s: float) -> tuple[Opened, OpenAnswer]:
+    async def post_open(self, handle: str, req: ClientRequest, headers: Mapping[str, str],
+                        received_s: float) -> tuple[Opened, OpenAnswer]:
         """``open``: its first line (the prefill's first token) now; the rest of the answer (where the decode
         goes) stays to be read from the returned ``OpenAnswer``, which the caller closes."""
         msg = Open(handle, self.worker, req.endpoint.value, msgspec.Raw(msgspec.json.encode(req.body)), dict(headers),
@@ -133,7 +142,7 @@ class CoordinatorLink:
 
         A link error (no answer within --coordinator-timeout-s, a connection dropped) is sent again, up
         to ``attempts`` sends, after ``_RETRY_BACKOFF_S`` doubled each time: "closed" goes with
-        ``client_flow.CLOSED_ATTEMPTS``, since until the coordinator takes it the request's lease (load, decoder
+        ``CLOSED_ATTEMPTS``, since until the coordinator takes it the request's lease (load, decoder
         credit) stays there. A send that did arrive (only its answer was lost) is harmless: the
         coordinator ignores a "closed" of a handle it already closed. A refusal (status >= 400) is
         final. After the last failed send the lease is returned when this worker exits (the coordinator
@@ -196,6 +205,84 @@ class CoordinatorLink:
             await self._session.close()
 
 
+class RemoteSteps:
+    """One request's steps on the coordinator (``flow/steps.py``), each a message on the link. The
+    coordinator learns them in order: a step waits for the reports sent before it (``started``)."""
+
+    def __init__(self, link: CoordinatorLink, req: ClientRequest, headers: Mapping[str, str],
+                 received_s: float) -> None:
+        self._link = link
+        self._req = req
+        self._headers = headers
+        self._received_s = received_s
+        self.handle = uuid.uuid4().hex  # the coordinator's name for it (it may be closed before open answers)
+        self._opened: Opened | None = None
+        self._answer: OpenAnswer | None = None  # the rest of open's answer: where the decode goes
+        self._reports: list[asyncio.Task[Any]] = []  # sent in tasks; the coordinator must have them before "closed"
+        self._closed = False
+        self._closing: asyncio.Task[Any] | None = None
+
+    async def prefill(self) -> Opened:
+        opened, self._answer = await self._link.post_open(self.handle, self._req, self._headers, self._received_s)
+        self._opened = opened
+        if not opened.needs_decode:
+            await self._answer.aclose()
+        return opened
+
+    async def tokenizer(self) -> ProxyTokenizer:
+        source = self._opened.tokenizer if self._opened is not None else None
+        if source is None:
+            raise ProxyError(f"request {self.handle}: the coordinator named no tokenizer")
+        return await self._link.tokenizers.get(source)
+
+    async def plan(self) -> Target:
+        if self._answer is None:
+            raise RuntimeError("prefill() first")
+        return await self._answer.plan()  # the coordinator sends it once the KV is ready: no call from here
+
+    async def unreachable(self, exc: UpstreamConnectError) -> Target | None:
+        return await self._call("unreachable", Step(self.handle, message=str(exc)))
+
+    async def broken(self, output_ids: list[int], finished: bool, rewound: int, exc: UpstreamError) -> Target | None:
+        return await self._call("broken", Step(self.handle, output_ids=output_ids, finished=finished, rewound=rewound,
+                                               connect_failed=isinstance(exc, UpstreamConnectError),
+                                               message=str(exc)))
+
+    def started(self, decode_sent_s: float, first_decoded_s: float) -> None:
+        self._reports.append(self._link.tell_later(
+            "started", Step(self.handle, decode_sent_s=decode_sent_s, first_decoded_s=first_decoded_s)))
+
+    async def end(self, answer: Answer) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._answer is not None:
+            await self._answer.aclose()
+        if self._reports:
+            await asyncio.wait(self._reports)
+        await self._link.tell("closed", self._closed_step(answer), CLOSED_ATTEMPTS)
+
+    def close(self, answer: Answer) -> None:
+        """Once: a second close (a late prefill's) has nothing to add, the coordinator closes a late open."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closing = self._link.tell_later("closed", self._closed_step(answer), after=self._reports,
+                                              answer=self._answer, attempts=CLOSED_ATTEMPTS)
+
+    async def closing(self) -> None:
+        if self._closing is not None:
+            await asyncio.wait({self._closing})
+
+    def _closed_step(self, answer: Answer) -> Step:
+        return Step(self.handle, output_ids=answer.output_ids, first_byte_s=answer.first_byte_s, counts=answer.counts)
+
+    async def _call(self, step: str, msg: Step) -> Target | None:
+        if self._reports:
+            await asyncio.wait(self._reports)
+        return (await self._link.call(step, msg)).target
+
+
 class OpenAnswer:
     """The rest of an ``open`` answer (JSON lines): after ``Opened``, where the decode goes."""
 
@@ -249,40 +336,3 @@ def _relayed(status: int, content: bytes) -> ProxyError:
         return RelayedError(msgspec.json.decode(content, type=Failed), status)
     except msgspec.DecodeError:
         return ProxyError(f"the coordinator answered {status}: {content[:300]!r}")
-
-
-class Tokenizers:
-    """The tokenizer the coordinator names, loaded once in this process (off the event loop)."""
-
-    def __init__(self) -> None:
-        self._loading: dict[str, asyncio.Task[ProxyTokenizer | None]] = {}
-        self._import: asyncio.Task[Any] | None = None
-
-    def prefetch(self) -> None:
-        """Import ``transformers`` in a thread now (seconds): the first request then waits for the folder alone."""
-        if self._import is None:
-            self._import = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(importlib.import_module, "transformers"), name="relay-tokenizer-import")
-
-    def preload(self, source: str) -> None:
-        """Start loading ``source`` now (the proxy's --tokenizer folder), before the first request needs it."""
-        if source not in self._loading:
-            self._loading[source] = asyncio.get_running_loop().create_task(self._load(source), name="relay-tokenizer")
-
-    async def get(self, source: str) -> ProxyTokenizer:
-        self.preload(source)
-        tokenizer = await asyncio.shield(self._loading[source])
-        if tokenizer is None:
-            raise ProxyError(f"this relay worker cannot load the coordinator's tokenizer {source}")
-        return tokenizer
-
-    async def _load(self, source: str) -> ProxyTokenizer | None:
-        if self._import is not None:  # a second importing thread would see it half-initialized (http/tokenizer.py)
-            await asyncio.wait({self._import})
-        try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, source)
-        except Exception as exc:
-            logger.error("relay worker: cannot load the tokenizer from %s (%s: %s)", source, type(exc).__name__, exc)
-            return None
-        gc.freeze()  # as the coordinator does (http/tokenizer.py): full collections must not walk transformers' objects
-        return tokenizer

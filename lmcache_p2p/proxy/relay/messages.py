@@ -1,7 +1,9 @@
 """The messages between the coordinator and its relay workers (``--workers N``, see ``relay/workers.py``).
 
 JSON (msgspec) over HTTP on the coordinator's Unix socket, in a 0700 temporary folder; never
-pickle. One request, as a worker sees it (3 calls; nothing on the client's path waits for a reply
+pickle. They carry the request's steps (``flow/steps.py``: ``Opened``, ``Target`` and ``Count`` are its
+structs, sent as they are); ``relay/link.py`` turns the steps into these messages, ``relay/host.py``
+back into calls. One request, as a worker sees it (3 calls; nothing on the client's path waits for a reply
 but the first line of ``open``):
 
     POST /_relay/open     Open   -> Opened, Planned|PlanFailed   (JSON lines)
@@ -32,7 +34,10 @@ from typing import Any
 
 import msgspec
 
-from lmcache_p2p.proxy.http.responses import FirstToken
+from lmcache_p2p.proxy.flow.steps import Count, Opened, Target
+
+__all__ = ["Count", "Failed", "Hello", "Open", "Opened", "PlanFailed", "Planned", "Step", "Target", "TokenizerSource",
+           "WirePlanLine", "WirePlanned"]
 
 PROTOCOL_VERSION = 3
 VERSION_HEADER = "x-lmcache-relay-version"
@@ -46,23 +51,6 @@ class Open(msgspec.Struct, frozen=True):
     body: msgspec.Raw  # the client's JSON body
     headers: dict[str, str]  # forwarded to the instances (their API key)
     received_s: float  # time.perf_counter() when the worker received the request (one clock per machine)
-
-
-class Opened(msgspec.Struct, frozen=True):
-    response_id: str
-    first: FirstToken
-    prompt_ids: list[int]
-    needs_decode: bool
-    regenerates_first: bool  # the decoder generates the whole output (colocated, or no text for the first)
-    colocated: bool
-    proxy_text: bool  # the worker makes the client's text with the tokenizer below
-    tokenizer: str | None
-    decode_idle_timeout_s: float
-
-
-class Target(msgspec.Struct, frozen=True):
-    url: str
-    body: dict[str, Any] | msgspec.Raw  # the decode request's JSON body; a relay worker's: the bytes as sent
 
 
 class Planned(msgspec.Struct, frozen=True, tag="planned"):
@@ -82,12 +70,6 @@ class WirePlanned(msgspec.Struct, frozen=True, tag="planned"):
 
     def planned(self) -> Planned:
         return Planned(None if self.target is None else Target(self.target.url, self.target.body))
-
-
-class Count(msgspec.Struct, frozen=True):
-    endpoint: str
-    status: int | None = None  # requests_total{status}
-    error: str | None = None  # errors_total{type}
 
 
 class Step(msgspec.Struct, frozen=True):

@@ -1,7 +1,7 @@
 """One relay worker process of ``--workers N`` (started by ``relay/workers.py``, never by hand).
 
 It serves the proxy's public HTTP port (its own SO_REUSEPORT listener, next to the other workers')
-with the same app and request path as one process (``http/app.py``, ``flow/client.py``); only its link
+with the same app and request path as one process (``app.py``, ``flow/client.py``); only its link
 differs: the coordinator prefills (routing, admission, KV wait) and names the decoder, reached over
 its Unix socket (``relay/link.py``, ``relay/messages.py``); this process streams the decode, makes
 the client's text (its own copy of the tokenizer) and renders the client's events. Other endpoints (``/health``, ``/metrics``,
@@ -28,9 +28,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from lmcache_p2p.proxy.http.app import ProxyApp, warm_up
+from lmcache_p2p.proxy.app import ProxyApp
+from lmcache_p2p.proxy.listener import bind_http, warm_up
 from lmcache_p2p.proxy.errors import ProxyError
-from lmcache_p2p.proxy.relay.link import CoordinatorLink, Tokenizers
+from lmcache_p2p.proxy.relay.link import CoordinatorLink
+from lmcache_p2p.proxy.relay.tokenizers import Tokenizers
 from lmcache_p2p.proxy.relay.messages import PREFIX, Hello, TokenizerSource
 from lmcache_p2p.proxy.http.shaping import Endpoint
 from lmcache_p2p.proxy.http.tokenizer import NONE
@@ -80,6 +82,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--graceful-shutdown-s", type=float, required=True)
     p.add_argument("--tokenizer", default=NONE, help="the proxy's --tokenizer: a folder is loaded at start; 'auto': "
                    "transformers is imported at start and the coordinator's folder loaded once it knows it")
+    p.add_argument("--tokenizer-load-timeout-s", type=float, required=True,
+                   help="longest a request waits for this worker's load of the tokenizer")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -87,10 +91,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from lmcache_p2p.proxy.server import bind_http
-
     sock = bind_http(args.host, args.port, reuse_port=True)
-    link = CoordinatorLink(args.uds, args.index, args.coordinator_timeout_s)
+    link = CoordinatorLink(args.uds, args.index, args.coordinator_timeout_s, Tokenizers(args.tokenizer_load_timeout_s))
     upstream = Upstream(args.connect_timeout_s, args.dead_peer_timeout_s)
     worker_app = WorkerApp(link, upstream, args.chars_per_token)
     if args.tokenizer != NONE:

@@ -134,7 +134,7 @@ class WorkerPool:
             "--coordinator-timeout-s", str(coordinator_call_timeout_s(s)),
             "--graceful-shutdown-s", str(s.graceful_shutdown_s),
             "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-            "--tokenizer", s.tokenizer,
+            "--tokenizer", s.tokenizer, "--tokenizer-load-timeout-s", str(s.tokenizer_load_timeout_s),
             start_new_session=True, env=env)  # own session: a terminal's ^C reaches us alone
         self._procs[index] = proc
         watch = asyncio.get_running_loop().create_task(self._watch(index, proc), name=f"relay-worker-{index}")

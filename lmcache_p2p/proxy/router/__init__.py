@@ -1,11 +1,13 @@
-"""The router: which prefiller and decoder serve a request, and what the proxy knows of each.
+"""The router: which prefiller and decoder may serve a request, and what the proxy knows of each.
 
 Owns: the live registry of instances (``registry``: ``instances`` for one instance's ranks, state
-and load, ``credit`` for decoder buffer credit, ``pairing`` for "may this prefiller's KV go to that
-decoder"), health gating (``health``), the routing modes and policies (``routing``, ``policies``:
-one class per policy behind one protocol), prompt-prefix affinity (``prefix``), the admission queue
-for decoder credit (``admission``) and one request's placement and failover (``placement``).
+and load, ``credit`` for decoder buffer credit, ``lease`` for one request's claim on an instance,
+``pairing`` for "may this prefiller's KV go to that decoder"), health gating (``health``), the
+routing modes and policies (``routing``, ``policies``: one class per policy behind one protocol),
+prompt-prefix affinity (``prefix``) and the admission queue for decoder credit (``admission``).
 
-Must not: speak HTTP to instances (``upstream``) or await anything: it is single-threaded on the
-event loop and every decision is synchronous.
+A service below the request's flow: it answers questions and hands out leases. Must not: import
+``flow`` (one request's placement lives there, ``flow/placement.py``), speak HTTP to instances
+(``upstream``) or await anything but the admission queue's bounded wait: it is single-threaded on
+the event loop and every decision is synchronous.
 """

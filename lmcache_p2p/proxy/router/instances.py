@@ -2,7 +2,9 @@
 
 Owns the data of an instance (:class:`Instance`, one :class:`RankInfo` per TP rank as it last
 announced, :class:`StaticInstance` from flags) and what follows from that data alone (complete,
-routable, chunk size, capacity, credit through ``router/credit.py``).
+routable, chunk size, capacity, credit through ``router/credit.py``), and its load: the requests it
+holds and their commits against its credit (``hold`` / ``return_credit`` / ``release``, called by a
+``router/lease.py`` Lease alone).
 Must not: add, forget or change instances (that is ``router/registry.py``'s), log, or await.
 """
 
@@ -136,7 +138,37 @@ class Instance:
             return None
         return credit.free_slots(list(self.ranks.values()), self.commits)
 
-    def _absorb_commits(self) -> None:
+    # ---- its load: one request's hold, from ``hold`` to ``release`` (a ``router/lease.py`` Lease) ----
+
+    def hold(self, tokens: int, chunks: int) -> Commit | None:
+        """Count one more request here; on a decoder its KV's ``chunks`` receive slots count against the credit
+        (the commit returned; None when no KV comes). Undone by :meth:`release`."""
+        self.inflight_requests += 1
+        self.inflight_tokens += tokens
+        if chunks <= 0:
+            return None
+        commit = Commit(chunks)
+        self.commits.append(commit)
+        return commit
+
+    def return_credit(self, commit: Commit, now_s: float) -> bool:
+        """The decoder no longer holds the KV of ``commit``: it stops counting against the credit. True when
+        this changed the credit (False: returned already)."""
+        if commit.returned_at_s is not None:
+            return False
+        commit.returned_at_s = now_s
+        self.absorb_commits()
+        return True
+
+    def release(self, tokens: int, commit: Commit | None, now_s: float) -> None:
+        """The request of ``hold(tokens, ...)`` is over here; its commit is returned if it was not."""
+        if commit is not None and commit.returned_at_s is None:
+            commit.returned_at_s = now_s
+        self.absorb_commits()
+        self.inflight_requests -= 1
+        self.inflight_tokens -= tokens
+
+    def absorb_commits(self) -> None:
         """Forget returned commits that every rank's announcement already reflects."""
         self.commits = credit.unabsorbed(list(self.ranks.values()), self.commits)
 

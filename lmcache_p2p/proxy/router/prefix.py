@@ -16,7 +16,7 @@ arithmetically, tuples mix their items' hashes with fixed constants; CPython >= 
 computes the chain with the builtin ``hash`` whatever its own seed. Only ``NONE_HASH`` hashes a
 string: :func:`str_hash` computes it as CPython 3.11+ does under a given PYTHONHASHSEED (SipHash-1-3,
 key derived from the seed), never by changing the proxy's own seed. ``--prefix-hash-seed`` names the
-instances' seed; ``tests/proxy/test_prefix.py`` checks the chain against LMCache's own function.
+instances' seed; ``tests/proxy/router/test_prefix.py`` checks the chain against LMCache's own function.
 
 The index: per instance, the chunk hashes recently sent there (a prefiller: the prompts it computed;
 a decoder: the prompts whose KV it received plus the output it generated, since its vLLM prefix

@@ -15,7 +15,7 @@ an UP instance :attr:`Health.DOWN` and probing starts again. ``on_forgotten`` he
 instance the registry drops, so that whoever holds resources for it (probes, sockets) lets go.
 
 Buffer credit (``router/credit.py``): a decoder announces its free receive slots every heartbeat; each
-request routed there holds a :class:`Lease` whose commit counts against that credit until the
+request routed there holds a :class:`Lease` (``router/lease.py``) whose commit counts against that credit until the
 announcements reflect it. Every change that may free credit (a returned commit, a released lease, a
 heartbeat, an instance coming up) is told to the ``on_credit`` listeners (the admission queue,
 ``router/admission.py``).
@@ -40,7 +40,8 @@ from urllib.parse import urlsplit
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ProtocolError, VersionError
 from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Goodbye
-from lmcache_p2p.proxy.router.credit import Commit, Lease
+from lmcache_p2p.proxy.router.credit import Commit
+from lmcache_p2p.proxy.router.lease import Lease
 from lmcache_p2p.proxy.router.instances import (
     CreditCallback,
     Health,
@@ -125,7 +126,7 @@ class Registry:
         inst.control_host = msg.control_host or urlsplit(inst.http_url).hostname or ""
         inst.ranks[msg.tp_rank] = _rank_info(msg, self.now())
         restarted = self._return_from_goodbye(inst, msg.tp_rank)
-        inst._absorb_commits()
+        inst.absorb_commits()
         if fresh or moved or restarted:
             self._set_pending(inst)
         for listener in self.on_announced:
@@ -256,7 +257,7 @@ class Registry:
         self._notify(self.on_pending, inst)
 
     def released(self, inst: Instance) -> None:
-        """A lease on ``inst`` ended (``credit.Lease``): a draining instance may be done."""
+        """A lease on ``inst`` ended (``lease.Lease``): a draining instance may be done."""
         self._forget_if_drained(inst)
 
     def credit_changed(self) -> None:

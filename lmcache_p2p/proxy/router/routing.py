@@ -43,7 +43,8 @@ import enum
 from collections.abc import Collection
 
 from lmcache_p2p.config import Role
-from lmcache_p2p.proxy.router.credit import chunks_needed, exceeds_every_buffer, fits, no_capacity
+from lmcache_p2p.proxy.router.credit import chunks_needed
+from lmcache_p2p.proxy.router.lease import exceeds_every_buffer, fits, no_capacity
 from lmcache_p2p.proxy.errors import NoInstanceAvailable
 from lmcache_p2p.proxy.router.policies import DecisionListener, Load, Policy, PrefixDecision, make_policy
 from lmcache_p2p.proxy.router.prefix import PrefixIndex, PrefixSettings, PromptPrefix, none_hash

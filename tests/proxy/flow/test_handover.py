@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 
-from lmcache_p2p.proxy.relay.worker import CoordinatorLink, WorkerApp
+from lmcache_p2p.proxy.relay.link import CoordinatorLink
+from lmcache_p2p.proxy.relay.tokenizers import Tokenizers
+from lmcache_p2p.proxy.relay.worker import WorkerApp
 from lmcache_p2p.proxy.upstream import Upstream
 
-from .conftest import eventually, make_cluster
-from .fakes import MODEL, PROMPT, expected_text, tokenize
+from ..conftest import eventually, make_cluster
+from ..fakes import MODEL, PROMPT, expected_text, tokenize
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -93,7 +95,7 @@ async def test_a_relay_worker_sends_the_decode_while_a_stalled_client_has_not_ta
     async with make_cluster(workers=2) as c:
         decoder = c.decoders[0].vllm
         uds = os.path.join(c.proxy._relay_dir, "coordinator.sock")
-        link = CoordinatorLink(uds, 7, timeout_s=10.0)  # a worker of this process, next to the proxy's two
+        link = CoordinatorLink(uds, 7, timeout_s=10.0, tokenizers=Tokenizers(load_timeout_s=10.0))  # a worker of this process, next to the proxy's two
         upstream = Upstream(connect_timeout_s=2.0)
         worker = WorkerApp(link, upstream, chars_per_token=4.0)
         try:

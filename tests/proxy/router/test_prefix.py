@@ -15,8 +15,8 @@ from lmcache_p2p.proxy.router.prefix import PrefixIndex, PrefixSettings, chunk_h
 from lmcache_p2p.proxy.router.registry import Registry
 from lmcache_p2p.proxy.router.routing import Policy, PrefixDecision, RequestCost, Router
 
-from .conftest import eventually, make_cluster
-from .fakes import MODEL, fingerprint
+from ..conftest import eventually, make_cluster
+from ..fakes import MODEL, fingerprint
 from .test_routing import add
 
 SUBPROCESS_TIMEOUT_S = 300

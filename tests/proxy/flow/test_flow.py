@@ -13,9 +13,9 @@ from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.flow import flow as flow_module
 from lmcache_p2p.proxy.router.registry import Instance
 
-from . import fakes
-from .conftest import eventually, make_cluster
-from .fakes import MESSAGES, MODEL, PROMPT, chat_prompt, expected_text, generate, token_text, tokenize
+from .. import fakes
+from ..conftest import eventually, make_cluster
+from ..fakes import MESSAGES, MODEL, PROMPT, chat_prompt, expected_text, generate, token_text, tokenize
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -791,7 +791,7 @@ async def test_a_tokenizer_other_than_the_instances_is_not_used(tokenizer_dir):
         expected = (await ref.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})).json()
     async with make_cluster() as c:  # the fakes keep fakes.tokenize: another tokenizer than the folder's
         c.proxy.orchestrator.tokenizers = type(c.proxy.orchestrator.tokenizers)(
-            str(path), c.proxy.orchestrator.upstream, timeout_s=2.0)
+            str(path), c.proxy.orchestrator.upstream, timeout_s=2.0, load_timeout_s=60.0)
         assert await c.proxy.orchestrator.tokenizers.get(c.proxy.registry.routable(Role.SENDER), wait_s=None) is None
         answer = (await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})).json()
         prefill, = c.prefillers[0].vllm.calls("/v1/completions")

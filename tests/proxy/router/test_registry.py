@@ -8,7 +8,7 @@ import pytest
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ProtocolError, VersionError
 from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Fingerprint, Goodbye
-from lmcache_p2p.proxy.router.registry import Health, Instance, InstanceState, Registry, StaticInstance
+from lmcache_p2p.proxy.router.registry import Health, Instance, InstanceState, RankInfo, Registry, StaticInstance
 
 
 class Clock:
@@ -410,3 +410,14 @@ def test_an_instance_whose_ranks_stop_announcing_is_no_longer_paired(registry, c
     assert not registry.plugin_running(decoder) and not registry.compatible(prefiller, decoder)
     assert registry.routable(Role.RECEIVER) == [static]  # evicted; the static entry is back, still unpaired
     assert not registry.compatible(prefiller, static)
+
+
+def test_an_instance_keeps_its_own_load_from_hold_to_release():
+    inst = Instance("d", Role.RECEIVER, "http://d", tp_size=1, ranks={0: RankInfo(0)})  # heard of since forever
+    commit = inst.hold(tokens=30, chunks=2)
+    assert (inst.inflight_requests, inst.inflight_tokens, inst.commits) == (1, 30, [commit])
+    assert inst.return_credit(commit, now_s=1.0) and not inst.return_credit(commit, now_s=2.0)
+    assert commit.returned_at_s == 1.0
+    inst.release(30, commit, now_s=3.0)
+    assert (inst.inflight_requests, inst.inflight_tokens, inst.commits) == (0, 0, [])
+    assert inst.hold(tokens=5, chunks=0) is None  # no KV comes with it: load only

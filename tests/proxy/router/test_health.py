@@ -7,8 +7,8 @@ import pytest
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.router.registry import Health, Instance
 
-from .conftest import Cluster, Node, eventually, make_cluster
-from .fakes import MODEL, generate, token_text, tokenize
+from ..conftest import Cluster, Node, eventually, make_cluster
+from ..fakes import MODEL, generate, token_text, tokenize
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 

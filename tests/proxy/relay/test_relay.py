@@ -14,9 +14,9 @@ import pytest
 from lmcache_p2p.proxy.errors import UpstreamStatus
 from lmcache_p2p.proxy.upstream import SseLines, _sse_events, coalesce
 
-from .conftest import make_cluster
-from .fakes import MODEL, PROMPT
-from .test_flow import assert_idle, cycling_model, use_model
+from ..conftest import make_cluster
+from ..fakes import MODEL, PROMPT
+from ..flow.test_flow import assert_idle, cycling_model, use_model
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 

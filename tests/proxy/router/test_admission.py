@@ -9,8 +9,8 @@ import pytest
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.router.admission import AdmissionQueue, CannotAdmit, Outcome
 
-from .conftest import eventually, make_cluster
-from .fakes import MODEL, generate, token_text
+from ..conftest import eventually, make_cluster
+from ..fakes import MODEL, generate, token_text
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 

@@ -43,11 +43,11 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from lmcache_p2p.config import Role
-from lmcache_p2p.proxy.flow.client import ClientFlow, FlowLink
+from lmcache_p2p.proxy.flow.client import ClientFlow
 from lmcache_p2p.proxy.errors import BadRequest, ClientDisconnected, NoInstanceAvailable, ProxyError
 from lmcache_p2p.proxy.flow.flow import Orchestrator
 from lmcache_p2p.proxy.router.registry import Instance
-from lmcache_p2p.proxy.relay.messages import Count
+from lmcache_p2p.proxy.flow.steps import Count, RequestOwner
 from lmcache_p2p.proxy.http.responses import SSE_DONE, Delta, Renderer, renderer_for, sse
 from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint, parse_client_request
 from lmcache_p2p.proxy.upstream import Upstream, forwarded_headers
@@ -60,15 +60,16 @@ _current: contextvars.ContextVar[ClientFlow | None] = contextvars.ContextVar("pr
 
 
 class ProxyApp:
-    """The endpoints; a generation request runs as a :class:`ClientFlow` over ``link`` (this process's
-    flows, or a relay worker's coordinator), so both serve it on one path. ``orchestrator``: for the
-    other endpoints (a relay worker has none: it passes them through)."""
+    """The endpoints; a generation request runs as a :class:`ClientFlow` whose steps ``owner`` opens (this
+    process's orchestrator, or a relay worker's coordinator link), so both serve it on one path.
+    ``orchestrator``: for the other endpoints (a relay worker has none: it passes them through)."""
 
-    def __init__(self, orchestrator: Orchestrator | None, link: FlowLink, upstream: Upstream, chars_per_token: float,
+    def __init__(self, orchestrator: Orchestrator | None, owner: RequestOwner, upstream: Upstream,
+                 chars_per_token: float,
                  models_timeout_s: float, admin_secret: str | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self._o = orchestrator  # type: ignore[assignment]
-        self.link = link
+        self.owner = owner
         self.upstream = upstream
         self._clock = clock
         self._chars_per_token = chars_per_token
@@ -122,7 +123,7 @@ class ProxyApp:
             req = parse_client_request(endpoint, await _read_json(request), self._chars_per_token)
         except ProxyError as exc:
             return self._error(endpoint, exc)
-        flow = ClientFlow(self.link, self.upstream, req, forwarded_headers(request.headers), received_s, self._clock)
+        flow = ClientFlow(self.owner, self.upstream, req, forwarded_headers(request.headers), received_s, self._clock)
         _current.set(flow)
         response = await self._answer(request, flow)
         if not isinstance(response, StreamingResponse):
@@ -252,7 +253,7 @@ class ProxyApp:
         if flow is not None:
             flow.add_count(count)  # with its "closed"
         else:
-            self.link.tell_later("count", count)
+            self.owner.count(count)
 
 
 class EarlyDecode:
@@ -361,14 +362,6 @@ def _ended_late(on_late_end: Callable[[], None], task: asyncio.Future[Any]) -> N
 async def _disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def warm_up() -> None:
-    """Before the first client: anyio imports its asyncio backend at its first use (~25 ms), and that first use
-    is Starlette's first ``StreamingResponse``, i.e. on the first stream's first byte, in every process."""
-    import anyio
-
-    await anyio.sleep(0)
 
 
 def error_name(exc: ProxyError) -> str:

@@ -16,8 +16,8 @@ from lmcache_p2p.proxy.handover.cancel import KvCanceller
 from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
 from lmcache_p2p.proxy.router.registry import Registry
 
-from .conftest import Cluster, eventually, make_cluster
-from .fakes import MODEL, FakeReceiverControl, generate, token_text, tokenize
+from ..conftest import Cluster, eventually, make_cluster
+from ..fakes import MODEL, FakeReceiverControl, generate, token_text, tokenize
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 

@@ -20,9 +20,9 @@ import pytest
 
 from lmcache_p2p.proxy.relay.coordinator import RelayCoordinator
 
-from .conftest import ProxyProcess, eventually, make_cluster
-from .fakes import MESSAGES, MODEL, PROMPT, expected_text, generate, tokenize
-from .test_flow import assert_idle, cycling_model, use_model
+from ..conftest import ProxyProcess, eventually, make_cluster
+from ..fakes import MESSAGES, MODEL, PROMPT, expected_text, generate, tokenize
+from ..flow.test_flow import assert_idle, cycling_model, use_model
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 

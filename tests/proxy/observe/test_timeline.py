@@ -8,8 +8,8 @@ from lmcache_p2p.protocol import KvSent
 from lmcache_p2p.proxy.observe.metrics import RECENT_TIMELINES, ProxyMetrics
 from lmcache_p2p.proxy.observe.timeline import Phase, Timeline, prefiller_phases
 
-from .conftest import eventually, make_cluster
-from .fakes import MODEL, PROMPT
+from ..conftest import eventually, make_cluster
+from ..fakes import MODEL, PROMPT
 
 PHASES = {p.value for p in Phase}
 

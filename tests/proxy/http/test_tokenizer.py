@@ -31,7 +31,7 @@ def slow_load(monkeypatch):
 
 async def test_a_request_does_not_wait_past_its_bound_for_a_slow_first_load(slow_load, tokenizer_dir):
     path, _ = tokenizer_dir
-    provider = tok.TokenizerProvider(str(path), None, timeout_s=1.0)
+    provider = tok.TokenizerProvider(str(path), None, timeout_s=1.0, load_timeout_s=60.0)
     assert await provider.get([], wait_s=0.05) is None  # still loading: the request goes without
     assert not provider.settled
     slow_load.set()
@@ -42,7 +42,7 @@ async def test_a_request_does_not_wait_past_its_bound_for_a_slow_first_load(slow
 
 async def test_background_load_settles_before_any_request(tokenizer_dir):
     path, _ = tokenizer_dir
-    provider = tok.TokenizerProvider(str(path), None, timeout_s=1.0)
+    provider = tok.TokenizerProvider(str(path), None, timeout_s=1.0, load_timeout_s=60.0)
     task = asyncio.get_running_loop().create_task(provider.load_in_background(list, retry_s=0.01))
     await asyncio.wait_for(task, 60)
     assert provider.settled and await provider.get([], wait_s=0) is not None
@@ -53,7 +53,7 @@ async def test_the_heap_is_frozen_once_the_tokenizer_is_loaded(tokenizer_dir):
     path, _ = tokenizer_dir
     gc.unfreeze()
     try:
-        provider = tok.TokenizerProvider(str(path), None, timeout_s=1.0)
+        provider = tok.TokenizerProvider(str(path), None, timeout_s=1.0, load_timeout_s=60.0)
         assert gc.get_freeze_count() == 0
         assert await provider.get([], wait_s=None) is not None
         assert gc.get_freeze_count() > 0
@@ -79,3 +79,15 @@ def test_prompt_ids_are_the_ids_vllm_makes(tokenizer_dir, truncating_backend):
         for add in (True, False):
             expected = hf.encode(prompt, add_special_tokens=add, truncation=False)
             assert proxy.text_prompt_ids({"prompt": prompt, "add_special_tokens": add}) == expected
+
+
+async def test_an_import_of_transformers_that_does_not_end_is_waited_for_at_most_the_load_timeout(tokenizer_dir,
+                                                                                                    caplog):
+    path, _ = tokenizer_dir
+    provider = tok.TokenizerProvider(str(path), None, timeout_s=1.0, load_timeout_s=0.2)
+    provider._prefetch = asyncio.get_running_loop().create_future()  # the prefetching import hangs
+    assert await asyncio.wait_for(provider.get([], wait_s=None), 10) is None
+    assert "raise --tokenizer-load-timeout-s" in caplog.text
+    assert not provider.settled  # the load gave up its place: a later request tries again
+    provider._prefetch.set_result(None)
+    assert await provider.get([], wait_s=None) is not None and provider.settled

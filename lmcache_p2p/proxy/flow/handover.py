@@ -5,7 +5,7 @@ did not load), or abandoned and cancelled on every rank of the decoder (``handov
 
 It owns the attempts (a fresh ``req_id`` each) and their waiters. It must not choose instances or
 send prefills: a retry prefill is the caller's (``retry`` below), the decoder comes from the
-placement (``router/placement.py``). Nothing here waits without a deadline (``--kv-timeout-s``).
+placement (``flow/placement.py``). Nothing here waits without a deadline (``--kv-timeout-s``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from lmcache_p2p.proxy.errors import KvNotReady, ProxyError
 from lmcache_p2p.proxy.flow.context import RequestContext, Services
-from lmcache_p2p.proxy.router.placement import Placement
+from lmcache_p2p.proxy.flow.placement import Placement
 from lmcache_p2p.proxy.router.registry import Lease
 from lmcache_p2p.proxy.settings import KvFailurePolicy
 from lmcache_p2p.proxy.http.shaping import kv_transfer_params

@@ -12,8 +12,8 @@ from lmcache_p2p.proxy.errors import NoCapacity, NoInstanceAvailable
 from lmcache_p2p.proxy.router.registry import Registry, StaticInstance
 from lmcache_p2p.proxy.router.routing import Policy, RequestCost, Router, chunks_needed, exceeds_every_buffer
 
-from .conftest import eventually, make_cluster
-from .fakes import (MESSAGES, MODEL, PROMPT, FakeReceiverControl, FakeVllm, chat_prompt, expected_text, fingerprint, generate,
+from ..conftest import eventually, make_cluster
+from ..fakes import (MESSAGES, MODEL, PROMPT, FakeReceiverControl, FakeVllm, chat_prompt, expected_text, fingerprint, generate,
                     token_text, tokenize)
 
 def assert_idle(cluster) -> None:
@@ -330,7 +330,7 @@ async def test_a_static_decoder_that_never_announced_is_not_paired_and_one_insta
 
 
 def test_a_prompt_larger_than_every_buffer_is_refused_with_how_to_size_the_buffer():
-    from lmcache_p2p.proxy.router.credit import no_capacity
+    from lmcache_p2p.proxy.router.lease import no_capacity
 
     registry = Registry(10)
     small = add(registry, "b", free=3, capacity=3)

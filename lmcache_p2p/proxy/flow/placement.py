@@ -4,7 +4,7 @@ when one fails (another prefiller or decoder, a colocated instance, a migration 
 It owns the request's lease of the decoding instance (load and KV credit, ``registry.Lease``) and
 the set of instances it tried, and asks the router (``router/routing.py``) to choose among routable
 instances. It must not send requests, wait for the KV or shape bodies: the prefill attempts
-(``flow/prefill.py``), the handover (``handover/request.py``) and the flow (``flow/flow.py``) do, and tell it what
+(``flow/prefill.py``), the handover (``flow/handover.py``) and the flow (``flow/flow.py``) do, and tell it what
 failed.
 """
 
