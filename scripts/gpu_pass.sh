@@ -19,7 +19,7 @@
 #   bash scripts/gpu_pass.sh faults [ARGS] the same set-up (tiny model only), then in one call of at most FAULTS_LIMIT_S
 #                                          (570) seconds: bench/faults_gpu.py ARGS (the short fault scenarios on 1P2D,
 #                                          NIXL over cuda_ipc with the VRAM arena and the asynchronous store, NCCL where
-#                                          each instance has a GPU; FAULTS_MAX_S, default 400, at most), then the GPU
+#                                          each instance has a GPU; FAULTS_MAX_S, default 420, at most), then the GPU
 #                                          tests (pytest -m gpu GPU_TESTS, -n 4; the image's pytest, else the kit's
 #                                          pytest-wheels) with the time left; each part under its own timeout.
 #                                          Results $OUT/faults_gpu.json, $OUT/pytest_gpu.txt, $OUT/logs.tar.gz, pass.log
@@ -63,9 +63,9 @@ case "${1:-}" in
      exit 2 ;;
 esac
 FAULTS_LIMIT_S=${FAULTS_LIMIT_S:-570}  # the fault pass from its start: the device tool ends a call at 600 s
-FAULTS_MAX_S=${FAULTS_MAX_S:-400}  # bench/faults_gpu.py at most (SIGTERM then: it stops its servers, writes its rows)
+FAULTS_MAX_S=${FAULTS_MAX_S:-420}  # bench/faults_gpu.py at most (SIGTERM then: it stops its servers, writes its rows)
 FAULTS_KILL_GRACE_S=40  # after that SIGTERM, SIGKILL
-PYTEST_MIN_S=${PYTEST_MIN_S:-120}  # what the GPU tests keep at least
+PYTEST_MIN_S=${PYTEST_MIN_S:-90}  # what the GPU tests keep at least
 PACK_S=15
 GPU_TESTS=${GPU_TESTS:-"tests/backend/test_store_ready_gpu.py tests/backend/test_engine_gpu.py tests/transport"}
 FAULTS_PIDS=/tmp/faults_gpu_pids  # every server bench/faults_gpu.py started: each leads its own session

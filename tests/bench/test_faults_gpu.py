@@ -110,6 +110,16 @@ def test_the_gpu_deployment_puts_every_instance_on_gpu_0_with_vram_buffers_and_t
         assert receiver["ready_lease_s"] == 30
 
 
+def test_a_deployment_built_without_the_gpu_placement_is_refused(fg, tmp_path, monkeypatch):
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    import fault_cluster
+
+    model = model_dir(tmp_path, GPU_TINY)
+    monkeypatch.setattr(fg.GpuFaultCluster, "_child", fault_cluster.FaultCluster._child)  # as if it were renamed
+    with pytest.raises(StartupError, match="were not placed on a GPU"):
+        fg.GpuFaultCluster(model, tmp_path / "logs", fg.gpu_spec(model, []), fg.placement("nixl", 1, 3), [H200])
+
+
 def test_a_dry_run_writes_the_plan_and_not_run_rows(fg, tmp_path, monkeypatch):
     monkeypatch.delenv("UCX_TLS", raising=False)
     model = model_dir(tmp_path, GPU_TINY)
