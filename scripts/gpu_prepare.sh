@@ -15,7 +15,7 @@
 # another checkout than this one (a helper's worktree): carry that folder and run its scripts/gpu_pass.sh.
 # GPU_BUILD (default build) is where the bundle and kit are made or found (e.g. the sent checkout's build/);
 # SRC_NAME (default gpu-src) names the copied folder; CODE_FROM=CHECKOUT takes lmcache_p2p/, configs/ and
-# pyproject.toml from another checkout (bench/ and scripts/ stay this one's: new bench code on merged code).
+# pyproject.toml from another checkout (bench/, scripts/ and tests/ stay this one's: new bench code on merged code).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GPU_KIT=${GPU_KIT:-$(cd ../shared/gpu 2>/dev/null && pwd || echo ../shared/gpu)}
@@ -35,7 +35,7 @@ fi
 if [ "${1:-}" = "--src" ]; then  # this checkout's code as a carried folder (for a device tool that sends another checkout)
   dest=${2:-$BUILD}/${SRC_NAME:-gpu-src}
   rm -rf "$dest" && mkdir -p "$dest"
-  cp -r bench scripts "$dest/"
+  cp -r bench scripts tests "$dest/"  # tests: the fault pass imports tests/faults and runs the GPU tests
   if [ -n "${CODE_FROM:-}" ]; then  # its last commit, not whatever its working tree holds
     git -C "$CODE_FROM" archive HEAD lmcache_p2p configs pyproject.toml | tar -x -C "$dest"
     git -C "$CODE_FROM" log -1 --format='%h %s' > "$dest/CODE_FROM"
