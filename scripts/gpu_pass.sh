@@ -16,6 +16,13 @@
 #   bash scripts/gpu_pass.sh equal ARGS    the same set-up, then bench/e2e_gpu_equal.py --mode equal ARGS (greedy
 #                                          equality through 1P1D against a single instance)
 #   bash scripts/gpu_pass.sh kill ARGS     ... --mode kill ARGS (NCCL: the prefiller killed under load)
+#   bash scripts/gpu_pass.sh faults [ARGS] the same set-up (tiny model only), then in one call of at most FAULTS_LIMIT_S
+#                                          (570) seconds: bench/faults_gpu.py ARGS (the short fault scenarios on 1P2D,
+#                                          NIXL over cuda_ipc with the VRAM arena and the asynchronous store, NCCL where
+#                                          each instance has a GPU; FAULTS_MAX_S, default 420, at most), then the GPU
+#                                          tests (pytest -m gpu GPU_TESTS, -n 4; the image's pytest, else the kit's
+#                                          pytest-wheels) with the time left; each part under its own timeout.
+#                                          Results $OUT/faults_gpu.json, $OUT/pytest_gpu.txt, $OUT/logs.tar.gz, pass.log
 #   bash scripts/gpu_pass.sh tp [ARGS]     the same set-up, then the TP rows of bench/e2e_gpu_equal.py --mode equal (greedy
 #                                          equality against a single instance at the decoder's TP size, every decoder
 #                                          rank's LMCache retrieve checked): P TP1 -> D TP2 (3 GPUs), P TP2 -> D TP2
@@ -50,9 +57,66 @@ case "${1:-}" in
   long) shift; BENCH=bench/e2e_gpu.py; LONG=1 ;;
   equal|kill) MODE=$1; shift; BENCH=bench/e2e_gpu_equal.py; set -- --mode "$MODE" "$@" ;;
   tp) shift; BENCH=bench/e2e_gpu_equal.py; TP=1 ;;
-  *) echo "usage: gpu_pass.sh stage | run|long [bench/e2e_gpu.py arguments] | equal|kill|tp bench/e2e_gpu_equal.py arguments" >&2
+  faults) shift; BENCH=bench/faults_gpu.py; FAULTS=1 ;;
+  *) echo "usage: gpu_pass.sh stage | run|long [bench/e2e_gpu.py arguments] | equal|kill|tp bench/e2e_gpu_equal.py arguments" \
+          "| faults [bench/faults_gpu.py arguments]" >&2
      exit 2 ;;
 esac
+FAULTS_LIMIT_S=${FAULTS_LIMIT_S:-570}  # the fault pass from its start: the device tool ends a call at 600 s
+FAULTS_MAX_S=${FAULTS_MAX_S:-420}  # bench/faults_gpu.py at most (SIGTERM then: it stops its servers, writes its rows)
+FAULTS_KILL_GRACE_S=40  # after that SIGTERM, SIGKILL
+PYTEST_MIN_S=${PYTEST_MIN_S:-90}  # what the GPU tests keep at least
+PACK_S=15
+GPU_TESTS=${GPU_TESTS:-"tests/backend/test_store_ready_gpu.py tests/backend/test_engine_gpu.py tests/transport"}
+FAULTS_PIDS=/tmp/faults_gpu_pids  # every server bench/faults_gpu.py started: each leads its own session
+
+left_s() { echo $((FAULTS_LIMIT_S - ($(date +%s) - start))); }
+
+pack_logs() {  # pack DEST DIR...: one gzip tarball under the device tool's 16 MiB per file (else each log's tail)
+  local dest=$1 d; shift
+  local dirs=(); for d in "$@"; do [ -d "$d" ] && dirs+=("${d#/tmp/}"); done
+  [ ${#dirs[@]} -eq 0 ] && return
+  tar -czf "$dest" -C /tmp "${dirs[@]}" 2>/dev/null
+  if [ "$(stat -c %s "$dest" 2>/dev/null || echo 0)" -gt 15000000 ]; then
+    rm -rf /tmp/log_tails && mkdir -p /tmp/log_tails
+    (cd /tmp && find "${dirs[@]}" -type f \( -name '*.log' -o -name '*.yaml' -o -name '*.json' \) | while read -r f; do
+      mkdir -p "/tmp/log_tails/$(dirname "$f")" && tail -n 3000 "$f" > "/tmp/log_tails/$f"; done)
+    tar -czf "$dest" -C /tmp/log_tails .
+    echo "[gpu_pass] logs over 15 MB: packed each one's last 3000 lines"
+  fi
+}
+
+faults_pass() {  # bench/faults_gpu.py, then the GPU tests, each with a time limit that keeps the rest's time
+  local rc flimit plimit pid
+  python3 -m compileall -q -j 8 "${SITE:-/tmp/site}" >/dev/null 2>&1 &  # the bundle's .pyc (installed without)
+  flimit=$(( $(left_s) - PYTEST_MIN_S - FAULTS_KILL_GRACE_S - PACK_S ))
+  [ "$flimit" -gt "$FAULTS_MAX_S" ] && flimit=$FAULTS_MAX_S
+  rm -f "$FAULTS_PIDS"
+  echo "[gpu_pass] faults: limit ${flimit}s"
+  timeout -k "$FAULTS_KILL_GRACE_S" "$flimit" python3 bench/faults_gpu.py --model /tmp/models/tiny \
+    --out "$OUT/faults_gpu.json" --log-dir /tmp/faults_gpu_logs --pid-log "$FAULTS_PIDS" \
+    --budget-s $((flimit - FAULTS_KILL_GRACE_S - 5)) "$@"
+  rc=$?
+  echo "[gpu_pass] faults rc=$rc after $(($(date +%s) - start))s"
+  for pid in $(cat "$FAULTS_PIDS" 2>/dev/null); do kill -9 -- "-$pid" 2>/dev/null; done  # what a killed pass left
+  if ! python3 -c "import pytest, xdist, pytest_timeout" 2>/dev/null; then
+    python3 -m pip install -q --no-index --find-links "$GPU_BUILD/gpu-kit/pytest-wheels" --target /tmp/pytest-site \
+      pytest pytest-timeout pytest-xdist && export PYTHONPATH="/tmp/pytest-site:$PYTHONPATH"
+  fi
+  plimit=$(( $(left_s) - PACK_S ))
+  if [ "$plimit" -ge 30 ]; then
+    echo "[gpu_pass] GPU tests: limit ${plimit}s: $GPU_TESTS"
+    # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
+    timeout -k 10 "$plimit" python3 -m pytest -m gpu $GPU_TESTS -p no:cacheprovider -v -rfEs -n 4 --dist load \
+      --timeout 150 --basetemp /tmp/pytest_gpu > "$OUT/pytest_gpu.txt" 2>&1
+    echo "[gpu_pass] GPU tests rc=$? after $(($(date +%s) - start))s: $(tail -n 1 "$OUT/pytest_gpu.txt")"
+  else
+    echo "GPU tests not run: ${plimit}s left of FAULTS_LIMIT_S" | tee "$OUT/pytest_gpu.txt"
+  fi
+  pack_logs "$OUT/logs.tar.gz" /tmp/faults_gpu_logs /tmp/pytest_gpu
+  return $rc
+}
+
 stage
 set -o pipefail
 {
@@ -62,6 +126,12 @@ set -o pipefail
   echo "[gpu_pass] installed in $(($(date +%s) - start))s"
   nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv
   [ -f /tmp/models/llama8b-shape/config.json ] || python3 "$GPU_BUILD/gpu-kit/make_models.py" /tmp/models || exit 1
+  if [ -n "${FAULTS:-}" ]; then
+    faults_pass "$@"
+    rc=$?
+    echo "[gpu_pass] fault pass rc=$rc after $(($(date +%s) - start))s"
+    exit $rc
+  fi
   [ -f /tmp/models/llama8b-128k/config.json ] || python3 - <<'PY' || exit 1
 import json, os
 src, dst = "/tmp/models/llama8b-shape", "/tmp/models/llama8b-128k"

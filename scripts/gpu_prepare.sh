@@ -5,7 +5,9 @@
 #                                              machine lacks (../shared/gpu/build_bundle.sh; ~3 min, cached)
 #   build/gpu-kit/                             the kit's installer and model maker and LMCache's PD proxy
 #                                              (../shared/gpu, ../shared/anchor: beside the checkout, they do
-#                                              not travel to the device by themselves)
+#                                              not travel to the device by themselves), and pytest-wheels/:
+#                                              pytest, pytest-timeout, pytest-xdist and what they need (cp312,
+#                                              ~2 MB; gpu_pass.sh faults installs them where the image lacks them)
 #
 # Then make the device calls it prints (BENCHMARKS.md, "GPU end to end"). Idempotent.
 #   GPU_KIT=../shared/gpu ANCHOR=../shared/anchor bash scripts/gpu_prepare.sh [--src [BUILD_DIR]]
@@ -13,7 +15,7 @@
 # another checkout than this one (a helper's worktree): carry that folder and run its scripts/gpu_pass.sh.
 # GPU_BUILD (default build) is where the bundle and kit are made or found (e.g. the sent checkout's build/);
 # SRC_NAME (default gpu-src) names the copied folder; CODE_FROM=CHECKOUT takes lmcache_p2p/, configs/ and
-# pyproject.toml from another checkout (bench/ and scripts/ stay this one's: new bench code on merged code).
+# pyproject.toml from another checkout (bench/, scripts/ and tests/ stay this one's: new bench code on merged code).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GPU_KIT=${GPU_KIT:-$(cd ../shared/gpu 2>/dev/null && pwd || echo ../shared/gpu)}
@@ -25,10 +27,15 @@ if [ ! -f "$BUILD/gpu-bundle/bundle.sha" ]; then
 fi
 cp "$GPU_KIT/install_bundle.sh" "$GPU_KIT/make_models.py" "$BUILD/gpu-kit/"
 cp "$ANCHOR/pd_proxy.py" "$BUILD/gpu-kit/"
+PYTEST_PINS=(pytest==9.2.0 pytest-timeout==2.4.0 pytest-xdist==3.8.0)  # the versions the CPU machines test with
+if ! compgen -G "$BUILD/gpu-kit/pytest-wheels/pytest_xdist-*.whl" >/dev/null; then
+  "${PYTHON:-.venv/bin/python}" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 -d "$BUILD/gpu-kit/pytest-wheels" "${PYTEST_PINS[@]}"
+fi
 if [ "${1:-}" = "--src" ]; then  # this checkout's code as a carried folder (for a device tool that sends another checkout)
   dest=${2:-$BUILD}/${SRC_NAME:-gpu-src}
   rm -rf "$dest" && mkdir -p "$dest"
-  cp -r bench scripts "$dest/"
+  cp -r bench scripts tests "$dest/"  # tests: the fault pass imports tests/faults and runs the GPU tests
   if [ -n "${CODE_FROM:-}" ]; then  # its last commit, not whatever its working tree holds
     git -C "$CODE_FROM" archive HEAD lmcache_p2p configs pyproject.toml | tar -x -C "$dest"
     git -C "$CODE_FROM" log -1 --format='%h %s' > "$dest/CODE_FROM"
@@ -49,3 +56,6 @@ for p in $parts; do
 done
 echo "  carry [\"$BUILD/gpu-bundle/parts/$last\", \"$BUILD/gpu-bundle/bundle.sha\", \"$BUILD/gpu-kit\", \"$BUILD/e2e_gpu_parts\"]"
 echo "        command: bash scripts/gpu_pass.sh run [bench/e2e_gpu.py arguments]"
+echo "  or, the fault pass (kind nvidia-h200, one GPU is enough; timeout_s 600):"
+echo "  carry [\"$BUILD/gpu-bundle/parts/$last\", \"$BUILD/gpu-bundle/bundle.sha\", \"$BUILD/gpu-kit\"]"
+echo "        command: bash scripts/gpu_pass.sh faults"
