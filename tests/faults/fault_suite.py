@@ -69,38 +69,41 @@ def build_workload(model: Path, *, with_model_b: bool, models_dir: Path, with_sh
     return w
 
 
-def attach_references(w: Workload, model: Path, log_dir: Path, cache_dir: Path | None) -> None:
+def attach_references(w: Workload, model: Path, log_dir: Path, cache_dir: Path | None,
+                      spec: ClusterSpec = SPEC) -> None:
     everything = [*w.short, *w.mid, *w.long, *w.stream]
-    refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in everything], log_dir, SPEC,
+    refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in everything], log_dir, spec,
                              cache_dir)
     for p, ids in zip(everything, refs["a"]):
         p.reference["a"] = tuple(ids)
     if w.shared:  # its own reference set: the other prompts' cached references stay valid
-        refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in w.shared], log_dir, SPEC,
+        refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in w.shared], log_dir, spec,
                                  cache_dir)
         for p, ids in zip(w.shared, refs["a"]):
             p.reference["a"] = tuple(ids)
     if w.fresh:  # its own reference set too
-        refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in w.fresh], log_dir, SPEC,
+        refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in w.fresh], log_dir, spec,
                                  cache_dir)
         for p, ids in zip(w.fresh, refs["a"]):
             p.reference["a"] = tuple(ids)
     if w.model_b is not None:
         targets = [*w.short, *w.mid]
-        refs_b = reference_outputs({"b": w.model_b}, [(list(p.ids), p.max_tokens) for p in targets], log_dir, SPEC,
+        refs_b = reference_outputs({"b": w.model_b}, [(list(p.ids), p.max_tokens) for p in targets], log_dir, spec,
                                    cache_dir)
         for p, ids in zip(targets, refs_b["b"]):
             p.reference["b"] = tuple(ids)
 
 
 def run_suite(model: Path, log_dir: Path, names: Sequence[str] = SHORT, *, long: bool = False,
-              cache_dir: Path | None = None) -> list[Row]:
+              cache_dir: Path | None = None, spec: ClusterSpec = SPEC,
+              broken_continuation: str | None = None) -> list[Row]:
+    """``broken_continuation``: run the proxy with wrong stream continuations (``broken_proxy.py``)."""
     model = Path(model).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     w = build_workload(model, with_model_b="different_models" in names, models_dir=model.parent,
                        with_shared="shared_prefix_cache_churn" in names)
-    attach_references(w, model, log_dir / "reference", cache_dir)
-    cluster = FaultCluster(model, log_dir / "cluster", SPEC)
+    attach_references(w, model, log_dir / "reference", cache_dir, spec)
+    cluster = FaultCluster(model, log_dir / "cluster", spec, broken_continuation)
     rows: list[Row] = []
     try:
         cluster.start()
