@@ -31,6 +31,7 @@ import json
 import logging
 import sys
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -89,8 +90,11 @@ def _without_dtype(args: tuple[str, ...]) -> tuple[str, ...]:
 # ---- the plain instance ------------------------------------------------------------------------
 
 def complete(url: str, prompt: list[int], max_tokens: int, logprobs: int | None = None) -> dict[str, Any]:
+    """Greedy, computed from scratch: a fresh ``cache_salt`` keeps vLLM's prefix cache out of it (a decoder
+    that takes a moved stream has computed none of it either)."""
     body: dict[str, Any] = {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+                            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                            "cache_salt": uuid.uuid4().hex}
     if logprobs:
         body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
     resp = httpx.post(f"{url}/v1/completions", json=body, timeout=HTTP_TIMEOUT_S, trust_env=False)
@@ -156,7 +160,7 @@ def run_variant(name: str, model: Path, log_dir: Path, cache_dir: Path, broken: 
         cluster.stop()
     records = {r["prompt"]: r for r in row.streams}
 
-    plain = plain_vllm(model, log_dir / "plain", spec, name="plain", cpu_core=None)
+    plain = plain_vllm(model, log_dir / "plain", spec, name="plain", cpu_core=1)
     streams = []
     try:
         plain.start()
@@ -188,6 +192,60 @@ def run_variant(name: str, model: Path, log_dir: Path, cache_dir: Path, broken: 
             "summary": summarize(streams, batch_diff), "seconds": round(time.time() - started, 1)}
 
 
+def run_plain_batch(name: str, model: Path, log_dir: Path, cache_dir: Path, rounds: int) -> dict[str, Any]:
+    """(c) alone, with no deployment: the 8 streams at once on one plain instance, ``rounds`` times."""
+    spec = variant_spec(name)
+    started = time.time()
+    w = build_workload(model, with_model_b=False, models_dir=model.parent)
+    attach_references(w, model, log_dir / "reference", cache_dir, spec)
+    plain = plain_vllm(model, log_dir / "plain", spec, name="plain", cpu_core=1)
+    try:
+        plain.start()
+        wait_healthy([plain], 600)
+        url = plain.health_url.removesuffix("/health")
+        diffs = []
+        for _ in range(rounds):
+            batch = plain_batch(url, [(list(p.ids), p.max_tokens) for p in w.stream])
+            diffs.append([first_difference(ids, list(p.reference["a"])) for ids, p in zip(batch, w.stream)])
+            logger.info("%s: plain batch first differences %s", name, diffs[-1])
+    finally:
+        stop_all([plain])
+    return {"variant": name, "vllm_args": list(spec.vllm_args), "plain_batch_rounds_first_difference": diffs,
+            "seconds": round(time.time() - started, 1)}
+
+
+def run_plain_replays(name: str, model: Path, log_dir: Path, cache_dir: Path, cuts: list[int]) -> dict[str, Any]:
+    """(b) with no deployment: every stream cut after each of ``cuts`` reference tokens and continued
+    alone on one plain instance (prompt + the reference so far, the remaining max_tokens), as a decoder
+    that takes a moved stream computes it; where each continuation leaves the reference."""
+    spec = variant_spec(name)
+    started = time.time()
+    w = build_workload(model, with_model_b=False, models_dir=model.parent)
+    attach_references(w, model, log_dir / "reference", cache_dir, spec)
+    plain = plain_vllm(model, log_dir / "plain", spec, name="plain", cpu_core=1)
+    rows = []
+    try:
+        plain.start()
+        wait_healthy([plain], 600)
+        url = plain.health_url.removesuffix("/health")
+        for p in w.stream:
+            reference = list(p.reference["a"])
+            diffs = {}
+            for cut in cuts:
+                ids = list(complete(url, list(p.ids) + reference[:cut], p.max_tokens - cut)["token_ids"])
+                d = first_difference(ids, reference[cut:])
+                diffs[str(cut)] = None if d is None else cut + d
+            rows.append({"prompt": w.label(p), "first_difference_by_cut": diffs})
+            logger.info("%s %s: %s", name, w.label(p), diffs)
+    finally:
+        stop_all([plain])
+    replays = [d for r in rows for d in r["first_difference_by_cut"].values()]
+    return {"variant": name, "vllm_args": list(spec.vllm_args), "cuts": cuts, "streams": rows,
+            "summary": {"replays": len(replays), "differing": sum(d is not None for d in replays),
+                        "first_differences": sorted(d for d in replays if d is not None)},
+            "seconds": round(time.time() - started, 1)}
+
+
 def summarize(streams: list[dict[str, Any]], batch_diff: list[int | None]) -> dict[str, Any]:
     differing = [s for s in streams if s["first_difference"] is not None]
     moved = [s for s in streams if s["cuts"]]
@@ -214,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="bf16,seqs1,f32", help="comma-separated: bf16, seqs1, f32, suite")
     ap.add_argument("--broken", default=None, choices=("drop", "duplicate"),
                     help="run the proxy with wrong continuations (tests/faults/broken_proxy.py)")
+    ap.add_argument("--plain-batch-only", type=int, default=0, metavar="ROUNDS",
+                    help="only (c): the streams at once on one plain instance, ROUNDS times (no deployment)")
+    ap.add_argument("--plain-replays", default="", metavar="CUTS",
+                    help="only (b) with no deployment: each stream continued alone after these reference tokens")
     ap.add_argument("--log-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "faults_decide.json")
     args = ap.parse_args(argv)
@@ -223,16 +285,28 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.log_dir or ROOT / "logs" / time.strftime("faults-decide-%Y%m%d-%H%M%S")
     meta = collect(["bench/faults_decide.py", *(sys.argv[1:] if argv is None else argv)])
     previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    results = {v["variant"] + ("+" + v["broken_continuation"] if v.get("broken_continuation") else ""): v
-               for v in previous.get("variants", [])}
+    results = {v["key"]: v for v in previous.get("variants", [])}
     for name in [v for v in args.variants.split(",") if v]:
         variant_spec(name)
-        result = run_variant(name, model, log_dir / name, ROOT / "models" / ".fault-reference", args.broken)
-        result["meta"] = meta
-        results[name + (f"+{args.broken}" if args.broken else "")] = result
+        if args.plain_replays:
+            result = run_plain_replays(name, model, log_dir / name, ROOT / "models" / ".fault-reference",
+                                       [int(c) for c in args.plain_replays.split(",")])
+            result["meta"], result["key"] = meta, f"{name}+plain_replays"
+            results[result["key"]] = result
+        elif args.plain_batch_only:
+            result = run_plain_batch(name, model, log_dir / name, ROOT / "models" / ".fault-reference",
+                                     args.plain_batch_only)
+            result["meta"] = meta
+            result["key"] = f"{name}+plain_batch"
+            results[result["key"]] = result
+        else:
+            result = run_variant(name, model, log_dir / name, ROOT / "models" / ".fault-reference", args.broken)
+            result["meta"] = meta
+            result["key"] = name + (f"+{args.broken}" if args.broken else "")
+            results[result["key"]] = result
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"variants": list(results.values())}, indent=1) + "\n")
-        print(name, json.dumps(result["summary"]))
+        print(name, json.dumps(result.get("summary") or result["plain_batch_rounds_first_difference"]))
     print(f"wrote {args.out}")
     return 0
 

