@@ -2,6 +2,9 @@
 
     python bench/amx_batch_probe.py OUT.json [TOKENS]
 
+Results: ``bench/results/faults_decide/amx_batch_probe_*.json`` (the AMX host's was run as the same text
+from a copy of the tree, with ``PYTHONPATH`` at its root).
+
 No vLLM: a check of the one question a CPU kind decides, whether batching alone moves a greedy
 stream. The 8 stream prompts of ``fault_suite.build_workload`` (seed 4: 100-300 tokens), the tiny
 model built by ``lmcache_p2p.cli.tiny_model`` (the weights' sha256 is printed), one thread; per dtype
@@ -10,10 +13,17 @@ stream first leaves its alone stream. Also, per dtype, the rows m (1..16) at whi
 (m x 128) @ (128 x 256) product differs from its one-row product; at each first difference, the
 alone run's top 3 log-probabilities and the gap between the two tokens in each run (a near tie: tiny).
 """
-import hashlib, json, platform, random, sys
+
+import hashlib
+import json
+import platform
+import random
+import sys
 from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM
+
 from lmcache_p2p.cli.tiny_model import build_tiny_model
 
 out, tokens = Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 1200

@@ -26,6 +26,7 @@ Writes ``bench/results/faults_decide.json`` (``--out``), one entry per variant.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -33,6 +34,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ sys.path[:0] = [str(ROOT / "tests" / "faults"), str(ROOT / "tests")]
 
 from fault_client import Kind, Outcome  # noqa: E402
 from fault_cluster import SERVED_MODEL_NAME, ClusterSpec, FaultCluster, plain_vllm  # noqa: E402
-from fault_scenarios import BY_NAME, Suite, SuiteConfig, first_difference  # noqa: E402
+from fault_scenarios import BY_NAME, Suite, SuiteConfig, Workload, first_difference  # noqa: E402
 from fault_suite import SPEC, attach_references, build_workload, row_dict  # noqa: E402
 
 from lmcache_p2p.cli.processes import stop_all, wait_healthy  # noqa: E402
@@ -143,13 +145,30 @@ def plain_batch(url: str, prompts: list[tuple[list[int], int]]) -> list[list[int
         return list(pool.map(lambda p: list(complete(url, p[0], p[1])["token_ids"]), prompts))
 
 
+@contextlib.contextmanager
+def plain_instance(model: Path, log_dir: Path, spec: ClusterSpec) -> Iterator[str]:
+    """One plain vLLM (the deployment's flags, no LMCache) on one core; yields its URL."""
+    plain = plain_vllm(model, log_dir / "plain", spec, name="plain", cpu_core=1)
+    try:
+        plain.start()
+        wait_healthy([plain], 600)
+        yield plain.health_url.removesuffix("/health")
+    finally:
+        stop_all([plain])
+
+
+def workload(model: Path, log_dir: Path, cache_dir: Path, spec: ClusterSpec) -> Workload:
+    w = build_workload(model, with_model_b=False, models_dir=model.parent)
+    attach_references(w, model, log_dir / "reference", cache_dir, spec)
+    return w
+
+
 # ---- one variant -------------------------------------------------------------------------------
 
 def run_variant(name: str, model: Path, log_dir: Path, cache_dir: Path, broken: str | None) -> dict[str, Any]:
     spec = variant_spec(name)
     started = time.time()
-    w = build_workload(model, with_model_b=False, models_dir=model.parent)
-    attach_references(w, model, log_dir / "reference", cache_dir, spec)
+    w = workload(model, log_dir, cache_dir, spec)
     cluster = FaultCluster(model, log_dir / "cluster", spec, broken)
     try:
         cluster.start()
@@ -160,12 +179,8 @@ def run_variant(name: str, model: Path, log_dir: Path, cache_dir: Path, broken: 
         cluster.stop()
     records = {r["prompt"]: r for r in row.streams}
 
-    plain = plain_vllm(model, log_dir / "plain", spec, name="plain", cpu_core=1)
     streams = []
-    try:
-        plain.start()
-        wait_healthy([plain], 600)
-        url = plain.health_url.removesuffix("/health")
+    with plain_instance(model, log_dir, spec) as url:
         for o in outcomes:
             label = w.label(o.prompt)
             prompt, reference, got = list(o.prompt.ids), list(o.prompt.reference["a"]), list(o.ids)
@@ -184,8 +199,6 @@ def run_variant(name: str, model: Path, log_dir: Path, cache_dir: Path, broken: 
             logger.info("%s: %s", label, json.dumps({k: v for k, v in entry.items() if k != "at_divergence"}))
         batch = plain_batch(url, [(list(p.ids), p.max_tokens) for p in w.stream])
         batch_diff = [first_difference(ids, list(p.reference["a"])) for ids, p in zip(batch, w.stream)]
-    finally:
-        stop_all([plain])
     return {"variant": name, "vllm_args": list(spec.vllm_args), "buffer_size": spec.buffer_size,
             "broken_continuation": broken, "row": row_dict(row), "streams": streams,
             "plain_batch_first_difference": batch_diff,
@@ -196,20 +209,13 @@ def run_plain_batch(name: str, model: Path, log_dir: Path, cache_dir: Path, roun
     """(c) alone, with no deployment: the 8 streams at once on one plain instance, ``rounds`` times."""
     spec = variant_spec(name)
     started = time.time()
-    w = build_workload(model, with_model_b=False, models_dir=model.parent)
-    attach_references(w, model, log_dir / "reference", cache_dir, spec)
-    plain = plain_vllm(model, log_dir / "plain", spec, name="plain", cpu_core=1)
-    try:
-        plain.start()
-        wait_healthy([plain], 600)
-        url = plain.health_url.removesuffix("/health")
-        diffs = []
+    w = workload(model, log_dir, cache_dir, spec)
+    diffs = []
+    with plain_instance(model, log_dir, spec) as url:
         for _ in range(rounds):
             batch = plain_batch(url, [(list(p.ids), p.max_tokens) for p in w.stream])
             diffs.append([first_difference(ids, list(p.reference["a"])) for ids, p in zip(batch, w.stream)])
             logger.info("%s: plain batch first differences %s", name, diffs[-1])
-    finally:
-        stop_all([plain])
     return {"variant": name, "vllm_args": list(spec.vllm_args), "plain_batch_rounds_first_difference": diffs,
             "seconds": round(time.time() - started, 1)}
 
@@ -220,14 +226,9 @@ def run_plain_replays(name: str, model: Path, log_dir: Path, cache_dir: Path, cu
     that takes a moved stream computes it; where each continuation leaves the reference."""
     spec = variant_spec(name)
     started = time.time()
-    w = build_workload(model, with_model_b=False, models_dir=model.parent)
-    attach_references(w, model, log_dir / "reference", cache_dir, spec)
-    plain = plain_vllm(model, log_dir / "plain", spec, name="plain", cpu_core=1)
+    w = workload(model, log_dir, cache_dir, spec)
     rows = []
-    try:
-        plain.start()
-        wait_healthy([plain], 600)
-        url = plain.health_url.removesuffix("/health")
+    with plain_instance(model, log_dir, spec) as url:
         for p in w.stream:
             reference = list(p.reference["a"])
             diffs = {}
@@ -237,8 +238,6 @@ def run_plain_replays(name: str, model: Path, log_dir: Path, cache_dir: Path, cu
                 diffs[str(cut)] = None if d is None else cut + d
             rows.append({"prompt": w.label(p), "first_difference_by_cut": diffs})
             logger.info("%s %s: %s", name, w.label(p), diffs)
-    finally:
-        stop_all([plain])
     replays = [d for r in rows for d in r["first_difference_by_cut"].values()]
     return {"variant": name, "vllm_args": list(spec.vllm_args), "cuts": cuts, "streams": rows,
             "summary": {"replays": len(replays), "differing": sum(d is not None for d in replays),
