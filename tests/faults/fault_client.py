@@ -52,6 +52,7 @@ class Outcome:
     started_s: float = 0.0
     elapsed_s: float = 0.0
     first_token_s: float | None = None
+    response_id: str = ""  # the response's "id" as the client got it (the proxy's /stats names it)
 
 
 def body_of(prompt: Prompt) -> dict:
@@ -93,6 +94,8 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: Prompt, out: Outc
                     done = True
                     break
                 event = json.loads(line[6:])
+                if not out.response_id and isinstance(event.get("id"), str):
+                    out.response_id = event["id"]
                 if "error" in event:
                     stream_error = str(event["error"])[:300]
                     continue

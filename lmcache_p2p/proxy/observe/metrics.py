@@ -17,6 +17,12 @@ Per-request timeline (``observe/timeline.py`` defines the phases: queue, prefill
 decode_start, decode_first at the proxy; store, submit, transfer reported by the prefiller):
 ``lmcache_p2p_proxy_phase_seconds{phase}`` and, in ``/stats``, ``timeline_ms`` (count, mean, p50,
 p99 per phase) and ``recent`` (the last ``RECENT_TIMELINES`` requests, each phase in ms).
+
+Where each request's output was decoded, in ``/stats`` ``recent_decodes`` (the last ``RECENT_DECODES``
+requests that decoded, colocated ones included): ``{"id": the response id the client got (without its
+"cmpl-" / "chatcmpl-"), "parts": [{"instance": id, "from_token": n}, ...]}``, one part per decode
+request in order; a part after the first is a stream that broke and continued on that instance, given
+the first ``from_token`` output tokens as prompt.
 """
 
 from __future__ import annotations
@@ -34,12 +40,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from lmcache_p2p.protocol import KvSent
 from lmcache_p2p.proxy.router.registry import Health, Instance, InstanceState
-from lmcache_p2p.proxy.observe.timeline import Phase, Timeline, prefiller_phases
+from lmcache_p2p.proxy.observe.timeline import DecodePart, Phase, Timeline, prefiller_phases
 
 _LATENCY_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
                       5.0, 10.0, 30.0)
 _PREFIX = "lmcache_p2p_proxy_"
 RECENT_TIMELINES = 256  # per-request timelines kept for /stats "recent"
+RECENT_DECODES = 2048  # per-request decode parts kept for /stats "recent_decodes"
 _PENDING_REPORTS = 4096  # prefiller reports (and recorded timelines) kept to be matched by req_id
 
 
@@ -114,6 +121,12 @@ class ProxyMetrics:
         self._stats.recent.append(entry)
         if timeline.req_id:
             self._timelines.recorded(entry, self._observe_prefiller)
+
+    def record_decode(self, response_id: str, parts: list[DecodePart]) -> None:
+        """Where a finished request's output was decoded (nothing when no decode was sent)."""
+        if parts:
+            self._stats.decodes.append({"id": response_id, "parts": [
+                {"instance": p.instance_id, "from_token": p.from_token} for p in parts]})
 
     def report_prefiller(self, msg: KvSent) -> None:
         """A sender's ``KvSent``: its phases join the request's timeline (now, or once it is recorded)."""
@@ -294,12 +307,13 @@ class _StatsWindows:
         self.kv_wait = SampleWindow()
         self.phases = {phase: SampleWindow() for phase in Phase}
         self.recent: collections.deque[_Entry] = collections.deque(maxlen=RECENT_TIMELINES)
+        self.decodes: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_DECODES)
 
     def describe(self) -> dict[str, Any]:
         return {"window_s": round(time.monotonic() - self.started_s, 3), "ttft_ms": self.ttft.peek().to_ms(),
                 "handover_ms": self.handover.peek().to_ms(), "kv_wait_ms": self.kv_wait.peek().to_ms(),
                 "timeline_ms": {phase.value: window.peek().to_ms() for phase, window in self.phases.items()},
-                "recent": [entry.to_ms() for entry in self.recent]}
+                "recent": [entry.to_ms() for entry in self.recent], "recent_decodes": list(self.decodes)}
 
 
 def _percentile(ordered: list[float], pct: float) -> float:

@@ -27,6 +27,11 @@ stamps (same machine, same monotonic clock), reported to the coordinator with ``
 The decode starts when the prefill answered, not after the first byte: first_byte and kv_wait +
 decode_start overlap.
 
+Where the output was decoded (``decode_parts``): the instance each decode request went to and the
+output token it starts at (the first token, made by the prefill, is output token 0; a stream that
+broke and continued elsewhere adds a part at the number of tokens the client had then). ``/stats``
+lists them per request under ``recent_decodes``, colocated requests included.
+
 A phase whose stamps are missing (no decode followed, the KV failed, a non-streaming client has no
 first byte) is left out of that request's figures. With several TP ranks the prefiller phases are
 the slowest rank's.
@@ -60,6 +65,14 @@ PROXY_PHASES = (Phase.QUEUE, Phase.PREFILL, Phase.FIRST_BYTE, Phase.KV_WAIT, Pha
 PREFILLER_PHASES = (Phase.STORE, Phase.SUBMIT, Phase.TRANSFER, Phase.PICKUP, Phase.GRANT, Phase.WRITE)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodePart:
+    """One decode request of a request's output: where it went and the output token it continues at."""
+
+    instance_id: str
+    from_token: int
+
+
 @dataclasses.dataclass
 class Timeline:
     """The proxy's stamps for one request (``None``: that moment did not happen)."""
@@ -73,6 +86,7 @@ class Timeline:
     kv_ready_s: float | None = None
     decode_sent_s: float | None = None
     first_decoded_s: float | None = None
+    decode_parts: list[DecodePart] = dataclasses.field(default_factory=list)
 
     def phases(self) -> dict[Phase, float]:
         """The proxy-side phases this request went through, in seconds."""

@@ -593,6 +593,24 @@ async def test_a_decoder_dying_mid_stream_continues_elsewhere_with_nothing_twice
         assert_idle(c)
 
 
+async def test_stats_name_where_each_part_of_a_moved_output_was_decoded():
+    """A moved stream's record: the instance of each decode request and the output token it starts at."""
+    async with make_cluster(n_decode=2) as c:
+        for node in c.decoders:
+            node.vllm.die_after = 3
+        events = await c.stream("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 12,
+                                                    "return_token_ids": True, "stream": True})
+        assert all("error" not in e for e in events[:-1])
+        first_decoder, second_decoder = sorted(c.decoders, key=lambda n: n.vllm.requests[0][1]["max_tokens"],
+                                               reverse=True)
+        await eventually(lambda: c.proxy.metrics.stats()["recent_decodes"])
+        record, = (await c.client.get("/stats")).json()["recent_decodes"]
+        assert "cmpl-" + record["id"] == events[0]["id"]
+        assert record["parts"] == [{"instance": first_decoder.agent.instance_id, "from_token": 1},
+                                   {"instance": second_decoder.agent.instance_id, "from_token": 4},
+                                   {"instance": c.prefillers[0].agent.instance_id, "from_token": 7}]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_stream_broken_after_a_held_back_character_continues_with_its_text(stream):
     """Without a proxy tokenizer the text comes from the instances: a token whose text the decoder held

@@ -60,6 +60,9 @@ async def test_a_decoder_whose_server_dies_is_taken_out_and_its_requests_decode_
         assert c.metric("lmcache_p2p_proxy_connect_failures_total", role="receiver") == 2  # --max-connect-failures
         assert c.metric("lmcache_p2p_proxy_failovers_total", phase="decode") == 2
         assert len(dead.agent.kv_requests) == 2  # its KV was abandoned (cancelled) and recomputed on the other
+        # a refused decode served nothing: the record names only the decoder that did
+        decodes = (await c.client.get("/stats")).json()["recent_decodes"]
+        assert [r["parts"] for r in decodes] == [[{"instance": alive.agent.instance_id, "from_token": 1}]] * len(decodes)
         # 2 abandoned on the dead one, and one free after the first token of every other decode that took KV
         ready = c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready")
         assert c.metric("lmcache_p2p_proxy_kv_cancels_total", result="sent") == ready
