@@ -185,9 +185,6 @@ def wrap_lookup(original: Callable[..., Any]) -> Callable[..., Any]:
     return lookup
 
 
-
-
-
 def patch_cache_engine(module: types.ModuleType) -> bool:
     """Wrap ``LMCacheEngine.lookup`` (idempotent); False if the class is absent."""
     cls = getattr(module, ENGINE_CLASS, None)
