@@ -110,7 +110,8 @@ def router_child(cluster: Cluster, log_dir: Path) -> Child:
     args = argparse.Namespace(**vars(cluster.args))
     args.proxy_port, args.proxy_control_port = free_base_port(span=0), free_base_port(span=0)
     argv = routers.vllm_router_command(args, cluster.instances, "127.0.0.1")
-    return Child("vllm-router", argv, dict(os.environ), log_dir / "vllm-router.log", f"http://127.0.0.1:{args.proxy_port}/health")
+    return Child("vllm-router", argv, dict(os.environ), log_dir / "vllm-router.log",
+                 f"http://127.0.0.1:{args.proxy_port}/health")
 
 
 def prefill_seconds(cluster: Cluster) -> tuple[float, float]:

@@ -212,3 +212,19 @@ def test_an_env_reference_to_an_unset_variable_names_the_key_and_the_variable():
     # beyond loopback the secret stays required, also when it comes from the environment
     with pytest.raises(ConfigError, match=r"p2p\.shared_secret"):
         P2PConfig.from_mapping({"role": "receiver", "host": "${POD_IP}"}, environ={"POD_IP": "10.1.2.3"})
+
+
+def test_a_decoder_behind_a_foreign_router_refuses_ports_that_break_the_relation():
+    ok = P2PConfig.from_mapping({"role": "receiver", "router_control_port_offset": 100,
+                                 "http_url": "http://127.0.0.1:7200", "control_ports": [7300, 7301]})
+    assert ok.router_control_port_offset == 100 and ok.router_kv_timeout_s == 5.0
+    with pytest.raises(ConfigError, match=r"p2p.router_control_port_offset: is 100, .* rank 1 port 7305"):
+        P2PConfig.from_mapping({"role": "receiver", "router_control_port_offset": 100,
+                                "http_url": "http://127.0.0.1:7200", "control_ports": [7300, 7305]})
+    with pytest.raises(ConfigError, match="p2p.router_control_port_offset: is set on a receiver but p2p.http_url"):
+        P2PConfig.from_mapping({"role": "receiver", "router_control_port_offset": 100, "control_ports": 7300})
+    with pytest.raises(ConfigError, match="p2p.router_control_port_offset: must be a whole number"):
+        P2PConfig.from_mapping({"role": "sender", "router_control_port_offset": "100"})
+    with pytest.raises(ConfigError, match="p2p.router_decoder_tp_size: must be a whole number of TP ranks"):
+        P2PConfig.from_mapping({"role": "sender", "router_decoder_tp_size": -1})
+    assert P2PConfig.from_mapping({"role": "sender", "router_control_port_offset": -50}).router_control_port_offset == -50

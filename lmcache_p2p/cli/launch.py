@@ -391,14 +391,14 @@ def supervise(children: list[Child], policy: RestartPolicy, every_s: float = SUP
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.demo and routers.foreign(args):
+        logger.error("--demo reads our proxy's /stats and /metrics: it cannot run with --router %s", args.router)
+        return 2
     log_dir = (args.log_dir or Path("logs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     model = resolve_model(args)
     write_logging_config(log_dir / "logging.json")
     policy = restart_policy(args)
-    if args.demo and routers.foreign(args):
-        logger.error("--demo reads our proxy's /stats and /metrics: it cannot run with --router %s", args.router)
-        return 2
     warn_not_disaggregated(args)
     try:
         children = build_children(args, model, log_dir)
