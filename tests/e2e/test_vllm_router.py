@@ -13,10 +13,9 @@ from unittest import mock
 
 import pytest
 
-from cluster import Cluster, lookups_by_request, plain_vllm_child
-from lmcache_p2p.cli.processes import wait_healthy
-from test_pd_vllm import PROMPTS, chat, complete  # tests/e2e is on sys.path (rootdir-relative)
-from vllm_server import STARTUP_TIMEOUT_S, free_cluster_base_port, free_port
+from cluster import Cluster, lookups_by_request
+from test_pd_vllm import PROMPTS, assert_serves_like_reference, plain_reference  # tests/e2e is on sys.path
+from vllm_server import free_cluster_base_port
 
 pytestmark = pytest.mark.vllm
 
@@ -24,16 +23,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, tmp_path_factory) -> dict:
     """A plain vLLM instance's answers (no LMCache), started and stopped before the deployment."""
-    child = plain_vllm_child(tiny_model_dir, tmp_path_factory.mktemp("reference"), port=free_port(), cpu_core=0)
-    try:
-        child.start()
-        wait_healthy([child], STARTUP_TIMEOUT_S)
-        url, model = child.health_url.removesuffix("/health"), str(tiny_model_dir)
-        ref = {name: complete(url, model, p) for name, p in PROMPTS.items()}
-        ref["chat"] = chat(url, model)
-        return ref
-    finally:
-        child.stop()
+    return plain_reference(tiny_model_dir, tmp_path_factory.mktemp("reference"))
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +39,7 @@ def cluster(reference, tiny_model_dir, tmp_path_factory):
 
 
 def test_vllm_router_in_front_serves_equal_outputs_from_the_prefillers_kv(cluster, reference, tiny_model_dir):
-    model = str(tiny_model_dir)
-    for name, prompt in PROMPTS.items():
-        for stream in (False, True):
-            got = complete(cluster.url, model, prompt, stream=stream)
-            assert got["text"] == reference[name]["text"], (name, stream)
-            assert got["usage"]["completion_tokens"] == reference[name]["usage"]["completion_tokens"]
-            assert got["usage"]["prompt_tokens"] == reference[name]["usage"]["prompt_tokens"]
-    for stream in (False, True):
-        assert chat(cluster.url, model, stream=stream)["text"] == reference["chat"]["text"], stream
-
+    assert_serves_like_reference(cluster.url, str(tiny_model_dir), reference)
     lookups = lookups_by_request(cluster.children["decoder-0"].log_path)  # each request's final lookup
     assert len(lookups) == 2 * len(PROMPTS) + 2, lookups
     prompt_tokens = {r["usage"]["prompt_tokens"] for r in reference.values()}
