@@ -200,6 +200,15 @@ class P2PConfig:
     nccl_max_queued_writes: int = 4096
     # NIXL: UCX backend parameters, e.g. {"ucx_error_handling_mode": "none"}.
     nixl_backend_params: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # Behind a foreign router that names the decoder by its HTTP address (vllm-router, docs/ROUTERS.md): a
+    # decoder's rank r control port is its HTTP port + this offset + r, on its HTTP host. Set on every instance
+    # (a decoder checks its own ports against it at start); unset: only our proxy's disagg_spec routes KV.
+    router_control_port_offset: int | None = None
+    # Sender behind such a router: the decoders' TP size (0: the same as this prefiller's).
+    router_decoder_tp_size: int = 0
+    # Receiver behind such a router: how long a decode the prefiller announced waits, from its first lookup,
+    # for the whole prompt's KV before the decoder computes what is missing.
+    router_kv_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         self.check_exposure()
@@ -207,6 +216,7 @@ class P2PConfig:
             raise ConfigError(f"{SECTION}.write_poll_interval_s",
                               f"is {self.write_poll_interval_s:g}s; at most {SENDER_IDLE_POLL_S:g}s (a write's "
                               "completion is seen no sooner than this after it lands)")
+        self.check_router_ports()
         if self.reserve_lease_s <= self.write_window_s:
             raise ConfigError(
                 f"{SECTION}.reserve_lease_s",
@@ -227,6 +237,25 @@ class P2PConfig:
     def write_window_s(self) -> float:
         """How long after a grant a write into that slot may still land (quarantine of a given-up slot)."""
         return self.transfer_timeout_s + self.quarantine_margin_s
+
+    def check_router_ports(self) -> None:
+        """A receiver addressed through a foreign router listens where the port relation says."""
+        offset = self.router_control_port_offset
+        if self.role is not Role.RECEIVER or offset is None:
+            return
+        key = f"{SECTION}.router_control_port_offset"
+        http_port = _url_port(self.http_url)
+        if http_port is None:
+            raise ConfigError(key, f"is set on a receiver but {SECTION}.http_url ({self.http_url!r}) names no port: "
+                                   "set http_url to this vLLM server's http://HOST:PORT so the relation can be checked")
+        ranks = len(self.control_ports) if isinstance(self.control_ports, tuple) else 1
+        for rank in range(ranks):
+            if self.control_port(rank) != http_port + offset + rank:
+                raise ConfigError(key, (
+                    f"is {offset}, so a router that names this decoder by HTTP port {http_port} sends rank {rank}'s "
+                    f"KV to port {http_port + offset + rank}, but {SECTION}.control_ports gives rank {rank} port "
+                    f"{self.control_port(rank)}: set control_ports to {http_port + offset} (rank r: + r) or change "
+                    "the offset on every instance"))
 
     def check_exposure(self) -> None:
         """A receiver's control port (and NCCL store) beyond loopback needs a shared secret."""
@@ -343,9 +372,17 @@ def _convert(key: str, name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(key, f"must be a whole number of at least 1, got {value!r}")
         return value
-    if name == "kv_heads_total":
+    if name == "router_control_port_offset":
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not -65535 < value < 65535:
+            raise ConfigError(key, f"must be a whole number of ports (decoder control port - its HTTP port), "
+                                   f"got {value!r}")
+        return value
+    if name in ("kv_heads_total", "router_decoder_tp_size"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(key, f"must be a whole number of KV heads (0: read the model's config), got {value!r}")
+            what = "KV heads (0: read the model's config)" if name == "kv_heads_total" else "TP ranks (0: this one's)"
+            raise ConfigError(key, f"must be a whole number of {what}, got {value!r}")
         return value
     if name == "nccl_max_queued_writes":
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -382,6 +419,12 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def _url_port(url: str | None) -> int | None:
+    """The port of ``http://HOST:PORT[/...]``, or None."""
+    match = re.fullmatch(r"https?://(?:\[[^\]]+\]|[^:/\s]+):(\d+)/?", url or "")
+    return int(match.group(1)) if match else None
 
 
 def _rank_port(key: str, ports: tuple[int, ...] | int, tp_rank: int) -> int:

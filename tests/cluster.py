@@ -98,19 +98,22 @@ def _free(port: int) -> bool:
 
 
 class Cluster:
-    """Proxy + prefillers + decoders; ``add_decoder`` joins one while the rest keeps serving."""
+    """Proxy (or ``router``, see ``launch --router``) + prefillers + decoders; ``add_decoder`` joins one while the
+    rest keeps serving; ``p2p``: ``KEY=VALUE`` settings of every instance (``launch --p2p``)."""
 
     def __init__(self, model: Path, log_dir: Path, *, prefill: int = 1, decode: int = 1,
                  proxy_args: tuple[str, ...] = (), buffer_size: str = "256MB", prefix_caching: bool = True,
                  prefill_tp: int = 1, decode_tp: int = 1, transport: str = "nixl",
-                 vllm_args: tuple[str, ...] = ()) -> None:
+                 vllm_args: tuple[str, ...] = (), router: str = "lmcache_p2p",
+                 p2p: tuple[str, ...] = ()) -> None:
         base = free_base_port()
         argv = ["launch", "--model", str(model), "--prefill", str(prefill), "--decode", str(decode),
                 "--proxy-port", str(base), "--proxy-control-port", str(base + 1), "--prefill-port", str(base + 10),
                 "--decode-port", str(base + 30), "--kv-port", str(base + 50), "--log-dir", str(log_dir),
                 "--buffer-size", buffer_size, *[f"--proxy-arg={a}" for a in proxy_args],
                 *([] if prefix_caching else ["--no-prefix-caching"]), "--prefill-tp", str(prefill_tp),
-                "--decode-tp", str(decode_tp), "--transport", transport, *[f"--vllm-arg={a}" for a in vllm_args]]
+                "--decode-tp", str(decode_tp), "--transport", transport, *[f"--vllm-arg={a}" for a in vllm_args],
+                "--router", router, *[f"--p2p={kv}" for kv in p2p]]
         self.args: argparse.Namespace = build_parser().parse_args(argv)
         self.model = model
         self.log_dir = log_dir
@@ -127,7 +130,8 @@ class Cluster:
         for child in self.children.values():
             child.start()
         wait_healthy(list(self.children.values()), timeout_s)
-        self.wait_registered(self.args.prefill, self.args.decode)
+        if self.args.router == "lmcache_p2p":  # a foreign router keeps no registry
+            self.wait_registered(self.args.prefill, self.args.decode)
 
     def add_decoder(self, index: int) -> Child:
         inst = launch.decoder_instance(self.args, index)

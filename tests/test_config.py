@@ -220,3 +220,19 @@ def test_nccl_queued_writes_bound_is_a_positive_count_named_in_its_errors():
     for bad in (0, -1, "many", 2.5, True):
         with pytest.raises(ConfigError, match=r"^p2p\.nccl_max_queued_writes: must be a positive whole number"):
             P2PConfig.from_mapping({"role": "sender", "nccl_max_queued_writes": bad})
+
+
+def test_a_decoder_behind_a_foreign_router_refuses_ports_that_break_the_relation():
+    ok = P2PConfig.from_mapping({"role": "receiver", "router_control_port_offset": 100,
+                                 "http_url": "http://127.0.0.1:7200", "control_ports": [7300, 7301]})
+    assert ok.router_control_port_offset == 100 and ok.router_kv_timeout_s == 5.0
+    with pytest.raises(ConfigError, match=r"p2p.router_control_port_offset: is 100, .* rank 1 port 7305"):
+        P2PConfig.from_mapping({"role": "receiver", "router_control_port_offset": 100,
+                                "http_url": "http://127.0.0.1:7200", "control_ports": [7300, 7305]})
+    with pytest.raises(ConfigError, match="p2p.router_control_port_offset: is set on a receiver but p2p.http_url"):
+        P2PConfig.from_mapping({"role": "receiver", "router_control_port_offset": 100, "control_ports": 7300})
+    with pytest.raises(ConfigError, match="p2p.router_control_port_offset: must be a whole number"):
+        P2PConfig.from_mapping({"role": "sender", "router_control_port_offset": "100"})
+    with pytest.raises(ConfigError, match="p2p.router_decoder_tp_size: must be a whole number of TP ranks"):
+        P2PConfig.from_mapping({"role": "sender", "router_decoder_tp_size": -1})
+    assert P2PConfig.from_mapping({"role": "sender", "router_control_port_offset": -50}).router_control_port_offset == -50

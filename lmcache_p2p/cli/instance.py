@@ -27,8 +27,9 @@ from typing import Any
 import yaml
 
 from lmcache_p2p.cli import gpu as gpu_plan
+from lmcache_p2p.cli import routers
 from lmcache_p2p.cli.layout import Instance, tp_of
-from lmcache_p2p.cli.tensor_parallel import split_tp_arg
+from lmcache_p2p.cli.tensor_parallel import split_tp_arg, tp_sizes
 from lmcache_p2p.cli.vllm_env import HOST, vllm_argv, vllm_env
 from lmcache_p2p.config import P2PConfig, parse_size_bytes
 from lmcache_p2p.errors import ConfigError
@@ -128,8 +129,10 @@ def lmcache_config(inst: Instance, args: argparse.Namespace, site: Site) -> dict
     p2p = cfg["extra_config"]["p2p"]
     advertised = site.advertised(inst, in_config=True)
     p2p.update(transport=args.transport, instance_id=site.instance_id or inst.name,
-               http_url=f"http://{advertised}:{inst.http_port}",
-               proxy_url=f"tcp://{site.proxy_host}:{args.proxy_control_port}")
+               http_url=f"http://{advertised}:{inst.http_port}")
+    if not routers.foreign(args):  # a foreign router keeps no registry: nothing to announce to
+        p2p["proxy_url"] = f"tcp://{site.proxy_host}:{args.proxy_control_port}"
+    p2p.update(routers.router_p2p(inst, args, tp_sizes(args).decode))
     if site.shared_secret:
         p2p["shared_secret"] = site.shared_secret
     if inst.role == "prefiller":

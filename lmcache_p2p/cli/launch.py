@@ -36,7 +36,7 @@ import yaml
 
 from lmcache_p2p.cli import demo
 from lmcache_p2p.cli import gpu as gpu_plan
-from lmcache_p2p.cli import ports
+from lmcache_p2p.cli import ports, routers
 from lmcache_p2p.cli.instance import (  # noqa: F401 (launch's own names for them, as tests import them)
     GpuAssignment, Site, cache_flags, instance_spec, instance_utilization, lmcache_config, p2p_overrides, proxy_command,
     send_buffer_bytes, tp_flags,
@@ -93,6 +93,11 @@ def _add_deployment_args(p: argparse.ArgumentParser, local: bool) -> None:
                         "nccl (NCCL between GPUs, Gloo on CPU) (default %(default)s)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu: vLLM-CPU, one core per instance; cuda: one GPU per instance (default %(default)s)")
+    if local:  # deploy kubernetes renders our proxy's Service only
+        p.add_argument("--router", choices=[r.value for r in routers.Router], default=routers.Router.LMCACHE_P2P.value,
+                       help="what stands in front of the instances on --proxy-port: lmcache_p2p (our proxy) or "
+                            "vllm-router (vllm-project's router in its vLLM PD mode, unchanged; docs/ROUTERS.md says "
+                            "what each gives up) (default %(default)s)")
     p.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.PREFIX.value,
                    help="the proxy's routing policy (default %(default)s)")
     p.add_argument("--proxy-workers", type=int, default=1,
@@ -269,6 +274,11 @@ def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: P
 
 
 def proxy_child(args: argparse.Namespace, log_dir: Path, site: Site | None = None) -> Child:
+    """What serves clients on --proxy-port: our proxy, or the router chosen with --router."""
+    if routers.foreign(args):
+        host = (site.bind_host if site is not None else None) or proxy_host(args)
+        return Child("router", routers.vllm_router_command(args, plan(args), host), dict(os.environ),
+                     log_dir / "router.log", f"http://{host}:{args.proxy_port}/health")
     # With relay workers, name the tokenizer folder: each worker loads it before it serves (with "auto" a
     # worker learns the folder from the coordinator, after the instances are up: the first requests wait).
     model = Path(args.model) if args.model is not None else DEFAULT_MODEL_DIR
@@ -381,6 +391,9 @@ def supervise(children: list[Child], policy: RestartPolicy, every_s: float = SUP
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.demo and routers.foreign(args):
+        logger.error("--demo reads our proxy's /stats and /metrics: it cannot run with --router %s", args.router)
+        return 2
     log_dir = (args.log_dir or Path("logs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     model = resolve_model(args)
@@ -412,11 +425,14 @@ def run(args: argparse.Namespace) -> int:
             for child in wave:
                 child.start()
             wait_healthy(wave, args.startup_timeout_s)
-        wait_registered(proxy_url, [i.name for i in plan(args)], timeout_s=REGISTER_TIMEOUT_S,
-                        secret=args.shared_secret)
+        if not routers.foreign(args):  # a foreign router has no registry; its health waits for the instances'
+            wait_registered(proxy_url, [i.name for i in plan(args)], timeout_s=REGISTER_TIMEOUT_S,
+                            secret=args.shared_secret)
         sizes = tp_sizes(args)
         tp = "" if (sizes.prefill, sizes.decode) == (1, 1) else f" (prefill TP {sizes.prefill}, decode TP {sizes.decode})"
-        print(f"\nlmcache_p2p is serving {args.prefill}P{args.decode}D{tp}: {proxy_url}/v1  (model {model})", flush=True)
+        front = "" if not routers.foreign(args) else f" behind {args.router}"
+        print(f"\nlmcache_p2p is serving {args.prefill}P{args.decode}D{tp}{front}: {proxy_url}/v1  (model {model})",
+              flush=True)
         print(f"logs: {log_dir}\nCtrl-C stops everything.", flush=True)
         if args.demo:
             print("\n".join(demo.demo_request(proxy_url, model, log_dir, tiny_model=args.model is None)), flush=True)

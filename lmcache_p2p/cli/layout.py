@@ -14,7 +14,7 @@ import dataclasses
 import enum
 import os
 
-from lmcache_p2p.cli import ports
+from lmcache_p2p.cli import ports, routers
 from lmcache_p2p.cli.tensor_parallel import tp_sizes
 
 KV_PORT_STRIDE = 10  # decoder i's KV ports start at --kv-port + 10*i (one per TP rank from there)
@@ -70,9 +70,12 @@ def kv_port_stride(args: argparse.Namespace) -> int:
 
 
 def decoder_instance(args: argparse.Namespace, index: int) -> Instance:
-    """Decoder ``index``: HTTP on --decode-port + i, KV control on --kv-port + 10*i (+ rank), NCCL store 100 above."""
+    """Decoder ``index``: HTTP on --decode-port + i, KV control on --kv-port + 10*i (+ rank), NCCL store 100 above.
+    Behind a foreign router its HTTP port is --decode-port + 10*i: every decoder's control port is then its
+    HTTP port + one offset, which is how such a router's prefillers find it (cli/routers.py)."""
     control = args.kv_port + kv_port_stride(args) * index
-    return Instance("decoder", index, args.decode_port + index, control, control + TRANSPORT_PORT_OFFSET,
+    http = args.decode_port + (kv_port_stride(args) * index if routers.foreign(args) else index)
+    return Instance("decoder", index, http, control, control + TRANSPORT_PORT_OFFSET,
                     tp_size=tp_sizes(args).decode, host=getattr(args, "host", "127.0.0.1"))
 
 
@@ -96,8 +99,10 @@ def instance_ports(inst: Instance, args: argparse.Namespace) -> list[ports.PortU
 
 def planned_ports(args: argparse.Namespace) -> list[ports.PortUse]:
     """Every port the launch will listen on, with what it is for (checked before anything starts)."""
-    uses = [ports.PortUse(args.proxy_port, "the proxy's HTTP (--proxy-port)"),
-            ports.PortUse(args.proxy_control_port, "the proxy's registry (--proxy-control-port)")]
+    front = "vllm-router" if routers.foreign(args) else "the proxy"
+    second = "Prometheus listener" if routers.foreign(args) else "registry"
+    uses = [ports.PortUse(args.proxy_port, f"{front}'s HTTP (--proxy-port)"),
+            ports.PortUse(args.proxy_control_port, f"{front}'s {second} (--proxy-control-port)")]
     for inst in plan(args):
         uses += instance_ports(inst, args)
     return uses

@@ -9,6 +9,8 @@ vLLM calls :func:`register` once in every process (API server, engine core, work
                       ``p2p`` section, and fails the engine when LMCache could not create our plugin
                       (LMCache alone would log it and serve without it)
   producer_lookup.py  skips LMCache's per-request lookup on a sender-only prefiller (it cannot hit)
+  foreign_router.py   serving behind vllm-router: the prefiller addresses the KV from the router's request id
+                      (router_addressing.py, the one place that parses it), the decoder waits for it (bounded)
   spin.py             on CPU: caps how long vLLM's idle workers busy-loop (``LMCACHE_P2P_VLLM_SPIN_S``)
   cpu_connector_factory.py  on CPU: LMCache's connector factory returns :mod:`lmcache_p2p.cpu_connector`'s
 
@@ -25,18 +27,21 @@ from lmcache_p2p.import_hooks import patch_on_import
 logger = logging.getLogger(__name__)
 
 ADAPTER_MODULE = "lmcache.integration.vllm.vllm_v1_adapter"
+CACHE_ENGINE_MODULE = "lmcache.v1.cache_engine"
 
 
 def register() -> None:
     """vLLM general-plugin entry point (idempotent). Raises ConfigError for a bad ``p2p`` section."""
     from lmcache_p2p import compat
-    from lmcache_p2p.vllm_plugin import producer_lookup, startup
+    from lmcache_p2p.vllm_plugin import foreign_router, producer_lookup, startup
 
     startup.check_config_file()
     on_cpu = _running_on_cpu()
     compat.warn_untested(compat.Platform.CPU if on_cpu else compat.Platform.GPU)
     patch_on_import(startup.STORAGE_MODULE, startup.guard_plugin_launcher)
     patch_on_import(ADAPTER_MODULE, producer_lookup.patch_adapter)
+    patch_on_import(ADAPTER_MODULE, foreign_router.patch_adapter)
+    patch_on_import(CACHE_ENGINE_MODULE, foreign_router.patch_cache_engine)
     if not on_cpu:
         logger.debug("vLLM platform is not CPU: LMCache CPU connector not installed")
         return

@@ -181,18 +181,23 @@ def assert_decoder_loaded_all(cluster: Cluster, name: str, since: int, prompt_to
     return len(hits)
 
 
-def test_1p1d_outputs_equal_single_instance(cluster, reference, tiny_model_dir):
-    model = str(tiny_model_dir)
-    cluster.wait_registered(1, 1)  # whatever ran before, one decoder serves
-    before = len(cluster.lmcache_hits("decoder-0"))
+def assert_serves_like_reference(url: str, model: str, reference: dict) -> None:
+    """Every PROMPTS entry (plain and streamed) and the chat (plain and streamed) as the single instance answered."""
     for name, prompt in PROMPTS.items():
         for stream in (False, True):
-            got = complete(cluster.url, model, prompt, stream=stream)
+            got = complete(url, model, prompt, stream=stream)
             assert got["text"] == reference[name]["text"], (name, stream)
             assert got["usage"]["completion_tokens"] == reference[name]["usage"]["completion_tokens"]
             assert got["usage"]["prompt_tokens"] == reference[name]["usage"]["prompt_tokens"]
     for stream in (False, True):
-        assert chat(cluster.url, model, stream=stream)["text"] == reference["chat"]["text"]
+        assert chat(url, model, stream=stream)["text"] == reference["chat"]["text"], stream
+
+
+def test_1p1d_outputs_equal_single_instance(cluster, reference, tiny_model_dir):
+    model = str(tiny_model_dir)
+    cluster.wait_registered(1, 1)  # whatever ran before, one decoder serves
+    before = len(cluster.lmcache_hits("decoder-0"))
+    assert_serves_like_reference(cluster.url, model, reference)
     prompt_tokens = {r["usage"]["prompt_tokens"] for r in reference.values()}
     assert assert_decoder_loaded_all(cluster, "decoder-0", before, prompt_tokens) == 2 * len(PROMPTS) + 2
     # The prompts span 1 to 5 chunks of 256 tokens, one with a partial last chunk.
