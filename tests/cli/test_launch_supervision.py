@@ -36,10 +36,27 @@ def wait_for(condition, what: str, timeout_s: float = WAIT_S) -> None:
         time.sleep(0.1)
 
 
-def kill_when_up(pid_dir: Path, port: int, then=None) -> threading.Thread:
-    """In the background: SIGKILL the first server on ``port`` once it is up, then call ``then()``."""
+def serving(monkeypatch) -> threading.Event:
+    """Set once the launcher says the whole deployment serves (its start-up ended): a child that exits
+    before then is a start-up failure, which ends the launcher, not a restart."""
+    up = threading.Event()
+
+    def announce(*args, **kwargs) -> None:
+        print(*args, **kwargs)
+        if any("is serving" in str(a) for a in args):
+            up.set()
+
+    monkeypatch.setattr(launch, "print", announce, raising=False)
+    return up
+
+
+def kill_when_up(pid_dir: Path, port: int, then=None, after: threading.Event | None = None) -> threading.Thread:
+    """In the background: SIGKILL the first server on ``port`` once it is up (and ``after`` is set), then
+    call ``then()``."""
     def run() -> None:
         wait_for(lambda: pids_of(pid_dir, port), f"server on {port}")
+        if after is not None:
+            wait_for(after.is_set, "the deployment serving")
         time.sleep(0.5)
         os.kill(pids_of(pid_dir, port)[0], signal.SIGKILL)
         if then is not None:
@@ -61,8 +78,9 @@ def test_on_exit_stop_stops_everything(fake_launch) -> None:
     assert not any(alive(p) for p in all_pids)
 
 
-def test_killed_decoder_is_restarted_while_the_rest_keeps_serving(fake_launch) -> None:
+def test_killed_decoder_is_restarted_while_the_rest_keeps_serving(fake_launch, monkeypatch) -> None:
     build, pid_dir = fake_launch
+    up = serving(monkeypatch)
     args = build("--restart-backoff-s", "0.1", "--restart-backoff-max-s", "0.2")
 
     running = threading.Event()
@@ -73,7 +91,7 @@ def test_killed_decoder_is_restarted_while_the_rest_keeps_serving(fake_launch) -
         if running.is_set():  # never signal pytest itself once the launcher has returned
             os.kill(os.getpid(), signal.SIGTERM)
 
-    kill_when_up(pid_dir, args.decode_port, then=after_kill)
+    kill_when_up(pid_dir, args.decode_port, then=after_kill, after=up)
 
     running.set()
     try:
@@ -91,8 +109,9 @@ def test_killed_decoder_is_restarted_while_the_rest_keeps_serving(fake_launch) -
     assert log.count("fake server pid") == 2  # the restart appends to the same log
 
 
-def test_restart_limit_stops_everything_with_a_clear_error(fake_launch, caplog) -> None:
+def test_restart_limit_stops_everything_with_a_clear_error(fake_launch, caplog, monkeypatch) -> None:
     build, pid_dir = fake_launch
+    up = serving(monkeypatch)
     args = build("--max-restarts", "1", "--restart-backoff-s", "0.1", "--restart-backoff-max-s", "0.1")
 
     def kill_twice() -> None:
@@ -100,7 +119,7 @@ def test_restart_limit_stops_everything_with_a_clear_error(fake_launch, caplog) 
         time.sleep(0.5)
         os.kill(_newest(pid_dir, args.decode_port), signal.SIGKILL)
 
-    kill_when_up(pid_dir, args.decode_port, then=kill_twice)
+    kill_when_up(pid_dir, args.decode_port, then=kill_twice, after=up)
 
     assert launch.run(args) == 1
     assert "decoder-0 exited with code -9 after 1 restarts within 600s (limit --max-restarts 1" in caplog.text
