@@ -16,7 +16,8 @@ import pytest
 
 from fault_suite import print_table, run_suite
 
-pytestmark = [pytest.mark.faults, pytest.mark.vllm, pytest.mark.timeout(1800)]
+# A proof that the suite sees a wrong continuation (a ~3 min fault run of its own): `make test-long` runs it.
+pytestmark = [pytest.mark.faults, pytest.mark.vllm, pytest.mark.long, pytest.mark.timeout(1800)]
 
 
 def test_a_continuation_that_drops_a_token_is_reported_wrong(tiny_model_dir, tmp_path):
