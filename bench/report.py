@@ -311,8 +311,11 @@ TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
 def test_suite_sentence(data: Mapping[str, Any]) -> str:
     """README's figure for ``make test``, from ``test_suite.json`` (written by the suite's timed run)."""
     minutes = data["wall_s"] / 60
+    note = f" ({data['note']})" if data.get("note") else ""
+    commit = str(data["commit"])
+    commit = commit[:10] if re.fullmatch(r"[0-9a-f]+", commit) else commit  # a hash, or words naming several
     return (f"`make test` took {minutes:.0f} minutes of wall time ({data['passed']} passed, {data['skipped']} skipped, "
-            f"{data['failed']} failed) at commit {str(data['commit'])[:10]} (`bench/results/test_suite.json`).")
+            f"{data['failed']} failed) at commit {commit}{note} (`bench/results/test_suite.json`).")
 
 
 def test_suite_slowest(data: Mapping[str, Any]) -> str:
