@@ -31,6 +31,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from fault_client import Kind, Outcome, Prompt, run_at_rate, run_concurrent
 from fault_cluster import FaultCluster
@@ -95,6 +96,15 @@ class Result:
     models: tuple[str, ...] = ("a",)  # an output may equal the reference of any of these models
     recovered: bool = True
     notes: list[str] = dataclasses.field(default_factory=list)
+
+
+class KvSince(NamedTuple):
+    lookups: int
+    hits: int  # lookups LMCache promised KV for
+    loaded: int  # retrievals: KV written into vLLM's cache (fewer than hits: promised KV never loaded)
+
+    def __str__(self) -> str:
+        return f"{self.lookups} lookups, {self.hits} hits, {self.loaded} loaded KV"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,10 +203,11 @@ class Suite:
             time.sleep(poll_s)
         return True
 
-    def kv_hits_since(self, name: str, offset: int) -> tuple[int, int]:
-        """(lookups, lookups that loaded some KV) of ``name`` after its ``offset``-th lookup."""
+    def kv_hits_since(self, name: str, offset: int) -> KvSince:
+        """``name``'s lookups after its ``offset``-th, those LMCache answered with a hit, and its retrievals."""
         lookups = self.c.lookups(name)[offset:]
-        return len(lookups), sum(1 for lk in lookups if lk.hit_tokens > 0)
+        return KvSince(len(lookups), sum(1 for lk in lookups if lk.hit_tokens > 0),
+                       self.c.kv_loads_after_lookup(name, offset))
 
 
 def cycle(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
@@ -262,9 +273,8 @@ def decoder_restart_then_new_requests(s: Suite) -> Result:
     s.c.wait_up([VICTIM], s.cfg.restart_timeout_s)
     offset = len(s.c.lookups(VICTIM))
     outcomes = s.load(cycle(s.w.mid, s.cfg.n(8, 24)), 4)
-    lookups, loaded = s.kv_hits_since(VICTIM, offset)
-    return Result(outcomes, recovered=loaded > 0,
-                  notes=[f"{VICTIM} after restart: {lookups} lookups, {loaded} loaded KV"])
+    kv = s.kv_hits_since(VICTIM, offset)
+    return Result(outcomes, recovered=kv.loaded > 0, notes=[f"{VICTIM} after restart: {kv}"])
 
 
 def concurrent_into_8_slots(n: int) -> Callable[[Suite], Result]:
@@ -273,8 +283,7 @@ def concurrent_into_8_slots(n: int) -> Callable[[Suite], Result]:
         decoder = s.c.names("decoder")[0]
         offset = len(s.c.lookups(decoder))
         outcomes = s.load(cycle(s.w.mid, 3 * n if s.cfg.long else 2 * n), n)
-        lookups, loaded = s.kv_hits_since(decoder, offset)
-        return Result(outcomes, notes=[f"{decoder}: {lookups} lookups, {loaded} loaded KV"])
+        return Result(outcomes, notes=[f"{decoder}: {s.kv_hits_since(decoder, offset)}"])
 
     return run
 
@@ -284,8 +293,7 @@ def one_request_buffer_20_long(s: Suite) -> Result:
     decoder = s.c.names("decoder")[0]
     offset = len(s.c.lookups(decoder))
     outcomes = s.load(cycle(s.w.long, s.cfg.n(20, 40)), 20)
-    lookups, loaded = s.kv_hits_since(decoder, offset)
-    return Result(outcomes, notes=[f"{decoder}: {lookups} lookups, {loaded} loaded KV"])
+    return Result(outcomes, notes=[f"{decoder}: {s.kv_hits_since(decoder, offset)}"])
 
 
 def steady_rate_decoder_killed_and_restarted(s: Suite) -> Result:
@@ -307,9 +315,8 @@ def steady_rate_decoder_killed_and_restarted(s: Suite) -> Result:
     outcomes = asyncio.run(main())
     s.c.wait_up([VICTIM], s.cfg.restart_timeout_s)
     tail = s.load(cycle(s.w.mid, 8), 4)  # after the restart: it must get traffic, with KV, again
-    lookups, loaded = s.kv_hits_since(VICTIM, offset["lookups"])
-    return Result(outcomes + tail, recovered=loaded > 0,
-                  notes=[*notes, f"{VICTIM} after restart: {lookups} lookups, {loaded} loaded KV"])
+    kv = s.kv_hits_since(VICTIM, offset["lookups"])
+    return Result(outcomes + tail, recovered=kv.loaded > 0, notes=[*notes, f"{VICTIM} after restart: {kv}"])
 
 
 def every_decoder_gone(s: Suite) -> Result:
@@ -337,10 +344,9 @@ def different_models(s: Suite) -> Result:
     s.c.wait_up([VICTIM], s.cfg.restart_timeout_s)
     offset = len(s.c.lookups(VICTIM))
     outcomes = s.load(cycle(s.w.mid, s.cfg.n(8, 16)), 4)
-    lookups, loaded = s.kv_hits_since(VICTIM, offset)
-    return Result(outcomes, models=("a", "b"), recovered=loaded == 0,
-                  notes=[f"{VICTIM} (other model): {lookups} lookups, {loaded} loaded the prefiller's KV "
-                         "(must be 0)"])
+    kv = s.kv_hits_since(VICTIM, offset)
+    return Result(outcomes, models=("a", "b"), recovered=kv.hits == 0 and kv.loaded == 0,
+                  notes=[f"{VICTIM} (other model): {kv} of the prefiller's (must be 0)"])
 
 
 def shared_prefix_cache_churn(s: Suite) -> Result:
