@@ -465,6 +465,9 @@ def run_deployment(cfg: PassConfig, where: Placement, slots: Sequence[gpu_plan.G
     try:
         spec = gpu_spec(cfg.model, cfg.vllm_args)
         w = short_workload(cfg.model)
+        # Instances append to their logs (a restart continues its log): an earlier pass's logs on the same machine
+        # would count in this pass's evidence (its stores and loads) and end up in its archive.
+        shutil.rmtree(cfg.log_dir / transport, ignore_errors=True)
         cluster = GpuFaultCluster(cfg.model, cfg.log_dir / transport / "cluster", spec, where, slots)
         reference = plain_vllm(cfg.model, cfg.log_dir / transport / "reference", spec, name="reference", cpu_core=None)
         if cfg.pid_log is not None:

@@ -383,6 +383,16 @@ def test_the_pass_runs_every_scenario_then_records_nccl_as_not_run_on_one_gpu(fg
     assert deployment["reference"]["prompts"] == 28 and "deployment_up_s" in deployment
 
 
+def test_an_earlier_passs_logs_are_not_this_passs_evidence(fg, tmp_path, fakes):
+    stale = tmp_path / "logs" / "nixl" / "cluster" / "decoder-0.log"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("[req_id=cmpl-old] Retrieved 160 out of 160 required tokens\n" * 19)
+    result = fg.Result(tmp_path / "faults_gpu.json", {}, {})
+    fg.run_pass(fg.dataclasses.replace(pass_config(fg, tmp_path, 1000), transports=("nixl",)), result, [H200])
+    logs = json.loads(result.path.read_text())["deployments"]["nixl"]["logs"]
+    assert logs["decoder-0"]["kv_loads"] == 0 and not stale.exists()
+
+
 def test_a_scenario_that_would_outlast_the_budget_is_not_run(fg, tmp_path, fakes, monkeypatch):
     monkeypatch.setattr(fg, "STARTUP_ESTIMATE_S", 0.0)
     result = fg.Result(tmp_path / "faults_gpu.json", {}, {})
