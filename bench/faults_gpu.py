@@ -61,6 +61,7 @@ from fault_suite import SPEC, build_workload, row_dict  # noqa: E402
 
 from lmcache_p2p.cli import gpu as gpu_plan  # noqa: E402
 from lmcache_p2p.cli import launch  # noqa: E402
+from lmcache_p2p.cli.demo import HIT_RE  # noqa: E402
 from lmcache_p2p.cli.processes import Child, startup_waves, wait_healthy  # noqa: E402
 from lmcache_p2p.errors import GpuPlanError, StartupError  # noqa: E402
 
@@ -108,6 +109,8 @@ STORE_PATH_MARKERS = {
     "stores_wait_for_forward": "stores keep LMCache's wait for the forward",
     "arena_full": "VRAM arena (p2p.buffer_size) is full",
 }
+# Logged by an instance whose LMCache would have skipped a step's promised load (backend/full_graph_load.py).
+FULL_GRAPH_LOAD_MARKER = "that LMCache alone would skip"
 # An error line of vLLM's format (level first), of LMCache's ("LMCache ERROR:"), or a traceback's first line.
 ERROR_LINE_RE = re.compile(r"^(?:\x1b\[[0-9;]*m)?(?:ERROR|CRITICAL)\b|LMCache (?:ERROR|CRITICAL)|^Traceback \(most recent",
                            re.MULTILINE)
@@ -358,7 +361,11 @@ def store_path_evidence(text: str) -> dict[str, Any]:
 
 
 def log_counts(text: str) -> dict[str, int]:
-    return {"kv_stores": text.count("] Stored "), "kv_loads": text.count("] Retrieved "),
+    """Stores, lookups answered with a hit (LMCache's promise to vLLM), retrievals (the KV written: fewer than
+    the hits means promised KV was never loaded), the first FULL graph load LMCache alone would have skipped
+    (once per start) and error lines."""
+    return {"kv_stores": text.count("] Stored "), "kv_hits": sum(1 for *_, hit in HIT_RE.findall(text) if int(hit)),
+            "kv_loads": text.count("] Retrieved "), "full_graph_loads": text.count(FULL_GRAPH_LOAD_MARKER),
             "error_lines": len(ERROR_LINE_RE.findall(text))}
 
 
@@ -458,6 +465,9 @@ def run_deployment(cfg: PassConfig, where: Placement, slots: Sequence[gpu_plan.G
     try:
         spec = gpu_spec(cfg.model, cfg.vllm_args)
         w = short_workload(cfg.model)
+        # Instances append to their logs (a restart continues its log): an earlier pass's logs on the same machine
+        # would count in this pass's evidence (its stores and loads) and end up in its archive.
+        shutil.rmtree(cfg.log_dir / transport, ignore_errors=True)
         cluster = GpuFaultCluster(cfg.model, cfg.log_dir / transport / "cluster", spec, where, slots)
         reference = plain_vllm(cfg.model, cfg.log_dir / transport / "reference", spec, name="reference", cpu_core=None)
         if cfg.pid_log is not None:

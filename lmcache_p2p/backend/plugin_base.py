@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
+from lmcache_p2p.backend.full_graph_load import install as install_full_graph_load
 from lmcache_p2p.errors import ClosedError
 
 
 class P2PPlugin(StoragePluginInterface):
-    """Owns a service (threads, sockets) and a transport; closes both, in that order, once."""
+    """Owns a service (threads, sockets) and a transport; closes both, in that order, once. Both roles' LMCache
+    loads KV: :meth:`_load_in_full_graphs` keeps those loads on vLLM's FULL CUDA graph steps."""
 
     _service: Any = None
     _transport: Any = None
+    _unload: Callable[[], None] | None = None
+
+    def _load_in_full_graphs(self) -> None:
+        self._unload = install_full_graph_load()
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         return False
@@ -40,3 +47,6 @@ class P2PPlugin(StoragePluginInterface):
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.close()
+        unload, self._unload = self._unload, None
+        if unload is not None:
+            unload()

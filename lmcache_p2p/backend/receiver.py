@@ -82,6 +82,7 @@ class ReceiverBackend(P2PPlugin):
             raise ConfigError("p2p.buffer_size", f"{self.cfg.buffer_size_bytes} bytes is smaller than one chunk of "
                                                  f"this model ({slot_bytes} bytes); raise it")
         check_rank_stores(config, metadata)
+        self._load_in_full_graphs()
         try:
             self._memory = Memory(num_slots * slot_bytes, self.cfg.buffer_device)
             self._buffer = self._memory.tensor

@@ -62,6 +62,7 @@ class SenderBackend(P2PPlugin):
         self._unlend: Callable[[], None] | None = None
         self._connector: Any = None  # LMCache's GPU connector, once looked up (False: none found)
         self._handoff: StoreHandoff | None = None  # p2p.async_store: stores reach the service off the engine's thread
+        self._load_in_full_graphs()
         try:
             gpu = worker_gpu(dst_device)
             self._transport = build_transport(self.cfg, f"p2p-send-{self._tp_rank}-{id(self):x}", self._tp_rank, gpu)

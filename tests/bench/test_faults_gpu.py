@@ -156,7 +156,48 @@ def test_the_store_path_evidence_of_a_prefillers_log(fg):
     assert got["vram_arena"] == [{"gib": 2.0, "device": "cuda:0"}, {"gib": 2.0, "device": "cuda:0"}]
     assert got["one_pass_gather"] == 1 and got["async_store"] == 1
     assert got["gather_not_installed"] == 0 and got["stores_wait_for_forward"] == 0 and got["arena_full"] == 0
-    assert fg.log_counts(PREFILLER_LOG) == {"kv_stores": 1, "kv_loads": 0, "error_lines": 3}
+    assert fg.log_counts(PREFILLER_LOG) == {"kv_stores": 1, "kv_hits": 0, "kv_loads": 0, "full_graph_loads": 0,
+                                            "error_lines": 3}
+
+
+# A compiled decoder's log (vLLM's V2 model runner, FULL CUDA graphs) before backend/full_graph_load.py: LMCache
+# promised both prompts' KV at lookup and never retrieved it; the third lookup is a miss.
+COMPILED_DECODER_LOG = """\
+[2026-12-06 05:55:50,496] LMCache INFO: Reqid: cmpl-a, Total tokens 161, Inference Engine computed tokens: 0, \
+LMCache hit tokens: 160, need to load: 160 (vllm_v1_adapter.py:1473:lmcache.integration.vllm.vllm_v1_adapter)
+[2026-12-06 05:55:50,502] LMCache INFO: Reqid: cmpl-b, Total tokens 244, Inference Engine computed tokens: 0, \
+LMCache hit tokens: 243, need to load: 243 (vllm_v1_adapter.py:1473:lmcache.integration.vllm.vllm_v1_adapter)
+[2026-12-06 05:57:40,913] LMCache INFO: Reqid: cmpl-c, Total tokens 1572, Inference Engine computed tokens: 0, \
+LMCache hit tokens: 0, need to load: 0 (vllm_v1_adapter.py:1473:lmcache.integration.vllm.vllm_v1_adapter)
+"""
+LOADED = """\
+INFO 12-06 06:00:00 [full_graph_load.py:90] lmcache_p2p: a step with no attention metadata (vLLM's V2 model runner \
+before a FULL CUDA graph) loads the KV of 1 request(s) that LMCache alone would skip
+[2026-12-06 06:00:00,010] LMCache INFO: [req_id=cmpl-d] Retrieved 160 out of 160 required tokens (from 161 total \
+tokens). size: 0.0003 gb, cost 0.4 ms (cache_engine.py:958:lmcache.v1.cache_engine)
+"""
+
+
+def test_a_decoders_log_tells_promised_kv_from_loaded_kv(fg):
+    assert fg.log_counts(COMPILED_DECODER_LOG) == {"kv_stores": 0, "kv_hits": 2, "kv_loads": 0,
+                                                   "full_graph_loads": 0, "error_lines": 0}
+    fixed = COMPILED_DECODER_LOG + COMPILED_DECODER_LOG.splitlines()[0] + "\n" + LOADED
+    counts = fg.log_counts(fixed)
+    assert (counts["kv_hits"], counts["kv_loads"], counts["full_graph_loads"]) == (3, 1, 1)
+
+
+def test_the_fault_suite_counts_retrievals_not_hits_as_loaded_kv(fg, tmp_path):
+    """A scenario's "loaded KV" is what the decoder retrieved after the scenario's first lookup."""
+    import fault_cluster
+    from types import SimpleNamespace
+
+    log = tmp_path / "decoder-1.log"
+    log.write_text(LOADED + COMPILED_DECODER_LOG)  # a load before the scenario, then its two unloaded hits
+    cluster = SimpleNamespace(children={"decoder-1": SimpleNamespace(log_path=log)})
+    assert fault_cluster.FaultCluster.kv_loads_after_lookup(cluster, "decoder-1", 0) == 0
+    log.write_text(COMPILED_DECODER_LOG + LOADED)
+    assert fault_cluster.FaultCluster.kv_loads_after_lookup(cluster, "decoder-1", 0) == 1
+    assert fault_cluster.FaultCluster.kv_loads_after_lookup(cluster, "decoder-1", 3) == 0  # past the last lookup
 
 
 # ---- the reference, against a fake OpenAI server ------------------------------------------------------
@@ -340,6 +381,16 @@ def test_the_pass_runs_every_scenario_then_records_nccl_as_not_run_on_one_gpu(fg
     assert made[0].calls == ["start", "stop"]  # one deployment, stopped at the end
     deployment = json.loads(result.path.read_text())["deployments"]["nixl"]
     assert deployment["reference"]["prompts"] == 28 and "deployment_up_s" in deployment
+
+
+def test_an_earlier_passs_logs_are_not_this_passs_evidence(fg, tmp_path, fakes):
+    stale = tmp_path / "logs" / "nixl" / "cluster" / "decoder-0.log"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("[req_id=cmpl-old] Retrieved 160 out of 160 required tokens\n" * 19)
+    result = fg.Result(tmp_path / "faults_gpu.json", {}, {})
+    fg.run_pass(fg.dataclasses.replace(pass_config(fg, tmp_path, 1000), transports=("nixl",)), result, [H200])
+    logs = json.loads(result.path.read_text())["deployments"]["nixl"]["logs"]
+    assert logs["decoder-0"]["kv_loads"] == 0 and not stale.exists()
 
 
 def test_a_scenario_that_would_outlast_the_budget_is_not_run(fg, tmp_path, fakes, monkeypatch):

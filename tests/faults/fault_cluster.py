@@ -35,7 +35,7 @@ import httpx
 import yaml
 
 from lmcache_p2p.cli import launch
-from lmcache_p2p.cli.demo import lookups_in_log
+from lmcache_p2p.cli.demo import HIT_RE, lookups_in_log
 from lmcache_p2p.cli.main import build_parser
 from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
@@ -237,6 +237,15 @@ class FaultCluster:
     def kv_loads(self, name: str) -> int:
         """How many times the instance's LMCache logged a retrieval (KV loaded for a request)."""
         return self._log_count(name, "] Retrieved ")
+
+    def kv_loads_after_lookup(self, name: str, offset: int) -> int:
+        """Retrievals the instance's LMCache logged after its ``offset``-th lookup. A lookup's hit is only LMCache's
+        promise to vLLM; the retrieval is the KV written into vLLM's cache (a compiled engine once kept the
+        promise without writing anything)."""
+        path = self.children[name].log_path
+        text = path.read_text(errors="replace") if path.exists() else ""
+        starts = [m.start() for m in HIT_RE.finditer(text)]
+        return text.count("] Retrieved ", starts[offset] if offset < len(starts) else len(text))
 
     def kv_stores(self, name: str) -> int:
         """How many store steps the instance's LMCache logged (a chunked prefill stores after each step)."""

@@ -36,6 +36,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from fault_client import Kind, Outcome, Prompt, run_at_rate, run_concurrent
 from fault_cluster import FaultCluster
@@ -112,6 +113,15 @@ class Result:
     recovered: bool = True
     notes: list[str] = dataclasses.field(default_factory=list)
     every_stream: bool = False  # record every request's decode parts in the row, not only moved or wrong ones
+
+
+class KvSince(NamedTuple):
+    lookups: int
+    hits: int  # lookups LMCache promised KV for
+    loaded: int  # retrievals: KV written into vLLM's cache (fewer than hits: promised KV never loaded)
+
+    def __str__(self) -> str:
+        return f"{self.lookups} lookups, {self.hits} hits, {self.loaded} loaded KV"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,10 +242,11 @@ class Suite:
             time.sleep(poll_s)
         return True
 
-    def kv_hits_since(self, name: str, offset: int) -> tuple[int, int]:
-        """(lookups, lookups that loaded some KV) of ``name`` after its ``offset``-th lookup."""
+    def kv_hits_since(self, name: str, offset: int) -> KvSince:
+        """``name``'s lookups after its ``offset``-th, those LMCache answered with a hit, and its retrievals."""
         lookups = self.c.lookups(name)[offset:]
-        return len(lookups), sum(1 for lk in lookups if lk.hit_tokens > 0)
+        return KvSince(len(lookups), sum(1 for lk in lookups if lk.hit_tokens > 0),
+                       self.c.kv_loads_after_lookup(name, offset))
 
 
 def cycle(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
@@ -301,9 +312,8 @@ def decoder_restart_then_new_requests(s: Suite) -> Result:
     s.c.wait_up([VICTIM], s.cfg.restart_timeout_s)
     offset = len(s.c.lookups(VICTIM))
     outcomes = s.load(cycle(s.w.mid, s.cfg.n(8, 24)), 4)
-    lookups, loaded = s.kv_hits_since(VICTIM, offset)
-    return Result(outcomes, recovered=loaded > 0,
-                  notes=[f"{VICTIM} after restart: {lookups} lookups, {loaded} loaded KV"])
+    kv = s.kv_hits_since(VICTIM, offset)
+    return Result(outcomes, recovered=kv.loaded > 0, notes=[f"{VICTIM} after restart: {kv}"])
 
 
 def concurrent_into_8_slots(n: int) -> Callable[[Suite], Result]:
@@ -312,8 +322,7 @@ def concurrent_into_8_slots(n: int) -> Callable[[Suite], Result]:
         decoder = s.c.names("decoder")[0]
         offset = len(s.c.lookups(decoder))
         outcomes = s.load(cycle(s.w.mid, 3 * n if s.cfg.long else 2 * n), n)
-        lookups, loaded = s.kv_hits_since(decoder, offset)
-        return Result(outcomes, notes=[f"{decoder}: {lookups} lookups, {loaded} loaded KV"])
+        return Result(outcomes, notes=[f"{decoder}: {s.kv_hits_since(decoder, offset)}"])
 
     return run
 
@@ -323,8 +332,7 @@ def one_request_buffer_20_long(s: Suite) -> Result:
     decoder = s.c.names("decoder")[0]
     offset = len(s.c.lookups(decoder))
     outcomes = s.load(cycle(s.w.long, s.cfg.n(20, 40)), 20)
-    lookups, loaded = s.kv_hits_since(decoder, offset)
-    return Result(outcomes, notes=[f"{decoder}: {lookups} lookups, {loaded} loaded KV"])
+    return Result(outcomes, notes=[f"{decoder}: {s.kv_hits_since(decoder, offset)}"])
 
 
 def steady_rate_decoder_killed_and_restarted(s: Suite) -> Result:
@@ -346,9 +354,8 @@ def steady_rate_decoder_killed_and_restarted(s: Suite) -> Result:
     outcomes = asyncio.run(main())
     s.c.wait_up([VICTIM], s.cfg.restart_timeout_s)
     tail = s.load(cycle(s.w.mid, 8), 4)  # after the restart: it must get traffic, with KV, again
-    lookups, loaded = s.kv_hits_since(VICTIM, offset["lookups"])
-    return Result(outcomes + tail, recovered=loaded > 0,
-                  notes=[*notes, f"{VICTIM} after restart: {lookups} lookups, {loaded} loaded KV"])
+    kv = s.kv_hits_since(VICTIM, offset["lookups"])
+    return Result(outcomes + tail, recovered=kv.loaded > 0, notes=[*notes, f"{VICTIM} after restart: {kv}"])
 
 
 def every_decoder_gone(s: Suite) -> Result:
@@ -376,10 +383,9 @@ def different_models(s: Suite) -> Result:
     s.c.wait_up([VICTIM], s.cfg.restart_timeout_s)
     offset = len(s.c.lookups(VICTIM))
     outcomes = s.load(cycle(s.w.mid, s.cfg.n(8, 16)), 4)
-    lookups, loaded = s.kv_hits_since(VICTIM, offset)
-    return Result(outcomes, models=("a", "b"), recovered=loaded == 0,
-                  notes=[f"{VICTIM} (other model): {lookups} lookups, {loaded} loaded the prefiller's KV "
-                         "(must be 0)"])
+    kv = s.kv_hits_since(VICTIM, offset)
+    return Result(outcomes, models=("a", "b"), recovered=kv.hits == 0 and kv.loaded == 0,
+                  notes=[f"{VICTIM} (other model): {kv} of the prefiller's (must be 0)"])
 
 
 def shared_prefix_cache_churn(s: Suite) -> Result:

@@ -55,8 +55,8 @@ def _tail(s: Suite, name: str) -> tuple[list, int, int]:
     offset = len(s.c.lookups(name))
     prompts, s.w.fresh = s.w.fresh[:8], s.w.fresh[8:]
     outcomes = s.load(prompts if len(prompts) == 8 else cycle(s.w.mid, 8), 4)
-    lookups, loaded = s.kv_hits_since(name, offset)
-    return outcomes, lookups, loaded
+    kv = s.kv_hits_since(name, offset)
+    return outcomes, kv.lookups, kv.loaded
 
 
 def _room_s(s: Suite, name: str) -> float | None:
@@ -88,8 +88,8 @@ def across_hosts(s: Suite) -> Result:
     outcomes = s.load(cycle([*s.w.mid, *s.w.long], s.cfg.n(8, 24)), 4)
     notes = []
     for d in decoders:
-        lookups, loaded = s.kv_hits_since(d, offsets[d])
-        notes.append(f"{d}: {lookups} lookups, {loaded} loaded KV")
+        kv = s.kv_hits_since(d, offsets[d])
+        notes.append(f"{d}: {kv.lookups} lookups, {kv.loaded} loaded KV")
     return Result(outcomes, notes=notes)
 
 
