@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEM_ORDER = ("single", "lmcache_p2p", "lmcache-pd")
+SYSTEM_ORDER = ("single", "lmcache_p2p", "lmcache-pd", "vllm-nixl", "vllm-nixl-placed", "vllm-nixl-spin")
 # One after the other from the request's arrival to its first decoded byte (stacked); the proxy's
 # first_byte runs beside kv_wait and the prefiller's store / submit / transfer inside prefill
 # (drawn as thin bars of their own, not stacked). See lmcache_p2p/proxy/observe/timeline.py.
@@ -110,10 +110,13 @@ def markdown(head: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
 def anchor_table(rows: Sequence[Mapping[str, Any]]) -> str:
     ordered = sorted(rows, key=lambda r: (load_key(r["load"]), system_key(r["system"])))
     return markdown(
-        ["system", "load", "TTFT p50 / p99 ms", "handover p50 / p99 ms", "out tok/s", "failed", "= single", "KV hit"],
-        [[r["system"], r["load"], pair(r, "ttft_ms_p50", "ttft_ms_p99"), pair(r, "handover_ms_p50", "handover_ms_p99"),
+        ["system", "load", "TTFT p50 / p99 ms", "TPOT p99 ms", "ITL p99 ms", "handover p50 / p99 ms", "out tok/s",
+         "failed", "= single", "KV hit", "full hits"],
+        [[r["system"], r["load"], pair(r, "ttft_ms_p50", "ttft_ms_p99"), cell(r.get("tpot_ms_p99"), 1),
+          cell(r.get("itl_ms_p99"), 1), pair(r, "handover_ms_p50", "handover_ms_p99"),
           cell(r.get("output_tokens_per_s"), 0), f"{r.get('failed')}/{r.get('requests', '?')}",
-          "(ref)" if r["system"] == "single" else cell(r.get("outputs_equal_single")), cell(r.get("kv_hit_ratio"), 3)]
+          "(ref)" if r["system"] == "single" else cell(r.get("outputs_equal_single")), cell(r.get("kv_hit_ratio"), 3),
+          f"{r['kv_full_hits']}/{r.get('kv_lookups')}" if r.get("kv_full_hits") is not None else "-"]
          for r in ordered])
 
 
