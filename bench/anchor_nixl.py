@@ -160,7 +160,8 @@ def instance_env(variant: Variant, role: str, core: int, base: Mapping[str, str]
     else:
         from lmcache_p2p.cli.vllm_env import vllm_env
 
-        env = vllm_env(cpu_core=core, kv_cache_gib=1, base=base)
+        # as instance_spec builds ours (the NCCL setting is inert on CPU, kept to match exactly)
+        env = vllm_env(cpu_core=core, kv_cache_gib=1, base=base, extra={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})
     env.update({"UCX_TLS": "tcp,self", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_CHANNEL_PORTS[role])})
     # our vLLM plugin is installed in this venv: a user of the peer has none; the spin variant loads
     # it for its spin cap only (without an LMCache config it changes nothing else)
