@@ -55,6 +55,7 @@ PROMETHEUS_PORTS = {ROUTER_PORT: 29100, TAPPED_ROUTER_PORT: 29101}
 CORES = {"prefiller": 0, "decoder": 1}
 KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 ROUTER_MODULE = "vllm_router.launch_router"
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 HEALTH_POLL_S = 1.0
 HTTP_TIMEOUT_S = 10.0
 
@@ -113,11 +114,14 @@ def kv_use(before: Mapping[str, float], after: Mapping[str, float]) -> KvUse:
 
 def wire_handovers_ms(prefill: Iterable[Mapping[str, Any]], decode: Iterable[Mapping[str, Any]]) -> list[float]:
     """Per prompt: the decoder tap's first ``data:`` minus the prefiller tap's answer done, in ms.
-    Prompts seen more than once at a tap, or missing a stamp, are left out (they cannot be paired)."""
+    Only generation requests count (the router also asks each server's ``/tokenize`` and
+    ``/v1/completions/render`` with the same body); prompts generated more than once at a tap, or
+    missing a stamp, are left out (they cannot be paired)."""
     def once(records: Iterable[Mapping[str, Any]], field: str) -> dict[str, float]:
         seen: dict[str, list[float]] = {}
         for r in records:
-            if r.get("key") and r.get(field) is not None and r.get("status") == 200:
+            if (r.get("key") and r.get(field) is not None and r.get("status") == 200
+                    and str(r.get("path", "")).endswith(GENERATION_PATHS)):
                 seen.setdefault(r["key"], []).append(float(r[field]))
         return {k: v[0] for k, v in seen.items() if len(v) == 1}
 

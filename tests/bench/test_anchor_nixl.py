@@ -62,11 +62,19 @@ def test_metric_sums_adds_label_sets_and_keeps_buckets_apart(nixl):
 
 
 def test_wire_handovers_pair_prompts_seen_once(nixl):
-    prefill = [{"key": "a", "t_done": 10.000, "status": 200}, {"key": "b", "t_done": 20.0, "status": 200},
-               {"key": "c", "t_done": 30.0, "status": 200}, {"key": "c", "t_done": 31.0, "status": 200},
-               {"key": "d", "t_done": 40.0, "status": 500}]
-    decode = [{"key": "a", "t_first_data": 10.025, "status": 200}, {"key": "b", "t_first_data": None, "status": 200},
-              {"key": "c", "t_first_data": 32.0, "status": 200}, {"key": "d", "t_first_data": 41.0, "status": 200}]
+    gen = "/v1/completions"
+    prefill = [{"key": "a", "path": "/tokenize", "t_done": 9.990, "status": 200},  # the router's own asks
+               {"key": "a", "path": "/v1/completions/render", "t_done": 9.995, "status": 200},
+               {"key": "a", "path": gen, "t_done": 10.000, "status": 200},
+               {"key": "b", "path": gen, "t_done": 20.0, "status": 200},
+               {"key": "c", "path": gen, "t_done": 30.0, "status": 200},
+               {"key": "c", "path": gen, "t_done": 31.0, "status": 200},
+               {"key": "d", "path": gen, "t_done": 40.0, "status": 500}]
+    decode = [{"key": "a", "path": "/tokenize", "t_first_data": None, "status": 200},
+              {"key": "a", "path": gen, "t_first_data": 10.025, "status": 200},
+              {"key": "b", "path": gen, "t_first_data": None, "status": 200},
+              {"key": "c", "path": gen, "t_first_data": 32.0, "status": 200},
+              {"key": "d", "path": gen, "t_first_data": 41.0, "status": 200}]
     assert nixl.wire_handovers_ms(prefill, decode) == [pytest.approx(25.0)]
 
 
