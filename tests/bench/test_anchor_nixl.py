@@ -178,3 +178,25 @@ def test_anchor_knows_every_variant(anchor):
     assert {"vllm-nixl", "vllm-nixl-placed", "vllm-nixl-spin"} <= set(anchor.SYSTEMS)
     cfg = anchor.parse_args(["--quick", "--systems", "vllm-nixl,single", "--work", str(Path("/tmp/x"))])
     assert cfg.systems == ("single", "vllm-nixl")
+
+
+def test_fault_rows_split_served_from_wrong_and_cite_ours(tmp_path):
+    peers = _bench_module("faults_peers")
+    from fault_scenarios import Row
+
+    row = Row("decoder_killed_mid_stream", requests=8, succeeded=5, clean_errors=1, unclean_errors=1, hung=1,
+              wrong_outputs=2, recovered=True)
+    got = peers.peer_row(row)
+    assert (got["requests"], got["served"], got["wrong"], got["clean_errors"], got["hung"], got["unclean_errors"]) == \
+        (8, 3, 2, 1, 1, 1)
+    ours = tmp_path / "faults.json"
+    ours.write_text(json.dumps({"date": "2026-12-02 00:15 UTC", "rows": [
+        {"scenario": "one_request_buffer_20_concurrent_long_chunked", "status": "run", "requests": 40, "succeeded": 40,
+         "clean_errors": 0, "unclean_errors": 0, "hung": 0, "wrong_outputs": 0, "recovered": True, "seconds": 5.7,
+         "notes": ""},
+        {"scenario": "different_models", "status": "run"}, {"scenario": "decoder_killed_mid_stream",
+                                                            "status": "not yet run"}]}))
+    (cited,) = peers.our_rows(ours)
+    assert (cited["scenario"], cited["system"], cited["served"], cited["wrong"]) == \
+        ("decoder_over_capacity", "lmcache_p2p", 40, 0)
+    assert "one_request_buffer_20_concurrent_long_chunked" in cited["source"]
