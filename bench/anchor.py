@@ -350,7 +350,8 @@ def make_row(run: LoadRun, reference: LoadRun | None) -> dict[str, Any]:
         "kv_hit_ratio": hit_ratio if run.system != "single" else None,
         "kv_lookups": lookups if run.system != "single" else None,
         "kv_full_hits": full_hits if run.system != "single" else None,
-        "kv_full_hit_ratio": (round(full_hits / lookups, 4) if run.system != "single" and lookups else None),
+        "kv_full_hit_ratio": (round(full_hits / lookups, 4) if run.system != "single" and lookups
+                              and full_hits is not None else None),
         "ttft_ms_mean": _round(sum(ttft) / len(ttft)) if ttft else None,
         "e2e_ms_p50": _round(percentile(e2e, 50)), "e2e_ms_p99": _round(percentile(e2e, 99)),
         "wall_s": round(run.wall_s, 2), "load_1m_before": run.load_1m_before,

@@ -22,9 +22,8 @@ Same model and vLLM flags as the other anchor systems (``Settings.vllm_args``, n
 Measured twice per load: through a router pointed at the servers (TTFT, TPOT, ITL, throughput,
 outputs), then the same load through a second router pointed at two ``bench/http_tap.py`` relays
 (the handover on the wire: prefill answer -> first decoded byte, as lmcache_p2p's proxy times it).
-The decoder's KV use comes from its ``/metrics``: NixlConnector reports the tokens it loaded as
-``vllm:external_prefix_cache_hits`` and each request's locally computed prompt tokens in
-``vllm:request_prefill_kv_computed_tokens`` (a full hit computes the last token only).
+The decoder's KV use comes from its ``/metrics``: NixlConnector reports the tokens it loaded and was
+asked for as ``vllm:external_prefix_cache_hits`` / ``_queries`` (``KvUse``).
 """
 
 from __future__ import annotations
@@ -68,18 +67,27 @@ class Variant(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class KvUse:
-    """The decoder's KV loads over a load, from its /metrics before and after."""
+    """The decoder's KV loads over a load, from its /metrics before and after.
+
+    NixlConnector loads a request's whole prompt (its last token's KV too, which vLLM computes again
+    for the first output token), and reports loaded and asked-for tokens per request as vLLM's
+    external prefix cache hits and queries. Per-request counts are not in /metrics (its histogram of
+    locally computed prompt tokens counts a request before its asynchronous load completes), so a
+    full hit is known for every request when all asked-for tokens were loaded, and unknown otherwise.
+    """
 
     requests: int  # requests the decoder finished
     loaded_tokens: int  # vllm:external_prefix_cache_hits
     queried_tokens: int  # vllm:external_prefix_cache_queries (each request's prompt)
-    full_hits: int  # requests that computed at most one prompt token themselves
 
     @property
     def hit_ratio(self) -> float | None:
-        """Loaded / loadable tokens (every prompt token but the last, as the anchor's LMCache ratio)."""
-        possible = self.queried_tokens - self.requests
-        return round(self.loaded_tokens / possible, 4) if possible > 0 else None
+        """Loaded / asked-for tokens; 1.0 = every prompt's KV was used whole (as the anchor's LMCache ratio)."""
+        return round(self.loaded_tokens / self.queried_tokens, 4) if self.queried_tokens > 0 else None
+
+    @property
+    def full_hits(self) -> int | None:
+        return self.requests if self.queried_tokens > 0 and self.loaded_tokens >= self.queried_tokens else None
 
 
 # ---- metrics and the wire's timeline (pure; tested in tests/bench/test_anchor_nixl.py) -----------
@@ -106,10 +114,9 @@ def kv_use(before: Mapping[str, float], after: Mapping[str, float]) -> KvUse:
     def delta(name: str) -> int:
         return int(round(after.get(name, 0.0) - before.get(name, 0.0)))
 
-    hist = "vllm:request_prefill_kv_computed_tokens"
-    return KvUse(requests=delta(f"{hist}_count"), loaded_tokens=delta("vllm:external_prefix_cache_hits_total"),
-                 queried_tokens=delta("vllm:external_prefix_cache_queries_total"),
-                 full_hits=delta(f"{hist}_bucket{{le=1}}"))
+    return KvUse(requests=delta("vllm:request_success_total"),
+                 loaded_tokens=delta("vllm:external_prefix_cache_hits_total"),
+                 queried_tokens=delta("vllm:external_prefix_cache_queries_total"))
 
 
 def wire_handovers_ms(prefill: Iterable[Mapping[str, Any]], decode: Iterable[Mapping[str, Any]]) -> list[float]:

@@ -17,8 +17,7 @@ Per request the client's outcome: served and equal to a plain vLLM instance's ou
 (an OpenAI error body), hung (no end within the deadline), wrong (served, output differs), or an
 unclean end (a cut stream, a reset). What the suite reads from our instances' LMCache logs it reads
 here from vLLM's ``/metrics``: a prefiller's "store" = a finished request, a decoder's "load" = a
-request it runs or finished, a "lookup" = a finished request, "loaded KV" = it computed at most one
-prompt token itself. There are no slots to leak (NIXL pulls into the decoder's own KV cache).
+request it runs or finished, a "lookup" = a finished request, "loaded KV" = a completed NIXL read. There are no slots to leak (NIXL pulls into the decoder's own KV cache).
 
     flock /tmp/lmcache_p2p_vllm.lock .venv/bin/python bench/faults_peers.py
 
@@ -187,11 +186,12 @@ class PeerCluster:
         return int(m.get("vllm:num_requests_running", 0) + m.get("vllm:request_success_total", 0))
 
     def lookups(self, name: str) -> list[Lookup]:
-        """One entry per finished request; hit = it computed at most one prompt token itself."""
+        """One entry per finished request; the first as many as NIXL reads completed count as loaded
+        (NixlConnector reads each request's blocks in one transfer)."""
         m = self.metrics(name)
-        hist = "vllm:request_prefill_kv_computed_tokens"
-        count, full = int(m.get(f"{hist}_count", 0)), int(m.get(f"{hist}_bucket{{le=1}}", 0))
-        return [Lookup(2, 1)] * full + [Lookup(2, 0)] * (count - full)
+        count = int(m.get("vllm:request_success_total", 0))
+        loaded = min(count, int(m.get("vllm:nixl_xfer_time_seconds_count", 0)))
+        return [Lookup(2, 1)] * loaded + [Lookup(2, 0)] * (count - loaded)
 
 
 # ---- the peer's own scenario ----------------------------------------------------------------------

@@ -23,21 +23,19 @@ def _bench_module(name: str):
 METRICS_BEFORE = """# HELP vllm:external_prefix_cache_hits_total External prefix cache hits
 # TYPE vllm:external_prefix_cache_hits_total counter
 vllm:external_prefix_cache_hits_total{engine="0",model_name="tiny"} 100.0
-vllm:external_prefix_cache_queries_total{engine="0",model_name="tiny"} 101.0
-vllm:request_prefill_kv_computed_tokens_bucket{engine="0",le="1.0",model_name="tiny"} 1.0
-vllm:request_prefill_kv_computed_tokens_bucket{engine="0",le="2.0",model_name="tiny"} 1.0
-vllm:request_prefill_kv_computed_tokens_bucket{engine="0",le="+Inf",model_name="tiny"} 1.0
-vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="tiny"} 1.0
+vllm:external_prefix_cache_queries_total{engine="0",model_name="tiny"} 100.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 1.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 0.0
 """
-# three more requests of 300, 500 and 200 prompt tokens: two loaded all but the last token, one
-# (the third) loaded nothing and computed its 200 tokens
-METRICS_AFTER = """vllm:external_prefix_cache_hits_total{engine="0",model_name="tiny"} 898.0
-vllm:external_prefix_cache_queries_total{engine="0",model_name="tiny"} 1101.0
-vllm:request_prefill_kv_computed_tokens_bucket{engine="0",le="1.0",model_name="tiny"} 3.0
-vllm:request_prefill_kv_computed_tokens_bucket{engine="0",le="2.0",model_name="tiny"} 3.0
-vllm:request_prefill_kv_computed_tokens_bucket{engine="0",le="+Inf",model_name="tiny"} 4.0
-vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="tiny"} 4.0
+# three more requests of 300, 500 and 200 prompt tokens, each loaded whole
+METRICS_AFTER = """vllm:external_prefix_cache_hits_total{engine="0",model_name="tiny"} 1100.0
+vllm:external_prefix_cache_queries_total{engine="0",model_name="tiny"} 1100.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 4.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 0.0
 """
+# the same three, the last of which loaded nothing (computed its 200 tokens itself)
+METRICS_PARTIAL = METRICS_AFTER.replace("hits_total{engine=\"0\",model_name=\"tiny\"} 1100.0",
+                                        "hits_total{engine=\"0\",model_name=\"tiny\"} 900.0")
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +45,18 @@ def nixl():
 
 def test_kv_use_counts_the_load_only(nixl):
     use = nixl.kv_use(nixl.metric_sums(METRICS_BEFORE), nixl.metric_sums(METRICS_AFTER))
-    assert (use.requests, use.loaded_tokens, use.queried_tokens, use.full_hits) == (3, 798, 1000, 2)
-    assert use.hit_ratio == round(798 / 997, 4)  # every prompt token but each request's last
+    assert (use.requests, use.loaded_tokens, use.queried_tokens) == (3, 1000, 1000)
+    assert (use.hit_ratio, use.full_hits) == (1.0, 3)
+
+
+def test_kv_use_with_a_partial_load_has_no_full_hit_count(nixl):
+    use = nixl.kv_use(nixl.metric_sums(METRICS_BEFORE), nixl.metric_sums(METRICS_PARTIAL))
+    assert (use.hit_ratio, use.full_hits) == (0.8, None)
 
 
 def test_kv_use_of_nothing_has_no_ratio(nixl):
     same = nixl.metric_sums(METRICS_BEFORE)
-    assert nixl.kv_use(same, same).hit_ratio is None
+    assert (nixl.kv_use(same, same).hit_ratio, nixl.kv_use(same, same).full_hits) == (None, None)
 
 
 def test_metric_sums_adds_label_sets_and_keeps_buckets_apart(nixl):
