@@ -824,12 +824,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": str(cfg.model), "log_dir": str(cfg.log_dir),
     }
     runs: list[LoadRun] = []
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
     for name in cfg.systems:
         runs += run_system(cfg, name)
-    result = assemble(runs, meta)
+        # after each system, so that a run stopped part-way keeps the systems it measured
+        result = assemble(runs, meta)
+        result["meta"]["systems_done"] = sorted({r.system for r in runs}, key=SYSTEMS.index)
+        cfg.out.write_text(json.dumps(result, indent=1) + "\n")
     print(anchor_table(result["rows"]))
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {cfg.out}")
     bad = [f"{r['system']} {r['load']}" for r in result["rows"] if r["failed"] or r["outputs_equal_single"] is False]
     if bad:
