@@ -232,6 +232,15 @@ def faults_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return markdown(cols, [[cell(r.get(c)) for c in cols] for r in rows])
 
 
+def faults_peers_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """bench/faults_peers.py: per scenario and system, how the client's requests ended."""
+    ordered = sorted(rows, key=lambda r: (r["scenario"], r["system"] != "lmcache_p2p"))
+    return markdown(["scenario", "system", "requests", "served, equal", "clean errors", "hung", "wrong", "unclean ends"],
+                    [[r["scenario"], r["system"], cell(r.get("requests")), cell(r.get("served")),
+                      cell(r.get("clean_errors")), cell(r.get("hung")), cell(r.get("wrong")),
+                      cell(r.get("unclean_errors"))] for r in ordered])
+
+
 def tp_cpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
     lines = [[r["system"], r.get("dtype") or "bfloat16", str(r["concurrency"]), f"{r['failed']}/{r['requests']}", pair(r, "ttft_ms_p50", "ttft_ms_p99"),
               pair(r, "handover_ms_p50", "handover_ms_p99"), pair(r, "kv_transfer_ms_p50", "kv_transfer_ms_p99"),
@@ -305,6 +314,7 @@ TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
     "e2e_cpu": e2e_cpu_table,
     "e2e_gpu": e2e_gpu_table,
     "faults": faults_table,
+    "faults_peers": faults_peers_table,
     "multiturn_cpu": multiturn_table,
     "proxy_relay": proxy_relay_table,
     "proxy_handover": proxy_handover_table,

@@ -203,3 +203,16 @@ def test_fault_rows_split_served_from_wrong_and_cite_ours(tmp_path):
     assert (cited["scenario"], cited["system"], cited["served"], cited["wrong"]) == \
         ("decoder_over_capacity", "lmcache_p2p", 40, 0)
     assert "one_request_buffer_20_concurrent_long_chunked" in cited["source"]
+
+
+def test_faults_peers_table_puts_ours_first_per_scenario():
+    report = _bench_module("report")
+    rows = [{"scenario": "b", "system": "vllm-nixl", "requests": 4, "served": 0, "clean_errors": 0, "hung": 4,
+             "wrong": 0, "unclean_errors": 0},
+            {"scenario": "a", "system": "vllm-nixl", "requests": 8, "served": 2, "clean_errors": 1, "hung": 0,
+             "wrong": 0, "unclean_errors": 5},
+            {"scenario": "a", "system": "lmcache_p2p", "requests": 8, "served": 8, "clean_errors": 0, "hung": 0,
+             "wrong": 0, "unclean_errors": 0}]
+    lines = report.TABLES["faults_peers"](rows).splitlines()
+    assert lines[2:] == ["| a | lmcache_p2p | 8 | 8 | 0 | 0 | 0 | 0 |", "| a | vllm-nixl | 8 | 2 | 1 | 0 | 0 | 5 |",
+                         "| b | vllm-nixl | 4 | 0 | 0 | 4 | 0 | 0 |"]
