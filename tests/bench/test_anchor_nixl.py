@@ -216,3 +216,34 @@ def test_faults_peers_table_puts_ours_first_per_scenario():
     lines = report.TABLES["faults_peers"](rows).splitlines()
     assert lines[2:] == ["| a | lmcache_p2p | 8 | 8 | 0 | 0 | 0 | 0 |", "| a | vllm-nixl | 8 | 2 | 1 | 0 | 0 | 5 |",
                          "| b | vllm-nixl | 4 | 0 | 0 | 4 | 0 | 0 |"]
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_gpu_nixl_instances_are_the_recipe_on_their_device(tmp_path, device):
+    gpu_nixl = _bench_module("e2e_gpu_nixl")
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(model=tmp_path, max_model_len=4096, device=device, vllm_args=("--load-format", "dummy"))
+    child = gpu_nixl.instance_child(cfg, "decoder", 1, 0.4, tmp_path, tmp_path / "logging.json")
+    kv = json.loads(child.argv[child.argv.index("--kv-transfer-config") + 1])
+    assert kv == ({"kv_connector": "NixlConnector", "kv_role": "kv_both"} if device == "cuda"
+                  else {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"})
+    assert child.argv[-2:] == ["--load-format", "dummy"] and "--no-enable-prefix-caching" in child.argv
+    assert (child.env["VLLM_NIXL_SIDE_CHANNEL_PORT"], child.env["VLLM_PLUGINS"]) == ("5601", "")
+    assert "LMCACHE_P2P_VLLM_SPIN_S" not in child.env
+    if device == "cuda":
+        assert child.env["CUDA_VISIBLE_DEVICES"] == "1" and "cuda_ipc" in child.env["UCX_TLS"] and child.gpus == (1,)
+    else:
+        assert child.env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and child.env["UCX_TLS"] == "tcp,self"
+
+
+def test_gpu_nixl_refuses_to_start_without_the_router(tmp_path, monkeypatch):
+    gpu_nixl = _bench_module("e2e_gpu_nixl")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "orjson" else real(name, *a))
+    from lmcache_p2p.cli.processes import StartupError
+
+    with pytest.raises(StartupError, match="orjson.*build/gpu-kit/wheels"):
+        gpu_nixl.start(object(), 1.0, 1.0, lambda *a, **k: None)
