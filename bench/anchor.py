@@ -66,10 +66,12 @@ from typing import Any
 import httpx
 
 try:
+    from bench import anchor_nixl as nixl
     from bench.e2e import other_vllm_servers, percentile, wait_before_run, wait_until_quiet
     from bench.meta import collect
     from bench.report import anchor_table
 except ImportError:  # run as bench/anchor.py: its folder is sys.path[0]
+    import anchor_nixl as nixl  # type: ignore[no-redef]
     from e2e import other_vllm_servers, percentile, wait_before_run, wait_until_quiet
     from meta import collect
     from report import anchor_table
@@ -77,7 +79,10 @@ except ImportError:  # run as bench/anchor.py: its folder is sys.path[0]
 logger = logging.getLogger("bench.anchor")
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = ("single", "lmcache_p2p", "lmcache-pd")
+SYSTEMS = ("single", "lmcache_p2p", "lmcache-pd", *(v.value for v in nixl.Variant))
+DEFAULT_SYSTEMS = ("single", "lmcache_p2p", "lmcache-pd", nixl.Variant.USER.value, nixl.Variant.PLACED.value)
+NIXL_SYSTEMS = frozenset(v.value for v in nixl.Variant)
+CLIENT = Path(__file__).with_name("anchor_client.py")
 SHIM = "lmc_cpu_shim"
 WORKLOAD_RATE = 2.0  # req/s of the arrival times make_workload.py writes (its --rate default)
 MAX_TOKENS = 32
@@ -147,6 +152,8 @@ class LoadRun:
     load_1m_before: float | None = None
     cpu_busy_before_run: float | None = None
     first_ids_completed: int = 0  # lmcache-pd: first ids taken from the non-streamed pass
+    decoder_kv: nixl.KvUse | None = None  # vllm-nixl: the decoder's KV loads from its /metrics
+    wire_handovers_ms: list[float] | None = None  # vllm-nixl: the tapped pass's handovers
     expected: int = 0  # requests the load should have sent: any not in ``records`` count as failed
     error: str | None = None  # why the load stopped short (the system did not start, the client died)
 
@@ -164,6 +171,32 @@ def ttfts_s(records: Iterable[Mapping[str, Any]]) -> list[float]:
 
 def e2e_s(records: Iterable[Mapping[str, Any]]) -> list[float]:
     return [r["t_done_client"] - r["t_send"] for r in records if r.get("ok")]
+
+
+def token_times(record: Mapping[str, Any]) -> list[float]:
+    """Arrival times of a request's token-carrying chunks (``anchor_client.py``'s ``t_chunks``)."""
+    return [float(t) for t in record.get("t_chunks") or ()]
+
+
+def tpots_ms(records: Iterable[Mapping[str, Any]]) -> list[float]:
+    """Per successful request: (last token chunk - first token chunk) / (output tokens - 1), in ms."""
+    out = []
+    for r in records:
+        times, tokens = token_times(r), len(r.get("token_ids") or ())
+        if r.get("ok") and len(times) >= 2 and tokens >= 2:
+            out.append((times[-1] - times[0]) * 1e3 / (tokens - 1))
+    return out
+
+
+def itls_ms(records: Iterable[Mapping[str, Any]]) -> list[float]:
+    """Every gap between consecutive token chunks of the successful requests, in ms (as the client
+    sees them: where a PD proxy streams the prefiller's token first, the handover is one such gap)."""
+    out = []
+    for r in records:
+        times = token_times(r)
+        if r.get("ok"):
+            out += [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    return out
 
 
 def failed(records: Sequence[Mapping[str, Any]], max_tokens: int = MAX_TOKENS) -> int:
@@ -292,6 +325,13 @@ def make_row(run: LoadRun, reference: LoadRun | None) -> dict[str, Any]:
         handover = run.stats.get("handover_ms") or handover
     elif run.system == "lmcache-pd" and run.pd_timings:
         handover = summary_ms([x * 1e3 for x in pd_handovers_s(run.pd_timings)])
+    elif run.wire_handovers_ms:
+        handover = summary_ms(run.wire_handovers_ms)
+    tpot, itl = tpots_ms(run.records), itls_ms(run.records)
+    lookups = len(run.lookups) if run.decoder_kv is None else run.decoder_kv.requests
+    full_hits = (sum(1 for lk in run.lookups if lk.hit_tokens == lk.total_tokens - 1) if run.decoder_kv is None
+                 else run.decoder_kv.full_hits)
+    hit_ratio = kv_hit_ratio(run.lookups) if run.decoder_kv is None else run.decoder_kv.hit_ratio
     equal, differ = compare_outputs(run.records, reference.records if reference is not None else None)
     if run.system == "single":
         equal = differ = None  # the reference itself
@@ -299,16 +339,19 @@ def make_row(run: LoadRun, reference: LoadRun | None) -> dict[str, Any]:
         "system": run.system, "load": run.load, "requests": max(len(run.records), run.expected),
         "ttft_ms_p50": _round(percentile(ttft, 50)), "ttft_ms_p99": _round(percentile(ttft, 99)),
         "handover_ms_p50": handover.get("p50"), "handover_ms_p99": handover.get("p99"),
+        "tpot_ms_p50": _round(percentile(tpot, 50)), "tpot_ms_p99": _round(percentile(tpot, 99)),
+        "itl_ms_p50": _round(percentile(itl, 50)), "itl_ms_p99": _round(percentile(itl, 99)),
         "output_tokens_per_s": output_tokens_per_s(run.records, run.wall_s),
         "failed": failed(run.records) + max(0, run.expected - len(run.records)),
         "outputs_equal_single": equal, "outputs_differing": differ,
         "texts_equal_single": (compare_texts(run.records, reference.records if reference is not None else None)
                                if run.system != "single" else None),
         "first_ids_from_nonstream": run.first_ids_completed if run.system == "lmcache-pd" else None,
-        "kv_hit_ratio": kv_hit_ratio(run.lookups) if run.system != "single" else None,
-        "kv_lookups": len(run.lookups) if run.system != "single" else None,
-        "kv_full_hits": (sum(1 for lk in run.lookups if lk.hit_tokens == lk.total_tokens - 1)
-                         if run.system != "single" else None),
+        "kv_hit_ratio": hit_ratio if run.system != "single" else None,
+        "kv_lookups": lookups if run.system != "single" else None,
+        "kv_full_hits": full_hits if run.system != "single" else None,
+        "kv_full_hit_ratio": (round(full_hits / lookups, 4) if run.system != "single" and lookups
+                              and full_hits is not None else None),
         "ttft_ms_mean": _round(sum(ttft) / len(ttft)) if ttft else None,
         "e2e_ms_p50": _round(percentile(e2e, 50)), "e2e_ms_p99": _round(percentile(e2e, 99)),
         "wall_s": round(run.wall_s, 2), "load_1m_before": run.load_1m_before,
@@ -333,6 +376,9 @@ def samples_of(run: LoadRun) -> dict[str, Any]:
         out["handover_ms"] = [ms(x) for x in pd_handovers_s(run.pd_timings)]
     elif run.system == "lmcache_p2p":
         out["handover_ms"] = p2p_handovers_ms(p2p_timeline(run.stats))
+    elif run.wire_handovers_ms is not None:
+        out["handover_ms"] = list(run.wire_handovers_ms)
+    out["tpot_ms"] = [round(x, 3) for x in tpots_ms(ok)]
     return out
 
 
@@ -579,7 +625,30 @@ class P2PSystem(System):
         httpx.post(f"{self.url}/stats/reset", timeout=HTTP_TIMEOUT_S, trust_env=False).raise_for_status()
 
 
+class NixlSystem(System):
+    """vLLM's NixlConnector 1P1D behind vllm-router (``bench/anchor_nixl.py``), one of its variants."""
+
+    def __init__(self, cfg: Settings, name: str) -> None:
+        super().__init__(cfg)
+        self.name = name
+        self.model_name = "tiny"
+        self.stack = nixl.NixlStack(nixl.Variant(name), cfg.model, cfg.vllm_args, cfg.max_model_len,
+                                    cfg.log_dir / name, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S)
+        self.url = self.stack.url
+
+    def start(self) -> None:
+        self.stack.start()
+
+    def stop(self) -> None:
+        self.stack.stop()
+
+    def pids(self) -> set[int]:
+        return set().union(*(descendants(p) for p in self.stack.pids())) if self.stack.pids() else set()
+
+
 def make_system(cfg: Settings, name: str) -> System:
+    if name in NIXL_SYSTEMS:
+        return NixlSystem(cfg, name)
     return P2PSystem(cfg) if name == "lmcache_p2p" else AnchorSystem(cfg, name)
 
 
@@ -596,14 +665,19 @@ def workload_for(cfg: Settings, load: str) -> Path:
     return path
 
 
-def client(cfg: Settings, system: System, load: str, mode: str, out: Path, n: int | None = None) -> dict[str, Any]:
-    """The anchor's bench.py against ``system`` (mode single = streamed; pd = non-streamed, pd_timing),
-    without its own warm-up (``measure`` warms up before it resets the counters)."""
+def client(cfg: Settings, system: System, load: str, mode: str, out: Path, n: int | None = None,
+           url: str | None = None) -> dict[str, Any]:
+    """The streamed client (``anchor_client.py``, mode single) or the anchor's bench.py (mode pd:
+    non-streamed, pd_timing) against ``url`` (default the system's), without a warm-up of its own
+    (``measure`` warms up before it resets the counters)."""
     kind, value = parse_load(load)
-    argv = [sys.executable, str(cfg.anchor / "bench.py"), "--mode", mode, "--url", system.url,
-            "--load", f"c{value}" if kind == "closed" else "open", "--workload", str(workload_for(cfg, load)),
-            "--model", system.model_name, "--max-tokens", str(MAX_TOKENS), "--timeout", str(REQUEST_TIMEOUT_S),
-            "--warmup", "0", "--out", str(out)]
+    common = ["--url", url or system.url, "--load", f"c{value}" if kind == "closed" else "open",
+              "--workload", str(workload_for(cfg, load)), "--model", system.model_name,
+              "--max-tokens", str(MAX_TOKENS), "--timeout", str(REQUEST_TIMEOUT_S), "--out", str(out)]
+    if mode == "single":
+        argv = [sys.executable, str(CLIENT), *common]
+    else:
+        argv = [sys.executable, str(cfg.anchor / "bench.py"), "--mode", mode, "--warmup", "0", *common]
     if n or cfg.n:
         argv += ["--n", str(n or cfg.n)]
     subprocess.run(argv, check=True, timeout=LOAD_TIMEOUT_S, env={**os.environ, "NO_PROXY": "127.0.0.1"})
@@ -623,6 +697,7 @@ def measure(cfg: Settings, system: System, load: str) -> LoadRun:
     # one unrecorded request first (the first after start-up pays one-off costs), before the counters
     client(cfg, system, "c1", "single", cfg.log_dir / f"{system.name}_warmup.json", n=1)
     seen = len(system.lookups())
+    kv_before = system.stack.decoder_metrics() if isinstance(system, NixlSystem) else None
     system.reset_stats()
     out = cfg.log_dir / f"{system.name}_{load.replace('=', '')}.json"
     result = client(cfg, system, load, "single", out)
@@ -630,6 +705,14 @@ def measure(cfg: Settings, system: System, load: str) -> LoadRun:
     lookups = system.lookups()[seen:]
     run = LoadRun(system.name, load, result["res"], result["t1"] - result["t0"], lookups, stats,
                   load_1m_before=load_1m, cpu_busy_before_run=round(busy, 3), expected=prompt_count(cfg))
+    if isinstance(system, NixlSystem) and kv_before is not None:
+        run.decoder_kv = nixl.kv_use(kv_before, system.stack.decoder_metrics())
+        # the same load again through the router that goes through the taps: the handover on the wire
+        client(cfg, system, "c1", "single", cfg.log_dir / f"{system.name}_warmup_tapped.json", n=1,
+               url=system.stack.tapped_url)
+        system.stack.reset_taps()
+        client(cfg, system, load, "single", out.with_name(out.stem + "_tapped.json"), url=system.stack.tapped_url)
+        run.wire_handovers_ms = nixl.wire_handovers_ms(*system.stack.tap_records())
     if system.name == "lmcache-pd":  # its proxy times requests only in non-streamed answers
         pd = client(cfg, system, load, "pd", out.with_name(out.stem + "_nonstream.json"))
         run.pd_timings = [r["t"] for r in pd["res"] if r.get("ok") and r.get("t")]
@@ -673,7 +756,8 @@ def default_anchor() -> Path:
 def parse_args(argv: Sequence[str] | None) -> Settings:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="c1 only, 8 prompts, to <log-dir>/anchor_cpu_quick.json")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"comma list of {', '.join(SYSTEMS)} (default: all but vllm-nixl-spin)")
     p.add_argument("--concurrency", default="1,4,8", help="closed-loop loads (default 1,4,8)")
     p.add_argument("--rates", default="2,4,8,16", help="open-loop rates, req/s ('' = none; default 2,4,8,16)")
     p.add_argument("--n", type=int, default=None, help="first N prompts of the workload (default all 48)")
@@ -729,17 +813,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_tokens": MAX_TOKENS, "max_model_len": cfg.max_model_len, "vllm_args": cfg.vllm_args,
         "launch_args": list(cfg.launch_args),
         "compiled": True, "cores": {"single": "0", "prefiller": "0", "decoder": "1"},
-        "client": "../shared/anchor/bench.py --mode single (streamed; TTFT = first SSE data line)",
-        "handover": {"lmcache_p2p": "proxy GET /stats handover_ms", "lmcache-pd": "pd_timing of a non-streamed pass"},
+        "client": "bench/anchor_client.py (streamed; TTFT = first SSE data line; TPOT, ITL from token chunk times)",
+        "handover": {"definition": "prefill answer at the proxy/router -> first decoded byte there",
+                     "lmcache_p2p": "proxy GET /stats handover_ms", "lmcache-pd": "pd_timing of a non-streamed pass",
+                     "vllm-nixl*": "bench/http_tap.py relays in front of prefiller and decoder, a second pass "
+                                   "of the same load through a second router pointed at them"},
+        "vllm_nixl": {"kv_transfer_config": nixl.KV_TRANSFER_CONFIG, "ucx_tls": "tcp,self",
+                      "router": "vllm-router --vllm-pd-disaggregation (defaults otherwise)",
+                      "placed_lacks": ["LMCACHE_P2P_VLLM_SPIN_S (our vLLM plugin's spin cap; vllm-nixl-spin has it)"]},
         "model": str(cfg.model), "log_dir": str(cfg.log_dir),
     }
     runs: list[LoadRun] = []
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
     for name in cfg.systems:
         runs += run_system(cfg, name)
-    result = assemble(runs, meta)
+        # after each system, so that a run stopped part-way keeps the systems it measured
+        result = assemble(runs, meta)
+        result["meta"]["systems_done"] = sorted({r.system for r in runs}, key=SYSTEMS.index)
+        cfg.out.write_text(json.dumps(result, indent=1) + "\n")
     print(anchor_table(result["rows"]))
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {cfg.out}")
     bad = [f"{r['system']} {r['load']}" for r in result["rows"] if r["failed"] or r["outputs_equal_single"] is False]
     if bad:

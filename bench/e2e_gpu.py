@@ -57,13 +57,19 @@ from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_health
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
 from lmcache_p2p.config import parse_size_bytes
 
+try:
+    from bench import e2e_gpu_nixl as nixl_gpu
+except ImportError:  # run as bench/e2e_gpu.py: its folder is sys.path[0]
+    import e2e_gpu_nixl as nixl_gpu  # type: ignore[no-redef]
+
 logger = logging.getLogger("bench.e2e_gpu")
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("single", "lmcache_p2p-nixl", "lmcache_p2p-nccl", "lmcache-pd", "lmcache_p2p-nixl-hostsend",
-           "single-neighbour")
+           "single-neighbour", "vllm-nixl")
 GPUS = {"single": 1, "lmcache_p2p-nixl": 2, "lmcache_p2p-nccl": 2, "lmcache-pd": 2, "lmcache_p2p-nixl-hostsend": 2,
-        "single-neighbour": 1}
+        "single-neighbour": 1, "vllm-nixl": 2}
+# vllm-nixl: vLLM's NixlConnector 1P1D behind vllm-router, the PD stack users pick today (bench/e2e_gpu_nixl.py).
 # single-neighbour (--one-gpu): the single instance measured while a second plain vLLM on the same GPU (the
 # decoder's share of it) decodes a steady background load: what one-GPU 1P1D's prefill loses to time-slicing
 # the GPU with a decoding process, with nothing of lmcache_p2p in either.
@@ -172,6 +178,7 @@ class Deployment:
     has_stats: bool
     instances: tuple[tuple[str, int], ...] = ()  # (role, HTTP port) of each vLLM server: /metrics
     pd_stats: bool = False  # LMCache PD behind bench/e2e_gpu_pd_proxy.py: GET /pd_stats has its per-request times
+    wire: bool = False  # vllm-nixl: a second pass per rate through the tapped router times the handover
 
 
 # ---- starting each system -------------------------------------------------------------------------
@@ -386,6 +393,8 @@ def start(system: str, cfg: Config) -> Deployment:
         return start_single(cfg)
     if system == "single-neighbour":
         return start_single_neighbour(cfg)
+    if system == nixl_gpu.SYSTEM:
+        return nixl_gpu.start(cfg, STARTUP_TIMEOUT_S, STOP_GRACE_S, Deployment)
     if system == "lmcache_p2p-nixl-hostsend":
         return start_p2p(cfg, "nixl", send_buffer_size="0")
     if system.startswith("lmcache_p2p-"):
@@ -449,6 +458,8 @@ def run_rate(cfg: Config, dep: Deployment, rate: float, key: str | None = None) 
     row["vllm_metrics"] = {role: histogram_deltas(before[role], scrape_histograms(port))
                            for role, port in dep.instances}
     try:
+        if dep.wire:
+            run_tapped(cfg, dep, rate, result_dir, name, row)
         add_handover_and_transfer(dep, row, stats, proxy_before)
     except Exception as exc:  # noqa: BLE001 - a measured row is never lost to its derived figures
         logger.exception("%s @ %g: handover / transfer figures failed", dep.system, rate)
@@ -464,6 +475,19 @@ def run_rate(cfg: Config, dep: Deployment, rate: float, key: str | None = None) 
     if cfg.direct_prefiller and dep.system.startswith("lmcache_p2p-") and cfg.output_len <= DIRECT_MAX_OUTPUT:
         row["direct_prefiller"] = run_direct(cfg, dep, rate, key)
     return row
+
+
+def run_tapped(cfg: Config, dep: Deployment, rate: float, result_dir: Path, name: str, row: dict[str, Any]) -> None:
+    """vllm-nixl: the same rate again through the router behind the taps; its handover on the wire."""
+    nixl_gpu.reset_taps()
+    tapped = name.replace(".json", "-tapped.json")
+    with (result_dir / tapped.replace(".json", ".log")).open("w") as log:
+        rc = subprocess.run(bench_argv(cfg, nixl_gpu.tapped_url(), rate, result_dir, tapped), stdout=log,
+                            stderr=subprocess.STDOUT, timeout=BENCH_TIMEOUT_S,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
+    if rc != 0:
+        raise RuntimeError(f"vllm bench serve (tapped pass) exited with {rc}; see {result_dir / tapped}")
+    row.update(nixl_gpu.wire_handover_fields(summary_ms))
 
 
 def run_direct(cfg: Config, dep: Deployment, rate: float, key: str | None) -> dict[str, Any]:
@@ -607,6 +631,8 @@ def handover_split(row: dict[str, Any]) -> dict[str, Any] | None:
     handover_mean = ((row.get("proxy_stats") or {}).get("handover_ms") or {}).get("mean")
     if handover_mean is None:
         handover_mean = ((row.get("pd_timing_ms") or {}).get("handover") or {}).get("mean")
+    if handover_mean is None:
+        handover_mean = (row.get("wire_handover_ms") or {}).get("mean")
 
     def mean(name: str) -> float | None:
         return (decoder.get(name) or {}).get("mean_ms")

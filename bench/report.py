@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEM_ORDER = ("single", "lmcache_p2p", "lmcache-pd")
+SYSTEM_ORDER = ("single", "lmcache_p2p", "lmcache-pd", "vllm-nixl", "vllm-nixl-placed", "vllm-nixl-spin")
 # One after the other from the request's arrival to its first decoded byte (stacked); the proxy's
 # first_byte runs beside kv_wait and the prefiller's store / submit / transfer inside prefill
 # (drawn as thin bars of their own, not stacked). See lmcache_p2p/proxy/observe/timeline.py.
@@ -110,10 +110,13 @@ def markdown(head: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
 def anchor_table(rows: Sequence[Mapping[str, Any]]) -> str:
     ordered = sorted(rows, key=lambda r: (load_key(r["load"]), system_key(r["system"])))
     return markdown(
-        ["system", "load", "TTFT p50 / p99 ms", "handover p50 / p99 ms", "out tok/s", "failed", "= single", "KV hit"],
-        [[r["system"], r["load"], pair(r, "ttft_ms_p50", "ttft_ms_p99"), pair(r, "handover_ms_p50", "handover_ms_p99"),
+        ["system", "load", "TTFT p50 / p99 ms", "TPOT p99 ms", "ITL p99 ms", "handover p50 / p99 ms", "out tok/s",
+         "failed", "= single", "KV hit", "full hits"],
+        [[r["system"], r["load"], pair(r, "ttft_ms_p50", "ttft_ms_p99"), cell(r.get("tpot_ms_p99"), 1),
+          cell(r.get("itl_ms_p99"), 1), pair(r, "handover_ms_p50", "handover_ms_p99"),
           cell(r.get("output_tokens_per_s"), 0), f"{r.get('failed')}/{r.get('requests', '?')}",
-          "(ref)" if r["system"] == "single" else cell(r.get("outputs_equal_single")), cell(r.get("kv_hit_ratio"), 3)]
+          "(ref)" if r["system"] == "single" else cell(r.get("outputs_equal_single")), cell(r.get("kv_hit_ratio"), 3),
+          f"{r['kv_full_hits']}/{r.get('kv_lookups')}" if r.get("kv_full_hits") is not None else "-"]
          for r in ordered])
 
 
@@ -229,6 +232,15 @@ def faults_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return markdown(cols, [[cell(r.get(c)) for c in cols] for r in rows])
 
 
+def faults_peers_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """bench/faults_peers.py: per scenario and system, how the client's requests ended."""
+    ordered = sorted(rows, key=lambda r: (r["scenario"], r["system"] != "lmcache_p2p"))
+    return markdown(["scenario", "system", "requests", "served, equal", "clean errors", "hung", "wrong", "unclean ends"],
+                    [[r["scenario"], r["system"], cell(r.get("requests")), cell(r.get("served")),
+                      cell(r.get("clean_errors")), cell(r.get("hung")), cell(r.get("wrong")),
+                      cell(r.get("unclean_errors"))] for r in ordered])
+
+
 def tp_cpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
     lines = [[r["system"], r.get("dtype") or "bfloat16", str(r["concurrency"]), f"{r['failed']}/{r['requests']}", pair(r, "ttft_ms_p50", "ttft_ms_p99"),
               pair(r, "handover_ms_p50", "handover_ms_p99"), pair(r, "kv_transfer_ms_p50", "kv_transfer_ms_p99"),
@@ -302,6 +314,7 @@ TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
     "e2e_cpu": e2e_cpu_table,
     "e2e_gpu": e2e_gpu_table,
     "faults": faults_table,
+    "faults_peers": faults_peers_table,
     "multiturn_cpu": multiturn_table,
     "proxy_relay": proxy_relay_table,
     "proxy_handover": proxy_handover_table,

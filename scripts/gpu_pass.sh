@@ -123,6 +123,10 @@ set -o pipefail
   start=$(date +%s)
   eval "$(bash "$GPU_BUILD/gpu-kit/install_bundle.sh" "$GPU_BUILD/gpu-bundle/bundle.sha")" || exit 1
   export PYTHONPATH="$ROOT:$PYTHONPATH" PYTHONUNBUFFERED=1
+  if compgen -G "$GPU_BUILD/gpu-kit/wheels/*.whl" >/dev/null; then  # vllm-router for the vllm-nixl system
+    [ -d "${SITE:-/tmp/site}/vllm_router" ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+      --target "${SITE:-/tmp/site}" "$GPU_BUILD"/gpu-kit/wheels/*.whl || exit 1
+  fi
   echo "[gpu_pass] installed in $(($(date +%s) - start))s"
   nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv
   [ -f /tmp/models/llama8b-shape/config.json ] || python3 "$GPU_BUILD/gpu-kit/make_models.py" /tmp/models || exit 1

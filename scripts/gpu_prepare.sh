@@ -4,6 +4,7 @@
 #   build/gpu-bundle/parts/p0..p4, bundle.sha  real vLLM 0.24 + lmcache 0.5.3 + nixl + the small wheels the GPU
 #                                              machine lacks (../shared/gpu/build_bundle.sh; ~3 min, cached)
 #   build/gpu-kit/                             the kit's installer and model maker and LMCache's PD proxy
+#   build/gpu-kit/wheels/                      vllm-router's abi3 wheel, orjson and setproctitle for Python 3.12
 #                                              (../shared/gpu, ../shared/anchor: beside the checkout, they do
 #                                              not travel to the device by themselves), and pytest-wheels/:
 #                                              pytest, pytest-timeout, pytest-xdist and what they need (cp312,
@@ -31,6 +32,12 @@ PYTEST_PINS=(pytest==9.2.0 pytest-timeout==2.4.0 pytest-xdist==3.8.0)  # the ver
 if ! compgen -G "$BUILD/gpu-kit/pytest-wheels/pytest_xdist-*.whl" >/dev/null; then
   "${PYTHON:-.venv/bin/python}" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 -d "$BUILD/gpu-kit/pytest-wheels" "${PYTEST_PINS[@]}"
+fi
+# vllm-router (bench/e2e_gpu.py's vllm-nixl) and the two packages it needs that the bundle lacks, for the GPU
+# machine's Python 3.12 (its aiohttp, fastapi and uvicorn come with vLLM); gpu_pass.sh installs them
+if ! compgen -G "$BUILD/gpu-kit/wheels/vllm_router-*.whl" >/dev/null; then
+  ${PIP:-.venv/bin/python -m pip} download --python-version 3.12 --only-binary=:all: --no-deps \
+    -d "$BUILD/gpu-kit/wheels" vllm-router==0.1.17 orjson setproctitle
 fi
 if [ "${1:-}" = "--src" ]; then  # this checkout's code as a carried folder (for a device tool that sends another checkout)
   dest=${2:-$BUILD}/${SRC_NAME:-gpu-src}

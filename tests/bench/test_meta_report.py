@@ -58,7 +58,7 @@ def test_report_tables_and_marked_blocks(report, tmp_path):
                         "--no-plots"]) == 0
     text = md.read_text()
     assert "old table" not in text
-    assert "| lmcache_p2p | c1 | 40.0 / 80.0 | 10.0 / 20.0 | 200 | 0/4 | yes | 1.000 |" in text
+    assert "| lmcache_p2p | c1 | 40.0 / 80.0 | - | - | 10.0 / 20.0 | 200 | 0/4 | yes | 1.000 | - |" in text
     assert "kept" in text and text.startswith("intro\n") and text.endswith("end\n")
     # rows ordered by load, then single, lmcache_p2p, lmcache-pd
     body = text.split("<!-- table:anchor_cpu -->\n")[1]
