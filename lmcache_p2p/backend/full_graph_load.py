@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
+ADAPTER_MODULE = "lmcache.integration.vllm.vllm_v1_adapter"  # LMCache's own vLLM adapter (vLLM's default)
 _INSTALLED_ATTR = "_lmcache_p2p_full_graph_load"
 _NOTED_ATTR = "_lmcache_p2p_full_graph_load_noted"  # on the adapter: the first such load was logged
 
@@ -71,13 +73,14 @@ def needs_context(adapter: Any, forward_context: Any) -> int:
 
 def install(adapter_cls: Any = None) -> Callable[[], None]:
     """Make LMCache's ``start_load_kv`` (default ``LMCacheConnectorV1Impl``'s) load a step's promised KV when vLLM
-    gives it no attention metadata; returns the undo. A no-op (and a no-op undo) when LMCache has no such adapter
-    or this is already installed."""
+    gives it no attention metadata; returns the undo. A no-op (and a no-op undo) when this is already installed,
+    or, by default, when no vLLM connector loaded LMCache's adapter in this process (it is loaded before the
+    engine, and so before any backend, in a vLLM worker; importing it elsewhere would only cost start-up time)."""
     if adapter_cls is None:
-        try:
-            from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl as adapter_cls
-        except ImportError:
-            logger.info("lmcache_p2p: no LMCacheConnectorV1Impl in this LMCache; its loads are left as they are")
+        adapter_cls = getattr(sys.modules.get(ADAPTER_MODULE), "LMCacheConnectorV1Impl", None)
+        if adapter_cls is None:
+            logger.info("lmcache_p2p: no vLLM connector loaded LMCache's adapter in this process; nothing to load "
+                        "on FULL CUDA graph steps")
             return lambda: None
     original = adapter_cls.__dict__.get("start_load_kv")
     if original is None or adapter_cls.__dict__.get(_INSTALLED_ATTR):

@@ -11,6 +11,7 @@ hold the prompt's KV after the call.
 from __future__ import annotations
 
 import logging
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -76,6 +77,8 @@ def kv_at(impl, slots: list[int]) -> list[list[float]]:
 
 @pytest.fixture
 def installed():
+    import lmcache.integration.vllm.vllm_v1_adapter  # noqa: F401 (a vLLM worker's connector loaded it)
+
     undo = full_graph_load.install()
     yield
     undo()
@@ -130,6 +133,16 @@ def test_the_load_context_is_the_forward_context_but_for_its_marker():
     assert wrapped.virtual_engine == 3
     with pytest.raises(AttributeError):
         NO_ATTENTION_METADATA.query_start_loc  # used beyond "exists": loud, not made up
+
+
+def test_without_lmcache_s_adapter_loaded_nothing_is_imported_or_installed(monkeypatch):
+    from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
+
+    before = LMCacheConnectorV1Impl.__dict__["start_load_kv"]
+    monkeypatch.delitem(sys.modules, full_graph_load.ADAPTER_MODULE)
+    full_graph_load.install()()
+    assert full_graph_load.ADAPTER_MODULE not in sys.modules
+    assert LMCacheConnectorV1Impl.__dict__["start_load_kv"] is before
 
 
 def test_install_is_once_and_undo_restores_lmcache_s_method():
