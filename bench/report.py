@@ -313,6 +313,7 @@ TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
     "anchor_cpu_quick": anchor_table,
     "e2e_cpu": e2e_cpu_table,
     "e2e_gpu": e2e_gpu_table,
+    "e2e_gpu_anchor": e2e_gpu_table,
     "faults": faults_table,
     "faults_peers": faults_peers_table,
     "multiturn_cpu": multiturn_table,
