@@ -41,6 +41,8 @@ Version history:
      not anyone; the proxy signs its Cancel with that name and refuses frames stamped before its
      start. A Cancel off a Hello connection must be signed by the receiver's proxy; a sender's
      Cancel drops only its own requests (``foreign``).
+  (4, additive) KvFailed carries a :class:`KvFailCause` (default ``unknown``: an older peer's KvFailed
+     decodes unchanged), so that the proxy fails over by what is known to be down.
 Framing under a shared secret (versioned with the protocol since 3): before 2, ``auth`` was the
   bare HMAC of the payload; 2 signed identity, nonce and timestamp too; 3 adds the recipient.
 """
@@ -71,6 +73,16 @@ class RefusalCode(str, enum.Enum):
     UNKNOWN_PEER = "unknown_peer"  # the sender must say Hello first (e.g. after a receiver restart)
     CLOSED = "closed"  # the receiver is shutting down
     FINISHED = "finished"  # the request already completed or failed here; start a new one
+
+
+class KvFailCause(str, enum.Enum):
+    """Why a request's KV will not reach its decoder, as far as the reporter knows (KvFailed)."""
+
+    UNKNOWN = "unknown"  # nothing more is known (an older peer, an internal error)
+    UNREACHABLE = "unreachable"  # the sender could not reach the decoder: no answer to Hello or Alloc, a failed write
+    REFUSED = "refused"  # the decoder refused the grant: its buffer stayed full, the KV is too large, it is closing
+    LOST = "lost"  # the decoder no longer holds the request's slots: it restarted, their lease expired, cancelled
+    SENDER = "sender"  # the prefiller's own store or send failed; the decoder is not known to be at fault
 
 
 # ---- data carried inside messages ---------------------------------------------------------------
@@ -251,6 +263,7 @@ class KvFailed(msgspec.Struct, tag="kv_failed", frozen=True):
     instance_id: str
     tp_rank: int
     reason: str
+    cause: KvFailCause = KvFailCause.UNKNOWN
 
 
 class KvSent(msgspec.Struct, tag="kv_sent", frozen=True):
