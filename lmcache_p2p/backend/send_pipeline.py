@@ -61,6 +61,21 @@ def _cancel_of_outlived_grant(peer: Peer, msg: protocol.Grant, requests: Iterabl
     return protocol.Cancel(next(seq), msg.req_id, "granted after the sender gave the request up")
 
 
+def _sent_report(req: Request, instance_id: str, tp_rank: int, tp_size: int) -> protocol.KvSent:
+    """The request's times for the proxy's timeline (its last write was just seen complete)."""
+    now = time.perf_counter()
+
+    def span(start: float, end: float) -> float:
+        return max(0.0, end - start) if start and end else 0.0
+
+    return protocol.KvSent(req.base, instance_id, tp_rank,
+                           store_s=req.last_stored_s - req.first_called_s, submit_s=req.submit_s,
+                           transfer_s=now - req.first_called_s, chunks=req.chunks_sent, nbytes=req.nbytes,
+                           pickup_s=span(req.first_called_s, req.picked_s),
+                           grant_s=span(req.alloc_s, req.granted_s), write_s=span(req.posted_s, now),
+                           tp_size=tp_size)
+
+
 class AllocPipeline:
     """Every in-flight request of one sender rank, from its first batch to KvSent or KvFailed."""
 
@@ -321,21 +336,7 @@ class AllocPipeline:
         self.bytes += req.nbytes
         logger.debug("request %s: %d bytes sent in %.1f ms", req.req_id, req.nbytes,
                      (time.monotonic() - req.started) * 1000)
-        self._report(self._sent_report(req))
-
-    def _sent_report(self, req: Request) -> protocol.KvSent:
-        """The request's times for the proxy's timeline (its last write was just seen complete)."""
-        now = time.perf_counter()
-
-        def span(start: float, end: float) -> float:
-            return max(0.0, end - start) if start and end else 0.0
-
-        return protocol.KvSent(req.base, self._instance_id, self._tp_rank,
-                               store_s=req.last_stored_s - req.first_called_s, submit_s=req.submit_s,
-                               transfer_s=now - req.first_called_s, chunks=req.chunks_sent, nbytes=req.nbytes,
-                               pickup_s=span(req.first_called_s, req.picked_s),
-                               grant_s=span(req.alloc_s, req.granted_s), write_s=span(req.posted_s, now),
-                               tp_size=self._tp_size)
+        self._report(_sent_report(req, self._instance_id, self._tp_rank, self._tp_size))
 
     def fail(self, req_id: str, reason: str, *, cancel: bool = True, expected: bool = False,
              cause: protocol.KvFailCause = protocol.KvFailCause.UNKNOWN) -> None:
