@@ -41,6 +41,8 @@ Version history:
      not anyone; the proxy signs its Cancel with that name and refuses frames stamped before its
      start. A Cancel off a Hello connection must be signed by the receiver's proxy; a sender's
      Cancel drops only its own requests (``foreign``).
+  (4, additive) KvFailed carries a :class:`KvFailCause` (default ``unknown``: an older peer's KvFailed
+     decodes unchanged), so that the proxy fails over by what is known to be down.
 Framing under a shared secret (versioned with the protocol since 3): before 2, ``auth`` was the
   bare HMAC of the payload; 2 signed identity, nonce and timestamp too; 3 adds the recipient.
 """
@@ -61,6 +63,7 @@ import msgspec
 
 from lmcache_p2p.errors import (AuthError, MisaddressedError, OversizedError, ProtocolError, ReplayError,
                                 StaleFrameError, VersionError)
+from lmcache_p2p.replay_cache import ReplayCache
 
 PROTOCOL_VERSION = 4
 
@@ -71,6 +74,16 @@ class RefusalCode(str, enum.Enum):
     UNKNOWN_PEER = "unknown_peer"  # the sender must say Hello first (e.g. after a receiver restart)
     CLOSED = "closed"  # the receiver is shutting down
     FINISHED = "finished"  # the request already completed or failed here; start a new one
+
+
+class KvFailCause(str, enum.Enum):
+    """Why a request's KV will not reach its decoder, as far as the reporter knows (KvFailed)."""
+
+    UNKNOWN = "unknown"  # nothing more is known (an older peer, an internal error)
+    UNREACHABLE = "unreachable"  # the sender could not reach the decoder: no answer to Hello or Alloc, a failed write
+    REFUSED = "refused"  # the decoder refused the grant: its buffer stayed full, the KV is too large, it is closing
+    LOST = "lost"  # the decoder no longer holds the request's slots: it restarted, their lease expired, cancelled
+    SENDER = "sender"  # the prefiller's own store or send failed; the decoder is not known to be at fault
 
 
 # ---- data carried inside messages ---------------------------------------------------------------
@@ -251,6 +264,7 @@ class KvFailed(msgspec.Struct, tag="kv_failed", frozen=True):
     instance_id: str
     tp_rank: int
     reason: str
+    cause: KvFailCause = KvFailCause.UNKNOWN
 
 
 class KvSent(msgspec.Struct, tag="kv_sent", frozen=True):
@@ -339,35 +353,6 @@ class Envelope:
     recipient: str = ANYONE  # the name the peer addressed it to (one of ours); "" without a shared secret
 
 
-class _ReplayCache:
-    """Nonces accepted within the window, bounded: evicting one raises a timestamp floor below which
-    every frame is refused, so a frame whose nonce was forgotten can never be accepted again."""
-
-    def __init__(self, max_entries: int) -> None:
-        self._max_entries = max_entries
-        self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # nonce -> stamp (ms)
-        self.floor_ms = 0
-
-    def check_and_add(self, nonce: bytes, stamp_ms: int, now_ms: int, window_ms: int) -> None:
-        if stamp_ms <= self.floor_ms:
-            raise StaleFrameError(f"control frame stamped {stamp_ms} ms is at or below the replay floor "
-                                  f"{self.floor_ms} ms (replay cache full: {self._max_entries} nonces)")
-        if nonce in self._seen:
-            raise ReplayError(f"control frame replayed: nonce {nonce.hex()} was already accepted within "
-                              f"the last {window_ms / 1000:.0f} s (p2p.auth_window_s)")
-        while self._seen:  # forget nonces whose frames are stale anyway
-            oldest, oldest_ms = next(iter(self._seen.items()))
-            if oldest_ms >= now_ms - window_ms and len(self._seen) < self._max_entries:
-                break
-            del self._seen[oldest]
-            if oldest_ms >= now_ms - window_ms:
-                self.floor_ms = max(self.floor_ms, oldest_ms)
-        self._seen[nonce] = stamp_ms
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-
 class Codec:
     """Frames messages as ``[auth, payload]``, checks them, and counts what it rejects.
 
@@ -390,7 +375,7 @@ class Codec:
         self.max_message_bytes = max_message_bytes
         self._clock = clock
         self._lock = threading.Lock()
-        self._replay = _ReplayCache(replay_cache_entries)
+        self._replay = ReplayCache(replay_cache_entries)
         self._start_ms = 0
         self._rejected: collections.Counter[Rejection] = collections.Counter()
 

@@ -128,7 +128,7 @@ class GrantTable:
             reason = (f"decoder buffer holds {self._pool.num_slots} chunks, request needs at least {total}: "
                       "raise p2p.buffer_size on the decoder")
             refusal = self.refuse(msg, protocol.RefusalCode.TOO_LARGE, reason, needed=total)
-            self._fail_locked(req, reason)
+            self._fail_locked(req, reason, cause=protocol.KvFailCause.REFUSED)
             return refusal
         try:
             slots = self._pool.reserve(msg.req_id, len(new), self._cfg.reserve_lease_s,
@@ -224,7 +224,8 @@ class GrantTable:
         with self.lock:
             req = self.requests.get(msg.req_id)
             if req is not None and (req.sender_id, req.writer) == (msg.sender_id, peer):
-                self._fail_locked(req, f"its write of slots {msg.slots} from {peer} did not land")
+                self._fail_locked(req, f"its write of slots {msg.slots} from {peer} did not land",
+                                  cause=protocol.KvFailCause.UNREACHABLE)
             self._counters.slots_confirmed += len(self._pool.confirm((peer, msg.req_id), msg.slots))
 
     def _ignore_written_locked(self, peer: str, msg: protocol.Written, why: str,
@@ -299,7 +300,8 @@ class GrantTable:
         for old in [r for r, until in self.cancelled.items() if until < now]:
             del self.cancelled[old]
 
-    def _fail_locked(self, req: _Request, reason: str, *, expected: bool = False) -> None:
+    def _fail_locked(self, req: _Request, reason: str, *, expected: bool = False,
+                     cause: protocol.KvFailCause = protocol.KvFailCause.LOST) -> None:
         """Free every slot of ``req`` that the engine does not hold, and report the failure once.
 
         Slots whose bytes had not landed are quarantined by the pool, not freed (a write may still land).
@@ -316,7 +318,7 @@ class GrantTable:
             logger.log(logging.INFO if expected else logging.ERROR, "request %s from %s dropped: %s",
                        req.req_id, req.sender_id, reason)
             self._reporter.send(protocol.KvFailed(req.req_id, self._reporter.instance_id, self._reporter.tp_rank,
-                                                  reason))
+                                                  reason, cause))
         if not self._pool.slots_of(req.req_id):
             self.requests.pop(req.req_id, None)
 

@@ -123,7 +123,7 @@ class PieceMerger:
             if base not in self._failed and base not in self._gone:
                 self._failed[base] = count
                 self._report(protocol.KvFailed(base, msg.instance_id, msg.tp_rank, f"share {index} of {count}: "
-                                                                                     f"{msg.reason}"))
+                                                                                     f"{msg.reason}", msg.cause))
             return
         if not isinstance(msg, protocol.KvReady) or base in self._failed or base in self._gone:
             return

@@ -61,6 +61,21 @@ def _cancel_of_outlived_grant(peer: Peer, msg: protocol.Grant, requests: Iterabl
     return protocol.Cancel(next(seq), msg.req_id, "granted after the sender gave the request up")
 
 
+def _sent_report(req: Request, instance_id: str, tp_rank: int, tp_size: int) -> protocol.KvSent:
+    """The request's times for the proxy's timeline (its last write was just seen complete)."""
+    now = time.perf_counter()
+
+    def span(start: float, end: float) -> float:
+        return max(0.0, end - start) if start and end else 0.0
+
+    return protocol.KvSent(req.base, instance_id, tp_rank,
+                           store_s=req.last_stored_s - req.first_called_s, submit_s=req.submit_s,
+                           transfer_s=now - req.first_called_s, chunks=req.chunks_sent, nbytes=req.nbytes,
+                           pickup_s=span(req.first_called_s, req.picked_s),
+                           grant_s=span(req.alloc_s, req.granted_s), write_s=span(req.posted_s, now),
+                           tp_size=tp_size)
+
+
 class AllocPipeline:
     """Every in-flight request of one sender rank, from its first batch to KvSent or KvFailed."""
 
@@ -153,16 +168,17 @@ class AllocPipeline:
         if isinstance(msg, protocol.Welcome):
             problem = self._peers.on_welcome(peer, msg)
             if problem:
-                self.fail_peer(peer, problem)
+                self.fail_peer(peer, problem, protocol.KvFailCause.REFUSED)
         elif isinstance(msg, protocol.Grant):
             self._on_grant(peer, msg)
         elif isinstance(msg, protocol.Refused):
             self._on_refused(peer, msg)
         elif isinstance(msg, protocol.ErrorReply):
             if msg.seq in self._by_seq:
-                self.fail(self._by_seq[msg.seq], f"receiver error: {msg.message}")
+                self.fail(self._by_seq[msg.seq], f"receiver error: {msg.message}", cause=protocol.KvFailCause.REFUSED)
             else:
-                self.fail_peer(peer, f"receiver {peer.target.endpoint} refused us: {msg.message}")
+                self.fail_peer(peer, f"receiver {peer.target.endpoint} refused us: {msg.message}",
+                               protocol.KvFailCause.REFUSED)
         # Ack needs nothing.
 
     def on_ready(self, peer: Peer) -> None:
@@ -188,7 +204,7 @@ class AllocPipeline:
         if problem:
             for c in batch.chunks:
                 c.done()  # nothing of this batch was written
-            self.fail(req.req_id, f"bad grant from {peer.target.endpoint}: {problem}")
+            self.fail(req.req_id, f"bad grant from {peer.target.endpoint}: {problem}", cause=protocol.KvFailCause.REFUSED)
             return
         to_write = [(c, s) for c, s in zip(batch.chunks, msg.slots) if s >= 0]
         for c, s in zip(batch.chunks, msg.slots):
@@ -200,7 +216,7 @@ class AllocPipeline:
         if to_write:
             failed = self._writes.write(self._peers.get(req.target), req, to_write, asked_at)
             if failed:
-                self.fail(req.req_id, failed)
+                self.fail(req.req_id, failed, cause=protocol.KvFailCause.UNREACHABLE)
         if req.req_id in self.requests:  # the write may have failed the request
             self.advance(req)
 
@@ -213,7 +229,7 @@ class AllocPipeline:
     def _progress_request_writes(self, req: Request) -> None:
         failed = self._writes.poll(req)
         if failed:
-            self.fail(req.req_id, failed)
+            self.fail(req.req_id, failed, cause=protocol.KvFailCause.UNREACHABLE)
         elif not req.writes:
             self.advance(req)
 
@@ -236,7 +252,8 @@ class AllocPipeline:
                       f"{msg.free_slots} of {msg.capacity_slots} slots free, {msg.needed_slots} needed")
         else:
             reason = f"refused by receiver ({msg.code.value}): {msg.reason}"
-        self.fail(req.req_id, reason, expected=msg.code is protocol.RefusalCode.FINISHED)
+        cause = protocol.KvFailCause.LOST if msg.code is protocol.RefusalCode.FINISHED else protocol.KvFailCause.REFUSED
+        self.fail(req.req_id, reason, expected=msg.code is protocol.RefusalCode.FINISHED, cause=cause)
 
     def receiver_restarted(self, peer: Peer, why: str) -> None:
         """The receiver forgot us (it restarted): greet it afresh; requests that lost chunks fail."""
@@ -245,7 +262,7 @@ class AllocPipeline:
         for req in [r for r in self.requests.values() if r.target == peer.target]:
             if req.granted_any or req.writes:
                 self.fail(req.req_id, f"receiver {peer.target.endpoint} restarted and lost this request's KV",
-                          cancel=False)
+                          cancel=False, cause=protocol.KvFailCause.LOST)
                 continue
             if req.alloc_seq is not None:
                 self._by_seq.pop(req.alloc_seq, None)
@@ -273,7 +290,7 @@ class AllocPipeline:
     def check_deadlines(self) -> None:
         now = time.monotonic()
         for peer, reason in self._peers.overdue(now):
-            self.fail_peer(peer, reason)
+            self.fail_peer(peer, reason, protocol.KvFailCause.UNREACHABLE)
         for req in list(self.requests.values()):
             if req.req_id in self.requests:  # an earlier one may have failed its whole peer
                 self.guarded(req.req_id, req.target.endpoint, "checking its deadlines",
@@ -284,17 +301,20 @@ class AllocPipeline:
         if req.alloc_seq is not None and peer is not None and self._silent(peer, req, now):
             # No reply to this Alloc and nothing else from the receiver since it left: it is gone.
             self.fail_peer(peer, f"receiver {req.target.endpoint} sent nothing for "
-                                 f"{now - req.alloc_sent_at:.1f}s after an allocation (p2p.alloc_timeout_s)")
+                                 f"{now - req.alloc_sent_at:.1f}s after an allocation (p2p.alloc_timeout_s)",
+                           protocol.KvFailCause.UNREACHABLE)
         elif req.alloc_deadline and now > req.alloc_deadline and (req.alloc_seq is not None or req.retry_at):
             # The receiver is alive but had no buffer credit for this request in time: it alone fails.
             self.fail(req.req_id, f"no buffer credit on {req.target.endpoint} within "
                                   f"{self._cfg.alloc_timeout_s:.1f}s (p2p.alloc_timeout_s)"
-                                  + (f"; last refusal: {req.refusal}" if req.refusal else ""))
+                                  + (f"; last refusal: {req.refusal}" if req.refusal else ""),
+                      cause=protocol.KvFailCause.REFUSED)
         elif req.retry_at is not None and now >= req.retry_at:
             self._retry_alloc(req, peer)
         elif not req.last_received and now > req.started + self._cfg.request_timeout_s:
             self.fail(req.req_id, f"its last store batch did not arrive within {self._cfg.request_timeout_s:.1f}s "
-                                  "of its first (p2p.request_timeout_s): the client left mid-prefill?")
+                                  "of its first (p2p.request_timeout_s): the client left mid-prefill?",
+                      cause=protocol.KvFailCause.SENDER)
 
     def _silent(self, peer: Peer, req: Request, now: float) -> bool:
         return now > req.alloc_sent_at + self._cfg.alloc_timeout_s and peer.last_heard < req.alloc_sent_at
@@ -316,23 +336,10 @@ class AllocPipeline:
         self.bytes += req.nbytes
         logger.debug("request %s: %d bytes sent in %.1f ms", req.req_id, req.nbytes,
                      (time.monotonic() - req.started) * 1000)
-        self._report(self._sent_report(req))
+        self._report(_sent_report(req, self._instance_id, self._tp_rank, self._tp_size))
 
-    def _sent_report(self, req: Request) -> protocol.KvSent:
-        """The request's times for the proxy's timeline (its last write was just seen complete)."""
-        now = time.perf_counter()
-
-        def span(start: float, end: float) -> float:
-            return max(0.0, end - start) if start and end else 0.0
-
-        return protocol.KvSent(req.base, self._instance_id, self._tp_rank,
-                               store_s=req.last_stored_s - req.first_called_s, submit_s=req.submit_s,
-                               transfer_s=now - req.first_called_s, chunks=req.chunks_sent, nbytes=req.nbytes,
-                               pickup_s=span(req.first_called_s, req.picked_s),
-                               grant_s=span(req.alloc_s, req.granted_s), write_s=span(req.posted_s, now),
-                               tp_size=self._tp_size)
-
-    def fail(self, req_id: str, reason: str, *, cancel: bool = True, expected: bool = False) -> None:
+    def fail(self, req_id: str, reason: str, *, cancel: bool = True, expected: bool = False,
+             cause: protocol.KvFailCause = protocol.KvFailCause.UNKNOWN) -> None:
         req = self.requests.pop(req_id, None)
         if req is None:
             return
@@ -348,14 +355,14 @@ class AllocPipeline:
         peer = self._peers.get(req.target)
         if cancel and peer is not None and peer.state is PeerState.READY:
             self._peers.send(peer, protocol.Cancel(next(self._seq), req.wire, reason))
-        self._report(protocol.KvFailed(req.base, self._instance_id, self._tp_rank, reason))
+        self._report(protocol.KvFailed(req.base, self._instance_id, self._tp_rank, reason, cause))
 
-    def fail_peer(self, peer: Peer, reason: str) -> None:
+    def fail_peer(self, peer: Peer, reason: str, cause: protocol.KvFailCause = protocol.KvFailCause.UNKNOWN) -> None:
         for req_id in [r.req_id for r in self.requests.values() if r.target == peer.target]:
-            self.fail(req_id, reason, cancel=False)
+            self.fail(req_id, reason, cancel=False, cause=cause)
         self._peers.drop(peer)
 
     def shutdown(self) -> None:
         """Fail every request: the prefiller is going away."""
         for req_id in list(self.requests):
-            self.fail(req_id, "prefiller is shutting down")
+            self.fail(req_id, "prefiller is shutting down", cause=protocol.KvFailCause.SENDER)

@@ -345,11 +345,12 @@ class SendService:
 
     def _fail(self, item: Inbound) -> None:
         if item.key in self._pipeline.requests:  # earlier batches went: cancel them on the receiver too
-            self._pipeline.fail(item.key, item.failure)
+            self._pipeline.fail(item.key, item.failure, cause=protocol.KvFailCause.SENDER)
         else:
             logger.error("request %s: %s", item.base_id or item.key, item.failure)
             self._pipeline.failed += 1
-            self._report(protocol.KvFailed(item.base_id or item.key, self.instance_id, self._tp_rank, item.failure))
+            self._report(protocol.KvFailed(item.base_id or item.key, self.instance_id, self._tp_rank, item.failure,
+                                           protocol.KvFailCause.SENDER))
 
     def _take_connected(self) -> None:
         with self._inbox_lock:
@@ -357,7 +358,7 @@ class SendService:
         for result in results:
             peer, problem = self._peers.on_connected(result)
             if problem:
-                self._pipeline.fail_peer(peer, problem)
+                self._pipeline.fail_peer(peer, problem, protocol.KvFailCause.UNREACHABLE)
             elif peer is not None:
                 self._pipeline.on_ready(peer)
 

@@ -79,6 +79,10 @@ class ProxySettings:
     policy: Policy = Policy.PREFIX
     on_kv_failure: KvFailurePolicy = KvFailurePolicy.RETRY
     kv_timeout_s: float = 10.0
+    # A KV wait this long without the KV probes the decoder's GET /health (again at this interval, each
+    # probe bounded by health_probe_timeout_s): a decoder the proxy cannot reach ends the wait at once and
+    # the request fails over. 0: never probe (only KvFailed, the registry and --kv-timeout-s end a wait).
+    kv_probe_after_s: float = 1.0
     instance_ttl_s: float = 10.0
     connect_timeout_s: float = 5.0
     # An upstream connection whose peer acknowledges nothing (TCP keepalive probes, data sent) this long
@@ -164,6 +168,8 @@ class ProxySettings:
                      "health_probe_timeout_s", "max_connect_failures"):
             if getattr(args, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')}", f"must be positive, got {getattr(args, name)}")
+        if args.kv_probe_after_s < 0:
+            raise ConfigError("--kv-probe-after-s", f"must be >= 0 (0 turns the probe off), got {args.kv_probe_after_s}")
         if args.admission_timeout_s < 0 or args.admission_queue_max < 0:
             raise ConfigError("--admission-timeout-s / --admission-queue-max",
                               f"must be >= 0 (0: never wait), got {args.admission_timeout_s} / "
@@ -190,6 +196,7 @@ class ProxySettings:
             policy=Policy(args.policy),
             on_kv_failure=KvFailurePolicy(args.on_kv_failure),
             kv_timeout_s=args.kv_timeout_s,
+            kv_probe_after_s=args.kv_probe_after_s,
             instance_ttl_s=args.instance_ttl_s,
             connect_timeout_s=args.connect_timeout_s,
             dead_peer_timeout_s=args.dead_peer_timeout_s,
@@ -371,6 +378,10 @@ _FLAGS: tuple[_Flag, ...] = (
           "on KV failure/timeout: retry once elsewhere then recompute, recompute, or fail (default %(default)s)"),
     _Flag("--kv-timeout-s", "kv_timeout_s",
           "longest wait for KV ready after the prefill answered (default %(default)s)"),
+    _Flag("--kv-probe-after-s", "kv_probe_after_s",
+          "probe the decoder's GET /health when its KV is not ready this long after the prefill answered, and "
+          "again at this interval: a decoder that does not answer ends the wait and the request fails over "
+          "(0: never; default %(default)s)"),
     _Flag("--instance-ttl-s", "instance_ttl_s",
           "forget an instance after this long without a heartbeat (default %(default)s)"),
     _Flag("--connect-timeout-s", "connect_timeout_s", "connect timeout of every upstream call (default %(default)s)"),

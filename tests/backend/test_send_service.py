@@ -770,3 +770,43 @@ def test_a_full_send_queue_refuses_with_the_setting_to_raise_and_releases_the_ba
         service.submit("req-1", receiver.target, third, last=True)
     assert refused.value.key == "p2p.send_queue_max_batches"
     assert sorted(chunks.released) == sorted(_keys(third)) and service.pending_requests() == 2
+
+
+# ---- what a KvFailed tells the proxy about the decoder (its cause: the proxy fails over by it) -----------
+
+
+def _silent_after_alloc(service: SendService, receiver: ScriptedReceiver, chunks: Chunks) -> None:
+    service.submit("req-1", receiver.target, chunks.make(1), last=True)
+    receiver.welcome()
+    receiver.recv(protocol.Alloc)  # never answered: the decoder fell off the network
+
+
+def _silent_at_hello(service: SendService, receiver: ScriptedReceiver, chunks: Chunks) -> None:
+    service.submit("req-1", receiver.target, chunks.make(1), last=True)
+    receiver.recv(protocol.Hello)  # never answered
+
+
+def _too_large(service: SendService, receiver: ScriptedReceiver, chunks: Chunks) -> None:
+    service.submit("req-1", receiver.target, chunks.make(1), last=True)
+    receiver.welcome()
+    alloc = receiver.recv(protocol.Alloc)
+    receiver.send(protocol.Refused(alloc.seq, alloc.req_id, protocol.RefusalCode.TOO_LARGE, "a chunk exceeds a slot"))
+
+
+def _store_failed(service: SendService, receiver: ScriptedReceiver, chunks: Chunks) -> None:
+    service.fail_request("req-1", [(receiver.target, "")], "a store's GPU work failed")
+
+
+@pytest.mark.parametrize("case, cause", [
+    (_silent_after_alloc, protocol.KvFailCause.UNREACHABLE),
+    (_silent_at_hello, protocol.KvFailCause.UNREACHABLE),
+    (_too_large, protocol.KvFailCause.REFUSED),
+    (_store_failed, protocol.KvFailCause.SENDER),
+])
+def test_kv_failed_says_what_is_known_about_the_decoder(make_service, receiver, chunks, proxy, case, cause) -> None:
+    service = make_service(proxy_url=proxy.url, heartbeat_interval_s=0.05, alloc_timeout_s=0.5,
+                           connect_timeout_s=0.5)
+    proxy.recv(protocol.Announce)
+    case(service, receiver, chunks)
+    failed = proxy.recv(protocol.KvFailed)
+    assert (failed.req_id, failed.cause) == ("req-1", cause), failed.reason

@@ -14,6 +14,10 @@ with requests in flight. Faults:
   right after the prefiller stored a long prompt's first chunks (KV on its way) / while streams it
   decodes are mid-way; the link stays down ``CUT_HOLD_S`` (beyond the proxy's instance TTL), then
   comes back.
+- ``requests_into_a_cut_decoder``: the victim's host loses its link for ``INTO_CUT_HOLD_S`` (below the
+  KV timeout), and requests are sent meanwhile: routed to it until the proxy learns it is down, each must
+  be served without waiting out ``--kv-timeout-s`` (its prefiller continues: its prefix cache holds the
+  prompt); the row's notes give the slowest (``into_cut_slowest_s``).
 - ``partition_proxy_decoder``: the proxy and the victim cannot reach each other (both directions
   dropped) while the prefiller still reaches it; ``partition_prefiller_decoder``: the reverse.
 - ``packet_loss_1pct``: 1 % of the packets between any two hosts dropped (TCP retransmits).
@@ -24,6 +28,7 @@ with requests in flight. Faults:
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
@@ -35,6 +40,8 @@ CUT_HOLD_S = 15.0  # beyond the suite's instance TTL (6 s) plus a heartbeat
 PARTITION_HOLD_S = 20.0
 RECOVERY_TIMEOUT_S = 120.0
 TAIL_CHUNKS = 4  # a tail prompt's KV (net_suite's fresh prompts: at most 1000 tokens, 256 per chunk)
+INTO_CUT_HOLD_S = 8.0
+KV_TIMEOUT_S = 10.0  # the proxy's --kv-timeout-s (its default; the suite's deployment keeps it)
 ROOM_TIMEOUT_S = 30.0  # beyond the suite's write window (transfer_timeout_s + quarantine_margin_s, 15 s)
 
 
@@ -136,6 +143,33 @@ def decoder_cut_mid_stream(s: Suite) -> Result:
                        "while it streams")
 
 
+def requests_into_a_cut_decoder(s: Suite) -> Result:
+    """The victim's link is cut, then requests are sent while it stays down; each must end well before the
+    KV timeout (the handover cannot happen: the proxy fails over as soon as it knows)."""
+    name = victim(s)
+    s.c.rig.cut(name)
+    cut_s = time.monotonic()
+
+    def back(_progress: dict) -> None:
+        time.sleep(max(0.0, cut_s + INTO_CUT_HOLD_S - time.monotonic()))
+        _back_and_timed(s, name, lambda: s.c.rig.restore(name))
+
+    try:
+        outcomes = s.load(cycle(s.w.mid, 4), 4, back)
+    finally:
+        s.c.rig.restore(name)  # idempotent: back() gave the link back unless the load failed first
+    into = [o.elapsed_s for o in outcomes if o.started_s < cut_s + INTO_CUT_HOLD_S]
+    notes = [f"{name}'s link cut {INTO_CUT_HOLD_S:.0f} s; sent into the cut: {len(into)} requests, "
+             f"slowest {max(into, default=0.0):.2f} s (--kv-timeout-s {KV_TIMEOUT_S:.0f} s)"]
+    return _finish(s, name, outcomes, notes)
+
+
+def into_cut_slowest_s(notes: str) -> float | None:
+    """The slowest request sent into the cut, from ``requests_into_a_cut_decoder``'s notes."""
+    m = re.search(r"sent into the cut: \d+ requests, slowest ([\d.]+) s", notes)
+    return float(m.group(1)) if m else None
+
+
 def _partitioned(a: str) -> Callable[[Suite], Result]:
     def run(s: Suite) -> Result:
         name = victim(s)
@@ -197,6 +231,7 @@ ALL = [
     Scenario("across_hosts", across_hosts, all_succeed=True),
     Scenario("decoder_cut_mid_transfer", decoder_cut_mid_transfer),
     Scenario("decoder_cut_mid_stream", decoder_cut_mid_stream),
+    Scenario("requests_into_a_cut_decoder", requests_into_a_cut_decoder),
     Scenario("partition_proxy_decoder", _partitioned("proxy")),
     Scenario("partition_prefiller_decoder", _partitioned("prefiller")),
     Scenario("packet_loss_1pct", _impaired(loss=0.01), all_succeed=True),

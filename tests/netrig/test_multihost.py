@@ -81,3 +81,17 @@ def test_decoder_host_cut_mid_stream_then_back(rig, deployment):
     assert row.wrong_outputs == 0, row
     assert row.leaked_slots == 0 and row.held_slots_after_settle == 0, row
     assert row.recovered, row
+
+
+def test_requests_sent_into_a_cut_decoder_do_not_wait_out_the_kv_timeout(rig, deployment):
+    """The handover cannot happen: the proxy fails over (the prefiller continues) as soon as it knows the
+    decoder is down, not after --kv-timeout-s."""
+    from mh_cluster import CLIENT
+    from net_scenarios import KV_TIMEOUT_S, into_cut_slowest_s
+
+    with rig.inside(CLIENT):
+        row = deployment.run_named("requests_into_a_cut_decoder")
+    assert row.hung == 0 and row.unclean_errors == 0 and row.wrong_outputs == 0, row
+    assert row.succeeded == row.requests, row
+    slowest = into_cut_slowest_s(row.notes)
+    assert slowest is not None and slowest < KV_TIMEOUT_S, row.notes

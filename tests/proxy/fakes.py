@@ -35,6 +35,7 @@ from lmcache_p2p.protocol import (
     Codec,
     Fingerprint,
     Goodbye,
+    KvFailCause,
     KvFailed,
     KvReady,
     dialled_name,
@@ -420,6 +421,7 @@ class FakeAgent:
         self.chunk_tokens = chunk_tokens
         self.fingerprint = fingerprint
         self.kv_mode = "ready"
+        self.kv_fail_cause = KvFailCause.UNKNOWN  # what a KvFailed says ("fail" mode)
         self.kv_delay_s = 0.0
         self.kv_chunks_held: int | None = None  # report KvReady's chunks_held / bytes_received (None: old peer)
         self.kv_requests: list[str] = []
@@ -466,7 +468,8 @@ class FakeAgent:
         if self.kv_delay_s:
             await asyncio.sleep(self.kv_delay_s)
         if self.kv_mode == "fail":
-            await self.send(KvFailed(req_id=req_id, instance_id=self.instance_id, tp_rank=0, reason="buffer full"))
+            await self.send(KvFailed(req_id=req_id, instance_id=self.instance_id, tp_rank=0, reason="buffer full",
+                                     cause=self.kv_fail_cause))
         elif self.kv_mode in ("ready", "one_rank"):
             ranks = range(self.tp_size) if self.kv_mode == "ready" else range(1)
             for rank in ranks:

@@ -32,6 +32,8 @@ class FlowSettings:
     """The knobs of one request's flow, as ``ProxySettings`` holds them (see there for defaults)."""
 
     kv_timeout_s: float
+    kv_probe_after_s: float  # 0: a KV wait never probes its decoder
+    health_probe_timeout_s: float
     prefill_timeout_s: float
     decode_idle_timeout_s: float
     on_kv_failure: KvFailurePolicy

@@ -14,7 +14,11 @@ ready, then name the decode on D and follow it (migration) until the request clo
 The waiter for "KV ready" is registered before the prefill is sent. On a KV failure or timeout
 (``--kv-timeout-s``) the policy decides: ``retry`` prefills once more (token ids, another pair
 when there is one) and then recomputes, ``recompute`` sends the decode at once (the decoder
-recomputes what it lacks), ``fail`` answers 502/504. Nothing waits without a deadline.
+recomputes what it lacks), ``fail`` answers 502/504. A handover that cannot happen ends its wait as
+soon as that is known (a KvFailed, the decoder taken out by the registry, or not answering its probe
+while the KV is overdue, ``--kv-probe-after-s``); a decoder known down or unreachable is then left
+out: the retry goes to another decoder, else the prefiller that computed the prompt continues the
+decode (``flow/handover.py``). Nothing waits without a deadline.
 
 The parts, each in its module: where the request runs and where it moves on a failure
 (``flow/placement.py``), the prefill attempts (``flow/prefill.py``), the KV handover (``flow/handover.py``), the
@@ -126,6 +130,12 @@ class Orchestrator:
         metrics.admission_waiting.set_function(lambda: len(self.admission))
         registry.on_forgotten.append(router.forget)  # its caches are gone with it
         registry.on_pending.append(router.forget)  # new, restarted, moved or down: caches may be gone
+        # A decoder forgotten, down, restarted or moved will not report the KV awaited there: those waits end now.
+        registry.on_forgotten.append(lambda inst: waiters.decoder_down(inst.instance_id, f"{inst.role_name} "
+                                                                       f"{inst.instance_id} was forgotten"))
+        registry.on_pending.append(lambda inst: waiters.decoder_down(inst.instance_id, f"{inst.role_name} "
+                                                                     f"{inst.instance_id} is out of rotation "
+                                                                     f"({inst.health.value})"))
         router.on_prefix_decision.append(lambda role, d: metrics.reuse.observe_decision(role.value, d.value))
         self.tokenizers = tokenizers or TokenizerProvider.fixed(None)
         self._open: set[RequestFlow] = set()  # closed at shutdown (their leases, their KV on decoders)

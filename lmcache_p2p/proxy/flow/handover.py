@@ -3,23 +3,36 @@ what follows a failure or timeout (``--on-kv-failure``), and how it ends: taken 
 reached the decoder (then cancelled once that decode produced output, freeing the slots the engine
 did not load), or abandoned and cancelled on every rank of the decoder (``handover/cancel.py``).
 
-It owns the attempts (a fresh ``req_id`` each) and their waiters. It must not choose instances or
-send prefills: a retry prefill is the caller's (``retry`` below), the decoder comes from the
-placement (``flow/placement.py``). Nothing here waits without a deadline (``--kv-timeout-s``).
+A handover that cannot happen ends its wait as soon as that is known, not at ``--kv-timeout-s``: a
+KvFailed (the prefiller could not reach the decoder, the decoder refused or lost the slots), the
+decoder taken out by the registry (``KvWaiters.decoder_down``), or the decoder's ``GET /health``
+unanswered while the KV is overdue (probed every ``--kv-probe-after-s``). When the decoder is known
+down or unreachable, the request fails over without it: ``retry`` prefills once more towards another
+decoder, and otherwise (or with ``recompute``) the prefiller that computed the prompt continues the
+decode (its prefix cache holds the prompt), else another instance computes it
+(``Placement.continue_without``). The KV timeout stays the bound of last resort.
+
+It owns the attempts (a fresh ``req_id`` each), their waiters and the probe of their decoder. It must
+not choose instances or send prefills: a retry prefill is the caller's (``retry`` below), the decoder
+comes from the placement (``flow/placement.py``). Nothing here waits without a deadline (``--kv-timeout-s``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
-from lmcache_p2p.proxy.errors import KvNotReady, ProxyError
+from lmcache_p2p.config import Role
+from lmcache_p2p.protocol import KvFailCause
+from lmcache_p2p.proxy.errors import KvNotReady, ProxyError, UpstreamError
 from lmcache_p2p.proxy.flow.context import RequestContext, Services
 from lmcache_p2p.proxy.flow.placement import Placement
-from lmcache_p2p.proxy.router.registry import Lease
+from lmcache_p2p.proxy.router.health import HEALTH_PATH
+from lmcache_p2p.proxy.router.registry import Instance, Lease
 from lmcache_p2p.proxy.settings import KvFailurePolicy
 from lmcache_p2p.proxy.http.shaping import kv_transfer_params
 from lmcache_p2p.proxy.handover.waiters import KvOutcome, KvStatus, KvWaiter
@@ -61,7 +74,7 @@ class KvHandover:
         decoder = lease.instance
         self.abandon("superseded by a new prefill")
         req_id = uuid.uuid4().hex
-        self._current = _Attempt(self._s.waiters.register(req_id, decoder.tp_size), lease)
+        self._current = _Attempt(self._s.waiters.register(req_id, decoder.tp_size, decoder.instance_id), lease)
         self._ctx.timeline.req_id, self._ctx.timeline.tp_size = req_id, decoder.tp_size
         return kv_transfer_params(req_id, decoder)
 
@@ -93,40 +106,71 @@ class KvHandover:
         if attempt.prefill_sent:
             self._s.canceller.cancel(attempt.decoder.instance, attempt.req_id, reason)
 
-    async def settle(self, retry: Callable[[], Awaitable[None]]) -> None:
+    async def settle(self, retry: Callable[[Collection[str]], Awaitable[None]]) -> None:
         """Wait for the KV; on a failure or timeout do what ``--on-kv-failure`` says (``retry``: prefill
-        once more, then recompute)."""
+        once more, then recompute), without the decoder when it is known down or unreachable (``retry``
+        avoids it, and the prefiller continues instead of it recomputing)."""
         if self._current is None:  # colocated: no KV comes
             return
+        decoder = self._current.decoder.instance
         outcome = await self._wait()
         if outcome.status is KvStatus.READY:
             return
         policy = self._s.settings.on_kv_failure
-        if policy is KvFailurePolicy.RECOMPUTE:
-            self._give_up(outcome, "the decoder recomputes")
-            return
         if policy is KvFailurePolicy.FAIL:
             self._give_up(outcome, "answering an error (--on-kv-failure=fail)")
             status = 504 if outcome.status is KvStatus.TIMEOUT else 502
             raise KvNotReady(f"KV for the request did not reach the decoder: {outcome.reason} "
                              "(--on-kv-failure=fail)", status_code=status)
-        self._give_up(outcome, "retrying the prefill once")
-        try:
-            await retry()
-        except ProxyError as exc:
-            logger.warning("request %s: the retry prefill failed (%s); the decoder recomputes", self._ctx.response_id,
-                           exc)
-            self.abandon(f"the retry prefill failed: {exc}")
+        out = self._out_of_reach(outcome, decoder)
+        if policy is KvFailurePolicy.RECOMPUTE:
+            self._give_up(outcome, f"{out}: the decode continues without it" if out else "the decoder recomputes")
+            self._continue_without(decoder, out)
             return
+        self._give_up(outcome, f"{out}: retrying the prefill once towards another decoder" if out
+                      else "retrying the prefill once")
+        try:
+            await retry((decoder.instance_id,) if out else ())
+        except ProxyError as exc:
+            logger.warning("request %s: the retry prefill failed (%s); %s", self._ctx.response_id, exc,
+                           "the decode continues without the decoder" if out else "the decoder recomputes")
+            self.abandon(f"the retry prefill failed: {exc}")
+            self._continue_without(decoder, out)
+            return
+        decoder = self._placement.lease().instance
         outcome = await self._wait()
         if outcome.status is not KvStatus.READY:
-            self._give_up(outcome, "the decoder recomputes")
+            out = self._out_of_reach(outcome, decoder)
+            self._give_up(outcome, f"{out}: the decode continues without it" if out else "the decoder recomputes")
+            self._continue_without(decoder, out)
+
+    def _out_of_reach(self, outcome: KvOutcome, decoder: Instance) -> str:
+        """Why the decode must not go to ``decoder`` after ``outcome`` ("" when it may: it recomputes)."""
+        if outcome.status is KvStatus.DECODER_DOWN:
+            return f"decoder {decoder.instance_id} is down"
+        if outcome.cause is KvFailCause.UNREACHABLE:
+            return f"the prefiller cannot reach decoder {decoder.instance_id}"
+        if all(d is not decoder for d in self._s.registry.routable(Role.RECEIVER)):
+            return f"decoder {decoder.instance_id} is out of rotation"
+        return ""
+
+    def _continue_without(self, decoder: Instance, why: str) -> None:
+        if why:
+            self._placement.continue_without(decoder, why)
 
     async def _wait(self) -> KvOutcome:
         if self._current is None:
             raise RuntimeError("no KV handover: prefill() first")
-        waiter = self._current.waiter
-        outcome = await waiter.wait(self._s.settings.kv_timeout_s)
+        attempt = self._current
+        waiter = attempt.waiter
+        probe = None
+        if self._s.settings.kv_probe_after_s > 0:
+            probe = asyncio.get_running_loop().create_task(self._probe(attempt), name=f"kv-probe-{waiter.req_id}")
+        try:
+            outcome = await waiter.wait(self._s.settings.kv_timeout_s)
+        finally:
+            if probe is not None:
+                probe.cancel()  # never awaited: it only sleeps or probes, and ends at its next step
         self._placement.lease().settle()
         m = self._s.metrics
         m.kv_outcomes.labels(outcome.status.value).inc()
@@ -136,6 +180,27 @@ class KvHandover:
             self._ctx.timeline.kv_ready_s = waiter.ready_at_s
         self.outcome = outcome
         return outcome
+
+    async def _probe(self, attempt: _Attempt) -> None:
+        """While the KV is overdue, probe its decoder every ``--kv-probe-after-s``: one that does not answer
+        ends the wait (DECODER_DOWN) and counts towards taking it out of rotation."""
+        s = self._s
+        decoder = attempt.decoder.instance
+        while True:
+            await asyncio.sleep(s.settings.kv_probe_after_s)
+            try:
+                status = await s.upstream.get_status(decoder.http_url, HEALTH_PATH,
+                                                     timeout_s=s.settings.health_probe_timeout_s)
+            except UpstreamError as exc:
+                problem = str(exc)
+            else:
+                if status == 200:
+                    continue
+                problem = f"GET {decoder.http_url}{HEALTH_PATH} answered {status}"
+            s.registry.note_connect_failure(decoder)
+            attempt.waiter.on_down(f"decoder {decoder.instance_id} did not answer while its KV was overdue "
+                                   f"(--kv-probe-after-s): {problem}")
+            return
 
     def _give_up(self, outcome: KvOutcome, action: str) -> None:
         attempt = self._current

@@ -36,6 +36,7 @@ class Placement:
         self._ctx = ctx
         self._lease: Lease | None = None  # the instance that decodes (colocated: serves the whole request)
         self._tried: set[str] = set()
+        self.prefilled_on: Instance | None = None  # the prefiller whose prefill answered last: it holds the prompt
 
     @property
     def tried(self) -> frozenset[str]:
@@ -74,11 +75,15 @@ class Placement:
             raise CannotAdmit(ColocatedReason.TOO_LARGE, str(no_capacity(decoders, cost.prompt_tokens)))
         return None
 
-    def lease_decoder(self, cost: RequestCost) -> Instance:
-        """A pairable untried decoder with credit now, leased (no waiting: a retry); raises when none."""
+    def lease_decoder(self, cost: RequestCost, avoid: Collection[str] = ()) -> Instance:
+        """A pairable untried decoder with credit now, leased (no waiting: a retry), never one of ``avoid``;
+        raises when none."""
         decoders, reason = self.pairable()
         if reason is not None:
             raise NoInstanceAvailable(f"no decoder to pair with a prefiller ({reason.value})")
+        decoders = [d for d in decoders if d.instance_id not in avoid]
+        if not decoders:
+            raise NoInstanceAvailable(f"no decoder to pair with a prefiller but {', '.join(sorted(avoid))}")
         decoder = self._s.router.pick_decoder(decoders, cost, set(self._tried), prefix=self._ctx.prefix)
         self.hold(decoder, cost.decode_tokens, chunks_needed(cost.prompt_tokens, decoder.chunk_tokens))
         return decoder
@@ -102,6 +107,11 @@ class Placement:
                                                   prefix=self._ctx.prefix)
         self._tried.add(prefiller.instance_id)
         return prefiller
+
+    def prefiller_again(self, decoder: Instance) -> Instance | None:
+        """The prefiller that holds the prompt (``prefilled_on``), when it is routable and may send to ``decoder``."""
+        held = self.prefilled_on
+        return held if held is not None and any(p is held for p in self.compatible_prefillers(decoder)) else None
 
     def untried_prefiller(self, decoder: Instance) -> Instance | None:
         untried = [p for p in self.compatible_prefillers(decoder) if p.instance_id not in self._tried]
@@ -173,6 +183,33 @@ class Placement:
         s.metrics.failovers.labels("migrate").inc()
         logger.info("request %s: decoding continues on %s %s (it recomputes the prompt)", ctx.response_id,
                     target.role_name, target.instance_id)
+
+    def continue_without(self, down: Instance, why: str) -> None:
+        """The decode must not go to ``down``, the leased decoder (``why``: known down, or its prefiller cannot
+        reach it): lease the prefiller that computed the prompt (its prefix cache holds it), else another
+        routable decoder, else another prefiller (either computes the prompt). When none is routable the lease
+        stays: the decode's own failover (``next_decoder``) then applies."""
+        if self._lease is None or self._lease.instance is not down:
+            return
+        s, ctx = self._s, self._ctx
+        cost = RequestCost(len(ctx.prompt_ids), ctx.req.output_tokens_estimate)
+        prefillers = [p for p in s.registry.routable(Role.SENDER) if p is not down]
+        target = next((p for p in prefillers if p is self.prefilled_on), None)
+        if target is None:
+            decoders = [d for d in s.registry.routable(Role.RECEIVER) if d is not down]
+            if decoders:
+                target = s.router.pick_decoder(decoders, cost, exclude=(), needs_kv=False)
+            elif prefillers:
+                target = s.router.pick_prefiller(prefillers)
+        if target is None:
+            logger.warning("request %s: %s, and no other instance is routable: the decode goes to it anyway",
+                           ctx.response_id, why)
+            return
+        self.hold(target, cost.decode_tokens, chunks=0)
+        s.metrics.failovers.labels("handover").inc()
+        logger.info("request %s: %s; decoding on %s %s instead%s", ctx.response_id, why, target.role_name,
+                    target.instance_id, " (its prefix cache holds the prompt)" if target is self.prefilled_on
+                    else " (it computes the prompt)")
 
     def connect_failed(self, inst: Instance, exc: UpstreamUnreachable) -> None:
         """A connection to ``inst`` failed or broke: it counts towards taking ``inst`` out of rotation."""

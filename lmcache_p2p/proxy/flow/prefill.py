@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from lmcache_p2p.config import Role
@@ -65,12 +65,15 @@ class PrefillAttempts:
             return await self._alone(cost)
         return await self._routed(cost)
 
-    async def retry(self) -> None:
-        """The KV failed: prefill once more (token ids), on another pair when there is one."""
+    async def retry(self, avoid: Collection[str] = ()) -> None:
+        """The KV failed: prefill once more (token ids), on another pair when there is one. ``avoid``: decoders
+        known down or unreachable, never used; the retry then goes to the prefiller that holds the prompt (its
+        prefix cache) when it can, so that its KV is sent again rather than computed again."""
         ctx = self._ctx
         cost = RequestCost(len(ctx.prompt_ids), ctx.req.output_tokens_estimate)
-        decoder = self._placement.lease_decoder(cost)
-        prefiller = self._placement.pick_prefiller(decoder, exclude=self._placement.tried)
+        decoder = self._placement.lease_decoder(cost, avoid)
+        prefiller = self._placement.prefiller_again(decoder) if avoid else None
+        prefiller = prefiller or self._placement.pick_prefiller(decoder, exclude=self._placement.tried)
         try:
             await self._send(prefiller, Endpoint.COMPLETIONS.value,
                              lambda kv: retry_prefill_body(ctx.req, ctx.prompt_ids, kv), cost.prompt_tokens)
@@ -212,10 +215,12 @@ class PrefillAttempts:
         body = build(self._handover.begin())
         logger.debug("prefill %s on %s, KV to %s", self._ctx.timeline.req_id, prefiller.http_url, decoder.instance_id)
         try:
-            return await self._post_prefill(prefiller, path, body, prompt_tokens, decoder)
+            answered = await self._post_prefill(prefiller, path, body, prompt_tokens, decoder)
         except UpstreamConnectError:
             self._handover.not_sent()
             raise
+        self._placement.prefilled_on = answered[0]
+        return answered
 
     async def _post_prefill(self, prefiller: Instance, path: str, body: dict[str, Any], prompt_tokens: int,
                             decoder: Instance) -> tuple[Instance, dict[str, Any]]:

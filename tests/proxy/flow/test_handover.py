@@ -11,13 +11,15 @@ from typing import Any
 
 import pytest
 
+from lmcache_p2p.protocol import KvFailCause
 from lmcache_p2p.proxy.relay.link import CoordinatorLink
 from lmcache_p2p.proxy.relay.tokenizers import Tokenizers
 from lmcache_p2p.proxy.relay.worker import WorkerApp
 from lmcache_p2p.proxy.upstream import Upstream
 
 from ..conftest import eventually, make_cluster
-from ..fakes import MODEL, PROMPT, expected_text, tokenize
+from ..fakes import MODEL, PROMPT, FakeAgent, expected_text, generate, tokenize
+from .test_flow import assert_idle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -128,3 +130,108 @@ async def test_a_relayed_request_takes_three_calls_on_the_coordinator_and_is_cou
         assert c.metric("lmcache_p2p_proxy_requests_total", endpoint="/v1/completions", status="200") == n
         assert c.metric("lmcache_p2p_proxy_requests_total", endpoint="/v1/completions", status="400") == 1
         assert len(c.proxy.coordinator) == 0
+
+
+# ---- a handover that cannot happen fails over without waiting out --kv-timeout-s -------------------------
+# The KV timeout is 60 s and the client's 10 s: a failover that waits for the timeout fails the test.
+
+FAILOVER = dict(kv_timeout_s=60.0)
+N = 6
+
+
+def _decodes(node) -> list[dict[str, Any]]:
+    """The decode requests an instance got (not prefills: those carry kv_transfer_params)."""
+    return [b for b in node.vllm.calls("/v1/completions") if "kv_transfer_params" not in b]
+
+
+def _continued_on_the_prefiller(c, prefiller) -> None:
+    ids = tokenize(PROMPT)
+    decode, = _decodes(prefiller)
+    assert decode["prompt"] == ids + generate(ids, 1) and decode["max_tokens"] == N - 1
+    assert c.metric("lmcache_p2p_proxy_failovers_total", phase="handover") == 1
+
+
+@pytest.mark.timeout(20)
+async def test_a_decoder_its_prefiller_cannot_reach_leaves_the_decode_to_the_prefiller_at_once():
+    async with make_cluster(**FAILOVER) as c:
+        decoder = c.decoders[0]
+        decoder.agent.kv_mode, decoder.agent.kv_fail_cause = "fail", KvFailCause.UNREACHABLE
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": N})
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), N)
+        assert not decoder.vllm.calls("/v1/completions")  # neither retried towards it nor recomputed on it
+        assert len(c.prefillers[0].vllm.calls("/v1/completions")) == 2  # one prefill, then the decode
+        _continued_on_the_prefiller(c, c.prefillers[0])
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="failed") == 1
+        assert_idle(c)
+
+
+@pytest.mark.timeout(20)
+async def test_a_decoder_its_prefiller_cannot_reach_is_replaced_by_another_fed_from_the_same_prefiller():
+    async with make_cluster(n_prefill=2, n_decode=2, **FAILOVER) as c:
+        cut: list[FakeAgent] = []
+
+        async def deliver(spec):  # the first decoder the KV goes to is cut off from the prefillers
+            agent = next(n.agent for n in c.decoders if n.agent.control_port(0) == spec["receiver_alloc_port"][0])
+            if not cut:
+                cut.append(agent)
+                agent.kv_mode, agent.kv_fail_cause = "fail", KvFailCause.UNREACHABLE
+            await c.network.deliver(spec)
+
+        for node in c.prefillers:
+            node.vllm.kv_sink = deliver
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": N})
+        assert resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), N)
+        prefilled = [n for n in c.prefillers if n.vllm.calls("/v1/completions")]
+        assert len(prefilled) == 1 and len(prefilled[0].vllm.calls("/v1/completions")) == 2  # its prefix cache: again
+        retry = prefilled[0].vllm.calls("/v1/completions")[1]
+        assert retry["prompt"] == tokenize(PROMPT) and retry["max_tokens"] == 1
+        decoded_on = [n.agent for n in c.decoders if n.vllm.calls("/v1/completions")]
+        assert len(decoded_on) == 1 and decoded_on[0] is not cut[0]
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 1
+        assert_idle(c)
+
+
+@pytest.mark.timeout(20)
+async def test_a_decoder_taken_out_of_rotation_mid_wait_ends_the_wait_and_the_prefiller_continues():
+    async with make_cluster(kv_probe_after_s=0, **FAILOVER) as c:  # only the registry says it is down
+        decoder = c.decoders[0]
+        decoder.agent.kv_mode = "silent"
+        inst, = [i for i in c.proxy.registry.instances() if i.instance_id == decoder.agent.instance_id]
+        request = asyncio.ensure_future(c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": N}))
+        await eventually(lambda: decoder.agent.kv_requests)  # the prefill ran: its KV is awaited
+        for _ in range(c.proxy.settings.max_connect_failures):  # the proxy's connections to it failed
+            c.proxy.registry.note_connect_failure(inst)
+        resp = await request
+        assert resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), N)
+        assert not decoder.vllm.calls("/v1/completions")
+        _continued_on_the_prefiller(c, c.prefillers[0])
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="decoder_down") == 1
+        assert_idle(c)
+
+
+@pytest.mark.timeout(20)
+async def test_a_decoder_that_does_not_answer_while_its_kv_is_overdue_is_left_for_the_prefiller():
+    async with make_cluster(kv_probe_after_s=0.1, **FAILOVER) as c:
+        decoder = c.decoders[0]
+        decoder.agent.kv_mode = "silent"
+        await decoder.vllm.server.stop()  # gone; the registry does not know yet
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": N})
+        assert resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), N)
+        _continued_on_the_prefiller(c, c.prefillers[0])
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="decoder_down") == 1
+        assert_idle(c)
+
+
+async def test_with_nothing_known_the_kv_timeout_still_bounds_the_wait_and_a_healthy_decoder_recomputes():
+    async with make_cluster(kv_timeout_s=0.5, kv_probe_after_s=0.05, on_kv_failure="recompute") as c:
+        decoder = c.decoders[0]
+        decoder.agent.kv_mode = "silent"  # it answers its probes: nothing says it is down
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": N})
+        assert resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), N)
+        ids = tokenize(PROMPT)
+        decode, = decoder.vllm.calls("/v1/completions")
+        assert decode["prompt"] == ids + generate(ids, 1)
+        assert not _decodes(c.prefillers[0])
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="timeout") == 1
+        assert c.metric("lmcache_p2p_proxy_failovers_total", phase="handover") == 0
+        assert_idle(c)
