@@ -305,6 +305,16 @@ def multihost_rtt_table(data: Mapping[str, Any]) -> str:
                       f"{r.get('pd_failed')} / {r.get('single_failed')}"] for r in rows])
 
 
+def routers_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    return markdown(["router", "backend", "concurrency", "requests", "TTFT p50 / p99 ms", "handover mean ms",
+                     "handover p50 / p99 ms", "failed", "= single", "KV hit", "full hits", "decoder waits"],
+                    [[r["router"], r["backend"], str(r["concurrency"]), str(r["requests"]),
+                      pair(r, "ttft_ms_p50", "ttft_ms_p99"), cell(r.get("handover_ms_mean")),
+                      pair(r, "handover_ms_p50", "handover_ms_p99"), str(r["failed"]),
+                      "yes" if r.get("outputs_equal") else "NO", cell(r.get("kv_hit_ratio"), 2),
+                      f"{r.get('kv_full_hits')}/{r.get('kv_lookups')}", str(r.get("decoder_waits"))] for r in rows])
+
+
 TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
     "tp_engine": tp_engine_table,
     "e2e_gpu_long": e2e_gpu_long_table,
@@ -314,6 +324,7 @@ TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
     "e2e_cpu": e2e_cpu_table,
     "e2e_gpu": e2e_gpu_table,
     "e2e_gpu_anchor": e2e_gpu_table,
+    "routers_cpu": routers_table,
     "faults": faults_table,
     "faults_peers": faults_peers_table,
     "multiturn_cpu": multiturn_table,
