@@ -57,6 +57,8 @@ class DecodeSession:
             self.output_ids.clear()
         else:
             self._held.observe(Delta(first_text, list(self.output_ids), None, None, None))
+        if target.replays:  # the decoder generates the first token again (its prompt is the prefill's)
+            self._replay = Replay(self.output_ids[-target.replays:], first_text)
         while True:
             try:
                 async for delta in self._stream(target):

@@ -49,6 +49,7 @@ class Target(msgspec.Struct, frozen=True):
 
     url: str
     body: dict[str, Any] | msgspec.Raw  # the decode request's JSON body; a relay worker's: the bytes as sent
+    replays: int = 0  # the client's last output tokens this decode generates again (dropped from its stream)
 
 
 class Count(msgspec.Struct, frozen=True):
