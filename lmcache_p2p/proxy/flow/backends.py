@@ -70,7 +70,7 @@ class KvAttempt(abc.ABC):
 
     @property
     def ready_at_s(self) -> float | None:
-        """When the KV became ready, as the decoder's notices stamped it (None: when the wait ended)."""
+        """When the KV became ready, as the decoder's notices stamped it (None: with the prefill's answer)."""
         return None
 
     def answered(self, answer: dict[str, Any]) -> None:

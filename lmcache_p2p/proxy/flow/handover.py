@@ -157,8 +157,9 @@ class KvHandover:
         m.observe_kv_wait(outcome.wait_s)
         if outcome.status is KvStatus.READY:
             m.kv_bytes.inc(outcome.nbytes)
-            ready_at_s = attempt.ready_at_s
-            self._ctx.timeline.kv_ready_s = ready_at_s if ready_at_s is not None else self._s.clock()
+            ready_at_s = attempt.ready_at_s  # None: ready with the prefill's answer (the decoder pulls it)
+            timeline = self._ctx.timeline
+            timeline.kv_ready_s = ready_at_s if ready_at_s is not None else timeline.prefill_answered_s
         self.outcome = outcome
         return outcome
 

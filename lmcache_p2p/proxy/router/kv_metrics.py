@@ -38,6 +38,7 @@ METRICS_PATH = "/metrics"
 USAGE_METRIC = "vllm:kv_cache_usage_perc"
 CACHE_INFO_METRIC = "vllm:cache_config_info"
 _CLOSE_TIMEOUT_S = 2.0
+_ROUNDING = 1e-6  # vLLM's usage is free/total as a float: 1 - 0.9 of 10 blocks is 1 block, not 0.999...
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -73,7 +74,7 @@ def parse_kv_capacity(text: str) -> KvCapacity | None:
     if not usages or blocks <= 0 or block_tokens <= 0:
         return None
     usage = min(1.0, max(0.0, sum(usages) / len(usages)))
-    return KvCapacity(blocks, math.floor((1.0 - usage) * blocks), block_tokens)
+    return KvCapacity(blocks, math.floor((1.0 - usage) * blocks + _ROUNDING), block_tokens)
 
 
 class KvMetricsPoller:
