@@ -58,7 +58,7 @@ class DecodeSession:
         else:
             self._held.observe(Delta(first_text, list(self.output_ids), None, None, None))
         if target.replays:  # the decoder generates the first token again (its prompt is the prefill's)
-            self._replay = Replay(self.output_ids[-target.replays:], first_text)
+            self._replay = Replay(self.output_ids[-target.replays:], first_text if self._text is None else None)
         while True:
             try:
                 async for delta in self._stream(target):

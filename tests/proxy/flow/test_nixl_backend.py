@@ -12,7 +12,7 @@ import pytest
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.flow.backends import NIXL_PREFILL_PARAMS
 
-from ..conftest import Cluster, eventually, make_cluster
+from ..conftest import Cluster, eventually, make_cluster, tokenizer_dir  # noqa: F401 (a fixture)
 from ..fakes import MODEL, PROMPT, generate, token_text, tokenize
 from ..nixl_fakes import FakeNixlVllm, NixlNetwork
 
@@ -25,6 +25,8 @@ NIXL = "vllm-nixl"
 async def add_nixl(c: Cluster, network: NixlNetwork, role: str, *, wait: bool = True) -> FakeNixlVllm:
     """A fake NixlConnector instance, registered with the proxy by URL (``POST /instances/register``)."""
     vllm = FakeNixlVllm(f"nixl-{role}-{next(_side_channel_ports)}", network, next(_side_channel_ports))
+    if c.encode is not None:
+        vllm.encode = c.encode
     await vllm.server.start()
     resp = await c.post("/instances/register", {"role": role, "url": vllm.url, "backend": NIXL})
     assert resp.status_code == 200, resp.text
@@ -176,6 +178,39 @@ async def test_a_decoder_that_dies_mid_stream_continues_on_another_after_a_prefi
         assert c.metric("lmcache_p2p_proxy_failovers_total", phase="migrate") == 1
         parts = (await c.client.get("/stats")).json()["recent_decodes"][0]["parts"]
         assert [part["from_token"] for part in parts] == [1, k]
+    finally:
+        await _close(cm, c)
+
+
+async def test_with_the_proxys_tokenizer_the_first_token_is_dropped_once_and_a_migration_rewinds_nothing(
+        tokenizer_dir):
+    path, hf = tokenizer_dir
+    cm, c, network, (p,), decoders = await nixl_cluster(n_decode=2, tokenizer=str(path))
+    try:
+        await eventually(lambda: c.proxy.orchestrator.tokenizers.settled)
+        cycle = hf.encode(" the sea is wide", add_special_tokens=False)
+
+        def model(ids: list[int]) -> int:  # ASCII text, so that every token's text is whole
+            return cycle[(cycle.index(ids[-1]) + 1) % len(cycle)] if ids[-1] in cycle else cycle[0]
+
+        for fake in (p, *decoders):
+            fake.model, fake.text_of = model, hf.decode
+        network.die_first_stream_after = 4
+        n = 12
+        events = await c.stream("/v1/completions", {**BODY, "max_tokens": n, "stream": True})
+        ids = hf.encode(PROMPT)
+        tokens: list[int] = []
+        while len(tokens) < n:
+            tokens.append(model(ids + tokens))
+        assert client_tokens(events) == tokens and client_text(events) == hf.decode(tokens)
+        first, second = p.calls("/v1/completions")
+        assert first["prompt"] == ids  # the proxy's ids
+        # the client had the first token and three more the dying decoder sent after its replayed first one
+        assert second["prompt"] == ids + tokens[:4]
+        alive = next(d for d in decoders if d.die_after is None)
+        decode, = alive.calls("/v1/completions")
+        assert decode["prompt"] == ids + tokens[:4] and decode["max_tokens"] == n - 4
+        assert "stop" not in decode
     finally:
         await _close(cm, c)
 
