@@ -24,6 +24,12 @@ text and what it teaches the router and the metrics (``flow/output.py``), the re
 drives (``flow/steps.py``): in this process the client side calls these methods; a relay worker's
 steps arrive through the coordinator (``relay/host.py``), which calls the same methods.
 
+The pair's KV backend (ours, or vLLM's own NixlConnector) changes only what ``flow/backends.py`` says: how
+the prefill asks for the KV and what its answer hands over (a KvReady wait, or the prefiller's pull
+parameters), what the decode carries (prompt + first token, or the prefill's prompt with those parameters,
+its first token generated again and dropped), how long the decoder holds the KV's credit, and how a broken
+decode continues (recomputed, or a prefill of prompt + output that the next decoder pulls).
+
 Routing (``router/routing.py`` has the policy): a disaggregated request first waits in the admission
 queue (``router/admission.py``) for buffer credit on a decoder whose KV fingerprint matches a prefiller's,
 then prefills on a compatible prefiller. When that is not possible the request is served colocated
