@@ -129,8 +129,8 @@ def complete(url: str, model: str, prompt: str, *, stream: bool = False, max_tok
         resp = httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
         assert resp.status_code == 200, resp.text
         return resp.json()["choices"][0]["token_ids"]
-    return [t for event in stream_events(url, body) for t in event["choices"][0].get("token_ids") or ()
-            if event.get("choices")]
+    return [t for event in stream_events(url, body) if event.get("choices")
+            for t in event["choices"][0].get("token_ids") or ()]
 
 
 def stream_events(url: str, body: dict, on_event=lambda event: None) -> list[dict]:
@@ -209,16 +209,26 @@ def test_a_prefiller_killed_with_a_prefill_in_hand_is_retried(deployment):
     d, model = deployment, deployment.model
     reference = complete(_url(next(c for n, c in d.children.items() if n.startswith("decoder") and
                                    c.exited() is None)), model, PROMPTS[0])
-    prefillers = sorted((i for i in d.instances() if i["role"] == "sender" and i["routable"]),
-                        key=lambda i: i["instance_id"])
-    victim = d.name_of(prefillers[0]["http_url"])  # least loaded, first by id: the next prefill goes there
-    d.signal(victim, signal.SIGSTOP)
+    prefillers = [n for n in d.children if n.startswith("prefiller")]
+    for name in prefillers:  # whichever the prefill goes to holds it without answering
+        d.signal(name, signal.SIGSTOP)
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(ids=complete(d.url, model, PROMPTS[0], stream=True)))
-    thread.start()
-    time.sleep(1.0)  # the prefill reached the stopped prefiller and waits there
-    assert thread.is_alive()
-    d.signal(victim, signal.SIGKILL)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 10.0
+        while not (busy := [i for i in d.instances() if i["role"] == "sender" and i["inflight_requests"] > 0]):
+            assert time.monotonic() < deadline, d.instances()
+            time.sleep(0.05)
+        victim = d.name_of(busy[0]["http_url"])
+        for name in prefillers:
+            if name != victim:
+                d.signal(name, signal.SIGCONT)
+        d.signal(victim, signal.SIGKILL)  # it dies with the prefill in hand
+    finally:
+        for name in prefillers:
+            if d.children[name].exited() is None:
+                d.signal(name, signal.SIGCONT)
     thread.join(REQUEST_TIMEOUT_S)
     assert result.get("ids") == reference
     proxy_metrics = httpx.get(f"{d.url}/metrics", timeout=10).text

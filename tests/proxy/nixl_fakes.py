@@ -79,9 +79,6 @@ class FakeNixlVllm(FakeVllm):
         self.metrics_status = 200
         self.server._app.router.routes.append(Route("/metrics", self._metrics, methods=["GET"]))
 
-    def kv_params_of(self, path: str) -> list[dict[str, Any] | None]:
-        return [body.get("kv_transfer_params") for body in self.calls(path)]
-
     async def _completions(self, request: Request) -> Any:
         body = await request.json()
         params = body.get("kv_transfer_params") or {}
