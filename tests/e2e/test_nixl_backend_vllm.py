@@ -196,9 +196,16 @@ def test_a_decoder_killed_mid_stream_continues_on_the_other(deployment):
 
     body = {"model": model, "prompt": prompt, "max_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "stream": True}
+    decoders, prefillers = ("decoder-0", "decoder-1"), ("prefiller-0", "prefiller-1")
+    hits = {n: _metric(d.metrics(n), "vllm:external_prefix_cache_hits_total") for n in decoders}
+    prefills = sum(_metric(d.metrics(n), "vllm:request_success_total") for n in prefillers)
     stream_events(d.url, body, kill_the_decoder)
     assert killed, "the stream ended before a decoder could be killed"
     assert len(got) == LONG_TOKENS and got == reference  # nothing twice, nothing missing, as one instance
+    survivor = next(n for n in decoders if n != killed[0])
+    # the continuation was prefilled (prompt + output so far) and pulled, not recomputed on the survivor
+    assert sum(_metric(d.metrics(n), "vllm:request_success_total") for n in prefillers) == prefills + 2
+    assert _metric(d.metrics(survivor), "vllm:external_prefix_cache_hits_total") > hits[survivor]
     decodes = httpx.get(f"{d.url}/stats", timeout=10).json()["recent_decodes"][-1]["parts"]
     assert len(decodes) == 2 and decodes[1]["from_token"] >= KILL_AFTER_TOKENS - 1, decodes
     proxy_metrics = httpx.get(f"{d.url}/metrics", timeout=10).text

@@ -14,6 +14,7 @@ The contract they keep (vLLM 0.32, ``nixl/pull_scheduler.py``):
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from typing import Any
@@ -77,6 +78,7 @@ class FakeNixlVllm(FakeVllm):
         self.block_size = 16
         self.usage = 0.0  # vllm:kv_cache_usage_perc
         self.metrics_status = 200
+        self.metrics_delay_s = 0.0
         self.server._app.router.routes.append(Route("/metrics", self._metrics, methods=["GET"]))
 
     async def _completions(self, request: Request) -> Any:
@@ -112,6 +114,8 @@ class FakeNixlVllm(FakeVllm):
         return list(prompt) if isinstance(prompt, list) else tokenize(prompt)
 
     async def _metrics(self, request: Request) -> Any:
+        if self.metrics_delay_s:
+            await asyncio.sleep(self.metrics_delay_s)
         if self.metrics_status != 200:
             return JSONResponse({"error": "down"}, status_code=self.metrics_status)
         text = (

@@ -173,8 +173,7 @@ class Placement:
                   Role.RECEIVER else s.router.pick_prefiller(candidates))
         self.hold(target, cost.decode_tokens, chunks=0)
         s.metrics.failovers.labels("migrate").inc()
-        logger.info("request %s: decoding continues on %s %s (it recomputes the prompt)", ctx.response_id,
-                    target.role_name, target.instance_id)
+        logger.info("request %s: decoding continues on %s %s", ctx.response_id, target.role_name, target.instance_id)
 
     def connect_failed(self, inst: Instance, exc: UpstreamUnreachable) -> None:
         """A connection to ``inst`` failed or broke: it counts towards taking ``inst`` out of rotation."""

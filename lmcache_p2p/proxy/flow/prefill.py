@@ -85,6 +85,8 @@ class PrefillAttempts:
         prompt = [*ctx.prompt_ids, *output_ids]
         try:
             prefiller = self._placement.pick_prefiller(self._placement.lease().instance)
+            logger.info("request %s: prefilling prompt + %d output token(s) on %s for the next decoder to pull",
+                        ctx.response_id, len(output_ids), prefiller.instance_id)
             await self._send(prefiller, Endpoint.COMPLETIONS.value,
                              lambda kv: retry_prefill_body(ctx.req, prompt, kv), len(prompt), len(output_ids))
         except (ProxyError, _PrefillBroken) as exc:

@@ -12,9 +12,11 @@ proxy polls its Prometheus text every ``--kv-metrics-interval-s`` (each poll bou
 Free blocks = floor((1 - usage) x blocks) become the decoder's credit (``Registry.observe_capacity``), in
 blocks of ``block_size`` tokens, exactly as an announcing decoder's free receive slots: the admission
 queue waits for them and the proxy's own promises count against them until a poll after the decode began
-reflects them (``router/credit.py``). A poll that fails counts as a failed connection
-(``--max-connect-failures`` of them take the instance out of rotation until ``GET /health`` answers
-again); an instance without those metrics has an unknown capacity (always eligible).
+reflects them (``router/credit.py``). A poll whose connection is refused or broken counts as a failed
+connection (``--max-connect-failures`` of them take the instance out of rotation until ``GET /health``
+answers again); a slow one (past ``--health-probe-timeout-s``: a busy engine answers late, it is not dead)
+or an error status leaves the last reading in place. An instance without those metrics has an unknown
+capacity (always eligible).
 
 Owns: the parse and the poll loop. Must not: choose instances, hold requests, or wait without a deadline.
 """
@@ -27,7 +29,7 @@ import logging
 import math
 import re
 
-from lmcache_p2p.proxy.errors import UpstreamError
+from lmcache_p2p.proxy.errors import UpstreamError, UpstreamUnreachable
 from lmcache_p2p.proxy.router.instances import Health, Instance
 from lmcache_p2p.proxy.router.registry import Registry
 from lmcache_p2p.proxy.upstream import Upstream
@@ -116,9 +118,12 @@ class KvMetricsPoller:
     async def _poll(self, inst: Instance) -> None:
         try:
             text = await self._upstream.get_text(inst.http_url, METRICS_PATH, timeout_s=self._timeout_s)
-        except UpstreamError as exc:
+        except UpstreamUnreachable as exc:  # refused, reset: a dead instance
             logger.info("%s %s: GET %s failed (%s)", inst.role_name, inst.instance_id, METRICS_PATH, exc)
             self._registry.note_connect_failure(inst)
+            return
+        except UpstreamError as exc:  # slow (a busy engine) or an error status: its last reading stands
+            logger.debug("%s %s: GET %s: %s", inst.role_name, inst.instance_id, METRICS_PATH, exc)
             return
         self._registry.note_connected(inst)
         capacity = parse_kv_capacity(text)

@@ -281,10 +281,29 @@ async def test_register_refuses_what_it_cannot_drive(body, message):
 async def test_a_dead_nixl_instance_leaves_rotation_through_its_metrics_poll():
     cm, c, network, (p,), (d,) = await nixl_cluster(max_connect_failures=2)
     try:
-        d.metrics_status = 500
+        await d.server.stop()  # killed: its port refuses connections
         await eventually(lambda: not routable(c, d.url))
-        d.metrics_status = 200  # GET /health answered all along: back once probed
+        await d.server.start()  # restarted on the same port: back once GET /health answers
         await eventually(lambda: routable(c, d.url))
+    finally:
+        await _close(cm, c)
+
+
+async def test_a_slow_or_failing_metrics_answer_does_not_take_an_instance_out():
+    cm, c, network, (p,), (d,) = await nixl_cluster(max_connect_failures=2, health_probe_timeout_s=0.1)
+    try:
+        decoder = next(i for i in c.proxy.registry.instances() if i.http_url == d.url)
+        await eventually(lambda: decoder.capacity_slots == 64)
+        taken_out: list[str] = []
+        c.proxy.registry.on_pending.append(lambda inst: taken_out.append(inst.instance_id))
+        d.metrics_delay_s = 0.3  # a busy engine's API server answers late
+        await asyncio.sleep(1.0)  # several polls
+        d.metrics_delay_s, d.metrics_status = 0.0, 500
+        await asyncio.sleep(0.5)
+        assert taken_out == [] and decoder.connect_failures == 0  # never out of rotation, not even briefly
+        assert routable(c, d.url) and decoder.capacity_slots == 64  # the last reading stands
+        events = await c.stream("/v1/completions", {**BODY, "stream": True})
+        assert client_tokens(events) == generate(tokenize(PROMPT), 6) and len(network.pulls) == 1
     finally:
         await _close(cm, c)
 
