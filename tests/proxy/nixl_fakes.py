@@ -41,6 +41,7 @@ class NixlNetwork:
         self.failed_pulls: list[tuple[str, str]] = []  # (decoder, why)
         self.die_first_stream_after: int | None = None  # the first decode stream of the cluster dies after n tokens
         self.break_first_prefill = False  # the first prefiller asked to keep KV dies with the request in hand
+        self.hang_first_pull = False  # the first decoder's pull never completes (its stream stays silent)
         self._next = 0
 
     def keep(self, engine: str, prompt_ids: list[int]) -> str:
@@ -84,6 +85,10 @@ class FakeNixlVllm(FakeVllm):
     async def _completions(self, request: Request) -> Any:
         body = await request.json()
         params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_prefill") and self.network.hang_first_pull:
+            self.network.hang_first_pull = False
+            self.requests.append(("/v1/completions", body))
+            return StreamingResponse(_silent(), media_type="text/event-stream")
         if params.get("do_remote_prefill"):
             problem = self.network.pull(self.name, params, self._prompt_of(body))
             if problem is not None:
@@ -127,6 +132,12 @@ class FakeNixlVllm(FakeVllm):
             f'num_cpu_blocks="None",num_gpu_blocks="{self.blocks}",prefix_caching_hash_algo="sha256"}} 1.0\n'
         )
         return PlainTextResponse(text)
+
+
+async def _silent() -> Any:
+    """A decode waiting for a pull that never completes (vLLM sets no deadline on it)."""
+    await asyncio.sleep(3600)
+    yield "data: [DONE]\n\n"
 
 
 def _stream_error(message: str) -> StreamingResponse:

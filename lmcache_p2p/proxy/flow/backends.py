@@ -26,7 +26,9 @@ the same one) picks the strategy here, which answers three questions:
 
 A broken decode continues elsewhere (:attr:`KvBackend.continues_with_kv`): ours recomputes on the next
 decoder; with NixlConnector the proxy prefills prompt + output so far on a prefiller and the next
-decoder pulls that, so nothing is recomputed on the decoder and nothing reaches the client twice.
+decoder pulls that, so nothing is recomputed on the decoder and nothing reaches the client twice. A
+decode that carries pull parameters must output within ``--kv-timeout-s`` (``Target.first_output_timeout_s``):
+vLLM gives the pull itself no deadline.
 
 Owns: the strategies and each attempt's state. Must not: choose instances, send requests (the prefill
 attempts send, ``flow/prefill.py``) or wait without a deadline.

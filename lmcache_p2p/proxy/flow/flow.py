@@ -386,7 +386,10 @@ class RequestFlow:
         if self.timeline.decode_sent_s is None:
             self.timeline.decode_sent_s = self._s.clock()
         self.timeline.decode_parts.append(DecodePart(instance.instance_id, continues_at))
-        return Target(instance.http_url, body, replays=continues_at - upto)
+        # a decoder that pulls the KV first outputs nothing until the pull is done: --kv-timeout-s bounds that
+        # as it bounds our KvReady wait (a pull that hangs then moves the decode elsewhere)
+        first_output_timeout_s = self._s.settings.kv_timeout_s if kv is not None else None
+        return Target(instance.http_url, body, continues_at - upto, first_output_timeout_s)
 
     def _may_continue_elsewhere(self) -> bool:
         """Another instance prompted with prompt + output so far would decode as this one did."""

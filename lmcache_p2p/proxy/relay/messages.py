@@ -61,6 +61,7 @@ class _WireTarget(msgspec.Struct, frozen=True):
     url: str
     body: msgspec.Raw
     replays: int = 0
+    first_output_timeout_s: float | None = None
 
 
 class WirePlanned(msgspec.Struct, frozen=True, tag="planned"):
@@ -71,7 +72,8 @@ class WirePlanned(msgspec.Struct, frozen=True, tag="planned"):
 
     def planned(self) -> Planned:
         return Planned(None if self.target is None else Target(self.target.url, self.target.body,
-                                                                   self.target.replays))
+                                                                   self.target.replays,
+                                                                   self.target.first_output_timeout_s))
 
 
 class Step(msgspec.Struct, frozen=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import Any
 
 import pytest
@@ -236,6 +237,22 @@ async def test_a_decoder_that_cannot_pull_continues_elsewhere():
         assert failed_on != pulled_by and "no such blocks" in why
         assert pulled_prompt == ids
         assert len(p.calls("/v1/completions")) == 2
+    finally:
+        await _close(cm, c)
+
+
+async def test_a_pull_that_hangs_moves_the_decode_after_the_kv_timeout():
+    cm, c, network, (p,), decoders = await nixl_cluster(n_decode=2, kv_timeout_s=0.5, decode_idle_timeout_s=30.0)
+    try:
+        network.hang_first_pull = True
+        started = time.monotonic()
+        events = await c.stream("/v1/completions", {**BODY, "stream": True})
+        assert time.monotonic() - started < 5.0  # --kv-timeout-s, not --decode-idle-timeout-s
+        assert client_tokens(events) == generate(tokenize(PROMPT), 6)
+        hung = next(d for d in decoders if d.calls("/v1/completions") and d.name not in [w for w, _, _ in network.pulls])
+        assert len(hung.calls("/v1/completions")) == 1 and len(network.pulls) == 1
+        assert len(p.calls("/v1/completions")) == 2  # the continuation was prefilled again for the other decoder
+        assert c.metric("lmcache_p2p_proxy_failovers_total", phase="migrate") == 1
     finally:
         await _close(cm, c)
 
