@@ -39,6 +39,7 @@ REQUEST_TIMEOUT_S = 120.0
 MAX_TOKENS = 24
 LONG_TOKENS = 300  # a stream long enough to be killed in the middle of
 KILL_AFTER_TOKENS = 8
+KV_TIMEOUT_S = 30.0
 PROMPTS = ("The capital of France is", "In a distant galaxy, a small robot " * 12)  # ~6 and ~100 tokens
 CHAT = [{"role": "user", "content": "Say something about the sea."}]
 NIXL = "vllm-nixl"
@@ -81,7 +82,10 @@ class NixlDeployment:
         flags = [f"--nixl-{'prefill' if n.startswith('prefiller') else 'decode'}={_url(c)}"
                  for n, c in self.children.items()]
         argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "proxy", "--port", str(port), "--control-port",
-                str(_port()), "--policy", "least_loaded", "--tokenizer", self.model, *flags]
+                str(_port()), "--policy", "least_loaded", "--tokenizer", self.model,
+                # a pull that hangs (seen once here) moves the decode after this; a first pull (the NIXL
+                # handshake) on a busy 2-core machine takes seconds
+                "--kv-timeout-s", str(KV_TIMEOUT_S), *flags]
         self.proxy = Child("proxy", argv, dict(os.environ), log_dir / "proxy.log", f"{self.url}/health")
 
     def start(self) -> None:
