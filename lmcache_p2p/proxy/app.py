@@ -5,6 +5,8 @@
     GET  /health                                 200 while the proxy runs; counts routable instances
     GET  /instances                              routable instances (?all=1: every registered one)   [admin]
     POST /instances/drain                        {"instance_id"}: no new work; forgotten once idle   [admin]
+    POST /instances/register                     {"role", "url", "backend"}: an instance that cannot announce
+                                                 itself (vLLM's NixlConnector: backend "vllm-nixl")   [admin]
     GET  /metrics                                Prometheus
     GET  /stats                                  TTFT / handover / kv_wait count, mean, p50, p99 (ms) since
                                                  start or the last reset, per-phase timeline_ms and the
@@ -43,6 +45,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from lmcache_p2p.config import Role
+from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.proxy.flow.client import ClientFlow
 from lmcache_p2p.proxy.errors import BadRequest, ClientDisconnected, NoInstanceAvailable, ProxyError
 from lmcache_p2p.proxy.flow.flow import Orchestrator
@@ -50,6 +53,7 @@ from lmcache_p2p.proxy.router.registry import Instance
 from lmcache_p2p.proxy.flow.steps import Count, RequestOwner
 from lmcache_p2p.proxy.http.responses import SSE_DONE, Delta, Renderer, renderer_for, sse
 from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint, parse_client_request
+from lmcache_p2p.proxy.settings import registration
 from lmcache_p2p.proxy.upstream import Upstream, forwarded_headers
 
 logger = logging.getLogger(__name__)
@@ -84,6 +88,7 @@ class ProxyApp:
             Route("/health", self.health, methods=["GET"]),
             Route("/instances", self._admin(self.instances), methods=["GET"]),
             Route("/instances/drain", self._admin(self.drain), methods=["POST"]),
+            Route("/instances/register", self._admin(self.register), methods=["POST"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/stats", self.stats, methods=["GET"]),
             Route("/stats/reset", self._admin(self.reset_stats), methods=["POST"]),
@@ -222,6 +227,19 @@ class ProxyApp:
             return JSONResponse({"error": {"message": f"no instance {instance_id!r} is registered",
                                            "type": "not_found_error", "code": 404}}, status_code=404)
         return JSONResponse(_describe(inst))
+
+    async def register(self, request: Request) -> Response:
+        """Register an instance by URL: ``{"role": "prefiller"|"decoder", "url": ..., "backend": "vllm-nixl"}``.
+        It takes traffic once its ``GET /health`` answers 200; registering it again is a no-op."""
+        try:
+            body = await request.json()
+            spec = registration(str(body["role"]), str(body["url"]), str(body.get("backend", "vllm-nixl")))
+        except (ValueError, KeyError, TypeError, ConfigError) as exc:
+            detail = str(exc) if isinstance(exc, ConfigError) else "body must be a JSON object"
+            return JSONResponse({"error": {"message": f'{detail}: send {{"role": "prefiller" or "decoder", "url": '
+                                                      f'"http://host:port", "backend": "vllm-nixl"}}',
+                                           "type": "invalid_request_error", "code": 400}}, status_code=400)
+        return JSONResponse(_describe(self._o.registry.register(spec)))
 
     async def metrics(self, request: Request) -> Response:
         body, content_type = self._o.metrics.render()
@@ -383,7 +401,7 @@ def _describe(inst: Instance) -> dict[str, Any]:
     return {
         "instance_id": inst.instance_id, "role": inst.role.value, "http_url": inst.http_url,
         "state": inst.state.value, "complete": inst.complete, "health": inst.health.value,
-        "routable": inst.routable, "static": inst.static, "tp_size": inst.tp_size,
+        "routable": inst.routable, "static": inst.static, "tp_size": inst.tp_size, "backend": inst.backend.value,
         "control_host": inst.control_host, "inflight_requests": inst.inflight_requests,
         "inflight_tokens": inst.inflight_tokens, "capacity_slots": inst.capacity_slots,
         "free_slots": inst.free_slots(), "chunk_tokens": inst.chunk_tokens,

@@ -36,6 +36,7 @@ from lmcache_p2p.proxy.relay.coordinator import RelayCoordinator
 from lmcache_p2p.proxy.flow.flow import FlowSettings, Orchestrator
 from lmcache_p2p.proxy.http.tokenizer import TokenizerProvider
 from lmcache_p2p.proxy.router.health import HealthProber
+from lmcache_p2p.proxy.router.kv_metrics import KvMetricsPoller
 from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
 from lmcache_p2p.proxy.router.registry import Registry
 from lmcache_p2p.proxy.router.routing import Router
@@ -59,6 +60,8 @@ class Proxy:
         self.registry = Registry(settings.instance_ttl_s, max_connect_failures=settings.max_connect_failures)
         for spec in settings.static_instances:
             self.registry.add_static(spec)
+        for spec in settings.registered_instances:
+            self.registry.register(spec)
         self.waiters = KvWaiters()
         self.metrics = ProxyMetrics(self.registry.instances)
         self.upstream = Upstream(settings.connect_timeout_s, settings.dead_peer_timeout_s)
@@ -70,6 +73,8 @@ class Proxy:
                                        load_timeout_s=settings.tokenizer_load_timeout_s)
         self.prober = HealthProber(self.registry, self.upstream, settings.health_probe_interval_s,
                                    settings.health_probe_timeout_s, on_up=tokenizers.check_instance)
+        self.kv_metrics = KvMetricsPoller(self.registry, self.upstream, settings.kv_metrics_interval_s,
+                                          settings.health_probe_timeout_s)
         self.registry.on_pending.append(self.prober.watch)
         self.registry.on_forgotten.append(self.prober.forget)
         self.registry.on_forgotten.append(self.canceller.forget)
@@ -106,6 +111,7 @@ class Proxy:
                            "headers) or drain instances", " and ".join(exposed))
         self.control.start()
         self.prober.start()
+        self.kv_metrics.start()
         registry = self.registry
         self._spawn(self.orchestrator.tokenizers.load_in_background(
             lambda: registry.routable(Role.SENDER) + registry.routable(Role.RECEIVER)), "proxy-tokenizer-load")
@@ -212,6 +218,7 @@ class Proxy:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=_TASK_CANCEL_TIMEOUT_S)
         await self.prober.close()
+        await self.kv_metrics.close()
         await self.control.close()
         self.canceller.close()
         await self.upstream.aclose()

@@ -13,6 +13,15 @@ host, tp = 1, control = 7300, transport = 7400. Example::
     --decode http://127.0.0.1:8200,control=7300,transport=7400
     --decode http://10.0.0.5:8200,tp=2,control=7300+7301,transport=7400+7401
 
+Instances running vLLM's own NixlConnector (``Backend.VLLM_NIXL``) cannot announce themselves; they are
+registered by URL, with flags or at run time (``POST /instances/register``, an admin call)::
+
+    --nixl-prefill http://127.0.0.1:8100 --nixl-decode http://127.0.0.1:8200
+
+They are probed like every instance, polled for their KV cache's free blocks and liveness every
+``--kv-metrics-interval-s`` (``router/kv_metrics.py``), paired only with each other, and forgotten once idle
+after a drain (``POST /instances/drain``).
+
 A static entry proves nothing about the instance's LMCache plugin, so it is never paired for
 disaggregated serving: it serves requests alone (``colocated_total{reason="plugin_not_running"}``)
 until its plugin announces itself (``p2p.proxy_url`` pointing at ``--control-port``) at the same
@@ -48,7 +57,7 @@ from urllib.parse import urlsplit
 from lmcache_p2p.config import WILDCARD_HOSTS, Role, is_loopback
 from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.proxy.router.prefix import PrefixSettings
-from lmcache_p2p.proxy.router.registry import StaticInstance
+from lmcache_p2p.proxy.router.registry import Backend, StaticInstance
 from lmcache_p2p.proxy.router.routing import Policy
 
 SECRET_ENV = "LMCACHE_P2P_SECRET"
@@ -104,6 +113,8 @@ class ProxySettings:
     migration_limit: int = 2
     workers: int = 1  # relay processes on the HTTP port; 1: the proxy is one process (see relay/workers.py)
     static_instances: tuple[StaticInstance, ...] = ()
+    registered_instances: tuple[StaticInstance, ...] = ()  # by URL, of a backend that cannot announce itself
+    kv_metrics_interval_s: float = 1.0  # poll of a registered instance's /metrics (its KV capacity, liveness)
     prefix: PrefixSettings = PrefixSettings()  # the knobs of --policy prefix
 
     def __post_init__(self) -> None:
@@ -165,7 +176,7 @@ class ProxySettings:
         for name in ("kv_timeout_s", "auth_window_s", "instance_ttl_s", "connect_timeout_s", "dead_peer_timeout_s",
                      "prefill_timeout_s",
                      "decode_idle_timeout_s", "graceful_shutdown_s", "chars_per_token", "health_probe_interval_s",
-                     "health_probe_timeout_s", "max_connect_failures"):
+                     "health_probe_timeout_s", "max_connect_failures", "kv_metrics_interval_s"):
             if getattr(args, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')}", f"must be positive, got {getattr(args, name)}")
         if args.kv_probe_after_s < 0:
@@ -216,6 +227,8 @@ class ProxySettings:
             migration_limit=args.migration_limit,
             workers=args.workers,
             static_instances=tuple(args.prefill or ()) + tuple(args.decode or ()),
+            registered_instances=tuple(args.nixl_prefill or ()) + tuple(args.nixl_decode or ()),
+            kv_metrics_interval_s=args.kv_metrics_interval_s,
             prefix=prefix,
         )
 
@@ -290,6 +303,22 @@ def parse_decode_flag(value: str) -> StaticInstance:
     )
 
 
+def registration(role: str, url: str, backend: str = Backend.VLLM_NIXL.value, url_key: str = "url") -> StaticInstance:
+    """An instance registered by URL (a flag, ``POST /instances/register``): ``role`` prefiller / decoder (or
+    sender / receiver), of a backend that cannot announce itself."""
+    roles = {"prefiller": Role.SENDER, "sender": Role.SENDER, "decoder": Role.RECEIVER, "receiver": Role.RECEIVER}
+    if role not in roles:
+        raise ConfigError("role", f"must be prefiller or decoder, got {role!r}")
+    try:
+        kind = Backend(backend)
+    except ValueError:
+        raise ConfigError("backend", f"must be {Backend.VLLM_NIXL.value}, got {backend!r}") from None
+    if kind.announces:
+        raise ConfigError("backend", f"{kind.value} instances register themselves: point their p2p.proxy_url at "
+                                     "this proxy's --control-port")
+    return StaticInstance(role=roles[role], http_url=_url(url_key, url), backend=kind)
+
+
 def _rank_ports(key: str, value: str, tp_size: int, tp_given: bool) -> tuple[int, ...]:
     ports = tuple(_port(key, p) for p in value.split("+"))
     if len(ports) == 1:
@@ -359,6 +388,15 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("--decode", None, "a static decoder (repeatable); ports: one base port or one per TP rank joined by +",
           {"action": "append", "type": _flag_type(parse_decode_flag),
            "metavar": "URL[,host=H][,tp=N][,control=P][,transport=P]"}),
+    _Flag("--nixl-prefill", None, "a prefiller running vLLM's NixlConnector, by HTTP URL (repeatable)",
+          {"action": "append", "type": _flag_type(lambda v: registration("prefiller", v.strip(), url_key="--nixl-prefill")),
+           "metavar": "URL"}),
+    _Flag("--nixl-decode", None, "a decoder running vLLM's NixlConnector, by HTTP URL (repeatable)",
+          {"action": "append", "type": _flag_type(lambda v: registration("decoder", v.strip(), url_key="--nixl-decode")),
+           "metavar": "URL"}),
+    _Flag("--kv-metrics-interval-s", "kv_metrics_interval_s",
+          "poll the /metrics of instances registered by URL (NixlConnector) this often, for their free KV blocks "
+          "(admission) and liveness (default %(default)s)"),
     _Flag("--policy", "policy", "routing policy (default %(default)s)"),
     _Flag("--prefix-cache-threshold", "prefix.cache_threshold",
           _PREFIX + "when load is balanced, the instance holding the longest cached prefix of the prompt wins if "

@@ -78,6 +78,19 @@ class Upstream:
                 await resp.read()  # the connection goes back to the pool
                 return resp.status
 
+    async def get_text(self, base_url: str, path: str, *, timeout_s: float) -> str:
+        """GET ``path``'s text (an instance's Prometheus ``/metrics``); a status >= 400 raises."""
+        import aiohttp  # lazy: the proxy alone needs it
+
+        url = base_url + path
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=timeout_s, sock_connect=timeout_s)
+        with _mapped(f"GET {url}", f"no answer within {timeout_s:.1f} s"):
+            async with self._session().get(url, timeout=timeout) as resp:
+                status, content = resp.status, await resp.read()
+        if status >= 400:
+            raise _status_error(url, status, content)
+        return content.decode(errors="replace")
+
     async def _call(self, method: str, base_url: str, path: str, body: dict[str, Any] | None, timeout_s: float,
                     headers: Mapping[str, str] | None) -> dict[str, Any]:
         """One JSON call (a prefill, ``/tokenize``): on every request's TTFT."""

@@ -3,7 +3,8 @@
 Owns: the request's step API and its typed data (``steps``), implemented by the request's owner
 (``flow``: ``RequestFlow``, prefill -> KV handover -> decode with an explicit ``phase``), what its
 parts share (``context``), where it runs and moves on a failure (``placement``), the prefill
-attempts (``prefill``), its KV handover (``handover``), the decode session with migration
+attempts (``prefill``), its KV handover (``handover``) and what differs between the KV backends a pair
+runs (``backends``: ours, vLLM's NixlConnector), the decode session with migration
 (``decode``), its output and what the proxy learns from it (``output``), and the side that serves
 the client (``client``), which drives the steps: in one process on the ``RequestFlow`` itself, in a
 relay worker through ``relay/link.py``.

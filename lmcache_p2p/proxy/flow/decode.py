@@ -16,9 +16,11 @@ load: those are the steps' owner's.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
 from lmcache_p2p.proxy.http.detokenize import OutputText
 from lmcache_p2p.proxy.errors import UpstreamConnectError, UpstreamError, UpstreamStatus, UpstreamTimeout, \
@@ -57,6 +59,8 @@ class DecodeSession:
             self.output_ids.clear()
         else:
             self._held.observe(Delta(first_text, list(self.output_ids), None, None, None))
+        if target.replays:  # the decoder generates the first token again (its prompt is the prefill's)
+            self._replay = Replay(self.output_ids[-target.replays:], first_text if self._text is None else None)
         while True:
             try:
                 async for delta in self._stream(target):
@@ -93,7 +97,7 @@ class DecodeSession:
                     if moved is None:
                         raise
                     target = moved
-            async for event in events:
+            async for event in _first_within(events, target):
                 if not self._started:
                     self._started = True
                     self._steps.started(self._decode_sent_s, self._clock())
@@ -116,6 +120,21 @@ class DecodeSession:
         self.output_ids.extend(delta.token_ids)
         self.finished = delta.finish_reason is not None
         return delta
+
+
+async def _first_within(events: AsyncIterator[dict[str, Any]], target: Target) -> AsyncIterator[dict[str, Any]]:
+    """``events``, the first within ``target.first_output_timeout_s`` (when it has one)."""
+    timeout_s = target.first_output_timeout_s
+    if timeout_s is not None:
+        try:
+            yield await asyncio.wait_for(anext(events), timeout_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise UpstreamTimeout(f"POST {target.url}: no output within {timeout_s:.1f} s: its KV pull did not "
+                                  "complete (--kv-timeout-s)") from None
+    async for event in events:
+        yield event
 
 
 def migratable(exc: UpstreamError) -> bool:

@@ -28,6 +28,12 @@ text and what it teaches the router and the metrics (``flow/output.py``), the re
 drives (``flow/steps.py``): in this process the client side calls these methods; a relay worker's
 steps arrive through the coordinator (``relay/host.py``), which calls the same methods.
 
+The pair's KV backend (ours, or vLLM's own NixlConnector) changes only what ``flow/backends.py`` says: how
+the prefill asks for the KV and what its answer hands over (a KvReady wait, or the prefiller's pull
+parameters), what the decode carries (prompt + first token, or the prefill's prompt with those parameters,
+its first token generated again and dropped), how long the decoder holds the KV's credit, and how a broken
+decode continues (recomputed, or a prefill of prompt + output that the next decoder pulls).
+
 Routing (``router/routing.py`` has the policy): a disaggregated request first waits in the admission
 queue (``router/admission.py``) for buffer credit on a decoder whose KV fingerprint matches a prefiller's,
 then prefills on a compatible prefiller. When that is not possible the request is served colocated
@@ -88,6 +94,7 @@ from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.router.admission import AdmissionQueue
 from lmcache_p2p.proxy.handover.cancel import KvCanceller
 from lmcache_p2p.proxy.errors import UpstreamConnectError, UpstreamError
+from lmcache_p2p.proxy.flow.backends import backend_of
 from lmcache_p2p.proxy.flow.context import FlowSettings, RequestContext, Services
 from lmcache_p2p.proxy.flow.phase import FlowPhase, Phases
 from lmcache_p2p.proxy.flow.handover import KvHandover
@@ -227,7 +234,10 @@ class RequestFlow:
         if self.colocated is not None:
             return True  # the serving instance generates the whole output
         first = self._first_or_raise()
-        return self.needs_decode and self._output.text is None and self.req.prompt_ids is None and not first.text
+        if not self.needs_decode:
+            return False
+        no_text = self._output.text is None and self.req.prompt_ids is None and not first.text
+        return no_text or not self._handover.backend.first_from_prefill(self.req)
 
     @property
     def needs_decode(self) -> bool:
@@ -269,7 +279,7 @@ class RequestFlow:
             self.timeline.decode_parts.pop()  # it served nothing: the next target continues at the same token
         self._connect_failed.add(decoder.instance_id)
         self._placement.connect_failed(decoder, exc)
-        self._handover.free_taken()
+        self._handover.moved()
         try:
             self._placement.next_decoder(self._connect_failed, exc)
         except UpstreamConnectError:
@@ -286,7 +296,11 @@ class RequestFlow:
             self.timeline.decode_sent_s = decode_sent_s
         lease = self._placement.lease()
         self._s.registry.note_connected(lease.instance)
-        self._output.first_output(self._s.clock() if first_decoded_s is None else first_decoded_s, lease)
+        keeps_kv = backend_of(lease.instance).decoder_keeps_kv
+        if keeps_kv:
+            lease.settle()  # its blocks are allocated: the decoder's next reading counts them
+        self._output.first_output(self._s.clock() if first_decoded_s is None else first_decoded_s,
+                                  None if keeps_kv else lease)
         self._handover.free_taken()
 
     async def broken(self, output_ids: list[int], finished: bool, rewound: int, exc: UpstreamError) -> Target | None:
@@ -303,6 +317,9 @@ class RequestFlow:
             self._placement.migrate(decoder, self._migrated_from, exc, len(output_ids))
         except UpstreamError:
             return None
+        target = self._placement.lease().instance
+        if target.role is Role.RECEIVER and backend_of(target).continues_with_kv:
+            await self._prefill.continuation(output_ids[:len(output_ids) - rewound])
         self._migrations += 1
         self._connect_failed = set()
         return self._target()
@@ -367,13 +384,22 @@ class RequestFlow:
         holding the KV takes the handover now (the decode goes to it)."""
         ids = self._output.ids
         continues_at = len(ids) - self._rewound
-        body = decode_body(self.req, self.prompt_ids, ids[:continues_at], proxy_text=self.proxy_text)
+        kv = self._handover.take()
+        instance = self._placement.lease().instance
+        if kv is not None and (kv.params is None or kv.backend is not instance.backend):
+            kv = None  # the decoder computes what it lacks
+        # a decoder that pulls the prefill's KV is prompted with exactly that prompt: it generates the output
+        # tokens after it again, which the client has (``replays``)
+        upto = min(kv.output_tokens, continues_at) if kv is not None and kv.prompt_fixed else continues_at
+        body = decode_body(self.req, self.prompt_ids, ids[:upto], proxy_text=self.proxy_text,
+                           kv_params=kv.params if kv is not None else None)
         if self.timeline.decode_sent_s is None:
             self.timeline.decode_sent_s = self._s.clock()
-        self._handover.take()
-        instance = self._placement.lease().instance
         self.timeline.decode_parts.append(DecodePart(instance.instance_id, continues_at))
-        return Target(instance.http_url, body)
+        # a decoder that pulls the KV first outputs nothing until the pull is done: --kv-timeout-s bounds that
+        # as it bounds our KvReady wait (a pull that hangs then moves the decode elsewhere)
+        first_output_timeout_s = self._s.settings.kv_timeout_s if kv is not None else None
+        return Target(instance.http_url, body, continues_at - upto, first_output_timeout_s)
 
     def _may_continue_elsewhere(self) -> bool:
         """Another instance prompted with prompt + output so far would decode as this one did."""

@@ -1,7 +1,9 @@
-"""One request's KV handover: the waiter for "KV ready on every rank of the decoder", the wait and
-what follows a failure or timeout (``--on-kv-failure``), and how it ends: taken by the decode that
-reached the decoder (then cancelled once that decode produced output, freeing the slots the engine
-did not load), or abandoned and cancelled on every rank of the decoder (``handover/cancel.py``).
+"""One request's KV handover: its attempts (one per prefill, made by the decoder's backend,
+``flow/backends.py``: for ours a waiter for "KV ready on every rank of the decoder", for vLLM's
+NixlConnector the prefill answer's pull parameters), the wait and what follows a failure or timeout
+(``--on-kv-failure``), and how it ends: taken by the decode that reached the decoder (then, for ours,
+cancelled once that decode produced output, freeing the slots the engine did not load), or abandoned
+and cancelled on every rank of the decoder (``handover/cancel.py``).
 
 A handover that cannot happen ends its wait as soon as that is known, not at ``--kv-timeout-s``: a
 KvFailed (the prefiller could not reach the decoder, the decoder refused or lost the slots), the
@@ -12,9 +14,9 @@ decoder, and otherwise (or with ``recompute``) the prefiller that computed the p
 decode (its prefix cache holds the prompt), else another instance computes it
 (``Placement.continue_without``). The KV timeout stays the bound of last resort.
 
-It owns the attempts (a fresh ``req_id`` each), their waiters and the probe of their decoder. It must
-not choose instances or send prefills: a retry prefill is the caller's (``retry`` below), the decoder
-comes from the placement (``flow/placement.py``). Nothing here waits without a deadline (``--kv-timeout-s``).
+It owns the attempts (a fresh ``req_id`` each), what the decode carries of them, and the probe of their
+decoder. It must not choose instances or send prefills: a retry prefill is the caller's (``retry`` below), the
+decoder comes from the placement (``flow/placement.py``). Nothing here waits without a deadline (``--kv-timeout-s``).
 """
 
 from __future__ import annotations
@@ -22,35 +24,34 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import uuid
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.protocol import KvFailCause
 from lmcache_p2p.proxy.errors import KvNotReady, ProxyError, UpstreamError
+from lmcache_p2p.proxy.flow.backends import KvAttempt, KvBackend, backend_of
 from lmcache_p2p.proxy.flow.context import RequestContext, Services
 from lmcache_p2p.proxy.flow.placement import Placement
 from lmcache_p2p.proxy.router.health import HEALTH_PATH
-from lmcache_p2p.proxy.router.registry import Instance, Lease
+from lmcache_p2p.proxy.router.registry import Instance
 from lmcache_p2p.proxy.settings import KvFailurePolicy
-from lmcache_p2p.proxy.http.shaping import kv_transfer_params
-from lmcache_p2p.proxy.handover.waiters import KvOutcome, KvStatus, KvWaiter
+from lmcache_p2p.proxy.handover.waiters import KvOutcome, KvStatus
+from lmcache_p2p.proxy.router.instances import Backend
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(eq=False)
-class _Attempt:
-    """One attempt at getting a request's KV onto ``decoder``, under a fresh ``req_id``."""
+@dataclasses.dataclass(frozen=True)
+class DecodeKv:
+    """What a decode that takes a handover carries: its ``kv_transfer_params`` (None: none) and how many
+    output tokens end the prompt whose KV it takes (the decode is prompted with exactly that prompt when
+    ``prompt_fixed``; see ``flow/backends.py``)."""
 
-    waiter: KvWaiter
-    decoder: Lease  # the lease whose buffer credit this KV takes
-    prefill_sent: bool = True  # False once every prefiller refused the connection: no KV can be on its way
-
-    @property
-    def req_id(self) -> str:
-        return self.waiter.req_id
+    params: dict[str, Any] | None
+    output_tokens: int
+    prompt_fixed: bool
+    backend: Backend  # a decoder of another backend takes none of it (it recomputes)
 
 
 class KvHandover:
@@ -58,8 +59,9 @@ class KvHandover:
         self._s = services
         self._ctx = ctx
         self._placement = placement
-        self._current: _Attempt | None = None
-        self._taken: _Attempt | None = None  # the attempt the running decode took: cancelled after its 1st output
+        self._current: KvAttempt | None = None
+        self._taken: KvAttempt | None = None  # the attempt the running decode took: cancelled after its 1st output
+        self._kv: DecodeKv | None = None  # what the decode carries, as of the last take
         self.outcome: KvOutcome | None = None  # the last wait's
 
     @property
@@ -67,44 +69,66 @@ class KvHandover:
         """A KV handover is under way that no decode has taken yet."""
         return self._current is not None
 
-    def begin(self) -> dict[str, Any]:
-        """Register a fresh waiter for a fresh req_id on the leased decoder (before its prefill is sent);
-        returns the prefill's ``kv_transfer_params``."""
+    @property
+    def backend(self) -> KvBackend:
+        """The strategy of the leased decoder's backend."""
+        return backend_of(self._placement.lease().instance)
+
+    def begin(self, output_tokens: int = 0) -> dict[str, Any]:
+        """A fresh attempt (for ours: a waiter for a fresh req_id) on the leased decoder, before its prefill is
+        sent, for the prompt + ``output_tokens`` output tokens; returns the prefill's ``kv_transfer_params``."""
         lease = self._placement.lease()
         decoder = lease.instance
         self.abandon("superseded by a new prefill")
-        req_id = uuid.uuid4().hex
-        self._current = _Attempt(self._s.waiters.register(req_id, decoder.tp_size, decoder.instance_id), lease)
-        self._ctx.timeline.req_id, self._ctx.timeline.tp_size = req_id, decoder.tp_size
-        return kv_transfer_params(req_id, decoder)
+        attempt = self._current = backend_of(decoder).attempt(self._s, lease, output_tokens)
+        self._ctx.timeline.req_id, self._ctx.timeline.tp_size = attempt.req_id, decoder.tp_size
+        self._ctx.timeline.backend = decoder.backend.value
+        return attempt.prefill_params
+
+    def answered(self, answer: dict[str, Any]) -> None:
+        """The prefill of the current attempt answered."""
+        if self._current is not None:
+            self._current.answered(answer)
 
     def not_sent(self) -> None:
         """Every prefiller refused the connection: no KV is on its way (nothing to cancel)."""
         if self._current is not None:
             self._current.prefill_sent = False
 
-    def take(self) -> None:
-        """The decode goes to the decoder holding the KV: it takes the handover."""
+    def take(self) -> DecodeKv | None:
+        """The decode goes to the decoder holding the KV: it takes the handover. What that decode carries
+        (None: no KV comes with it): a new attempt's, else the last one's while its KV is still unread (a
+        decode that was refused before it reached its decoder)."""
         if self._current is not None:
-            self._current.waiter.drop()
-            self._taken, self._current = self._current, None
+            attempt = self._current
+            attempt.drop()
+            self._taken, self._current = attempt, None
+            backend = backend_of(attempt.decoder.instance)
+            self._kv = DecodeKv(attempt.decode_params(), attempt.output_tokens,
+                                backend.decode_prompt_is_prefill_prompt, backend.backend)
+        return self._kv
 
     def free_taken(self) -> None:
-        """The decode produced output (or moved): its engine loaded what it will load; free what is left."""
+        """The decode produced output: its engine loaded what it will load; free what is left."""
         taken, self._taken = self._taken, None
-        if taken is not None and taken.prefill_sent:
-            self._s.canceller.cancel(taken.decoder.instance, taken.req_id,
-                                     "the decode is running: free the KV its engine did not load")
+        self._kv = None  # read by the decoder that produced output: no other decoder may take it
+        if taken is not None:
+            taken.cancel(self._s, "the decode is running: free the KV its engine did not load")
+
+    def moved(self) -> None:
+        """The decode moves to another decoder before it produced output (its connection was refused): the KV
+        it took stays for the next decoder where the backend's can (pulled), else is freed."""
+        if self._kv is not None and self._kv.params is None:
+            self.free_taken()
 
     def abandon(self, reason: str) -> None:
         """The decode will not take this handover's KV: stop waiting, and tell its decoder to free it."""
         attempt, self._current = self._current, None
         if attempt is None:
             return
-        attempt.waiter.drop()
+        attempt.drop()
         attempt.decoder.return_credit()
-        if attempt.prefill_sent:
-            self._s.canceller.cancel(attempt.decoder.instance, attempt.req_id, reason)
+        attempt.cancel(self._s, reason)
 
     async def settle(self, retry: Callable[[Collection[str]], Awaitable[None]]) -> None:
         """Wait for the KV; on a failure or timeout do what ``--on-kv-failure`` says (``retry``: prefill
@@ -162,26 +186,28 @@ class KvHandover:
         if self._current is None:
             raise RuntimeError("no KV handover: prefill() first")
         attempt = self._current
-        waiter = attempt.waiter
         probe = None
-        if self._s.settings.kv_probe_after_s > 0:
-            probe = asyncio.get_running_loop().create_task(self._probe(attempt), name=f"kv-probe-{waiter.req_id}")
+        if self._s.settings.kv_probe_after_s > 0 and attempt.can_be_overdue:
+            probe = asyncio.get_running_loop().create_task(self._probe(attempt), name=f"kv-probe-{attempt.req_id}")
         try:
-            outcome = await waiter.wait(self._s.settings.kv_timeout_s)
+            outcome = await attempt.wait(self._s.settings.kv_timeout_s)
         finally:
             if probe is not None:
                 probe.cancel()  # never awaited: it only sleeps or probes, and ends at its next step
-        self._placement.lease().settle()
+        if not backend_of(attempt.decoder.instance).decoder_keeps_kv:
+            self._placement.lease().settle()  # its slots are reserved: the next heartbeat counts them
         m = self._s.metrics
         m.kv_outcomes.labels(outcome.status.value).inc()
         m.observe_kv_wait(outcome.wait_s)
         if outcome.status is KvStatus.READY:
             m.kv_bytes.inc(outcome.nbytes)
-            self._ctx.timeline.kv_ready_s = waiter.ready_at_s
+            ready_at_s = attempt.ready_at_s  # None: ready with the prefill's answer (the decoder pulls it)
+            timeline = self._ctx.timeline
+            timeline.kv_ready_s = ready_at_s if ready_at_s is not None else timeline.prefill_answered_s
         self.outcome = outcome
         return outcome
 
-    async def _probe(self, attempt: _Attempt) -> None:
+    async def _probe(self, attempt: KvAttempt) -> None:
         """While the KV is overdue, probe its decoder every ``--kv-probe-after-s``: one that does not answer
         ends the wait (DECODER_DOWN) and counts towards taking it out of rotation."""
         s = self._s
@@ -198,7 +224,7 @@ class KvHandover:
                     continue
                 problem = f"GET {decoder.http_url}{HEALTH_PATH} answered {status}"
             s.registry.note_connect_failure(decoder)
-            attempt.waiter.on_down(f"decoder {decoder.instance_id} did not answer while its KV was overdue "
+            attempt.on_down(f"decoder {decoder.instance_id} did not answer while its KV was overdue "
                                    f"(--kv-probe-after-s): {problem}")
             return
 

@@ -154,6 +154,7 @@ class Placement:
         others = [d for d in self._s.registry.routable(Role.RECEIVER) if d.instance_id not in failed]
         if not others:
             raise exc
+        others = same_backend_first(others, self.lease().instance)
         ctx = self._ctx
         cost = RequestCost(len(ctx.prompt_ids), ctx.req.output_tokens_estimate)
         decoder = self._s.router.pick_decoder(others, cost, exclude=self._tried, needs_kv=False)
@@ -176,13 +177,13 @@ class Placement:
             candidates = [p for p in s.registry.routable(Role.SENDER) if p.instance_id not in failed]
         if not candidates:
             raise exc
+        candidates = same_backend_first(candidates, broken)
         cost = RequestCost(len(ctx.prompt_ids) + output_tokens, ctx.req.output_tokens_estimate)
         target = (s.router.pick_decoder(candidates, cost, exclude=(), needs_kv=False) if candidates[0].role is
                   Role.RECEIVER else s.router.pick_prefiller(candidates))
         self.hold(target, cost.decode_tokens, chunks=0)
         s.metrics.failovers.labels("migrate").inc()
-        logger.info("request %s: decoding continues on %s %s (it recomputes the prompt)", ctx.response_id,
-                    target.role_name, target.instance_id)
+        logger.info("request %s: decoding continues on %s %s", ctx.response_id, target.role_name, target.instance_id)
 
     def continue_without(self, down: Instance, why: str) -> None:
         """The decode must not go to ``down``, the leased decoder (``why``: known down, or its prefiller cannot
@@ -224,3 +225,10 @@ class Placement:
         self._s.metrics.colocated.labels(reason.value, inst.role.value).inc()
         logger.info("request %s: served colocated on %s %s, no KV transfer (%s)", self._ctx.response_id,
                     inst.role_name, inst.instance_id, reason.value)
+
+
+def same_backend_first(candidates: list[Instance], like: Instance) -> list[Instance]:
+    """Those of ``like``'s KV backend, else all: a decode that moves keeps taking KV the way it did (a decoder
+    of another backend computes the prompt itself)."""
+    same = [i for i in candidates if i.backend is like.backend]
+    return same or candidates

@@ -17,7 +17,7 @@ from typing import Any
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.router.admission import Admission, Outcome
-from lmcache_p2p.proxy.errors import UpstreamConnectError, UpstreamMalformed, UpstreamUnreachable
+from lmcache_p2p.proxy.errors import ProxyError, UpstreamConnectError, UpstreamMalformed, UpstreamUnreachable
 from lmcache_p2p.proxy.flow.context import RequestContext, Services, nothing_routable
 from lmcache_p2p.proxy.flow.handover import KvHandover
 from lmcache_p2p.proxy.observe.metrics import RequestReuse
@@ -79,6 +79,23 @@ class PrefillAttempts:
                              lambda kv: retry_prefill_body(ctx.req, ctx.prompt_ids, kv), cost.prompt_tokens)
         except _PrefillBroken as broke:
             raise broke.cause from None
+
+    async def continuation(self, output_ids: list[int]) -> None:
+        """A broken decode continues on the leased decoder after ``output_ids``: prefill prompt + those on a
+        compatible prefiller, whose KV that decoder takes (``KvBackend.continues_with_kv``). When none
+        answers, the decoder computes it itself."""
+        ctx = self._ctx
+        prompt = [*ctx.prompt_ids, *output_ids]
+        try:
+            prefiller = self._placement.pick_prefiller(self._placement.lease().instance)
+            logger.info("request %s: prefilling prompt + %d output token(s) on %s for the next decoder to pull",
+                        ctx.response_id, len(output_ids), prefiller.instance_id)
+            await self._send(prefiller, Endpoint.COMPLETIONS.value,
+                             lambda kv: retry_prefill_body(ctx.req, prompt, kv), len(prompt), len(output_ids))
+        except (ProxyError, _PrefillBroken) as exc:
+            logger.warning("request %s: the prefill of its continuation failed (%s); the decoder computes it",
+                           ctx.response_id, exc)
+            self._handover.abandon(f"the continuation's prefill failed: {exc}")
 
     async def _alone(self, cost: RequestCost) -> FirstToken:
         """max_tokens 1: the prefill's answer is the whole output and no KV goes anywhere. A prefiller
@@ -209,10 +226,10 @@ class PrefillAttempts:
                           prompt_ids=ctx.prompt_ids, model=str(req.body.get("model") or ""), created=int(time.time()))
 
     async def _send(self, prefiller: Instance, path: str, build: Callable[[dict[str, Any]], dict[str, Any]],
-                    prompt_tokens: int) -> tuple[Instance, dict[str, Any]]:
-        """Register a fresh waiter for a fresh req_id, THEN send the prefill."""
+                    prompt_tokens: int, output_tokens: int = 0) -> tuple[Instance, dict[str, Any]]:
+        """Begin a fresh KV attempt (for ours: a waiter for a fresh req_id), THEN send the prefill."""
         decoder = self._placement.lease().instance
-        body = build(self._handover.begin())
+        body = build(self._handover.begin(output_tokens))
         logger.debug("prefill %s on %s, KV to %s", self._ctx.timeline.req_id, prefiller.http_url, decoder.instance_id)
         try:
             answered = await self._post_prefill(prefiller, path, body, prompt_tokens, decoder)
@@ -220,6 +237,7 @@ class PrefillAttempts:
             self._handover.not_sent()
             raise
         self._placement.prefilled_on = answered[0]
+        self._handover.answered(answered[1])
         return answered
 
     async def _post_prefill(self, prefiller: Instance, path: str, body: dict[str, Any], prompt_tokens: int,

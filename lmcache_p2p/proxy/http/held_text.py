@@ -69,7 +69,9 @@ class HeldText:
 class Replay:
     """The start of a continued stream: tokens, and text of them, that the client already has."""
 
-    def __init__(self, token_ids: Sequence[int], text: str) -> None:
+    def __init__(self, token_ids: Sequence[int], text: str | None) -> None:
+        """``text``: what the client has of those tokens' text; None when the proxy makes the text from token ids
+        (the instance's text of those tokens is then dropped unread)."""
         self.rewound = len(token_ids)  # the output's last tokens the next instance generates again
         self._ids = list(token_ids)
         self._text = text
@@ -85,7 +87,10 @@ class Replay:
             raise _mismatch(f"generated token ids {ids[:n]} where the client already has {self._ids[:n]}")
         del self._ids[:n]
         ids, logprobs = ids[n:], _after(logprobs, n)
-        text = self._strip_text(delta.text)
+        if self._text is None:
+            text = delta.text if ids else ""
+        else:
+            text = self._strip_text(delta.text)
         if not text and not ids and delta.finish_reason is None:
             return None
         return Delta(text, ids, logprobs, delta.finish_reason, delta.stop_reason)

@@ -135,8 +135,8 @@ def prefill_body(req: ClientRequest, kv_params: dict[str, Any] | None) -> dict[s
     Without ``kv_params`` (a request of one output token) no KV is sent anywhere.
 
     The answer's token ids (``return_token_ids``) are asked for only when the proxy lacks one of them: the
-    prompt's (a text or chat prompt it did not tokenize), the first token's (no ``kv_params``, whose
-    ``ret_first_tok`` returns it). A prompt of 16k ids costs the prefiller's API server ~2 ms to put in its
+    prompt's (a text or chat prompt it did not tokenize), the first token's (no ``kv_params``, or ones without
+    ``ret_first_tok``, which returns it: vLLM's NixlConnector has none). A prompt of 16k ids costs the prefiller's API server ~2 ms to put in its
     answer, on the request's TTFT.
     """
     drop = ("stream_options", "request_id", "n", "kv_transfer_params")
@@ -144,7 +144,8 @@ def prefill_body(req: ClientRequest, kv_params: dict[str, Any] | None) -> dict[s
     ids = req.prompt_ids if req.prompt_ids is not None else req.tokenized_ids
     # truncate_prompt_tokens stays: it truncates a text or chat prompt as vLLM does, and ids the proxy has
     # truncated already are left as they are; the ids it kept come back for the decode
-    body.update(stream=False, max_tokens=1, return_token_ids=ids is None or kv_params is None or req.truncates)
+    first_unknown = kv_params is None or not kv_params.get("ret_first_tok")  # its id comes back only if asked
+    body.update(stream=False, max_tokens=1, return_token_ids=ids is None or first_unknown or req.truncates)
     if kv_params is not None:
         body["kv_transfer_params"] = kv_params
     if req.is_chat:
@@ -181,10 +182,11 @@ def tokenize_body(req: ClientRequest) -> dict[str, Any]:
 
 
 def decode_body(req: ClientRequest, prompt_ids: Sequence[int], output_ids: Sequence[int], *,
-                proxy_text: bool) -> dict[str, Any]:
+                proxy_text: bool, kv_params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Continue the output after ``output_ids`` (none: the decoder generates the whole output itself).
 
     ``proxy_text``: the proxy detokenizes and applies stop strings itself, so none go to the decoder.
+    ``kv_params``: the ``kv_transfer_params`` the decode carries (vLLM's NixlConnector: where to pull the KV).
     """
     done = len(output_ids)
     remaining = req.max_tokens - done if req.max_tokens is not None else None
@@ -206,6 +208,8 @@ def decode_body(req: ClientRequest, prompt_ids: Sequence[int], output_ids: Seque
     )
     if req.top_logprobs is not None:
         body["logprobs"] = req.top_logprobs
+    if kv_params is not None:
+        body["kv_transfer_params"] = kv_params
     return body
 
 

@@ -15,8 +15,10 @@ Definitions:
 
 Per-request timeline (``observe/timeline.py`` defines the phases: queue, prefill, first_byte, kv_wait,
 decode_start, decode_first at the proxy; store, submit, transfer reported by the prefiller):
-``lmcache_p2p_proxy_phase_seconds{phase}`` and, in ``/stats``, ``timeline_ms`` (count, mean, p50,
-p99 per phase) and ``recent`` (the last ``RECENT_TIMELINES`` requests, each phase in ms).
+``lmcache_p2p_proxy_phase_seconds{phase,backend}`` (the pair's KV backend: ``lmcache_p2p``, ``vllm-nixl``, or
+``none`` for a request one instance served; ``lmcache_p2p_proxy_backend_requests_total{backend}`` counts the
+pairs' requests) and, in ``/stats``, ``timeline_ms`` (count, mean, p50, p99 per phase) and ``recent`` (the
+last ``RECENT_TIMELINES`` requests, each phase in ms and its ``backend``).
 
 Where each request's output was decoded, in ``/stats`` ``recent_decodes`` (the last ``RECENT_DECODES``
 requests that decoded, colocated ones included): ``{"id": the response id the client got (without its
@@ -45,6 +47,7 @@ from lmcache_p2p.proxy.observe.timeline import DecodePart, Phase, Timeline, pref
 _LATENCY_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
                       5.0, 10.0, 30.0)
 _PREFIX = "lmcache_p2p_proxy_"
+_NO_BACKEND = "none"  # the backend label of a request one instance served
 RECENT_TIMELINES = 256  # per-request timelines kept for /stats "recent"
 RECENT_DECODES = 2048  # per-request decode parts kept for /stats "recent_decodes"
 _PENDING_REPORTS = 4096  # prefiller reports (and recorded timelines) kept to be matched by req_id
@@ -91,8 +94,11 @@ class ProxyMetrics:
                                         buckets=_LATENCY_BUCKETS_S, registry=r)
         self.admission_waiting = Gauge(_PREFIX + "admission_waiting", "Requests waiting for decoder buffer credit",
                                        registry=r)
-        self.phase = Histogram(_PREFIX + "phase_seconds", "Per-request time by phase (see proxy/observe/timeline.py)",
-                               ["phase"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.phase = Histogram(_PREFIX + "phase_seconds", "Per-request time by phase (see proxy/observe/timeline.py) "
+                               "and the pair's KV backend (none: served by one instance)",
+                               ["phase", "backend"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.backend_requests = Counter(_PREFIX + "backend_requests", "Requests served by a prefiller/decoder pair, "
+                                        "by the pair's KV backend (lmcache_p2p, vllm-nixl)", ["backend"], registry=r)
         r.register(_InstanceCollector(instances))
         self.reuse = ReuseMetrics(r)
         self.ttft_window = SampleWindow()
@@ -116,7 +122,9 @@ class ProxyMetrics:
 
     def record_timeline(self, timeline: Timeline) -> None:
         """A finished request's proxy stamps; its prefiller phases follow once its sender reports them."""
-        entry = _Entry(timeline.req_id, timeline.tp_size, {})
+        entry = _Entry(timeline.req_id, timeline.tp_size, {}, timeline.backend or _NO_BACKEND)
+        if timeline.backend:
+            self.backend_requests.labels(timeline.backend).inc()
         self._observe_phases(entry, timeline.phases())
         self._stats.recent.append(entry)
         if timeline.req_id:
@@ -137,7 +145,7 @@ class ProxyMetrics:
 
     def _observe_phases(self, entry: _Entry, phases: dict[Phase, float]) -> None:
         for phase, seconds in phases.items():
-            self.phase.labels(phase.value).observe(seconds)
+            self.phase.labels(phase.value, entry.backend).observe(seconds)
             self._stats.phases[phase].add(seconds)
             entry.phases_s[phase] = seconds
 
@@ -252,9 +260,10 @@ class _Entry:
     req_id: str
     tp_size: int
     phases_s: dict[Phase, float]
+    backend: str
 
     def to_ms(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"req_id": self.req_id}
+        out: dict[str, Any] = {"req_id": self.req_id, "backend": self.backend}
         for phase in Phase:
             seconds = self.phases_s.get(phase)
             out[phase.value] = None if seconds is None else round(seconds * 1e3, 3)

@@ -32,6 +32,10 @@ output token it starts at (the first token, made by the prefill, is output token
 broke and continued elsewhere adds a part at the number of tokens the client had then). ``/stats``
 lists them per request under ``recent_decodes``, colocated requests included.
 
+Each timeline names the backend its pair ran (``lmcache_p2p`` or ``vllm-nixl``, ``flow/backends.py``):
+a NixlConnector decoder pulls the KV itself, so its kv_wait is 0 and its decode_first holds the pull, and
+its prefiller reports nothing.
+
 A phase whose stamps are missing (no decode followed, the KV failed, a non-streaming client has no
 first byte) is left out of that request's figures. With several TP ranks the prefiller phases are
 the slowest rank's.
@@ -80,6 +84,7 @@ class Timeline:
     received_s: float
     req_id: str = ""  # the KV handover's id (the prefiller and decoder know the request by it)
     tp_size: int = 1  # prefiller reports expected (one per rank)
+    backend: str = ""  # the KV backend of its pair (``Backend``; "" when no pair served it)
     prefill_sent_s: float | None = None
     prefill_answered_s: float | None = None
     first_byte_s: float | None = None

@@ -60,6 +60,8 @@ class Planned(msgspec.Struct, frozen=True, tag="planned"):
 class _WireTarget(msgspec.Struct, frozen=True):
     url: str
     body: msgspec.Raw
+    replays: int = 0
+    first_output_timeout_s: float | None = None
 
 
 class WirePlanned(msgspec.Struct, frozen=True, tag="planned"):
@@ -69,7 +71,9 @@ class WirePlanned(msgspec.Struct, frozen=True, tag="planned"):
     target: _WireTarget | None
 
     def planned(self) -> Planned:
-        return Planned(None if self.target is None else Target(self.target.url, self.target.body))
+        return Planned(None if self.target is None else Target(self.target.url, self.target.body,
+                                                                   self.target.replays,
+                                                                   self.target.first_output_timeout_s))
 
 
 class Step(msgspec.Struct, frozen=True):

@@ -20,6 +20,21 @@ from lmcache_p2p.protocol import Fingerprint
 from lmcache_p2p.proxy.router import credit
 from lmcache_p2p.proxy.router.credit import Commit
 
+class Backend(str, enum.Enum):
+    """How an instance moves KV (``flow/backends.py`` holds what each means for a request).
+
+    A prefiller and a decoder are paired only when they run the same one."""
+
+    LMCACHE_P2P = "lmcache_p2p"  # LMCache with our plugin: announces itself, KV pushed into the decoder's buffer
+    VLLM_NIXL = "vllm-nixl"  # vLLM's own NixlConnector: registered by URL, the decoder pulls the prefiller's KV
+
+    @property
+    def announces(self) -> bool:
+        """Its ranks announce themselves (buffer credit, liveness) on the control port; else the proxy polls
+        its ``/metrics`` for both (``router/kv_metrics.py``)."""
+        return self is Backend.LMCACHE_P2P
+
+
 class InstanceState(str, enum.Enum):
     ACTIVE = "active"
     DRAINING = "draining"
@@ -34,7 +49,7 @@ class Health(str, enum.Enum):
 InstanceCallback = Callable[["Instance"], None]
 CreditCallback = Callable[[], None]
 
-__all__ = ["Commit", "CreditCallback", "Health", "Instance", "InstanceCallback", "InstanceState", "RankInfo",
+__all__ = ["Backend", "Commit", "CreditCallback", "Health", "Instance", "InstanceCallback", "InstanceState", "RankInfo",
            "StaticInstance", "role_name"]
 
 
@@ -47,6 +62,7 @@ class StaticInstance:
     control_host: str = ""
     control_ports: tuple[int, ...] = ()
     transport_ports: tuple[int, ...] = ()
+    backend: Backend = Backend.LMCACHE_P2P
 
     @property
     def tp_size(self) -> int:
@@ -86,13 +102,14 @@ class Instance:
     inflight_requests: int = 0
     inflight_tokens: int = 0
     commits: list[Commit] = dataclasses.field(default_factory=list)
+    backend: Backend = Backend.LMCACHE_P2P
 
     @property
     def complete(self) -> bool:
         """Every TP rank announced (and, for a decoder, said where its receiver listens)."""
         if len(self.ranks) < self.tp_size or any(r not in self.ranks for r in range(self.tp_size)):
             return False
-        if self.role is Role.RECEIVER:
+        if self.role is Role.RECEIVER and self.backend is Backend.LMCACHE_P2P:
             return bool(self.control_host) and all(
                 self.ranks[r].control_port > 0 and self.ranks[r].transport_port > 0 for r in range(self.tp_size)
             )

@@ -15,6 +15,9 @@ one TP size dividing the other); an announcement without one, from old or test p
 agreeing. A mismatched pair is logged once with the reason, naming both layouts; the router then
 serves the request on one instance (``colocated_total{reason="no_compatible_decoder"}``).
 
+Backends: a prefiller and a decoder pair only when they run the same one (``Instance.backend``); an
+instance running vLLM's NixlConnector has no plugin and no fingerprint (it was registered as such).
+
 Owns: these two checks and their logged-once memory. Must not: change instances, choose among
 them (``router/routing.py``), or await.
 """
@@ -26,7 +29,7 @@ from collections.abc import Callable
 
 from lmcache_p2p.kv_layout import kv_mismatch
 from lmcache_p2p.protocol import Fingerprint
-from lmcache_p2p.proxy.router.instances import Instance
+from lmcache_p2p.proxy.router.instances import Backend, Instance
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,8 @@ class PairingCheck:
     def plugin_running(self, inst: Instance) -> bool:
         """Does its LMCache plugin run? Logged once per instance when it does not (again after it was
         seen running)."""
+        if inst.backend is Backend.VLLM_NIXL:
+            return True  # registered as running vLLM's NixlConnector: there is no plugin to announce it
         deadline = self._clock() - self._ttl_s
         running = not inst.static and bool(inst.ranks) and all(
             r.last_seen_s >= deadline for r in inst.ranks.values())
@@ -56,7 +61,11 @@ class PairingCheck:
         return running
 
     def compatible(self, prefiller: Instance, decoder: Instance) -> bool:
-        """Both plugins run and the fingerprints agree (unknown ones count as agreeing)."""
+        """Both run the same backend, both plugins run and the fingerprints agree (unknown ones count as
+        agreeing). A NixlConnector prefiller never pairs with a decoder of ours, nor the other way round: neither
+        would understand the other's ``kv_transfer_params``."""
+        if prefiller.backend is not decoder.backend:
+            return False
         if not (self.plugin_running(prefiller) and self.plugin_running(decoder)):
             return False
         ours, theirs = prefiller.fingerprint, decoder.fingerprint

@@ -43,6 +43,7 @@ from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Goodbye
 from lmcache_p2p.proxy.router.credit import Commit
 from lmcache_p2p.proxy.router.lease import Lease
 from lmcache_p2p.proxy.router.instances import (
+    Backend,
     CreditCallback,
     Health,
     Instance,
@@ -54,7 +55,7 @@ from lmcache_p2p.proxy.router.instances import (
 )
 from lmcache_p2p.proxy.router.pairing import PairingCheck
 
-__all__ = ["Commit", "Health", "Instance", "InstanceState", "Lease", "RankInfo", "Registry", "StaticInstance"]
+__all__ = ["Backend", "Commit", "Health", "Instance", "InstanceState", "Lease", "RankInfo", "Registry", "StaticInstance"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,35 @@ class Registry:
         logger.info("static %s %s (tp %d)", role_name(inst.role), inst.http_url, inst.tp_size)
         self._notify(self.on_pending, inst)
         return inst
+
+    def register(self, spec: StaticInstance) -> Instance:
+        """An instance that cannot announce itself (``Backend.announces`` is False: vLLM's NixlConnector),
+        registered by its URL (a flag or ``POST /instances/register``). It is probed like any other, polled
+        for its KV capacity and liveness (``router/kv_metrics.py``) and never expires; a drain forgets it once
+        idle. Registering it again is a no-op, or brings back one that is draining."""
+        instance_id = f"{spec.backend.value}-{role_name(spec.role)}-{spec.http_url}"
+        self._drained.pop(instance_id, None)
+        inst = self._dynamic.get(instance_id)
+        if inst is not None:
+            if inst.state is InstanceState.DRAINING:
+                inst.state = InstanceState.ACTIVE
+                logger.info("%s %s registered again: active", inst.role_name, instance_id)
+            return inst
+        inst = Instance(instance_id=instance_id, role=spec.role, http_url=spec.http_url, tp_size=1,
+                        control_host=spec.control_host, ranks={0: RankInfo(0)}, backend=spec.backend)
+        self._dynamic[instance_id] = inst
+        logger.info("%s %s registered at %s (%s)", inst.role_name, instance_id, inst.http_url, spec.backend.value)
+        self._set_pending(inst)
+        return inst
+
+    def observe_capacity(self, inst: Instance, capacity_blocks: int, free_blocks: int, block_tokens: int) -> None:
+        """A poll of a registered instance's ``/metrics`` (its KV cache, in blocks of ``block_tokens``): the
+        announcement it cannot make itself."""
+        rank = inst.ranks.setdefault(0, RankInfo(0))
+        rank.capacity_slots, rank.free_slots, rank.chunk_tokens = capacity_blocks, free_blocks, block_tokens
+        rank.last_seen_s = self.now()
+        inst.absorb_commits()
+        self._credit_changed()
 
     def announce(self, msg: Announce) -> Instance | None:
         """Add or refresh one rank; raises ProtocolError for an announce that cannot be used.
@@ -196,7 +226,8 @@ class Registry:
         for instance_id in [i for i, seen in self._drained.items() if seen < deadline]:
             del self._drained[instance_id]
         expired = [
-            inst for inst in self._dynamic.values() if any(r.last_seen_s < deadline for r in inst.ranks.values())
+            inst for inst in self._dynamic.values()
+            if inst.backend.announces and any(r.last_seen_s < deadline for r in inst.ranks.values())
         ]
         for inst in expired:
             self._forget(inst, f"missed heartbeats for {self._ttl_s:.1f} s (--instance-ttl-s)",

@@ -37,10 +37,12 @@ def test_completion_defaults_and_token_prompts():
 
 
 def test_prefiller_returns_token_ids_only_where_the_proxy_lacks_them():
-    kv = {"k": 1}
+    kv = {"ret_first_tok": True, "disagg_spec": {}}
     given = parse_client_request(Endpoint.COMPLETIONS, {"prompt": [5, 6, 7], "return_token_ids": True}, 4)
     assert prefill_body(given, kv)["return_token_ids"] is False  # the proxy has the prompt's ids, kv the first's
     assert prefill_body(given, None)["return_token_ids"] is True  # no kv_transfer_params: the first token is in them
+    nixl = {"do_remote_decode": True, "do_remote_prefill": False}
+    assert prefill_body(given, nixl)["return_token_ids"] is True  # NixlConnector returns no first token of its own
     text = parse_client_request(Endpoint.COMPLETIONS, {"prompt": "some text"}, 4)
     assert prefill_body(text, kv)["return_token_ids"] is True  # not tokenized here: the prompt's ids come back
     tokenized = dataclasses.replace(text, tokenized_ids=(8, 9))

@@ -17,7 +17,7 @@ PHASES = {p.value for p in Phase}
 def full_timeline(**changes: float) -> Timeline:
     stamps = dict(received_s=10.0, prefill_sent_s=10.004, prefill_answered_s=10.054, first_byte_s=10.055,
                   kv_ready_s=10.060, decode_sent_s=10.061, first_decoded_s=10.081)
-    return Timeline(req_id="r1", **{**stamps, **changes})
+    return Timeline(req_id="r1", backend="lmcache_p2p", **{**stamps, **changes})
 
 
 def test_phases_are_the_differences_of_the_stamps():
@@ -73,10 +73,12 @@ def test_a_prefiller_report_joins_its_timeline_whichever_comes_first(report_firs
     assert stats["timeline_ms"]["transfer"]["p50"] == 5.0
     assert stats["timeline_ms"]["prefill"]["mean"] == pytest.approx(50.0)
     recent, = stats["recent"]
-    assert set(recent) == PHASES | {"req_id"} and recent["req_id"] == "r1"
+    assert set(recent) == PHASES | {"req_id", "backend"} and recent["req_id"] == "r1"
+    assert recent["backend"] == "lmcache_p2p"
     assert recent["submit"] == 1.0 and recent["queue"] == pytest.approx(4.0)
     for phase in PHASES:
-        assert m.registry.get_sample_value("lmcache_p2p_proxy_phase_seconds_count", {"phase": phase}) == 1, phase
+        assert m.registry.get_sample_value("lmcache_p2p_proxy_phase_seconds_count",
+                                           {"phase": phase, "backend": "lmcache_p2p"}) == 1, phase
 
 
 def test_prefiller_phases_wait_for_every_tp_rank():
@@ -100,7 +102,8 @@ def test_recent_keeps_the_last_timelines_and_reset_empties_it():
     after = m.stats()
     assert after["recent"] == [] and after["timeline_ms"]["queue"]["count"] == 0
     # Prometheus counts since start, like every other histogram
-    assert m.registry.get_sample_value("lmcache_p2p_proxy_phase_seconds_count", {"phase": "queue"}) == \
+    assert m.registry.get_sample_value("lmcache_p2p_proxy_phase_seconds_count",
+                                       {"phase": "queue", "backend": "lmcache_p2p"}) == \
         RECENT_TIMELINES + 3
 
 
@@ -115,13 +118,14 @@ async def test_a_streamed_disaggregated_request_fills_every_phase():
         await eventually(lambda: c.proxy.metrics.stats()["timeline_ms"]["transfer"]["count"] == 1)
         stats = (await c.client.get("/stats")).json()
         recent, = stats["recent"]
-        assert recent["req_id"] == req_id
+        assert recent["req_id"] == req_id and recent["backend"] == "lmcache_p2p"
         for phase in PHASES:
             assert stats["timeline_ms"][phase]["count"] == 1, phase
             assert recent[phase] is not None and recent[phase] >= 0, phase
         ttft = stats["ttft_ms"]["p50"]
         assert recent["queue"] + recent["prefill"] <= ttft + 1e-3  # the TTFT ends at the prefill answer
-        assert c.metric("lmcache_p2p_proxy_phase_seconds_count", phase="decode_first") == 1
+        assert c.metric("lmcache_p2p_proxy_phase_seconds_count", phase="decode_first", backend="lmcache_p2p") == 1
+        assert c.metric("lmcache_p2p_proxy_backend_requests_total", backend="lmcache_p2p") == 1
         assert c.metric("lmcache_p2p_proxy_control_messages_total", type="KvSent") == 1
 
 
