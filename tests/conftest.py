@@ -21,13 +21,15 @@ REPO_DIR = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = REPO_DIR / "models" / "tiny-llama"
 SERIAL_GROUP = "serial"
 # Serial tests of these modules first, in this order (the rest keep their collection order after them):
-# the 1P1D deployment's users (test_colocated_vllm drains its prefiller: last), then the plain instance's.
+# the 1P1D deployment's users (test_colocated_vllm drains its prefiller: last), then the plain instance's
+# (which starts with the 1P1D deployment).
 SERIAL_ORDER = (
     "tests/e2e/test_pd_vllm.py",
     "tests/e2e/test_prompt_kv_vllm.py",
     "tests/e2e/test_colocated_vllm.py",
     "tests/cli/test_bench.py",
     "tests/e2e/test_vllm_router.py",
+    "tests/cpu_connector/test_e2e.py",
 )
 
 _last_user: dict[str, pytest.Item] = {}  # shared fixture name -> the last test in run order that uses it
@@ -76,6 +78,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for name in shared.SHARED_FIXTURES:
             if name in getattr(item, "fixturenames", ()):
                 _last_user[name] = item
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if not is_serial(item):
+        xdist_groups.yield_cpu(item.config)
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:

