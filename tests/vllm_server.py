@@ -74,14 +74,17 @@ PORT_SEARCH_ATTEMPTS = 200
 
 
 def free_cluster_base_port(*, prefill: int, decode: int, tp_size: int = 1, span: int = 400) -> int:
-    """A base port from which every port of :func:`cluster_ports` is free right now (each one checked)."""
+    """A base port from which every port of :func:`cluster_ports` is free right now (each one checked) and was
+    handed out before to no one in this process (``cluster.claim``)."""
     if 150 + 10 * decode + tp_size > span or 10 + prefill > 30 or 30 + decode > 50 or 50 + 10 * decode > 150:
         raise ValueError(f"{prefill}P{decode}D x TP{tp_size} does not fit the port layout")
+    from cluster import claim
+
     for _ in range(PORT_SEARCH_ATTEMPTS):
-        base = free_port()
+        base = free_port()  # taken: not handed out again in this process
         if base + span >= 65000:
             continue
-        if all(port_is_free(p) for p in cluster_ports(base, prefill=prefill, decode=decode, tp_size=tp_size)):
+        if claim(p for p in cluster_ports(base, prefill=prefill, decode=decode, tp_size=tp_size) if p != base):
             return base
     raise RuntimeError(f"no base port with all {prefill}P{decode}D ports free after {PORT_SEARCH_ATTEMPTS} tries")
 

@@ -1,13 +1,12 @@
-"""The 1P1D deployment of the tiny model and the plain instance's answers, shared by the e2e modules
-(``tests/shared.py``): test_pd_vllm, test_prompt_kv_vllm and test_colocated_vllm run on one deployment,
-test_pd_vllm and test_vllm_router compare with one set of reference answers."""
+"""The 1P1D deployment of the tiny model, shared by the e2e modules (``tests/shared.py``): test_pd_vllm,
+test_prompt_kv_vllm and test_colocated_vllm run on one deployment."""
 
 from __future__ import annotations
 
 import pytest
 
 import shared
-from test_pd_vllm import plain_answers, spawn_cluster
+from test_pd_vllm import spawn_cluster
 
 
 @pytest.fixture(scope="session")
@@ -17,10 +16,3 @@ def pd_cluster(tiny_model_dir, tmp_path_factory) -> shared.SharedDeployment:
     return shared.SharedDeployment(
         "pd_cluster", lambda: spawn_cluster(tiny_model_dir, tmp_path_factory.mktemp("pd") / "logs", decoders_ever=2),
         lambda c: c.wait_ready(), lambda c: c.stop())
-
-
-@pytest.fixture(scope="session")
-def tiny_reference(plain_tiny, tiny_model_dir) -> tuple[dict, list[dict]]:
-    """The plain tiny instance's answers to test_pd_vllm's prompts, chat and conversation."""
-    child = plain_tiny.get()
-    return plain_answers(child.health_url.removesuffix("/health"), str(tiny_model_dir))

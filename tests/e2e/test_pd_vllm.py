@@ -104,20 +104,35 @@ def decoder_cache_hits(cluster: Cluster) -> list[tuple[int, int, int]]:
 
 
 @pytest.fixture(scope="module")
-def cluster(pd_cluster, plain_tiny) -> Cluster:
-    """The shared 1P1D deployment (tests/e2e/conftest.py); the plain instance starts beside it."""
+def cluster(pd_cluster, plain_tiny, tiny_model_dir) -> Cluster:
+    """The shared 1P1D deployment (tests/e2e/conftest.py); the plain instance starts and answers beside it."""
     plain_tiny.begin()
+    pd_cluster.begin()
+    tiny_answers(plain_tiny, tiny_model_dir)
     return pd_cluster.get()
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_reference) -> dict:
-    return tiny_reference[0]
+def reference(cluster, plain_tiny, tiny_model_dir) -> dict:
+    return tiny_answers(plain_tiny, tiny_model_dir)[0]  # asked in `cluster`, beside the deployment's start
 
 
 @pytest.fixture(scope="module")
-def conversation_reference(tiny_reference) -> list[dict]:
-    return tiny_reference[1]
+def conversation_reference(reference, plain_tiny, tiny_model_dir) -> list[dict]:
+    return tiny_answers(plain_tiny, tiny_model_dir)[1]
+
+
+_tiny_answers: dict[str, tuple[dict, list[dict]]] = {}
+
+
+def tiny_answers(plain_tiny, model_dir) -> tuple[dict, list[dict]]:
+    """The shared plain instance's answers (:func:`plain_answers`), asked once per session: the reference of
+    this module and of test_vllm_router. (A function, not a session fixture: those are set up before a test's
+    module fixtures, and the plain instance would be waited for before the deployment beside it is spawned.)"""
+    if str(model_dir) not in _tiny_answers:
+        url = plain_tiny.get().health_url.removesuffix("/health")
+        _tiny_answers[str(model_dir)] = plain_answers(url, str(model_dir))
+    return _tiny_answers[str(model_dir)]
 
 
 def spawn_plain(model_dir, log_dir) -> Child:

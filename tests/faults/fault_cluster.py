@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 SERVED_MODEL_NAME = "tiny-llama"
 STARTUP_TIMEOUT_S = 600.0  # three vLLM-CPU servers on 2 busy cores
+BESIDE_REFERENCE = 2  # a deployment's vLLM instances that start beside its reference instance (3 at once at most)
 REGISTER_TIMEOUT_S = 180.0
 HTTP_TIMEOUT_S = 10.0
 
@@ -111,16 +112,24 @@ class FaultCluster:
         self.models[name] = Path(model)
         return child
 
-    def start(self, timeout_s: float = STARTUP_TIMEOUT_S, before_ready: Callable[[], None] = lambda: None) -> None:
-        """Start everything; on any failure stop what started and raise. ``before_ready`` runs once every
-        process is spawned, before they are waited for (work that overlaps the start-up)."""
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S, beside: Callable[[], None] = lambda: None,
+              beside_instances: int | None = None) -> None:
+        """Start everything; on any failure stop what started and raise. ``beside`` runs once the proxy and the
+        first ``beside_instances`` vLLM instances (all: None) are spawned, before the others start and before
+        they are waited for: work that overlaps the start-up, such as a reference instance (at most 3 vLLM-CPU
+        instances at once on the 2-core machine)."""
         busy = [p for p in self.ports if not _port_free(p)]
         if busy:
             raise StartupError(f"ports already in use: {busy}")
+        instances = list(self.instances)
+        later = set(instances[beside_instances:]) if beside_instances is not None else set()
         try:
-            for child in self.children.values():
-                child.start()
-            before_ready()
+            for name, child in self.children.items():
+                if name not in later:
+                    child.start()
+            beside()
+            for name in later:
+                self.children[name].start()
             wait_healthy(list(self.children.values()), timeout_s)
             self.wait_routable(self.names("prefiller") + self.names("decoder"))
         except BaseException:

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fault_client import Prompt, make_prompts
-from fault_cluster import ClusterSpec, FaultCluster, build_variant_model, reference_output_sets, reference_outputs
+from fault_cluster import (BESIDE_REFERENCE, ClusterSpec, FaultCluster, build_variant_model, reference_output_sets,
+                           reference_outputs)
 from fault_scenarios import BY_NAME, SHORT, Row, Suite, SuiteConfig, Workload
 
 logger = logging.getLogger(__name__)
@@ -101,11 +102,11 @@ def run_suite(model: Path, log_dir: Path, names: Sequence[str] = SHORT, *, long:
     log_dir.mkdir(parents=True, exist_ok=True)
     w = build_workload(model, with_model_b="different_models" in names, models_dir=model.parent,
                        with_shared="shared_prefix_cache_churn" in names)
-    attach_references(w, model, log_dir / "reference", cache_dir, spec)
     cluster = FaultCluster(model, log_dir / "cluster", spec, broken_continuation)
     rows: list[Row] = []
     try:
-        cluster.start()
+        cluster.start(beside=lambda: attach_references(w, model, log_dir / "reference", cache_dir, spec),
+                      beside_instances=BESIDE_REFERENCE)
         suite = Suite(cluster, w, SuiteConfig(long=long))
         for name in names:
             rows.append(suite.run(BY_NAME[name]))

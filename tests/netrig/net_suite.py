@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import mh_cluster  # noqa: F401 (puts tests/faults on sys.path)
-from fault_cluster import ClusterSpec
+from fault_cluster import BESIDE_REFERENCE, ClusterSpec
 from fault_scenarios import Row, Suite, SuiteConfig
 from fault_client import make_prompts
 from fault_suite import SPEC, attach_references, build_workload, prompt_vocab
@@ -89,11 +89,7 @@ def open_deployment(rig: NetRig, model: Path, log_dir: Path, *, prefill: int, de
     spec = spec_for(prefill, decode)
     cluster = MultiHostCluster(rig, model, log_dir / "cluster", spec, HostSpec(transport=transport))
     try:
-        if prefill + decode <= 2:  # the reference starts beside the instances: at most 3 vLLM-CPU ones at once
-            cluster.start(before_ready=answer)
-        else:
-            answer()
-            cluster.start()
+        cluster.start(beside=answer, beside_instances=BESIDE_REFERENCE)
         # Settle for longer than the receivers' write window (transfer_timeout_s + quarantine_margin_s, 15 s):
         # an Alloc that a cut link delivers late is granted, cancelled, and its slots stay quarantined for
         # that window from the grant, by design; ready KV nobody loads (ready_lease_s, 30 s) still shows.
