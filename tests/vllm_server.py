@@ -74,16 +74,36 @@ PORT_SEARCH_ATTEMPTS = 200
 
 
 def free_cluster_base_port(*, prefill: int, decode: int, tp_size: int = 1, span: int = 400) -> int:
-    """A base port from which every port of :func:`cluster_ports` is free right now (each one checked)."""
+    """A base port from which every port of :func:`cluster_ports` is free right now (each one checked) and was
+    handed out before to no one in this process (``cluster.claim``)."""
     if 150 + 10 * decode + tp_size > span or 10 + prefill > 30 or 30 + decode > 50 or 50 + 10 * decode > 150:
         raise ValueError(f"{prefill}P{decode}D x TP{tp_size} does not fit the port layout")
+    from cluster import claim
+
     for _ in range(PORT_SEARCH_ATTEMPTS):
-        base = free_port()
+        base = free_port()  # taken: not handed out again in this process
         if base + span >= 65000:
             continue
-        if all(port_is_free(p) for p in cluster_ports(base, prefill=prefill, decode=decode, tp_size=tp_size)):
+        if claim(p for p in cluster_ports(base, prefill=prefill, decode=decode, tp_size=tp_size) if p != base):
             return base
     raise RuntimeError(f"no base port with all {prefill}P{decode}D ports free after {PORT_SEARCH_ATTEMPTS} tries")
+
+
+def complete_token_ids(url: str, model_dir: Path, prompt_ids: Sequence[int], *, max_tokens: int,
+                       timeout_s: float = REQUEST_TIMEOUT_S) -> list[int]:
+    """Greedy /v1/completions of the server at ``url`` for a token-id prompt; returns the generated token ids."""
+    body = {
+        "model": str(model_dir),
+        "prompt": list(prompt_ids),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+    if response.status_code != 200:
+        raise VLLMServerError(f"{url} answered {response.status_code}: {response.text[:500]}")
+    return list(response.json()["choices"][0]["token_ids"])
 
 
 class VLLMServer:
@@ -152,18 +172,7 @@ class VLLMServer:
         self, prompt_ids: Sequence[int], *, max_tokens: int, timeout_s: float = REQUEST_TIMEOUT_S
     ) -> list[int]:
         """Greedy /v1/completions for a token-id prompt; returns the generated token ids."""
-        body = {
-            "model": str(self.model_dir),
-            "prompt": list(prompt_ids),
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        response = httpx.post(f"{self.url}/v1/completions", json=body, timeout=timeout_s)
-        if response.status_code != 200:
-            raise VLLMServerError(f"{self.url} answered {response.status_code}: {response.text[:500]}")
-        return list(response.json()["choices"][0]["token_ids"])
+        return complete_token_ids(self.url, self.model_dir, prompt_ids, max_tokens=max_tokens, timeout_s=timeout_s)
 
     def __enter__(self) -> VLLMServer:
         self.start()

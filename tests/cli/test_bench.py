@@ -40,10 +40,8 @@ def test_vllm_bench_flags_pass_through_the_cli(monkeypatch) -> None:
 
 
 @pytest.mark.vllm
-def test_bench_runs_against_a_real_server(tiny_model_dir, tmp_path) -> None:
-    from vllm_server import VLLMServer, free_port
-
-    with VLLMServer(tiny_model_dir, port=free_port(), log_path=tmp_path / "vllm.log", cpu_core=0) as server:
-        result = bench.run_bench(["--base-url", server.url, "--dataset-name", "random", "--random-input-len", "32",
-                                  "--random-output-len", "4", "--num-prompts", "4", "--ignore-eos"])
+def test_bench_runs_against_a_real_server(plain_tiny) -> None:
+    url = plain_tiny.get().health_url.removesuffix("/health")  # the shared plain instance (tests/conftest.py)
+    result = bench.run_bench(["--base-url", url, "--dataset-name", "random", "--random-input-len", "32",
+                              "--random-output-len", "4", "--num-prompts", "4", "--ignore-eos"])
     assert result["completed"] == 4 and result["failed"] == 0

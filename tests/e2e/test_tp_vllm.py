@@ -42,7 +42,7 @@ import contextlib
 import dataclasses
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -50,7 +50,7 @@ import httpx
 import pytest
 
 from cluster import RANKS_DIFFER, Cluster, lookups_by_request, plain_vllm_child, rank_retrievals
-from lmcache_p2p.cli.processes import wait_healthy
+from lmcache_p2p.cli.processes import Child, wait_healthy
 from test_pd_vllm import CHAT, KV_BYTES_RE, prompt_of
 from vllm_server import STARTUP_TIMEOUT_S, free_cluster_base_port, free_port
 
@@ -117,10 +117,20 @@ def answers(url: str, model: str, prompts: dict[str, str]) -> dict[tuple[str, bo
 
 def plain_answers(model: Path, log_dir: Path, tp_size: int, prompts: dict[str, str]) -> dict[tuple[str, bool], dict]:
     """A plain vLLM instance's answers at ``tp_size`` (started, asked, stopped)."""
+    return plain_answers_of(spawn_plain(model, log_dir, tp_size), model, prompts)
+
+
+def spawn_plain(model: Path, log_dir: Path, tp_size: int) -> Child:
+    """A plain vLLM instance at ``tp_size``, spawned (:func:`plain_answers_of` waits for it)."""
     child = plain_vllm_child(model, log_dir, port=free_port(), cpu_core=cores_for(tp_size), name=f"plain-tp{tp_size}",
                              prefix_caching=False, tp_size=tp_size)
+    child.start()
+    return child
+
+
+def plain_answers_of(child: Child, model: Path, prompts: dict[str, str]) -> dict[tuple[str, bool], dict]:
+    """A spawned plain instance's answers (stopped afterwards)."""
     try:
-        child.start()
         wait_healthy([child], STARTUP_TIMEOUT_S)
         return answers(child.health_url.removesuffix("/health"), str(model), prompts)
     finally:
@@ -128,13 +138,17 @@ def plain_answers(model: Path, log_dir: Path, tp_size: int, prompts: dict[str, s
 
 
 @contextlib.contextmanager
-def tp_cluster(model: Path, log_dir: Path, prefill_tp: int, decode_tp: int) -> Iterator[Cluster]:
+def tp_cluster(model: Path, log_dir: Path, prefill_tp: int, decode_tp: int, *,
+               before_ready: Callable[[], None] = lambda: None) -> Iterator[Cluster]:
+    """The deployment; ``before_ready`` runs once its processes are spawned, before it is waited for."""
     base = free_cluster_base_port(prefill=1, decode=1, tp_size=decode_tp)
     with mock.patch("cluster.free_base_port", lambda *a, **k: base):
         c = Cluster(model, log_dir, prefill=1, decode=1, proxy_args=PROXY_ARGS, prefix_caching=False,
                     prefill_tp=prefill_tp, decode_tp=decode_tp)
     try:
-        c.start(timeout_s=STARTUP_TIMEOUT_S * 2)
+        c.spawn()
+        before_ready()
+        c.wait_ready(timeout_s=STARTUP_TIMEOUT_S * 2)
         yield c
     finally:
         c.stop()
@@ -253,14 +267,30 @@ def default_prompts() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def plain_tp1(tiny_model_dir, tmp_path_factory, default_prompts):
-    return plain_answers(tiny_model_dir, tmp_path_factory.mktemp("plain-tp1"), 1, default_prompts)
+def default_form(tiny_model_dir, tmp_path_factory, default_prompts):
+    """(the plain TP1 instance's answers, the P TP2 -> D TP1 deployment): the plain instance starts beside the
+    deployment and is stopped once it has answered."""
+    plain = spawn_plain(tiny_model_dir, tmp_path_factory.mktemp("plain-tp1"), 1)
+    refs = {}
+
+    def answer() -> None:
+        refs.update(plain_answers_of(plain, tiny_model_dir, default_prompts))
+
+    try:
+        with tp_cluster(tiny_model_dir, tmp_path_factory.mktemp("tp-p2-d1") / "logs", 2, 1, before_ready=answer) as c:
+            yield refs, c
+    finally:
+        plain.stop()
 
 
 @pytest.fixture(scope="module")
-def p2_d1(plain_tp1, tiny_model_dir, tmp_path_factory):
-    with tp_cluster(tiny_model_dir, tmp_path_factory.mktemp("tp-p2-d1") / "logs", 2, 1) as c:
-        yield c
+def plain_tp1(default_form):
+    return default_form[0]
+
+
+@pytest.fixture(scope="module")
+def p2_d1(default_form):
+    return default_form[1]
 
 
 def test_prefiller_tp2_to_decoder_tp1_equals_a_single_instance_and_loads_every_prompt(

