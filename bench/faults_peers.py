@@ -33,7 +33,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -44,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "faults"), str(ROOT / "tests"), str(ROOT)]
 
 from fault_client import run_concurrent  # noqa: E402
-from fault_cluster import SERVED_MODEL_NAME, common_vllm_args  # noqa: E402
+from fault_cluster import SERVED_MODEL_NAME, common_vllm_args, kill_process_group  # noqa: E402
 from fault_scenarios import BY_NAME, Result, Row, Scenario, Suite, SuiteConfig  # noqa: E402
 from fault_suite import SPEC, attach_references, build_workload  # noqa: E402
 
@@ -143,11 +142,7 @@ class PeerCluster:
         proc = self.servers[name].proc
         if proc is None:
             return
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(30)
+        kill_process_group(proc)
 
     def restart(self, name: str, model: Path | None = None, extra: Sequence[str] = ()) -> None:
         if self.alive(name):

@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -60,6 +61,15 @@ class ClusterSpec:
     receiver_p2p: Mapping[str, object] = dataclasses.field(default_factory=dict)
     sender_p2p: Mapping[str, object] = dataclasses.field(default_factory=dict)
     max_model_len: int = 2048
+
+
+def kill_process_group(proc: subprocess.Popen, wait_s: float = 30.0) -> None:
+    """kill -9 of ``proc``'s process group (a vLLM server's API server, engine core and workers), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(wait_s)
 
 
 def common_vllm_args(spec: ClusterSpec) -> list[str]:
@@ -150,11 +160,7 @@ class FaultCluster:
         proc = self.children[name].proc
         if proc is None:
             return
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(30)
+        kill_process_group(proc)
         logger.info("killed %s (pid %d)", name, proc.pid)
 
     def restart(self, name: str, model: Path | None = None) -> Child:
