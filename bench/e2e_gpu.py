@@ -66,9 +66,9 @@ logger = logging.getLogger("bench.e2e_gpu")
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("single", "lmcache_p2p-nixl", "lmcache_p2p-nccl", "lmcache-pd", "lmcache_p2p-nixl-hostsend",
-           "single-neighbour", "vllm-nixl")
+           "single-neighbour", "vllm-nixl", "vllm-nixl-push")
 GPUS = {"single": 1, "lmcache_p2p-nixl": 2, "lmcache_p2p-nccl": 2, "lmcache-pd": 2, "lmcache_p2p-nixl-hostsend": 2,
-        "single-neighbour": 1, "vllm-nixl": 2}
+        "single-neighbour": 1, "vllm-nixl": 2, "vllm-nixl-push": 2}
 # vllm-nixl: vLLM's NixlConnector 1P1D behind vllm-router, the PD stack users pick today (bench/e2e_gpu_nixl.py).
 # single-neighbour (--one-gpu): the single instance measured while a second plain vLLM on the same GPU (the
 # decoder's share of it) decodes a steady background load: what one-GPU 1P1D's prefill loses to time-slicing
@@ -393,8 +393,8 @@ def start(system: str, cfg: Config) -> Deployment:
         return start_single(cfg)
     if system == "single-neighbour":
         return start_single_neighbour(cfg)
-    if system == nixl_gpu.SYSTEM:
-        return nixl_gpu.start(cfg, STARTUP_TIMEOUT_S, STOP_GRACE_S, Deployment)
+    if system in nixl_gpu.SYSTEMS:
+        return nixl_gpu.start(cfg, STARTUP_TIMEOUT_S, STOP_GRACE_S, Deployment, system)
     if system == "lmcache_p2p-nixl-hostsend":
         return start_p2p(cfg, "nixl", send_buffer_size="0")
     if system.startswith("lmcache_p2p-"):

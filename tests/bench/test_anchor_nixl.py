@@ -237,6 +237,18 @@ def test_gpu_nixl_instances_are_the_recipe_on_their_device(tmp_path, device):
         assert child.env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and child.env["UCX_TLS"] == "tcp,self"
 
 
+def test_gpu_nixl_push_system_differs_only_in_its_connector(tmp_path):
+    gpu_nixl = _bench_module("e2e_gpu_nixl")
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(model=tmp_path, max_model_len=4096, device="cuda", vllm_args=())
+    pull, push = (gpu_nixl.instance_child(cfg, "prefiller", 0, 0.4, tmp_path, tmp_path / "logging.json", system)
+                  for system in ("vllm-nixl", "vllm-nixl-push"))
+    at = pull.argv.index("--kv-transfer-config") + 1
+    assert json.loads(push.argv[at]) == {"kv_connector": "NixlPushConnector", "kv_role": "kv_both"}
+    assert push.argv[:at] + push.argv[at + 1:] == pull.argv[:at] + pull.argv[at + 1:] and push.env == pull.env
+
+
 def test_gpu_nixl_refuses_to_start_without_the_router(tmp_path, monkeypatch):
     gpu_nixl = _bench_module("e2e_gpu_nixl")
     import importlib.util
