@@ -160,13 +160,15 @@ def e2e_gpu_table(rows: Sequence[Mapping[str, Any]]) -> str:
         writes = cell(r.get("kv_write_ms_p50"), 2)
         if r.get("kv_write_vs_ceiling_p50") is not None:
             writes += f" ({cell(r['kv_write_vs_ceiling_p50'], 3)})"
-        lines.append([r["system"], str(r["gpus"]), cell(r.get("proxy_workers")), cell(r["rate"], 0),
+        load = (f"{r['input_len'] // 1000}k in, one at a time" if r.get("sequential") and r.get("input_len")
+                else f"{cell(r['rate'], 0)} req/s")
+        lines.append([r["system"], str(r["gpus"]), cell(r.get("proxy_workers")), load,
                       cell(r.get("num_prompts")), cell(r["output_tok_s_per_gpu"], 0),
                       pair(r, "ttft_ms_p50", "ttft_ms_p99"), pair(r, "tpot_ms_p50", "tpot_ms_p99", 2),
                       cell(r["itl_ms_p99"]), pair(r, "handover_ms_p50", "handover_ms_p99"),
                       pair(r, "kv_wait_ms_p50", "kv_wait_ms_p99", 2), transfer, writes, cell(r.get("kv_hit_ratio"), 2),
                       str(r["failed"]), "ref" if r["system"] == "single" else cell(r.get("outputs_equal_single"))])
-    return markdown(["system", "GPUs", "proxy procs", "rate", "prompts", "out tok/s /GPU", "TTFT p50 / p99 ms",
+    return markdown(["system", "GPUs", "proxy procs", "load", "prompts", "out tok/s /GPU", "TTFT p50 / p99 ms",
                      "TPOT p50 / p99 ms", "ITL p99 ms", "handover p50 / p99 ms", "KV wait p50 / p99 ms",
                      "KV transfer p50 / p99 ms (ceiling / p50)", "its writes p50 ms (ceiling / p50)", "KV hit", "failed",
                      "= single"], lines)
