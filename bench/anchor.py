@@ -80,7 +80,8 @@ logger = logging.getLogger("bench.anchor")
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("single", "lmcache_p2p", "lmcache-pd", *(v.value for v in nixl.Variant))
-DEFAULT_SYSTEMS = ("single", "lmcache_p2p", "lmcache-pd", nixl.Variant.USER.value, nixl.Variant.PLACED.value)
+DEFAULT_SYSTEMS = ("single", "lmcache_p2p", "lmcache-pd", nixl.Variant.USER.value, nixl.Variant.PLACED.value,
+                   nixl.Variant.PUSH.value)
 NIXL_SYSTEMS = frozenset(v.value for v in nixl.Variant)
 CLIENT = Path(__file__).with_name("anchor_client.py")
 SHIM = "lmc_cpu_shim"

@@ -18,6 +18,11 @@ Same model and vLLM flags as the other anchor systems (``Settings.vllm_args``, n
                     and the peer does not load our plugin.
   vllm-nixl-spin    placed, plus our vLLM plugin loaded only for that cap (it touches nothing else
                     without LMCache): what the spin alone is worth
+  vllm-nixl-push    placed with the spin cap, and ``NixlPushConnector`` (the prefiller writes into blocks
+                    the decoder registered) instead of ``NixlConnector`` (vLLM's alias of the pull
+                    connector): the peer at its best here. UCX's tcp transport emulates a remote READ
+                    with active messages the remote side must progress, so a pull waits on an idle
+                    prefiller; a push is progressed by the side that has work
 
 Measured twice per load: through a router pointed at the servers (TTFT, TPOT, ITL, throughput,
 outputs), then the same load through a second router pointed at two ``bench/http_tap.py`` relays
@@ -53,6 +58,7 @@ SIDE_CHANNEL_PORTS = {"prefiller": 5600, "decoder": 5601}
 PROMETHEUS_PORTS = {ROUTER_PORT: 29100, TAPPED_ROUTER_PORT: 29101}
 CORES = {"prefiller": 0, "decoder": 1}
 KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+PUSH_KV_TRANSFER_CONFIG = {**KV_TRANSFER_CONFIG, "kv_connector": "NixlPushConnector"}
 ROUTER_MODULE = "vllm_router.launch_router"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 HEALTH_POLL_S = 1.0
@@ -63,6 +69,15 @@ class Variant(str, enum.Enum):
     USER = "vllm-nixl"
     PLACED = "vllm-nixl-placed"
     SPIN = "vllm-nixl-spin"
+    PUSH = "vllm-nixl-push"
+
+    @property
+    def spin_capped(self) -> bool:
+        return self in (Variant.SPIN, Variant.PUSH)
+
+    @property
+    def kv_transfer_config(self) -> dict[str, str]:
+        return PUSH_KV_TRANSFER_CONFIG if self is Variant.PUSH else KV_TRANSFER_CONFIG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +191,8 @@ def instance_env(variant: Variant, role: str, core: int, base: Mapping[str, str]
     env.update({"UCX_TLS": "tcp,self", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_CHANNEL_PORTS[role])})
     # our vLLM plugin is installed in this venv: a user of the peer has none; the spin variant loads
     # it for its spin cap only (without an LMCache config it changes nothing else)
-    env["VLLM_PLUGINS"] = "lmcache_p2p" if variant is Variant.SPIN else ""
-    if variant is not Variant.SPIN:
+    env["VLLM_PLUGINS"] = "lmcache_p2p" if variant.spin_capped else ""
+    if not variant.spin_capped:
         env.pop("LMCACHE_P2P_VLLM_SPIN_S", None)
     env.pop("LMCACHE_CONFIG_FILE", None)
     return env
@@ -190,7 +205,7 @@ def instance_launch(variant: Variant, role: str, model: Path, vllm_args: Sequenc
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", str(max_model_len), "--no-enable-prefix-caching", *vllm_args,
-            "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)]
+            "--kv-transfer-config", json.dumps(variant.kv_transfer_config)]
     env = instance_env(variant, role, cores[role], os.environ if base is None else base)
     return Launch(role, argv, env, log_dir / f"{role}.log", sets.get(role))
 

@@ -130,6 +130,11 @@ def test_placed_variant_gets_our_launchers_cores_and_environment(nixl, tmp_path,
     spin = nixl.instance_launch(nixl.Variant.SPIN, role, model, [], 2048, tmp_path)
     assert (spin.env["VLLM_PLUGINS"], spin.env["LMCACHE_P2P_VLLM_SPIN_S"]) == ("lmcache_p2p",
                                                                               ours.env["LMCACHE_P2P_VLLM_SPIN_S"])
+    push = nixl.instance_launch(nixl.Variant.PUSH, role, model, [], 2048, tmp_path)
+    at = push.argv.index("--kv-transfer-config") + 1
+    assert json.loads(push.argv[at]) == {"kv_connector": "NixlPushConnector", "kv_role": "kv_both",
+                                         "kv_buffer_device": "cpu"}
+    assert (push.env, push.cpus, push.argv[:at]) == (spin.env, spin.cpus, spin.argv[:at])
 
 
 def test_tap_relays_bytes_and_stamps_prompts(tmp_path):
@@ -178,7 +183,7 @@ def test_tap_key_ignores_bodies_without_prompt():
 
 
 def test_anchor_knows_every_variant(anchor):
-    assert {"vllm-nixl", "vllm-nixl-placed", "vllm-nixl-spin"} <= set(anchor.SYSTEMS)
+    assert {"vllm-nixl", "vllm-nixl-placed", "vllm-nixl-spin", "vllm-nixl-push"} <= set(anchor.SYSTEMS)
     cfg = anchor.parse_args(["--quick", "--systems", "vllm-nixl,single", "--work", str(Path("/tmp/x"))])
     assert cfg.systems == ("single", "vllm-nixl")
 
