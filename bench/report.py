@@ -7,8 +7,10 @@ Reads ``bench/results/*.json`` (each written by a script in bench/, with its ``m
 bench/meta.py where the script had one), prints a markdown table per file, writes the plots as
 PNGs under ``docs/`` and, in each ``--markdown`` file (default BENCHMARKS.md and README.md), replaces
 the text between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` with table NAME (``NAME`` = the
-results file's name without ``.json``; ``test_suite.json``, the suite's timed run, fills ``test_suite``,
-a sentence, and ``test_suite_slowest``, its 10 slowest tests). Plots, from ``anchor_cpu.json`` (bench/anchor.py):
+results file's name without ``.json``; a file that is not a list of rows fills the blocks WHOLE_FILE names,
+e.g. ``test_suite.json``, the suite's timed run, fills ``test_suite``, a sentence, and ``test_suite_slowest``,
+its 10 slowest tests; a study packed in ``bench/results/STUDY.tar.xz`` fills the blocks FROM_ARCHIVE names
+from its members). Plots, from ``anchor_cpu.json`` (bench/anchor.py):
 
   docs/anchor_ttft_cdf.png       client TTFT CDF per system, one panel per closed-loop load
   docs/anchor_handover_cdf.png   handover CDF per system (where per-request handovers exist)
