@@ -7,8 +7,10 @@ Reads ``bench/results/*.json`` (each written by a script in bench/, with its ``m
 bench/meta.py where the script had one), prints a markdown table per file, writes the plots as
 PNGs under ``docs/`` and, in each ``--markdown`` file (default BENCHMARKS.md and README.md), replaces
 the text between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` with table NAME (``NAME`` = the
-results file's name without ``.json``; ``test_suite.json``, the suite's timed run, fills ``test_suite``,
-a sentence, and ``test_suite_slowest``, its 10 slowest tests). Plots, from ``anchor_cpu.json`` (bench/anchor.py):
+results file's name without ``.json``; a file that is not a list of rows fills the blocks WHOLE_FILE names,
+e.g. ``test_suite.json``, the suite's timed run, fills ``test_suite``, a sentence, and ``test_suite_slowest``,
+its 10 slowest tests; a study packed in ``bench/results/STUDY.tar.xz`` fills the blocks FROM_ARCHIVE names
+from its members). Plots, from ``anchor_cpu.json`` (bench/anchor.py):
 
   docs/anchor_ttft_cdf.png       client TTFT CDF per system, one panel per closed-loop load
   docs/anchor_handover_cdf.png   handover CDF per system (where per-request handovers exist)
@@ -29,6 +31,7 @@ import dataclasses
 import json
 import re
 import sys
+import tarfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -318,6 +321,72 @@ def routers_table(rows: Sequence[Mapping[str, Any]]) -> str:
                       f"{r.get('kv_full_hits')}/{r.get('kv_lookups')}", str(r.get("decoder_waits"))] for r in rows])
 
 
+def one_gpu_arena_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``e2e_gpu_one_gpu.json``: the KV transfer with the VRAM send arena against host-memory chunks."""
+    return markdown(["system", "rate req/s", "KV transfer p50 / p99 ms", "failed", "decoder hit", "full hits"],
+                    [[r["system"], cell(r["rate"], 0), pair(r, "kv_transfer_ms_p50", "kv_transfer_ms_p99", 2),
+                      cell(r.get("failed")), cell(r.get("kv_hit_ratio"), 2),
+                      f"{r.get('kv_full_hits')}/{r.get('kv_lookups')}"] for r in rows])
+
+
+def handover_split_table(data: Mapping[str, Any]) -> str:
+    """An e2e_gpu.py file's rows beside the decoder's own vLLM TTFT (``handover_split``), by rate, else as filed."""
+    split = {(h["system"], h["rate"]): h for h in data.get("handover_split") or []}
+    rows = sorted(rows_of(data), key=lambda r: r["rate"])
+    return markdown(["system", "rate req/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "handover p50 / p99 ms",
+                     "decoder vLLM TTFT p50 ms", "outside the decoder (mean) ms", "KV hit", "failed"],
+                    [[r["system"], cell(r["rate"], 0), pair(r, "ttft_ms_p50", "ttft_ms_p99"),
+                      pair(r, "tpot_ms_p50", "tpot_ms_p99", 2), pair(r, "handover_ms_p50", "handover_ms_p99"),
+                      cell(split.get((r["system"], r["rate"]), {}).get("decoder_ttft_ms_p50")),
+                      cell(split.get((r["system"], r["rate"]), {}).get("outside_decoder_ms_mean")),
+                      cell(r.get("kv_hit_ratio"), 2), cell(r.get("failed"))] for r in rows])
+
+
+def gpu_equality_table(data: Mapping[str, Any]) -> str:
+    """``equality`` of e2e_gpu.json: per model, 1P1D's greedy outputs and decoder lookups against a single instance."""
+    transports = ("lmcache_p2p-nixl", "lmcache_p2p-nccl")
+    lines = []
+    for name, model in (data.get("equality") or {}).items():
+        systems = model.get("systems") or {}
+        line = [f"`{name}` ({model.get('model')})", "yes" if model.get("tokenizer") else "none",
+                str(len(model.get("cases") or []))]
+        for transport in transports:
+            s = systems.get(transport)
+            ids = f"{s.get('token_ids_equal')}/{s.get('token_ids_compared')}" if s else ""
+            line += ["-", "-", "-"] if s is None else [
+                f"{ids} (texts {s.get('texts_equal')}/{s.get('cases')})",
+                f"{s.get('decoder_full_prompt_hits')}/{s.get('decoder_lookups')}", cell(s.get("failed"))]
+        lines.append(line)
+    head = ["model", "tokenizer", "cases"]
+    for transport in transports:
+        head += [f"{transport}: token ids = single", f"{transport}: KV = prompt", f"{transport}: failed"]
+    return markdown(head, lines)
+
+
+def round_trips_table(data: Mapping[str, Any]) -> str:
+    """bench/multihost.py's ``round_trips``: the PD path's trips beyond a single instance's."""
+    return markdown(["step", "between", "on the TTFT path"],
+                    [[r["step"], r["between"], "yes" if r.get("in_ttft") else "no"]
+                     for r in data.get("round_trips") or []])
+
+
+def ab_runs_table(members: Mapping[str, Any]) -> str:
+    """A study's e2e.py files (``TREE-REP.json``), by repetition, then in the order they ran."""
+    def key(item: tuple[str, Any]) -> tuple[str, str]:
+        return Path(item[0]).stem.rsplit("-", 1)[-1], str((meta_of(item[1]) or {}).get("date"))
+
+    lines = []
+    for name, data in sorted(members.items(), key=key):
+        tree, rep = Path(name).stem.rsplit("-", 1)
+        commit = str((meta_of(data) or {}).get("commit") or "?")[:7]
+        lines += [[f"{tree} ({commit})", rep, str(r["concurrency"]), pair(r, "ttft_ms_p50", "ttft_ms_p99"),
+                   pair(r, "handover_ms_p50", "handover_ms_p99"), cell(r.get("output_tokens_per_s")),
+                   f"{r['failed']}/{r['requests']}", f"{r.get('kv_full_hits')}/{r.get('kv_lookups')}"]
+                  for r in rows_of(data)]
+    return markdown(["tree", "rep", "conc", "TTFT p50 / p99 ms", "handover p50 / p99 ms", "output tok/s", "failed",
+                     "full KV hits"], lines)
+
+
 TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
     "tp_engine": tp_engine_table,
     "e2e_gpu_long": e2e_gpu_long_table,
@@ -333,6 +402,7 @@ TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
     "multiturn_cpu": multiturn_table,
     "proxy_relay": proxy_relay_table,
     "proxy_handover": proxy_handover_table,
+    "e2e_gpu_one_gpu": one_gpu_arena_table,
 }
 
 
@@ -353,16 +423,38 @@ def test_suite_slowest(data: Mapping[str, Any]) -> str:
 # Results files that are not a list of rows: each gives blocks of its own (block name -> render).
 WHOLE_FILE: dict[str, dict[str, Callable[[Mapping[str, Any]], str]]] = {
     "test_suite": {"test_suite": test_suite_sentence, "test_suite_slowest": test_suite_slowest},
-    "multihost_cpu": {"multihost_cpu_rtt": multihost_rtt_table},
+    "multihost_cpu": {"multihost_cpu_rtt": multihost_rtt_table, "multihost_cpu_round_trips": round_trips_table},
+    "e2e_gpu": {"e2e_gpu_equality": gpu_equality_table},
+}
+
+# Blocks from a study's archive, bench/results/STUDY.tar.xz: block name -> (STUDY, the JSON members it renders
+# from, a render over {member: data}).
+FROM_ARCHIVE: dict[str, tuple[str, tuple[str, ...], Callable[[Mapping[str, Any]], str]]] = {
+    "tp1_ab": ("tp1_ab", ("tp1_ab/pre-0.json", "tp1_ab/pre-1.json", "tp1_ab/main-0.json", "tp1_ab/main-1.json"),
+               ab_runs_table),
+    "gpu_one_ab_vs_lmcache_pd": ("gpu_one_ab", ("gpu_one_ab/vs_lmcache_pd_s16.json",),
+                                 lambda m: handover_split_table(m["gpu_one_ab/vs_lmcache_pd_s16.json"])),
 }
 
 
 def blocks_for(name: str, data: Any) -> dict[str, str]:
-    """Every marked block a results file fills: its table, or a whole-file file's blocks."""
+    """Every marked block a results file fills: its table and a whole-file file's blocks."""
+    blocks = {}
     if name in WHOLE_FILE and isinstance(data, Mapping):
-        return {block: render(data) for block, render in WHOLE_FILE[name].items()}
+        blocks = {block: render(data) for block, render in WHOLE_FILE[name].items()}
     table = table_for(name, data)
-    return {name: table} if table is not None else {}
+    return {name: table, **blocks} if table is not None else blocks
+
+
+def archive_blocks(results: Path) -> dict[str, str]:
+    """FROM_ARCHIVE's blocks whose archive is under ``results``."""
+    out = {}
+    for block, (study, members, render) in FROM_ARCHIVE.items():
+        archive = results / f"{study}.tar.xz"
+        if archive.is_file():
+            with tarfile.open(archive, "r:*") as tar:
+                out[block] = render({m: json.load(tar.extractfile(m)) for m in members})
+    return out
 
 
 def table_for(name: str, data: Any) -> str | None:
@@ -562,6 +654,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         tables.update(blocks)
         for table in blocks.values():
             print(f"## {name}.json\n{meta_line(data)}\n\n{table}\n")
+    for block, table in archive_blocks(args.results).items():
+        tables[block] = table
+        print(f"## {FROM_ARCHIVE[block][0]}.tar.xz: {', '.join(FROM_ARCHIVE[block][1])}\n\n{table}\n")
     for path in args.markdown:
         if str(path) and path.is_file():
             done = update_markdown(path, tables)

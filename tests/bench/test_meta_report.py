@@ -160,3 +160,55 @@ def test_report_tables_of_the_long_prompts_tp_engine_and_multihost_files(report)
          "ttft_ms_p99_single": 67.6, "handover_ms_p50": 42.5, "handover_ms_p99": 57.7, "kv_wait_ms_p50": 7.216,
          "ttft_target_ms": 101.2, "meets_target": True, "pd_failed": 0, "single_failed": 0}]})
     assert "| 5 | 74.0 / 133.2 | 53.9 / 67.6 | 42.5 / 57.7 | 7.22 | 101.2 | yes | 0 / 0 |" in rtt["multihost_cpu_rtt"]
+
+
+def test_report_tables_of_the_one_gpu_files_and_the_gpu_equality(report):
+    arena = report.table_for("e2e_gpu_one_gpu", {"rows": [
+        {"system": "lmcache_p2p-nixl", "rate": 8.0, "kv_transfer_ms_p50": 2.304, "kv_transfer_ms_p99": 28.869,
+         "failed": 0, "kv_hit_ratio": 1.0, "kv_full_hits": 64, "kv_lookups": 64}]})
+    assert "| lmcache_p2p-nixl | 8 | 2.30 / 28.87 | 0 | 1.00 | 64/64 |" in arena
+    row = {"system": "lmcache-pd", "rate": 16.0, "ttft_ms_p50": 250.61, "ttft_ms_p99": 456.81, "tpot_ms_p50": 7.51,
+           "tpot_ms_p99": 7.88, "handover_ms_p50": 45.605, "handover_ms_p99": 61.774, "kv_hit_ratio": 1.0, "failed": 0}
+    split = report.handover_split_table({"rows": [row, {**row, "system": "lmcache_p2p-nixl", "rate": 8.0}],
+                                         "handover_split": [{"system": "lmcache-pd", "rate": 16.0,
+                                                             "decoder_ttft_ms_p50": 25.6,
+                                                             "outside_decoder_ms_mean": 17.027}]})
+    assert "| lmcache-pd | 16 | 250.6 / 456.8 | 7.51 / 7.88 | 45.6 / 61.8 | 25.6 | 17.0 | 1.00 | 0 |" in split
+    assert split.index("| lmcache_p2p-nixl | 8 |") < split.index("| lmcache-pd | 16 |")  # by rate
+    nixl = {"cases": 16, "token_ids_compared": 16, "token_ids_equal": 15, "texts_equal": 16, "decoder_lookups": 16,
+            "decoder_full_prompt_hits": 16, "failed": 0}
+    equality = report.blocks_for("e2e_gpu", {"rows": [], "equality": {"128k": {
+        "model": "/m", "tokenizer": False, "cases": [{}] * 16, "systems": {"lmcache_p2p-nixl": nixl}}}})
+    assert list(equality) == ["e2e_gpu_equality"]
+    assert "| `128k` (/m) | none | 16 | 15/16 (texts 16/16) | 16/16 | 0 | - | - | - |" in equality["e2e_gpu_equality"]
+    trips = report.blocks_for("multihost_cpu", {"round_trips": [
+        {"step": "prefill request", "between": "proxy -> prefiller", "in_ttft": True},
+        {"step": "KvReady", "between": "decoder -> proxy", "in_ttft": False}]})["multihost_cpu_round_trips"]
+    assert "| prefill request | proxy -> prefiller | yes |" in trips and "| KvReady | decoder -> proxy | no |" in trips
+
+
+def test_report_fills_a_block_from_a_study_archive(report, tmp_path):
+    import io
+    import tarfile
+
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [{"concurrency": 1, "requests": 24, "failed": 0, "ttft_ms_p50": 53.88, "ttft_ms_p99": 119.27,
+             "handover_ms_p50": 12.612, "handover_ms_p99": 16.447, "output_tokens_per_s": 194.6, "kv_full_hits": 24,
+             "kv_lookups": 24}]
+    with tarfile.open(results / "tp1_ab.tar.xz", "w:xz") as tar:
+        for name, commit, date in (("pre-0", "95f515b5", "07:01"), ("main-0", "8058bf1a", "07:02"),
+                                   ("pre-1", "95f515b5", "07:04"), ("main-1", "8058bf1a", "07:06")):
+            body = json.dumps({"meta": {"commit": commit, "date": date}, "rows": rows}).encode()
+            info = tarfile.TarInfo(f"tp1_ab/{name}.json")
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    md = tmp_path / "B.md"
+    md.write_text("<!-- table:tp1_ab -->\nold\n<!-- /table:tp1_ab -->\n")
+    assert report.main(["--results", str(results), "--markdown", str(md), "--no-plots"]) == 0
+    text = md.read_text()
+    assert "| pre (95f515b) | 0 | 1 | 53.9 / 119.3 | 12.6 / 16.4 | 194.6 | 0/24 | 24/24 |" in text
+    # by repetition, then in the order the runs went
+    order = [text.index(f"| {tree} | {rep} |") for tree, rep in (("pre (95f515b)", 0), ("main (8058bf1)", 0),
+                                                                   ("pre (95f515b)", 1))]
+    assert order == sorted(order)
