@@ -69,6 +69,41 @@ def test_output_rules_where_the_references_disagree(tp_cpu) -> None:
                       "output_rule_violations": 1}
 
 
+def test_bf16_different_tp_compares_the_first_token_and_reports_the_rest(tp_cpu) -> None:
+    def run(*ids):
+        return tp_cpu.Measured("x", 1, tuple(result(tp_cpu, i, x) for i, x in enumerate(ids)), 1.0)
+
+    tp1 = tp2 = run((1, 2, 3), (4, 5, 6))  # the references agree on both requests
+    # the decoder's size over the other size's KV flips a near-tied step after the first token
+    mixed = tp_cpu.output_rules(run((1, 2, 7), (4, 5, 6)), tp1, tp2, equal_tp=False)
+    assert mixed == {"rule": tp_cpu.RULE_BF16, "references_agree": 2, "equal_where_references_agree": 1,
+                     "output_rule_violations": 0}
+    assert tp_cpu.output_rules(run((9, 2, 3), (4, 5, 6)), tp1, tp2, equal_tp=False)["output_rule_violations"] == 1
+    assert tp_cpu.output_rules(run((1, 2, 7), (4, 5, 6)), tp1, tp2, equal_tp=True)["output_rule_violations"] == 1
+
+
+def test_rescore_applies_the_rules_to_the_stored_ids(tp_cpu, tmp_path) -> None:
+    rows = [{"system": "p2-d1-nixl", "dtype": "bfloat16", "p_tp": 2, "d_tp": 1, "transport": "nixl", "concurrency": 1,
+             "requests": 2, "failed": 0, "outputs_equal": False, "handover_ms_p50": 1.0, "kv_bytes_equal_model_kv": True,
+             "ranks_loaded_whole": 2, "kv_lookups": 2, "kv_hit_ratio": 1.0, "rule": "old", "output_rule_violations": 1},
+            {"system": "p2-d1-nixl", "dtype": "float32", "p_tp": 2, "d_tp": 1, "transport": "nixl", "concurrency": 1,
+             "requests": 2, "failed": 0, "outputs_equal": False, "handover_ms_p50": 1.0, "kv_bytes_equal_model_kv": True,
+             "ranks_loaded_whole": 2, "kv_lookups": 2, "kv_hit_ratio": 1.0, "rule": "old", "output_rule_violations": 0}]
+    ids = {"plain-tp1-bfloat16-c1": [[1, 2], [3, 4]], "plain-tp2-bfloat16-c1": [[1, 2], [3, 4]],
+           "p2-d1-nixl-bfloat16-c1": [[1, 9], [3, 4]],
+           "plain-tp1-float32-c1": [[1, 2], [3, 4]], "plain-tp2-float32-c1": [[1, 2], [3, 4]],
+           "p2-d1-nixl-float32-c1": [[1, 9], []]}  # one answer wrong after its first token, one request failed
+    path = tmp_path / "tp_cpu.json"
+    path.write_text(json.dumps({"meta": {}, "summary": {}, "rows": rows, "output_ids": ids}))
+    assert tp_cpu.rescore(path) == 1
+    data = json.loads(path.read_text())
+    bf16, f32 = data["rows"]
+    assert (bf16["rule"], bf16["output_rule_violations"], bf16["equal_where_references_agree"]) == (
+        tp_cpu.RULE_BF16, 0, 1)
+    assert (f32["rule"], f32["output_rule_violations"]) == (tp_cpu.RULE_EXACT, 2)
+    assert data["summary"]["output_rule_violations"] == 2 and "rescored" in data["meta"]
+
+
 def test_float32_pairs_must_equal_the_plain_instance_at_the_decoders_size_on_every_request(tp_cpu) -> None:
     def run(*ids, dtype="float32"):
         return tp_cpu.Measured("x", 1, tuple(result(tp_cpu, i, x) for i, x in enumerate(ids)), 1.0, dtype=dtype)
