@@ -54,6 +54,7 @@ PROMETHEUS_PORTS = {ROUTER_PORT: 29100, TAPPED_ROUTER_PORT: 29101}
 CORES = {"prefiller": 0, "decoder": 1}
 KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 SERVED_MODEL_NAME = "tiny"
+ANCHOR_CACHE_FLAGS = ("--no-enable-prefix-caching",)
 ROUTER_MODULE = "vllm_router.launch_router"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 HEALTH_POLL_S = 1.0
@@ -190,16 +191,16 @@ def instance_env(variant: Variant, role: str, core: int, base: Mapping[str, str]
 def instance_launch(variant: Variant, role: str, model: Path, vllm_args: Sequence[str], max_model_len: int,
                     log_dir: Path, base: Mapping[str, str] | None = None, *, port: int | None = None,
                     side_channel_port: int | None = None, served_model_name: str = SERVED_MODEL_NAME,
-                    prefix_caching: bool = False) -> Launch:
-    """The role's server; ``port`` and ``side_channel_port`` default to this module's fixed ones. The
-    anchor runs it without prefix caching, as its other systems; ``prefix_caching`` keeps vLLM's default."""
+                    cache_flags: Sequence[str] = ANCHOR_CACHE_FLAGS) -> Launch:
+    """The role's server; ``port`` and ``side_channel_port`` default to this module's fixed ones,
+    ``cache_flags`` to the anchor's (no prefix caching, as its other systems)."""
     cores, sets = our_placement(model) if variant is not Variant.USER else (CORES, {})
     if port is None:
         port = PREFILL_PORT if role == "prefiller" else DECODE_PORT
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", served_model_name, "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(max_model_len), *([] if prefix_caching else ["--no-enable-prefix-caching"]),
-            *vllm_args, "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)]
+            "--max-model-len", str(max_model_len), *cache_flags, *vllm_args,
+            "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)]
     env = instance_env(variant, role, cores[role], os.environ if base is None else base, side_channel_port)
     return Launch(role, argv, env, log_dir / f"{role}.log", sets.get(role))
 

@@ -16,8 +16,10 @@ at most run at once):
 The same seeded token-id prompts go through each front in turn (at each concurrency level: our proxy, then
 vllm-router) with bench/e2e.py's streaming client; each request has ``--request-timeout-s`` for its whole
 answer and counts as failed after it (its work may go on in the servers and show in the next row's counters).
-Each front sees the prompts again after the first: vLLM's prefix caching is on (as ``launch`` runs ours), so
-later runs may find prompt blocks in a server's own prefix cache (``decoder_prefix_cache_hit_ratio``).
+Each front sees the prompts again after the first: with vLLM's prefix caching on (the default, as ``launch``
+runs ours) later runs find prompt blocks in the servers' own prefix caches (``decoder_prefix_cache_hit_ratio``;
+``prefill_ms_mean`` drops), so only each backend's first run moves every prompt's KV;
+``--no-prefix-caching`` turns it off on every server, ours (and our decoders' buffer cache) and NixlConnector's.
 Per (router, backend, concurrency) row:
 
 - ``ttft_ms_p50/p99``: client side, request sent -> first streamed token id;
@@ -223,10 +225,10 @@ def nixl_proxy_child(args: argparse.Namespace, instances: list[Instance], log_di
 
 def nixl_instance(inst: Instance, model: Path, args: argparse.Namespace, log_dir: Path) -> Child:
     """A NixlConnector server in ``inst``'s place: its port, the launcher's cores and vLLM flags for it."""
-    flags = [*launch.cache_flags(args.prefix_caching), *launch.tp_flags(inst.tp_size), *args.vllm_arg]
+    flags = [*launch.tp_flags(inst.tp_size), *args.vllm_arg]
     spec = nixl.instance_launch(nixl.Variant.PLACED, inst.role, model, flags, args.max_model_len, log_dir,
                                 port=inst.http_port, side_channel_port=free_port(), served_model_name=str(model),
-                                prefix_caching=args.prefix_caching)
+                                cache_flags=launch.cache_flags(args.prefix_caching))
     return Child(inst.name, spec.argv, spec.env, log_dir / f"{inst.name}.log",
                  f"http://{inst.host}:{inst.http_port}/health", cpus=spec.cpus)
 
@@ -322,9 +324,9 @@ def measure_pair(pair: Pair, cfg: argparse.Namespace, bodies: list[dict[str, Any
     return rows
 
 
-def reference_outputs(model: Path, bodies: list[dict[str, Any]], log_dir: Path,
-                      timeout_s: float) -> list[tuple[int, ...]]:
-    child = plain_vllm_child(model, log_dir / "direct", port=free_port(), cpu_core=0)
+def reference_outputs(model: Path, bodies: list[dict[str, Any]], log_dir: Path, timeout_s: float,
+                      prefix_caching: bool) -> list[tuple[int, ...]]:
+    child = plain_vllm_child(model, log_dir / "direct", port=free_port(), cpu_core=0, prefix_caching=prefix_caching)
     try:
         child.start()
         wait_healthy([child], STARTUP_TIMEOUT_S)
@@ -345,6 +347,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-input", type=int, default=1500)
     p.add_argument("--request-timeout-s", type=float, default=60.0,
                    help="a request's whole answer must arrive within this, else it counts as failed (default 60)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="vLLM's prefix caching off on every server (launch --no-prefix-caching: our decoders' "
+                        "buffer cache too), so that no front finds the prompts an earlier run left cached")
     p.add_argument("--model", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", type=Path, default=REPO / "logs" / "bench-routers")
@@ -363,9 +368,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               for p in make_prompts(cfg.requests, cfg.min_input, cfg.max_input, vocab, cfg.seed)]
     warm = [request_body(model, p, cfg.output_len)
             for p in make_prompts(WARMUP_REQUESTS, cfg.min_input, cfg.max_input, vocab, cfg.seed + 1)]
-    reference = reference_outputs(model, bodies, cfg.log_dir, cfg.request_timeout_s)
+    reference = reference_outputs(model, bodies, cfg.log_dir, cfg.request_timeout_s, cfg.prefix_caching)
     # Both fronts over one deployment: the decoder's control port is its HTTP port + 20 in Cluster's layout.
-    cluster = Cluster(model, cfg.log_dir / "pd", p2p=("router_control_port_offset=20",))
+    cluster = Cluster(model, cfg.log_dir / "pd", prefix_caching=cfg.prefix_caching,
+                      p2p=("router_control_port_offset=20",))
     with lmcache_pair(cluster, cfg.log_dir / "pd") as pair:
         rows = measure_pair(pair, cfg, bodies, warm, reference)
     with nixl_pair(model, cluster.args, cluster.instances, cfg.log_dir / "nixl") as pair:

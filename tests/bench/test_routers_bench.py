@@ -68,7 +68,8 @@ def test_nixl_figures_from_the_decoders_counters(routers):
 
 def test_nixl_figures_without_a_failure_counter_say_none(routers):
     strip = lambda t: "".join(x + "\n" for x in t.splitlines() if "failed" not in x)  # noqa: E731
-    partial = AFTER.replace('hits_total{engine="0",model_name="m"} 454.0', 'hits_total{engine="0",model_name="m"} 252.0')
+    hits = 'hits_total{engine="0",model_name="m"}'
+    partial = AFTER.replace(f"{hits} 454.0", f"{hits} 252.0")
     kv = routers.nixl_figures(_sums(routers, strip(BEFORE)), _sums(routers, strip(partial)))
     assert (kv.hit_ratio, kv.full_hits, kv.failed_transfers) == (0.5, None, None)
 
@@ -108,10 +109,10 @@ def test_rows_ordered_as_a_two_by_two_per_concurrency(routers):
         (1, "vllm-nixl", "vllm-router")]
 
 
-def _plan(tmp_path):
+def _plan(tmp_path, *extra):
     model = tmp_path / "m"
     args = build_parser().parse_args(["launch", "--prefill", "1", "--decode", "1", "--model", str(model),
-                                      "--log-dir", str(tmp_path)])
+                                      "--log-dir", str(tmp_path), *extra])
     return model, args, launch.plan(args)
 
 
@@ -119,9 +120,10 @@ def _flag(argv, name):
     return argv[argv.index(name) + 1]
 
 
+@pytest.mark.parametrize("caching", [(), ("--no-prefix-caching",)])
 @pytest.mark.parametrize("role", ["prefiller", "decoder"])
-def test_nixl_instance_takes_our_instances_place_flags_and_cores(routers, tmp_path, role):
-    model, args, instances = _plan(tmp_path)
+def test_nixl_instance_takes_our_instances_place_flags_and_cores(routers, tmp_path, role, caching):
+    model, args, instances = _plan(tmp_path, *caching)
     inst = next(i for i in instances if i.role == role)
     ours = launch.vllm_child(inst, model, args, tmp_path)
     peer = routers.nixl_instance(inst, model, args, tmp_path / "nixl")
@@ -135,7 +137,7 @@ def test_nixl_instance_takes_our_instances_place_flags_and_cores(routers, tmp_pa
         return sorted(a for i, a in enumerate(rest) if a not in drop and rest[i - 1] not in drop)
 
     assert flags(peer.argv) == flags(ours.argv)
-    assert "--no-enable-prefix-caching" not in peer.argv  # prefix caching on, as on ours
+    assert ("--no-enable-prefix-caching" in peer.argv) == bool(caching)  # prefix caching as on ours
     assert peer.env["VLLM_CPU_OMP_THREADS_BIND"] == ours.env["VLLM_CPU_OMP_THREADS_BIND"]
     assert int(peer.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) not in (inst.http_port, 5600, 5601)
 
