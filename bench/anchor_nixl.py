@@ -59,6 +59,8 @@ PROMETHEUS_PORTS = {ROUTER_PORT: 29100, TAPPED_ROUTER_PORT: 29101}
 CORES = {"prefiller": 0, "decoder": 1}
 KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 PUSH_KV_TRANSFER_CONFIG = {**KV_TRANSFER_CONFIG, "kv_connector": "NixlPushConnector"}
+SERVED_MODEL_NAME = "tiny"
+ANCHOR_CACHE_FLAGS = ("--no-enable-prefix-caching",)
 ROUTER_MODULE = "vllm_router.launch_router"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 HEALTH_POLL_S = 1.0
@@ -177,8 +179,10 @@ def our_placement(model: Path) -> tuple[dict[str, int], dict[str, frozenset[int]
             {role: sets[inst.name] for role, inst in instances.items() if inst.name in sets})
 
 
-def instance_env(variant: Variant, role: str, core: int, base: Mapping[str, str]) -> dict[str, str]:
-    """A vLLM instance's environment: the recipe's NIXL settings on top of a user's or of ours."""
+def instance_env(variant: Variant, role: str, core: int, base: Mapping[str, str],
+                 side_channel_port: int | None = None) -> dict[str, str]:
+    """A vLLM instance's environment: the recipe's NIXL settings on top of a user's or of ours
+    (``side_channel_port``: default the role's in ``SIDE_CHANNEL_PORTS``)."""
     if variant is Variant.USER:
         env = dict(base)
         env.update({"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
@@ -188,7 +192,8 @@ def instance_env(variant: Variant, role: str, core: int, base: Mapping[str, str]
 
         # as instance_spec builds ours (the NCCL setting is inert on CPU, kept to match exactly)
         env = vllm_env(cpu_core=core, kv_cache_gib=1, base=base, extra={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})
-    env.update({"UCX_TLS": "tcp,self", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_CHANNEL_PORTS[role])})
+    side_channel = SIDE_CHANNEL_PORTS[role] if side_channel_port is None else side_channel_port
+    env.update({"UCX_TLS": "tcp,self", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel)})
     # our vLLM plugin is installed in this venv: a user of the peer has none; the spin variant loads
     # it for its spin cap only (without an LMCache config it changes nothing else)
     env["VLLM_PLUGINS"] = "lmcache_p2p" if variant.spin_capped else ""
@@ -199,14 +204,19 @@ def instance_env(variant: Variant, role: str, core: int, base: Mapping[str, str]
 
 
 def instance_launch(variant: Variant, role: str, model: Path, vllm_args: Sequence[str], max_model_len: int,
-                    log_dir: Path, base: Mapping[str, str] | None = None) -> Launch:
+                    log_dir: Path, base: Mapping[str, str] | None = None, *, port: int | None = None,
+                    side_channel_port: int | None = None, served_model_name: str = SERVED_MODEL_NAME,
+                    cache_flags: Sequence[str] = ANCHOR_CACHE_FLAGS) -> Launch:
+    """The role's server; ``port`` and ``side_channel_port`` default to this module's fixed ones,
+    ``cache_flags`` to the anchor's (no prefix caching, as its other systems)."""
     cores, sets = our_placement(model) if variant is not Variant.USER else (CORES, {})
-    port = PREFILL_PORT if role == "prefiller" else DECODE_PORT
+    if port is None:
+        port = PREFILL_PORT if role == "prefiller" else DECODE_PORT
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(max_model_len), "--no-enable-prefix-caching", *vllm_args,
+            "--served-model-name", served_model_name, "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(max_model_len), *cache_flags, *vllm_args,
             "--kv-transfer-config", json.dumps(variant.kv_transfer_config)]
-    env = instance_env(variant, role, cores[role], os.environ if base is None else base)
+    env = instance_env(variant, role, cores[role], os.environ if base is None else base, side_channel_port)
     return Launch(role, argv, env, log_dir / f"{role}.log", sets.get(role))
 
 

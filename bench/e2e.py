@@ -245,8 +245,22 @@ async def one_request(client: httpx.AsyncClient, url: str, index: int, body: dic
                          tuple(times))
 
 
-async def run_load(url: str, bodies: Sequence[dict[str, Any]], concurrency: int) -> tuple[list[RequestResult], float]:
-    """Send every body with ``concurrency`` requests in flight; results in body order, and the wall time."""
+async def bounded_request(client: httpx.AsyncClient, url: str, index: int, body: dict[str, Any],
+                          timeout_s: float) -> RequestResult:
+    """:func:`one_request`, failed when the whole answer has not arrived within ``timeout_s`` (a stream
+    that stalls between bytes never trips the client's per-read timeout soon enough)."""
+    start = time.perf_counter()
+    try:
+        return await asyncio.wait_for(one_request(client, url, index, body), timeout_s)
+    except asyncio.TimeoutError:
+        return RequestResult(index, f"no complete answer within {timeout_s:g} s (the client's request timeout)",
+                             None, time.perf_counter() - start, (), ())
+
+
+async def run_load(url: str, bodies: Sequence[dict[str, Any]], concurrency: int,
+                   request_timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[list[RequestResult], float]:
+    """Send every body with ``concurrency`` requests in flight, each given ``request_timeout_s`` for its
+    whole answer; results in body order, and the wall time."""
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(bodies)):
         queue.put_nowait(i)
@@ -257,7 +271,7 @@ async def run_load(url: str, bodies: Sequence[dict[str, Any]], concurrency: int)
         async def worker() -> None:
             while not queue.empty():
                 i = queue.get_nowait()
-                results[i] = await one_request(client, url, i, bodies[i])
+                results[i] = await bounded_request(client, url, i, bodies[i], request_timeout_s)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -312,13 +312,15 @@ def multihost_rtt_table(data: Mapping[str, Any]) -> str:
 
 
 def routers_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """bench/routers.py's rows; a figure a backend does not have (NixlConnector: per-request hits, waits) is "-"."""
     return markdown(["router", "backend", "concurrency", "requests", "TTFT p50 / p99 ms", "handover mean ms",
                      "handover p50 / p99 ms", "failed", "= single", "KV hit", "full hits", "decoder waits"],
                     [[r["router"], r["backend"], str(r["concurrency"]), str(r["requests"]),
                       pair(r, "ttft_ms_p50", "ttft_ms_p99"), cell(r.get("handover_ms_mean")),
                       pair(r, "handover_ms_p50", "handover_ms_p99"), str(r["failed"]),
                       "yes" if r.get("outputs_equal") else "NO", cell(r.get("kv_hit_ratio"), 2),
-                      f"{r.get('kv_full_hits')}/{r.get('kv_lookups')}", str(r.get("decoder_waits"))] for r in rows])
+                      f"{cell(r.get('kv_full_hits'))}/{cell(r.get('kv_lookups'))}", cell(r.get("decoder_waits"))]
+                     for r in rows])
 
 
 def one_gpu_arena_table(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -165,15 +165,7 @@ class Cluster:
         return httpx.get(f"{self.url}/health", timeout=5).json()
 
     def wait_registered(self, prefillers: int, decoders: int, timeout_s: float = 120) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            health = self.health()
-            if (health["prefillers"], health["decoders"]) == (prefillers, decoders):
-                return health
-            if time.monotonic() > deadline:
-                raise StartupError(f"the proxy's registry never showed {prefillers}P{decoders}D within "
-                                   f"{timeout_s:.0f}s: {health}; see {self.proxy.log_path}")
-            time.sleep(0.5)
+        return wait_registered(self.url, prefillers, decoders, timeout_s, self.proxy.log_path)
 
     def url_of(self, name: str) -> str:
         child = self.children[name]
@@ -191,6 +183,19 @@ class Cluster:
 
     def wait_started(self, child: Child, timeout_s: float = 300) -> None:
         wait_healthy([child], timeout_s)
+
+
+def wait_registered(url: str, prefillers: int, decoders: int, timeout_s: float, log_path: Path) -> dict:
+    """Until our proxy at ``url`` routes to ``prefillers`` prefillers and ``decoders`` decoders (its /health)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = httpx.get(f"{url}/health", timeout=5).json()
+        if (health["prefillers"], health["decoders"]) == (prefillers, decoders):
+            return health
+        if time.monotonic() > deadline:
+            raise StartupError(f"the proxy's registry never showed {prefillers}P{decoders}D within "
+                               f"{timeout_s:.0f}s: {health}; see {log_path}")
+        time.sleep(0.5)
 
 
 def plain_vllm_child(model: Path, log_dir: Path, *, port: int, cpu_core: int | Sequence[int] | None,

@@ -46,3 +46,8 @@ def transfer() -> ModuleType:
 @pytest.fixture(scope="session")
 def tp_cpu() -> ModuleType:
     return _bench_module("tp_cpu")
+
+
+@pytest.fixture(scope="session")
+def routers() -> ModuleType:
+    return _bench_module("routers")
