@@ -409,6 +409,16 @@ def supervise(children: list[Child], policy: RestartPolicy, every_s: float = SUP
         return 1
 
 
+def serving_line(args: argparse.Namespace, proxy_url: str, model: Path) -> str:
+    """What the launcher prints once everything serves: what serves, its shape, where and which model."""
+    sizes = tp_sizes(args)
+    tp = "" if (sizes.prefill, sizes.decode) == (1, 1) else f" (prefill TP {sizes.prefill}, decode TP {sizes.decode})"
+    front = "" if not routers.foreign(args) else f" behind {args.router}"
+    kv = connectors.connector_of(args).vllm_name
+    served = f"vLLM's {kv}" if kv else "lmcache_p2p"
+    return f"{served} is serving {args.prefill}P{args.decode}D{tp}{front}: {proxy_url}/v1  (model {model})"
+
+
 def run(args: argparse.Namespace) -> int:
     if args.demo and routers.foreign(args):
         logger.error("--demo reads our proxy's /stats and /metrics: it cannot run with --router %s", args.router)
@@ -447,14 +457,7 @@ def run(args: argparse.Namespace) -> int:
         if not routers.foreign(args):  # a foreign router has no registry; its health waits for the instances'
             wait_registered(proxy_url, connectors.registry_ids(args, plan(args)), timeout_s=REGISTER_TIMEOUT_S,
                             secret=args.shared_secret)
-        sizes = tp_sizes(args)
-        tp = "" if (sizes.prefill, sizes.decode) == (1, 1) else f" (prefill TP {sizes.prefill}, decode TP {sizes.decode})"
-        front = "" if not routers.foreign(args) else f" behind {args.router}"
-        kv = connectors.connector_of(args).vllm_name
-        served = f"vLLM's {kv}" if kv else "lmcache_p2p"
-        print(f"\n{served} is serving {args.prefill}P{args.decode}D{tp}{front}: {proxy_url}/v1  (model {model})",
-              flush=True)
-        print(f"logs: {log_dir}\nCtrl-C stops everything.", flush=True)
+        print(f"\n{serving_line(args, proxy_url, model)}\nlogs: {log_dir}\nCtrl-C stops everything.", flush=True)
         if args.demo:
             decoder = next((connectors.url_of(i) for i in plan(args) if i.role == "decoder"), None)
             print("\n".join(demo.demo_request(proxy_url, model, log_dir, tiny_model=args.model is None,
