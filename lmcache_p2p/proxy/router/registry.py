@@ -51,6 +51,7 @@ from lmcache_p2p.proxy.router.instances import (
     InstanceState,
     RankInfo,
     StaticInstance,
+    registered_id,
     role_name,
 )
 from lmcache_p2p.proxy.router.pairing import PairingCheck
@@ -104,7 +105,7 @@ class Registry:
         registered by its URL (a flag or ``POST /instances/register``). It is probed like any other, polled
         for its KV capacity and liveness (``router/kv_metrics.py``) and never expires; a drain forgets it once
         idle. Registering it again is a no-op, or brings back one that is draining."""
-        instance_id = f"{spec.backend.value}-{role_name(spec.role)}-{spec.http_url}"
+        instance_id = registered_id(spec.backend, spec.role, spec.http_url)
         self._drained.pop(instance_id, None)
         inst = self._dynamic.get(instance_id)
         if inst is not None:
