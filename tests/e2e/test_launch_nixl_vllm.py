@@ -19,9 +19,10 @@ import time
 import httpx
 import pytest
 
+from lmcache_p2p.cli import ports
 from lmcache_p2p.cli.demo import metric_total
 from test_nixl_backend_vllm import PROMPTS, complete  # tests/e2e is on sys.path
-from vllm_server import free_cluster_base_port, port_is_free
+from vllm_server import free_cluster_base_port
 
 # Two vLLM servers for ~2 min: in `make test-long`.
 pytestmark = [pytest.mark.vllm, pytest.mark.long]
@@ -54,7 +55,7 @@ def test_one_command_serves_vllm_nixl_instances_behind_our_proxy_with_one_instan
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         wait_serving(proc, out, SERVING_TIMEOUT_S)
-        model = str(tiny_model_dir)
+        model = str(tiny_model_dir.resolve())  # the launcher serves the model under its resolved path
         reference = {p: complete(decoder, model, p) for p in PROMPTS}
         hits_before = metric_total(httpx.get(f"{decoder}/metrics", timeout=10).text, HITS)
         for prompt in PROMPTS:
@@ -72,4 +73,5 @@ def test_one_command_serves_vllm_nixl_instances_behind_our_proxy_with_one_instan
             os.killpg(proc.pid, signal.SIGKILL)
             raise
     assert code == 0, open(out).read()[-4000:]
-    assert all(port_is_free(p) for p in (base, base + 10, base + 30, base + 50, base + 51))
+    held = {p: ports.holders_of(p) for p in (base, base + 10, base + 30, base + 50, base + 51) if not ports.bindable(p)}
+    assert not held, held  # nothing left listening (connections in TIME_WAIT do not count)
