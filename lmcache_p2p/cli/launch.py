@@ -63,7 +63,15 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = Path("models/tiny-llama")
 SUPERVISE_EVERY_S = 1.0
-REGISTER_TIMEOUT_S = 60.0
+REGISTER_TIMEOUT_S = 60.0  # our plugin announces within seconds of vLLM's /health: one that never does is a fault
+
+
+def register_timeout_s(args: argparse.Namespace) -> float:
+    """How long to wait for the proxy to list the healthy instances. Ours announce themselves, so a minute
+    separates a plugin that is not running from a slow one. A vLLM connector's instances are named to the proxy
+    at its start and listed at its first /health probe; nothing can fail to announce, and on loaded cores the
+    proxy's answer can be slow, so their wait is the start-up's (``--startup-timeout-s``)."""
+    return args.startup_timeout_s if connectors.native(args) else REGISTER_TIMEOUT_S
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -455,7 +463,7 @@ def run(args: argparse.Namespace) -> int:
                 child.start()
             wait_healthy(wave, args.startup_timeout_s)
         if not routers.foreign(args):  # a foreign router has no registry; its health waits for the instances'
-            wait_registered(proxy_url, connectors.registry_ids(args, plan(args)), timeout_s=REGISTER_TIMEOUT_S,
+            wait_registered(proxy_url, connectors.registry_ids(args, plan(args)), timeout_s=register_timeout_s(args),
                             secret=args.shared_secret)
         print(f"\n{serving_line(args, proxy_url, model)}\nlogs: {log_dir}\nCtrl-C stops everything.", flush=True)
         if args.demo:

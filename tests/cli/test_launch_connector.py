@@ -155,3 +155,14 @@ def test_the_demo_proves_a_pull_with_the_decoders_external_prefix_cache_hits():
             'vllm:external_prefix_cache_queries_total{engine="0",model_name="m"} 188.0\n')
     assert "pulled the KV of 187 of the 188 prompt tokens" in demo.pulled_line(text)
     assert "asked no prefiller" in demo.pulled_line("vllm:external_prefix_cache_hits_total 0\n")
+
+
+def test_the_wait_for_the_proxy_to_list_vllm_connector_instances_is_the_start_ups():
+    """Ours must announce within a minute of their /health (else the plugin is not running); instances of a vLLM
+    connector cannot fail to announce, so a proxy slow to list them on loaded cores gets --startup-timeout-s."""
+    def args(*extra):
+        return build_parser().parse_args(["launch", "--startup-timeout-s", "600", *extra])
+
+    assert launch.register_timeout_s(args()) == launch.REGISTER_TIMEOUT_S == 60.0
+    assert launch.register_timeout_s(args("--connector", "nixl")) == 600.0
+    assert launch.register_timeout_s(args("--connector", "nixl-push")) == 600.0
