@@ -76,7 +76,7 @@ from bench.e2e import (  # noqa: E402
     RequestResult, _ms, make_prompts, percentile, prompt_vocab, request_body, resolve_model, run_load)
 from bench.meta import collect  # noqa: E402
 from cluster import LOOKUP_RE, Cluster, free_port, plain_vllm_child, wait_registered  # noqa: E402
-from lmcache_p2p.cli import launch, routers  # noqa: E402
+from lmcache_p2p.cli import connectors, launch, routers  # noqa: E402
 from lmcache_p2p.cli.layout import Instance  # noqa: E402
 from lmcache_p2p.cli.processes import Child, stop_all, wait_healthy  # noqa: E402
 
@@ -218,8 +218,7 @@ def router_child(args: argparse.Namespace, instances: list[Instance], log_dir: P
 def nixl_proxy_child(args: argparse.Namespace, instances: list[Instance], log_dir: Path) -> Child:
     """Our proxy as the launcher starts it, with ``instances`` registered by URL as NixlConnector ones."""
     a = front_args(args)
-    a.proxy_arg = [*args.proxy_arg, *(f"--nixl-{'prefill' if i.role == 'prefiller' else 'decode'}="
-                                      f"http://{i.host}:{i.http_port}" for i in instances)]
+    a.proxy_arg = [*args.proxy_arg, *connectors.proxy_flags(instances)]
     return launch.proxy_child(a, log_dir)
 
 
