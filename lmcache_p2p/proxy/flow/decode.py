@@ -49,6 +49,7 @@ class DecodeSession:
         self._held = HeldText.for_request(req, proxy_text=text is not None)
         self._replay = Replay((), "")  # what of the current stream's first output the client already has
         self._decode_sent_s: float | None = None
+        self._decode_accepted_s: float | None = None
         self._started = False
 
     async def deltas(self, regenerates_first: bool, first_text: str) -> AsyncIterator[Delta]:
@@ -89,6 +90,8 @@ class DecodeSession:
                     events = await stack.enter_async_context(self._upstream.stream_events(
                         target.url, Endpoint.COMPLETIONS.value, target.body, idle_timeout_s=self._idle_timeout_s,
                         headers=self._headers))
+                    if self._decode_accepted_s is None:
+                        self._decode_accepted_s = self._clock()
                     if self._text is not None:
                         self._text.prime()  # while the decoder loads the KV (O(prompt) for some prompts)
                     break
@@ -100,7 +103,7 @@ class DecodeSession:
             async for event in _first_within(events, target):
                 if not self._started:
                     self._started = True
-                    self._steps.started(self._decode_sent_s, self._clock())
+                    self._steps.started(self._decode_sent_s, self._clock(), self._decode_accepted_s)
                 delta = self._take(decode_delta(event))
                 if delta is None:
                     continue

@@ -286,14 +286,17 @@ class RequestFlow:
             return None
         return self._target()
 
-    def started(self, decode_sent_s: float | None = None, first_decoded_s: float | None = None) -> None:
+    def started(self, decode_sent_s: float | None = None, first_decoded_s: float | None = None,
+                decode_accepted_s: float | None = None) -> None:
         """The target sent its first output: it has loaded the request's KV. The stamps (same machine,
-        same monotonic clock) of its decode request and that first output, when the caller has them."""
+        same monotonic clock) of its decode request, its response headers and that first output, when the
+        caller has them."""
         if self._phases.now is not FlowPhase.PLANNED:
             return  # its first output was seen already (or the request is over)
         self._phases.advance(FlowPhase.DECODING)
         if decode_sent_s is not None:
             self.timeline.decode_sent_s = decode_sent_s
+        self.timeline.decode_accepted_s = decode_accepted_s
         lease = self._placement.lease()
         self._s.registry.note_connected(lease.instance)
         keeps_kv = backend_of(lease.instance).decoder_keeps_kv

@@ -87,8 +87,9 @@ class RequestSteps(Protocol):
     async def broken(self, output_ids: list[int], finished: bool, rewound: int, exc: UpstreamError) -> Target | None:
         """The stream broke after ``output_ids``: where it continues (the last ``rewound`` generated again)."""
 
-    def started(self, decode_sent_s: float, first_decoded_s: float) -> None:
-        """The target sent its first output (it has loaded the KV); the stamps of its request and output."""
+    def started(self, decode_sent_s: float, first_decoded_s: float, decode_accepted_s: float | None = None) -> None:
+        """The target sent its first output (it has loaded the KV); the stamps of its request, its response
+        headers and that output."""
 
     async def end(self, answer: Answer) -> None:
         """The answer is complete: the owner closes the request now (before the client's last bytes)."""

@@ -14,7 +14,9 @@ TP rank, after its last chunk was written). The phases, in seconds:
   first_byte    prefill answer -> the first token's bytes written to a streaming client
   kv_wait       prefill answer -> KV ready on every rank (0 when it was ready first)
   decode_start  max(prefill answer, KV ready) -> decode request sent
-  decode_first  decode sent -> the decoder's first streamed byte
+  decode_first  decode sent -> the decoder's first streamed byte; within it decode_accept (-> the
+                decoder's response headers: its HTTP intake and the request's rendering, before vLLM
+                counts the request as arrived, so outside the decoder's own TTFT histogram)
   store         prefiller: the request's LMCache store as the plugin sees it (its first store call's
                 start -> its last store call's end; one store per prefill: equals ``submit``)
   submit        prefiller: time spent in ``batched_submit_put_task`` for the request (engine thread)
@@ -56,6 +58,7 @@ class Phase(str, enum.Enum):
     KV_WAIT = "kv_wait"
     DECODE_START = "decode_start"
     DECODE_FIRST = "decode_first"
+    DECODE_ACCEPT = "decode_accept"
     STORE = "store"
     SUBMIT = "submit"
     TRANSFER = "transfer"
@@ -65,7 +68,7 @@ class Phase(str, enum.Enum):
 
 
 PROXY_PHASES = (Phase.QUEUE, Phase.PREFILL, Phase.FIRST_BYTE, Phase.KV_WAIT, Phase.DECODE_START,
-                Phase.DECODE_FIRST)
+                Phase.DECODE_FIRST, Phase.DECODE_ACCEPT)
 PREFILLER_PHASES = (Phase.STORE, Phase.SUBMIT, Phase.TRANSFER, Phase.PICKUP, Phase.GRANT, Phase.WRITE)
 
 
@@ -90,6 +93,7 @@ class Timeline:
     first_byte_s: float | None = None
     kv_ready_s: float | None = None
     decode_sent_s: float | None = None
+    decode_accepted_s: float | None = None  # the decoder's response headers
     first_decoded_s: float | None = None
     decode_parts: list[DecodePart] = dataclasses.field(default_factory=list)
 
@@ -104,6 +108,8 @@ class Timeline:
             out[Phase.KV_WAIT] = max(0.0, self.kv_ready_s - answered)
             _span(out, Phase.DECODE_START, max(answered, self.kv_ready_s), self.decode_sent_s)
         _span(out, Phase.DECODE_FIRST, self.decode_sent_s, self.first_decoded_s)
+        if self.first_decoded_s is not None:
+            _span(out, Phase.DECODE_ACCEPT, self.decode_sent_s, self.decode_accepted_s)
         return out
 
 

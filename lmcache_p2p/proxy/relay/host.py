@@ -99,7 +99,7 @@ class FlowHost:
     def started(self, step: Step) -> None:
         held = self._flows.get(step.handle)
         if held is not None:
-            held.flow.started(step.decode_sent_s, step.first_decoded_s)
+            held.flow.started(step.decode_sent_s, step.first_decoded_s, step.decode_accepted_s)
 
     def closed(self, step: Step) -> None:
         """The request is over: its counts, then close it. A "closed" sent again (its first answer was

@@ -248,9 +248,10 @@ class RemoteSteps:
                                                connect_failed=isinstance(exc, UpstreamConnectError),
                                                message=str(exc)))
 
-    def started(self, decode_sent_s: float, first_decoded_s: float) -> None:
+    def started(self, decode_sent_s: float, first_decoded_s: float, decode_accepted_s: float | None = None) -> None:
         self._reports.append(self._link.tell_later(
-            "started", Step(self.handle, decode_sent_s=decode_sent_s, first_decoded_s=first_decoded_s)))
+            "started", Step(self.handle, decode_sent_s=decode_sent_s, first_decoded_s=first_decoded_s,
+                            decode_accepted_s=decode_accepted_s)))
 
     async def end(self, answer: Answer) -> None:
         if self._closed:

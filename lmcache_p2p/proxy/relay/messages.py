@@ -86,6 +86,7 @@ class Step(msgspec.Struct, frozen=True):
     # time.perf_counter() stamps on the worker (one monotonic clock per machine), for the timeline
     first_byte_s: float | None = None  # the first token reached the client
     decode_sent_s: float | None = None  # started: the decode request was sent to the decoder
+    decode_accepted_s: float | None = None  # started: the decoder's response headers arrived
     first_decoded_s: float | None = None  # started: the decoder's first output arrived
     counts: list[Count] = []  # closed: the answer's requests_total / errors_total
 

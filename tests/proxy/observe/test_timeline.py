@@ -16,14 +16,14 @@ PHASES = {p.value for p in Phase}
 
 def full_timeline(**changes: float) -> Timeline:
     stamps = dict(received_s=10.0, prefill_sent_s=10.004, prefill_answered_s=10.054, first_byte_s=10.055,
-                  kv_ready_s=10.060, decode_sent_s=10.061, first_decoded_s=10.081)
+                  kv_ready_s=10.060, decode_sent_s=10.061, decode_accepted_s=10.065, first_decoded_s=10.081)
     return Timeline(req_id="r1", backend="lmcache_p2p", **{**stamps, **changes})
 
 
 def test_phases_are_the_differences_of_the_stamps():
     phases = full_timeline().phases()
     expected = {Phase.QUEUE: 4, Phase.PREFILL: 50, Phase.FIRST_BYTE: 1, Phase.KV_WAIT: 6, Phase.DECODE_START: 1,
-                Phase.DECODE_FIRST: 20}
+                Phase.DECODE_FIRST: 20, Phase.DECODE_ACCEPT: 4}
     assert set(phases) == set(expected)
     for phase, ms in expected.items():
         assert phases[phase] == pytest.approx(ms / 1e3), phase
@@ -40,6 +40,8 @@ def test_moments_that_did_not_happen_leave_their_phases_out():
     assert set(no_decode) == {Phase.QUEUE, Phase.PREFILL}
     no_kv = full_timeline(kv_ready_s=None).phases()
     assert Phase.KV_WAIT not in no_kv and Phase.DECODE_START not in no_kv and Phase.DECODE_FIRST in no_kv
+    no_output = full_timeline(first_decoded_s=None).phases()  # headers but no first output: not a handover
+    assert Phase.DECODE_FIRST not in no_output and Phase.DECODE_ACCEPT not in no_output
 
 
 def test_prefiller_phases_are_the_slowest_ranks():
@@ -124,6 +126,7 @@ async def test_a_streamed_disaggregated_request_fills_every_phase():
             assert recent[phase] is not None and recent[phase] >= 0, phase
         ttft = stats["ttft_ms"]["p50"]
         assert recent["queue"] + recent["prefill"] <= ttft + 1e-3  # the TTFT ends at the prefill answer
+        assert recent["decode_accept"] <= recent["decode_first"]  # the headers come before the first output
         assert c.metric("lmcache_p2p_proxy_phase_seconds_count", phase="decode_first", backend="lmcache_p2p") == 1
         assert c.metric("lmcache_p2p_proxy_backend_requests_total", backend="lmcache_p2p") == 1
         assert c.metric("lmcache_p2p_proxy_control_messages_total", type="KvSent") == 1
