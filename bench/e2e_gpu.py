@@ -637,12 +637,26 @@ def handover_split(row: dict[str, Any]) -> dict[str, Any] | None:
     def mean(name: str) -> float | None:
         return (decoder.get(name) or {}).get("mean_ms")
 
+    timeline = (row.get("proxy_stats") or {}).get("timeline_ms") or {}
     return {"handover_ms_mean": handover_mean, "handover_ms_p50": row.get("handover_ms_p50"),
             "decoder_ttft_ms_mean": ttft["mean_ms"], "decoder_ttft_ms_p50": ttft.get("p50_ms"),
             "decoder_ttft_ms_p99": ttft.get("p99_ms"),
             "decoder_queue_ms_mean": mean("request_queue_time_seconds"),
             "decoder_prefill_ms_mean": mean("request_prefill_time_seconds"),
-            "outside_decoder_ms_mean": None if handover_mean is None else round(handover_mean - ttft["mean_ms"], 3)}
+            "outside_decoder_ms_mean": None if handover_mean is None else round(handover_mean - ttft["mean_ms"], 3),
+            # the proxy's phases of the handover (lmcache_p2p only): kv_wait + decode_start + decode_first,
+            # and decode_accept, the decoder's HTTP intake inside decode_first
+            **{f"{phase}_ms_mean": (timeline.get(phase) or {}).get("mean")
+               for phase in ("kv_wait", "decode_start", "decode_accept", "decode_first") if timeline.get(phase)}}
+
+
+def single_outside_engine(row: dict[str, Any]) -> float | None:
+    """A single instance's client TTFT mean less its own vLLM TTFT mean: what one HTTP hop through a vLLM API
+    server costs at that load, outside vLLM's histogram (the floor for a PD row's ``outside_decoder_ms_mean``)."""
+    ttft = ((row.get("vllm_metrics") or {}).get("single") or {}).get("time_to_first_token_seconds")
+    if ttft is None or row.get("ttft_ms_mean") is None:
+        return None
+    return round(row["ttft_ms_mean"] - ttft["mean_ms"], 3)
 
 
 # ---- vLLM's /metrics ------------------------------------------------------------------------------
@@ -751,6 +765,7 @@ def make_row(system: str, rate: float, result: dict[str, Any], stats: dict[str, 
         "system": system, "gpus": gpus, "rate": rate,
         "output_tok_s_per_gpu": r2(len(ok) * output_len / result["duration"] / gpus),
         "ttft_ms_p50": r2(percentile(ttfts_ms, 50)), "ttft_ms_p99": r2(percentile(ttfts_ms, 99)),
+        "ttft_ms_mean": r2(sum(ttfts_ms) / len(ttfts_ms)) if ttfts_ms else None,
         "tpot_ms_p50": r2(percentile(tpots_ms, 50)), "tpot_ms_p99": r2(percentile(tpots_ms, 99)),
         "itl_ms_p99": r2(percentile(itls_ms, 99)),
         "handover_ms_p50": stat("handover_ms", "p50"), "handover_ms_p99": stat("handover_ms", "p99"),
@@ -901,6 +916,10 @@ def assemble(cfg: Config, notes: Sequence[str]) -> dict[str, Any]:
             "handover_split": [{"system": r["system"], "rate": r["rate"], "num_prompts": r.get("num_prompts"),
                                 "proxy_workers": r.get("proxy_workers"), **r["handover_split"]}
                                for r in rows if r.get("handover_split")],
+            # the floor for a PD row's outside_decoder_ms_mean at the same load
+            "single_outside_engine": [{"rate": r["rate"], "input_len": r.get("input_len"),
+                                       "client_ttft_less_vllm_ttft_ms_mean": single_outside_engine(r)}
+                                      for r in rows if r["system"] == "single" and single_outside_engine(r) is not None],
             "peer_copy_ceiling": ceilings[-1] if ceilings else None,
             "peer_copy_ceilings": ceilings,
             "notes": list(notes)}

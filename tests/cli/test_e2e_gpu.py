@@ -210,6 +210,20 @@ def test_handover_split_is_the_decoder_s_part_and_the_rest(e2e_gpu) -> None:
     assert e2e_gpu.handover_split({"vllm_metrics": {"single": {}}}) is None
 
 
+def test_handover_split_names_the_proxy_phases_and_the_single_floor(e2e_gpu) -> None:
+    timeline = {"kv_wait": {"mean": 2.0}, "decode_start": {"mean": 0.5}, "decode_accept": {"mean": 1.5},
+                "decode_first": {"mean": 20.0}, "queue": {"mean": 9.0}}
+    row = {"proxy_stats": {"handover_ms": {"mean": 22.5}, "timeline_ms": timeline},
+           "vllm_metrics": {"decoder": {"time_to_first_token_seconds": {"mean_ms": 17.0}}}}
+    got = e2e_gpu.handover_split(row)
+    assert (got["kv_wait_ms_mean"], got["decode_start_ms_mean"], got["decode_accept_ms_mean"],
+            got["decode_first_ms_mean"]) == (2.0, 0.5, 1.5, 20.0)
+    assert "queue_ms_mean" not in got and got["outside_decoder_ms_mean"] == 5.5
+    single = {"ttft_ms_mean": 52.0, "vllm_metrics": {"single": {"time_to_first_token_seconds": {"mean_ms": 48.5}}}}
+    assert e2e_gpu.single_outside_engine(single) == 3.5
+    assert e2e_gpu.single_outside_engine({"ttft_ms_mean": None, "vllm_metrics": single["vllm_metrics"]}) is None
+
+
 def test_proxy_workers_default_and_fallback_without_the_flag(e2e_gpu) -> None:
     assert e2e_gpu.resolve_proxy_workers(None, "cuda", True, 32) == (8, None)
     assert e2e_gpu.resolve_proxy_workers(None, "cuda", True, 16) == (4, None)
