@@ -422,11 +422,34 @@ def test_suite_slowest(data: Mapping[str, Any]) -> str:
     return markdown(["test", "seconds"], [[f"`{t['test']}`", cell(float(t["seconds"]))] for t in data["slowest"]])
 
 
+def handover_phases_table(data: Mapping[str, Any]) -> str:
+    """``handover_gpu.json``: per run and rate, where the handover's mean goes against the decoder's own vLLM
+    TTFT (``bench/e2e_gpu.py``'s ``handover_split``), beside what one HTTP hop through a vLLM API server costs
+    the single instance of the same run (its client TTFT less its own vLLM TTFT)."""
+    lines = []
+    for run in data.get("runs") or []:
+        result = run["data"]
+        hop = {h["rate"]: h["client_ttft_less_vllm_ttft_ms_mean"] for h in result.get("single_outside_engine") or []}
+        for h in result.get("handover_split") or []:
+            egress = None
+            if None not in (h.get("decode_first_ms_mean"), h.get("decode_accept_ms_mean")):
+                egress = h["decode_first_ms_mean"] - h["decode_accept_ms_mean"] - h["decoder_ttft_ms_mean"]
+            lines.append([f"{run['label']} ({str(run['commit'])[:7]})", h["system"], cell(h["rate"], 0),
+                          cell(h["handover_ms_mean"]), cell(h["decoder_ttft_ms_mean"]),
+                          cell(h["outside_decoder_ms_mean"]), cell(h.get("kv_wait_ms_mean")),
+                          cell(h.get("decode_start_ms_mean")), cell(h.get("decode_accept_ms_mean")), cell(egress),
+                          cell(hop.get(h["rate"]))])
+    return markdown(["run", "system", "req/s", "handover", "decoder vLLM TTFT", "outside the decoder's TTFT",
+                     "kv_wait", "decode_start", "decode_accept (decoder intake)", "rest of decode_first (egress)",
+                     "single: client TTFT - vLLM TTFT"], lines)
+
+
 # Results files that are not a list of rows: each gives blocks of its own (block name -> render).
 WHOLE_FILE: dict[str, dict[str, Callable[[Mapping[str, Any]], str]]] = {
     "test_suite": {"test_suite": test_suite_sentence, "test_suite_slowest": test_suite_slowest},
     "multihost_cpu": {"multihost_cpu_rtt": multihost_rtt_table, "multihost_cpu_round_trips": round_trips_table},
     "e2e_gpu": {"e2e_gpu_equality": gpu_equality_table},
+    "handover_gpu": {"handover_gpu": handover_phases_table},
 }
 
 # Blocks from a study's archive, bench/results/STUDY.tar.xz: block name -> (STUDY, the JSON members it renders

@@ -27,7 +27,7 @@ sample since start or the last ``POST /stats/reset`` (which answers the window i
 percentiles). ttft = request received -> first token; handover = prefill answer received -> first
 decode byte; kv_wait = the part of the handover spent waiting for "KV ready". ``timeline_ms`` has
 one summary per phase of a disaggregated request (``observe/timeline.py``): queue, prefill, first_byte,
-kv_wait, decode_start, decode_first at the proxy, and store, submit, transfer as the prefiller's
+kv_wait, decode_start, decode_first (and decode_accept within it) at the proxy, and store, submit, transfer as the prefiller's
 sender reports them (``KvSent``); ``recent`` lists the last 256 requests' phases
 (``{"req_id", <phase>: ms | null}``); Prometheus has them as ``lmcache_p2p_proxy_phase_seconds{phase}``.
 
