@@ -11,8 +11,9 @@ reads over TCP (docs/ROUTERS.md).
 
 This module is the one place that says what differs for such an instance: its transfer config, the
 environment of vLLM's NIXL recipe (:func:`nixl_env`), the proxy's ``--nixl-prefill`` / ``--nixl-decode``
-flags naming it (it cannot announce itself) and the id the proxy's registry lists it by, and the launch
-flags that mean nothing without LMCache (:func:`check_flags`). Its handshake port (vLLM's
+flags naming it (it cannot announce itself: :func:`announces`; a pod's registration sidecar,
+``cli/register.py``, names it instead) and the id the proxy's registry lists it by (:func:`registry_id`), and
+the launch flags that mean nothing without LMCache (:func:`check_flags`). Its handshake port (vLLM's
 ``VLLM_NIXL_SIDE_CHANNEL_PORT``) is in the launcher's port plan (``layout.side_channel_port``).
 """
 
@@ -52,6 +53,12 @@ def connector_of(args: argparse.Namespace) -> Connector:
 def native(args: argparse.Namespace) -> bool:
     """Whether the instances run a connector of vLLM's own (no LMCache, no plugin of ours in the KV path)."""
     return connector_of(args) is not Connector.LMCACHE_P2P
+
+
+def announces(args: argparse.Namespace) -> bool:
+    """Whether the instances announce themselves to the proxy's registry (ours do); a vLLM connector's are
+    registered by URL (``POST /instances/register``, or the proxy's ``--nixl-prefill`` / ``--nixl-decode``)."""
+    return not native(args)
 
 
 def transfer_config(connector: Connector, device: str) -> dict[str, Any]:
@@ -107,13 +114,17 @@ def proxy_flags(instances: Sequence[Instance]) -> list[str]:
     return [f"--nixl-{'prefill' if inst.role == 'prefiller' else 'decode'}={url_of(inst)}" for inst in instances]
 
 
-def registry_ids(args: argparse.Namespace, instances: Sequence[Instance]) -> list[str]:
-    """The ids the proxy's registry lists the instances under once they are routable: the names our plugin
-    announces, or, for a vLLM connector's, the ids of instances registered by URL."""
+def registry_id(args: argparse.Namespace, role: str, name: str, url: str) -> str:
+    """The id the proxy's registry lists an instance under (what ``drain`` takes): the name our plugin
+    announces, or, for a vLLM connector's, the id of its registration by ``url``."""
     from lmcache_p2p.config import Role
     from lmcache_p2p.proxy.router.instances import Backend, registered_id
 
-    if not native(args):
-        return [inst.name for inst in instances]
-    return [registered_id(Backend.VLLM_NIXL, Role.SENDER if inst.role == "prefiller" else Role.RECEIVER,
-                          url_of(inst)) for inst in instances]
+    if announces(args):
+        return name
+    return registered_id(Backend.VLLM_NIXL, Role.SENDER if role == "prefiller" else Role.RECEIVER, url)
+
+
+def registry_ids(args: argparse.Namespace, instances: Sequence[Instance]) -> list[str]:
+    """The ids the proxy's registry lists the instances under once they are routable."""
+    return [registry_id(args, inst.role, inst.name, url_of(inst)) for inst in instances]

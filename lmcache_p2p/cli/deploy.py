@@ -13,6 +13,8 @@ disruption budgets, NetworkPolicies and, with --shared-secret or $LMCACHE_P2P_SE
 a Secret (otherwise create it as above: it is always required, the pods listen beyond loopback).
 Resources, scheduling and the image's user are the flags below; the image is deploy/docker/Dockerfile's.
 --prefill/--decode are the replicas (instances join and leave through the proxy's registry).
+--connector nixl (or nixl-push): plain vLLM pods running vLLM's own NIXL connector, no LMCache, each
+registered with the proxy by a sidecar (lmcache-p2p register) and drained by the id it registered.
 See docs/KUBERNETES.md.
 """
 
@@ -25,14 +27,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from lmcache_p2p.cli import kube_policy, kube_values, kube_yaml, launch
+from lmcache_p2p.cli import connectors, kube_policy, kube_values, kube_yaml, launch
 from lmcache_p2p.errors import ConfigError, GpuPlanError
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 HELM_DESCRIPTION = """Write the Helm chart of an XpYd deployment: the objects `deploy kubernetes` prints for the same flags,
 with the image, replicas, resources, scheduling, the shared secret, the ServiceMonitor and the
 NetworkPolicies as values (values.yaml holds what the flags gave). The instances themselves (model,
-TP, ports, buffers, transport) are fixed in the templates: write the chart again to change them.
+TP, ports, buffers, transport, connector) are fixed in the templates: write the chart again to change them.
 
     lmcache-p2p deploy helm --out charts/pd --prefill 2 --decode 2 --device cuda --model /models/m
     helm install pd charts/pd --namespace serving --set decode.replicas=4
@@ -129,6 +131,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--drain-timeout-s", f"must be > 0, got {args.drain_timeout_s}")
     if not args.image.strip():
         raise ConfigError("--image", "must name a container image")
+    connectors.check_flags(args)
     kube_policy.check_port_range(args, [use.port for use in launch.planned_ports(args)])
 
 

@@ -20,6 +20,8 @@ SKIP_NAMESPACE = ("CKV_K8S_21", "the namespace is kubectl's (kubectl apply -n); 
 SKIP_DIGEST = ("CKV_K8S_43", "the image is pinned by its tag (--image); pass --image REPO@sha256:DIGEST to pin it")
 SKIP_SECRET_ENV = ("CKV_K8S_35", "LMCache's config reads the secret as ${LMCACHE_P2P_SECRET} and the proxy as "
                                  "$LMCACHE_P2P_SECRET: both from the environment, never from a file")
+SKIP_SECRET_ENV_REGISTRAR = ("CKV_K8S_35", "the proxy, the registration sidecar and the preStop drain read the "
+                                           "secret as $LMCACHE_P2P_SECRET from the environment, never from a file")
 SKIP_CPU_LIMIT = ("CKV_K8S_11", "--cpu-limit none: no CPU limit, so vLLM is never throttled")
 _IPC_LOCK = "--rdma: UCX registers (pins) the buffers it reads and writes, which takes IPC_LOCK"
 SKIP_IPC_LOCK = [("CKV_K8S_25", _IPC_LOCK), ("CKV_K8S_37", _IPC_LOCK)]
@@ -66,18 +68,9 @@ class Deployment:
 
 
 def container_ports(spec: InstanceSpec, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The instance's ports (layout.instance_ports), named: http, kv-R (control, rank R), nccl-R (store)."""
-    inst = spec.instance
-    out = []
-    for use in instance_ports(inst, args):
-        if use.port == inst.http_port:
-            name = "http"
-        elif inst.control_port <= use.port < inst.control_port + spec.tp_size:
-            name = f"kv-{use.port - inst.control_port}"
-        else:
-            name = f"nccl-{use.port - inst.transport_port}"
-        out.append({"name": name, "containerPort": use.port})
-    return out
+    """The instance's ports (layout.instance_ports) by their names: http, kv-R (control, rank R), nccl-R (store),
+    side-channel (a vLLM connector's NIXL handshake)."""
+    return [{"name": use.name, "containerPort": use.port} for use in instance_ports(spec.instance, args)]
 
 
 def labels_of(name: str, component: str) -> dict[str, str]:
@@ -100,7 +93,8 @@ def checkov_skips(d: Deployment, workload: bool, component: str) -> dict[str, st
     """``checkov.io/skipN`` annotations: the checks this object does not meet, each with its reason."""
     skips = [] if d.namespace else [SKIP_NAMESPACE]
     if workload:
-        skips += [SKIP_DIGEST, SKIP_SECRET_ENV]
+        lmcache = all(spec.lmcache_config is not None for spec in d.specs.values())
+        skips += [SKIP_DIGEST, SKIP_SECRET_ENV if lmcache else SKIP_SECRET_ENV_REGISTRAR]
         if d.args.cpu_limit == "none":
             skips.append(SKIP_CPU_LIMIT)
         if d.args.rdma and component != "proxy":

@@ -2,9 +2,11 @@
 disruption budgets, the ServiceMonitor, and the checkov checks the objects do not meet (with why).
 
 Ports, peer by peer (every other ingress is refused once a NetworkPolicy selects a pod):
-- the proxy's ``http``: anyone (clients; the instances' preStop drain); its ``registry``: the instances;
+- the proxy's ``http``: anyone (clients; the instances' preStop drain and registration); its ``registry``: the
+  instances;
 - an instance's ``http``: the proxy (and Prometheus, pods labelled ``app.kubernetes.io/name: prometheus``);
 - a decoder's ``kv-R``: the prefillers (allocations) and the proxy (cancellations);
+- a vLLM connector's ``side-channel`` (its NIXL handshake): the other role;
 - UCX's TCP listeners, on ``--ucx-port-range`` (``UCX_TCP_PORT_RANGE``): prefillers and decoders both
   ways; with ``--transport nccl`` every port between them (NCCL's own sockets take any port).
 """
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmcache_p2p.cli.kube_meta import Deployment, container_ports, labels_of, meta
+from lmcache_p2p.cli.layout import SIDE_CHANNEL
 from lmcache_p2p.errors import ConfigError
 
 PROMETHEUS = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
@@ -65,17 +68,24 @@ def _between_instances(d: Deployment, other: str) -> dict[str, Any]:
     return {"from": [_peer(d, other)], "ports": [{"protocol": "TCP", "port": first, "endPort": last}]}
 
 
+def _dialed_ports(d: Deployment, role: str, other: str) -> list[dict[str, Any]]:
+    """A role's own listeners, each open to who dials it: a decoder's ``kv-R`` to the prefillers and the proxy,
+    a vLLM connector's ``side-channel`` (its NIXL handshake) to the other role. A rule without ports would
+    open every port, so a role without such a listener gets no rule."""
+    names = [p["name"] for p in container_ports(d.specs[role], d.args)]
+    dialers = [([n for n in names if n.startswith("kv-")], [other, "proxy"]),
+               ([n for n in names if n == SIDE_CHANNEL], [other])]
+    return [{"from": [_peer(d, c) for c in who], "ports": [_tcp(n) for n in ports]} for ports, who in dialers if ports]
+
+
 def network_policies(d: Deployment) -> list[dict[str, Any]]:
     """One Ingress policy per component (module docstring); egress is left open (DNS, the registry)."""
     http = {"from": [_peer(d, "proxy"), PROMETHEUS], "ports": [_tcp("http")]}
     rules = {
         "proxy": [{"ports": [_tcp("http")]},
                   {"from": [_peer(d, "prefiller"), _peer(d, "decoder")], "ports": [_tcp("registry")]}],
-        "prefiller": [http, _between_instances(d, "decoder")],
-        "decoder": [http, {"from": [_peer(d, "prefiller"), _peer(d, "proxy")],
-                           "ports": [_tcp(p["name"]) for p in container_ports(d.specs["decoder"], d.args)
-                                     if p["name"].startswith("kv-")]},
-                    _between_instances(d, "prefiller")],
+        "prefiller": [http, *_dialed_ports(d, "prefiller", "decoder"), _between_instances(d, "decoder")],
+        "decoder": [http, *_dialed_ports(d, "decoder", "prefiller"), _between_instances(d, "prefiller")],
     }
     names = {"proxy": d.names.proxy, "prefiller": d.names.role("prefiller"), "decoder": d.names.role("decoder")}
     return [meta(d, "networking.k8s.io/v1", "NetworkPolicy", names[c], c) | {"spec": {

@@ -36,6 +36,7 @@ PROXY_MEMORY_GIB = 1  # the coordinator (registry, routing, metrics)
 PROXY_WORKER_MEMORY_GIB = 1  # a relay worker with its tokenizer
 SCRATCH_SIZE = "20Gi"  # HOME and /tmp of an instance pod: torch, Triton and vLLM compile caches
 PROXY_SCRATCH_SIZE = "1Gi"
+REGISTRAR_CPU, REGISTRAR_MEMORY = "100m", "128Mi"  # an HTTP call every few seconds; Python with httpx
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 _QUANTITY = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
@@ -223,6 +224,8 @@ def host_bytes(spec: InstanceSpec) -> int:
     """Host memory LMCache pins for one instance: its chunk allocator and a buffer held in host memory,
     per TP rank (each rank runs its own LMCache engine)."""
     cfg = spec.lmcache_config
+    if cfg is None:  # a vLLM connector's: its KV stays in vLLM's own cache
+        return 0
     p2p = cfg["extra_config"]["p2p"]
     per_rank = int(float(cfg.get("max_local_cpu_size", 0)) * 2**30)
     if p2p.get("buffer_size") and str(p2p.get("buffer_device", "cpu")) == "cpu":
@@ -249,6 +252,13 @@ def instance_resources(args: argparse.Namespace, spec: InstanceSpec, flag: str) 
         limits[args.gpu_resource] = tp  # one GPU per TP rank
     if args.rdma:
         limits[args.rdma_resource] = 1
+    return {"requests": {"cpu": cpu, "memory": memory}, "limits": limits}
+
+
+def registrar_resources(args: argparse.Namespace) -> dict[str, Any]:
+    """The registration sidecar of a vLLM connector's instance pod: a small Python loop (fixed, not a value)."""
+    cpu, memory = REGISTRAR_CPU, REGISTRAR_MEMORY
+    limits = {"cpu": cpu, "memory": memory} if args.cpu_limit == "equal" else {"memory": memory}
     return {"requests": {"cpu": cpu, "memory": memory}, "limits": limits}
 
 

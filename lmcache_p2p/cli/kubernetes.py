@@ -12,21 +12,28 @@ references. Objects are plain dicts, in the order ``kubectl apply`` should see t
 Each role reads its own ConfigMap, named after its content and immutable: a changed config is a
 new ConfigMap and a changed pod template of that role only, so a rollout never mixes versions and
 an instance's change never restarts the proxy.
+
+With a vLLM connector (``--connector nixl``: connectors.py says what differs) a pod runs plain vLLM, whose
+ConfigMap holds vLLM's logging config only, and beside it a registration sidecar (``registrar_container``):
+such an instance cannot announce itself, so the sidecar registers it with the proxy by its pod's URL.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from typing import Any
 
 import yaml
 
-from lmcache_p2p.cli import kube_policy
+from lmcache_p2p.cli import connectors, kube_policy
 from lmcache_p2p.cli.instance import (
     SECRET_ENV, GpuAssignment, InstanceSpec, Site, instance_spec, instance_utilization, proxy_command,
 )
-from lmcache_p2p.cli.kube_values import PROXY_SCRATCH_SIZE, PodValues, shm_size, values_from_args
+from lmcache_p2p.cli.kube_values import (
+    PROXY_SCRATCH_SIZE, PodValues, registrar_resources, shm_size, values_from_args,
+)
 from lmcache_p2p.cli.kube_yaml import config_hash
 from lmcache_p2p.cli.kube_meta import Deployment, Names, Part, container_ports, labels_of, meta
 from lmcache_p2p.cli.layout import Instance, decoder_instance
@@ -41,6 +48,8 @@ PROBE_PERIOD_S = 10
 ROLES = ("prefiller", "decoder")
 # The addresses a pod is told only once it runs (what the LMCache YAML is checked with when rendered).
 SAMPLE_POD_ENV = {"POD_IP": "10.0.0.1", "POD_NAME": "decoder-0", SECRET_ENV: "sample"}
+POD_IP_REFS = ("$(POD_IP)", "${POD_IP}")  # the pod's address as a Site spells it (kubelet's, P2PConfig's)
+REGISTRAR_ALIVE_FILE = "/tmp/lmcache-p2p-registrar-alive"
 
 
 def pod_site(args: argparse.Namespace, names: Names) -> Site:
@@ -60,9 +69,11 @@ def pod_site(args: argparse.Namespace, names: Names) -> Site:
 
 
 def role_specs(args: argparse.Namespace, site: Site) -> dict[str, InstanceSpec]:
-    """The instance every pod of a role runs: the plan's first of that role."""
-    first = {"prefiller": Instance("prefiller", 0, args.prefill_port, tp_size=tp_sizes(args).prefill),
-             "decoder": decoder_instance(args, 0)}
+    """The instance every pod of a role runs: the plan's first of that role. A pod is alone at its address, so it
+    is first in its own launch order too: a vLLM connector's handshake port is --kv-port in every pod, and a
+    change of --prefill leaves the decoders' pods as they are."""
+    first = {"prefiller": Instance("prefiller", 0, args.prefill_port, tp_size=tp_sizes(args).prefill, slot=0),
+             "decoder": dataclasses.replace(decoder_instance(args, 0), slot=0)}
     specs = {}
     for role, inst in first.items():
         gpu = None
@@ -73,9 +84,10 @@ def role_specs(args: argparse.Namespace, site: Site) -> dict[str, InstanceSpec]:
 
 
 def config_data(specs: dict[str, InstanceSpec], role: str) -> dict[str, str]:
-    """A role's ConfigMap: its LMCache YAML and vLLM's logging config."""
-    return {f"{role}.yaml": yaml.safe_dump(specs[role].lmcache_config, sort_keys=False),
-            "logging.json": logging_config_text()}
+    """A role's ConfigMap: its LMCache YAML (none with a vLLM connector) and vLLM's logging config."""
+    lmcache = specs[role].lmcache_config
+    data = {} if lmcache is None else {f"{role}.yaml": yaml.safe_dump(lmcache, sort_keys=False)}
+    return data | {"logging.json": logging_config_text()}
 
 
 def deployment(args: argparse.Namespace) -> Deployment:
@@ -152,7 +164,8 @@ def role_objects(d: Deployment, role: str) -> list[dict[str, Any]]:
     volumes = [{"name": "config", "configMap": {"name": names.configs[role]}}, {"name": "dshm", "emptyDir": shm},
                *_scratch_volumes(args.scratch_size), *_model_volumes(args)]
     values = d.values.role(role)
-    pod = pod_spec(d, values, [instance_container(d, spec, ports)], volumes,
+    registrar = [] if connectors.announces(args) else [registrar_container(d, spec)]
+    pod = pod_spec(d, values, [instance_container(d, spec, ports), *registrar], volumes,
                    terminationGracePeriodSeconds=int(args.drain_timeout_s) + 30)
     statefulset = meta(d, "apps/v1", "StatefulSet", names.role(role), role, workload=True) | {"spec": {
         "serviceName": names.role(role), "replicas": values.replicas,
@@ -184,12 +197,15 @@ def pod_spec(d: Deployment, values: PodValues, containers: list[dict[str, Any]],
 
 
 def instance_container(d: Deployment, spec: InstanceSpec, ports: list[dict[str, Any]]) -> dict[str, Any]:
-    args, names = d.args, d.names
-    drain = (f'exec {args.python} -m lmcache_p2p.cli.main drain "$POD_NAME" '
-             f'--proxy http://{names.proxy}:{args.proxy_port} --timeout-s {args.drain_timeout_s:g}')
+    """vLLM; its preStop drains it through the proxy, by the id the proxy lists the pod under (its name, or its
+    URL's registration: ``$POD_NAME`` and ``$POD_IP`` as the shell fills them in)."""
+    args, names, inst = d.args, d.names, spec.instance
+    instance_id = connectors.registry_id(args, inst.role, "$POD_NAME", f"http://$POD_IP:{inst.http_port}")
+    drain = (f'exec {args.python} -m lmcache_p2p.cli.main drain "{instance_id}" '
+             f'--proxy {_proxy_url(d)} --timeout-s {args.drain_timeout_s:g} --missing-ok')
     return {
         "name": "vllm", **_image(d), "command": spec.argv,
-        "env": _pod_env(names) + [{"name": k, "value": v} for k, v in spec.env.items()],
+        "env": _pod_env(names) + [_env_var(k, v) for k, v in spec.env.items()],
         "ports": ports,
         "resources": d.values.role(spec.instance.role).resources,
         **_probes(startup_s=args.startup_timeout_s),
@@ -199,6 +215,36 @@ def instance_container(d: Deployment, spec: InstanceSpec, ports: list[dict[str, 
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                          {"name": "dshm", "mountPath": "/dev/shm"}, *_scratch_mounts(), *_model_mounts(args)],
     }
+
+
+def registrar_container(d: Deployment, spec: InstanceSpec) -> dict[str, Any]:
+    """The sidecar that keeps an instance of a vLLM connector (which cannot announce itself) registered with the
+    proxy by its pod's URL, and drains it once the pod stops (cli/register.py). It is a plain container, not an
+    init-container sidecar: those stop only after vLLM, and it must stop registering while vLLM's preStop drains."""
+    args, inst = d.args, spec.instance
+    command = [args.python, "-m", "lmcache_p2p.cli.main", "register", "--proxy", _proxy_url(d), "--role", inst.role,
+               "--url", f"http://$(POD_IP):{inst.http_port}", "--alive-file", REGISTRAR_ALIVE_FILE]
+    # alive while the time the register loop last wrote (when its next attempt is overdue) has not passed
+    alive = {"exec": {"command": ["sh", "-c", f'test "$(date +%s)" -le "$(cat {REGISTRAR_ALIVE_FILE})"']},
+             "periodSeconds": PROBE_PERIOD_S, "timeoutSeconds": 5}
+    return {
+        "name": "registrar", **_image(d), "command": command, "env": _pod_env(d.names),
+        "resources": registrar_resources(args), "readinessProbe": alive, "livenessProbe": alive,
+        "securityContext": kube_policy.container_security(args, capabilities=()),
+        "volumeMounts": _scratch_mounts(),
+    }
+
+
+def _proxy_url(d: Deployment) -> str:
+    """The proxy's HTTP port through its Service: the admin calls of the instances' drain and registration."""
+    return f"http://{d.names.proxy}:{d.args.proxy_port}"
+
+
+def _env_var(name: str, value: str) -> dict[str, Any]:
+    """An environment variable; one that is the pod's address comes from the downward API (peers dial it)."""
+    if value in POD_IP_REFS:
+        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    return {"name": name, "value": value}
 
 
 def _image(d: Deployment) -> dict[str, Any]:

@@ -113,12 +113,12 @@ def _add_deployment_args(p: argparse.ArgumentParser, local: bool) -> None:
                        help="what stands in front of the instances on --proxy-port: lmcache_p2p (our proxy) or "
                             "vllm-router (vllm-project's router in its vLLM PD mode, unchanged; docs/ROUTERS.md says "
                             "what each gives up) (default %(default)s)")
-        p.add_argument("--connector", choices=[c.value for c in connectors.Connector],
-                       default=connectors.Connector.LMCACHE_P2P.value,
-                       help="the instances' KV connector: lmcache_p2p (LMCache with our plugin), nixl (vLLM's own "
-                            "NixlConnector, the pull connector: plain vLLM servers, registered with the proxy by URL) "
-                            "or nixl-push (vLLM's NixlPushConnector; on one node without RDMA the one to run) "
-                            "(default %(default)s)")
+    registered = "registered with the proxy by URL" if local else "each pod registered with the proxy by a sidecar"
+    p.add_argument("--connector", choices=[c.value for c in connectors.Connector],
+                   default=connectors.Connector.LMCACHE_P2P.value,
+                   help=f"the instances' KV connector: lmcache_p2p (LMCache with our plugin), nixl (vLLM's own "
+                        f"NixlConnector, the pull connector: plain vLLM servers, {registered}) or nixl-push (vLLM's "
+                        f"NixlPushConnector; on one node without RDMA the one to run) (default %(default)s)")
     p.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.PREFIX.value,
                    help="the proxy's routing policy (default %(default)s)")
     p.add_argument("--proxy-workers", type=int, default=1,

@@ -21,6 +21,7 @@ from lmcache_p2p.cli.tensor_parallel import tp_sizes
 
 KV_PORT_STRIDE = 10  # decoder i's KV ports start at --kv-port + 10*i (one per TP rank from there)
 TRANSPORT_PORT_OFFSET = 100  # a decoder's NCCL store ports sit this far above its control ports
+SIDE_CHANNEL = "side-channel"  # the name of a vLLM connector's NIXL handshake port (vLLM's word for it)
 
 
 class CpuPlacement(str, enum.Enum):
@@ -41,6 +42,8 @@ class Instance:
     # Where every listener of the instance binds (vLLM's HTTP, a decoder's KV control port and NCCL
     # store) and the address peers dial; --host, or each host's own address on several machines.
     host: str = "127.0.0.1"
+    # Its place in the launch order, where the plan's counts do not say it (a pod is alone at its address: 0).
+    slot: int | None = None
 
     @property
     def name(self) -> str:
@@ -90,15 +93,16 @@ def instance_ports(inst: Instance, args: argparse.Namespace) -> list[ports.PortU
     """Every port one instance listens on, with what it is for: HTTP, then per TP rank its KV control
     port and (NCCL) its store; with a vLLM connector HTTP and its NIXL handshake port."""
     flag = "--prefill-port" if inst.role == "prefiller" else "--decode-port"
-    uses = [ports.PortUse(inst.http_port, f"{inst.name}'s HTTP ({flag})")]
+    uses = [ports.PortUse(inst.http_port, f"{inst.name}'s HTTP ({flag})", "http")]
     if connectors.native(args):
         return uses + [ports.PortUse(side_channel_port(inst, args),
-                                     f"{inst.name}'s NIXL handshake ({connectors.SIDE_CHANNEL_PORT_ENV}, --kv-port)")]
-    uses += [ports.PortUse(port, f"{inst.name} rank {r}'s KV control port (--kv-port)")
+                                     f"{inst.name}'s NIXL handshake ({connectors.SIDE_CHANNEL_PORT_ENV}, --kv-port)",
+                                     SIDE_CHANNEL)]
+    uses += [ports.PortUse(port, f"{inst.name} rank {r}'s KV control port (--kv-port)", f"kv-{r}")
              for r, port in enumerate(inst.control_ports)]
     if args.transport == "nccl":
-        uses += [ports.PortUse(port, f"{inst.name} rank {r}'s NCCL store (--kv-port + {TRANSPORT_PORT_OFFSET})")
-                 for r, port in enumerate(inst.transport_ports)]
+        uses += [ports.PortUse(port, f"{inst.name} rank {r}'s NCCL store (--kv-port + {TRANSPORT_PORT_OFFSET})",
+                               f"nccl-{r}") for r, port in enumerate(inst.transport_ports)]
     return uses
 
 
@@ -120,6 +124,8 @@ def side_channel_port(inst: Instance, args: argparse.Namespace) -> int:
 
 def slot_of(inst: Instance, args: argparse.Namespace) -> int:
     """The instance's place in the launch order (prefillers first)."""
+    if inst.slot is not None:
+        return inst.slot
     return inst.index if inst.role == "prefiller" else args.prefill + inst.index
 
 

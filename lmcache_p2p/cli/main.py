@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lmcache_p2p.cli import bench, deploy, drain, launch, tiny_model
+    from lmcache_p2p.cli import bench, deploy, drain, launch, register, tiny_model
     from lmcache_p2p.proxy import server as proxy_server
 
     parser = argparse.ArgumentParser(prog="lmcache-p2p", description="Prefill/decode disaggregation for vLLM")
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_parser(sub)
     tiny_model.add_parser(sub)
     drain.add_parser(sub)
+    register.add_parser(sub)
     bench.add_parser(sub)
     proxy = sub.add_parser("proxy", help="run the OpenAI-compatible PD proxy alone")
     proxy_server.add_arguments(proxy)

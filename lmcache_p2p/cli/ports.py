@@ -25,6 +25,7 @@ class PortUse:
 
     port: int
     purpose: str  # e.g. "proxy HTTP (--proxy-port)"
+    name: str = ""  # an instance's port as a pod names it: http, kv-R, nccl-R, side-channel
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,6 +77,11 @@ SHAPES = {
                       "--decoder-spread", "required", "--model-pvc", "models", "--proxy-workers", "4"],
     "2p1d-bind-all-secret": ["--prefill", "2", "--decode", "1", "--model", "/models/m", "--bind-all",
                              "--shared-secret", SECRET, "--namespace", "serving", "--name", "pd"],
+    # vLLM's own connectors: plain vLLM pods with a registration sidecar (test_deploy_kubernetes_connector.py)
+    "2p2d-gpu-nixl": ["--prefill", "2", "--decode", "2", "--model", "/models/m", "--device", "cuda",
+                      "--connector", "nixl"],
+    "1p2d-cpu-nixl-push-bind-all": ["--prefill", "1", "--decode", "2", "--model", "/models/tiny", "--connector",
+                                    "nixl-push", "--bind-all", "--vllm-arg=--tensor-parallel-size=2"],
 }
 
 
@@ -295,8 +300,9 @@ def test_there_is_a_checked_in_example() -> None:
 
 
 def pod_containers(objects: list[dict]) -> list[dict]:
-    return [o["spec"]["template"]["spec"]["containers"][0] for o in objects
-            if o["kind"] in ("StatefulSet", "Deployment")]
+    """Every container of every workload (vLLM, a registration sidecar, the proxy)."""
+    return [c for o in objects if o["kind"] in ("StatefulSet", "Deployment")
+            for c in o["spec"]["template"]["spec"]["containers"]]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -312,8 +318,12 @@ def test_every_reference_a_pod_makes_is_defined_in_its_environment(shape: str) -
                 assert ref in names, f"{c['name']}: {arg!r} refers to $({ref}), which its env does not define"
         for e in c["env"]:
             assert "$(" not in e.get("value", ""), e
-        if c["name"] == "vllm":
-            role = Path(next(e["value"] for e in c["env"] if e["name"] == "LMCACHE_CONFIG_FILE")).name
+        for hook in (c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command") or [])[2:]:
+            for ref in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", hook):  # the shell fills these in
+                assert ref in names, f"{c['name']}: its preStop refers to ${ref}, which its env does not define"
+        config_file = next((e["value"] for e in c["env"] if e["name"] == "LMCACHE_CONFIG_FILE"), None)
+        if config_file is not None:  # none with a vLLM connector
+            role = Path(config_file).name
             config = config_of(objects, role.removesuffix(".yaml"))
             for ref in re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", config[role]):
                 assert ref in names, f"{role} refers to ${{{ref}}}, which the pod's env does not define"

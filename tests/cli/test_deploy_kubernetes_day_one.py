@@ -125,7 +125,7 @@ def test_scheduling_flags_reach_the_instance_pods_and_the_proxy_flags_the_proxy(
     assert not {"nodeSelector", "tolerations", "affinity", "runtimeClassName", "imagePullSecrets"} & set(plain)
 
 
-@pytest.mark.parametrize("shape", ["2p2d-gpu", "1p3d-gpu-rdma"])
+@pytest.mark.parametrize("shape", ["2p2d-gpu", "1p3d-gpu-rdma", "2p2d-gpu-nixl"])
 def test_pods_are_non_root_with_a_read_only_root_and_write_only_to_empty_dirs(shape: str) -> None:
     objects = render(*SHAPES[shape])
     rdma = "--rdma" in SHAPES[shape]
@@ -134,19 +134,19 @@ def test_pods_are_non_root_with_a_read_only_root_and_write_only_to_empty_dirs(sh
         assert spec["automountServiceAccountToken"] is False
         assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] >= 10000
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-        c = spec["containers"][0]
-        security = c["securityContext"]
-        assert (security["allowPrivilegeEscalation"], security["privileged"], security["readOnlyRootFilesystem"]) == (
-            False, False, True)
-        added = ["IPC_LOCK"] if rdma and name != "lmcache-p2p-proxy" else []
-        assert security["capabilities"] == {"drop": ["ALL"], **({"add": added} if added else {})}
-        volumes = {v["name"]: v for v in spec["volumes"]}
-        writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
-        assert writable <= {"/dev/shm", "/tmp", "/home/lmcache"}
-        for mount in c["volumeMounts"]:
-            if not mount.get("readOnly"):
-                assert "emptyDir" in volumes[mount["name"]] and volumes[mount["name"]]["emptyDir"]["sizeLimit"]
-        assert {e["name"]: e.get("value") for e in c["env"]}["HOME"] == "/home/lmcache"
+        for c in spec["containers"]:  # vLLM, a vLLM connector's registration sidecar, the proxy
+            security = c["securityContext"]
+            assert (security["allowPrivilegeEscalation"], security["privileged"],
+                    security["readOnlyRootFilesystem"]) == (False, False, True)
+            added = ["IPC_LOCK"] if rdma and c["name"] == "vllm" else []
+            assert security["capabilities"] == {"drop": ["ALL"], **({"add": added} if added else {})}
+            volumes = {v["name"]: v for v in spec["volumes"]}
+            writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
+            assert writable <= {"/dev/shm", "/tmp", "/home/lmcache"}
+            for mount in c["volumeMounts"]:
+                if not mount.get("readOnly"):
+                    assert "emptyDir" in volumes[mount["name"]] and volumes[mount["name"]]["emptyDir"]["sizeLimit"]
+            assert {e["name"]: e.get("value") for e in c["env"]}["HOME"] == "/home/lmcache"
 
 
 def test_a_disruption_budget_per_role_lets_one_instance_go_at_a_time() -> None:
