@@ -4,7 +4,12 @@ The engine thread calls :meth:`SendService.submit` and returns at once. One name
 every socket and drives all requests as a small event loop, never blocking on one of them:
 
     submit -> per-request FIFO of batches -> Alloc (one round trip per batch, not per chunk)
-           -> Grant -> transport.write(chunks -> slots, notification=Written) -> poll -> done
+           -> Grant -> [its store's GPU work done] -> transport.write(chunks -> slots, notification=Written)
+           -> poll -> done
+
+A batch may be submitted before its store's GPU work is done (``ready``: a ``StoreReady`` that
+``store_ready.StoreWatch`` settles): its Alloc goes out at once, its writes only once it is READY;
+its settling wakes the thread.
 
 Construction is cheap and opens nothing; :meth:`SendService.start` creates the sockets and
 starts the thread. The parts, each in its module:
@@ -41,7 +46,7 @@ from lmcache_p2p import protocol
 from lmcache_p2p.backend.announcer import Announcer
 from lmcache_p2p.backend.send_peers import Connected, PeerSessions
 from lmcache_p2p.backend.send_pipeline import AllocPipeline
-from lmcache_p2p.backend.send_types import Batch, Chunk, SendStats, Target, release
+from lmcache_p2p.backend.send_types import Batch, Chunk, SendStats, StoreReady, Target, release
 from lmcache_p2p.backend.send_writes import WriteTracker
 from lmcache_p2p.config import SENDER_IDLE_POLL_S, P2PConfig
 from lmcache_p2p.errors import ClosedError, P2PError, QueueFull
@@ -159,23 +164,29 @@ class SendService:
     # ---- engine-facing -----------------------------------------------------------------------
 
     def submit(self, req_id: str, target: Target, chunks: list[Chunk], last: bool, called_s: float = 0.0,
-               wire_id: str = "", queued_s: float = 0.0) -> None:
+               wire_id: str = "", queued_s: float = 0.0, ready: StoreReady | None = None) -> None:
         """Queue one store batch of a request; returns immediately. ClosedError if the service
         cannot send it (closed, not started, or its thread stopped): the chunks are released then.
         ``called_s``: ``time.perf_counter()`` when the engine's store call began (the proxy's timeline);
-        ``queued_s``: when it handed the batch on (default now; earlier when the batch waited for the GPU).
+        ``queued_s``: when it handed the batch on (default now).
         ``wire_id``: the receiver's id of this share of the request when the TP splits differ
-        (``kv_layout.sub_request_id``); one request may then go to several receivers."""
+        (``kv_layout.sub_request_id``); one request may then go to several receivers. ``ready``: whether the
+        store's GPU work is done (None: it is); the chunks are written only once it is READY, and a FAILED
+        one fails the request."""
         called_s = called_s or time.perf_counter()
         submit_s = (queued_s or time.perf_counter()) - called_s
         key = f"{wire_id}@{target.address}" if wire_id else req_id
         with self._inbox_lock:
             refusal, full = self._refusal(), self._full()
-            if not refusal and not full:
-                self._inbox.append(Inbound(key, target, Batch(chunks, last, called_s, submit_s),
+            accepted = not refusal and not full
+            if accepted:
+                self._inbox.append(Inbound(key, target, Batch(chunks, last, called_s, submit_s, ready),
                                            wire_id, req_id if wire_id else ""))
                 self._wake_locked()
-                return
+        if accepted:
+            if ready is not None:  # outside the inbox lock: one settled already calls the wake-up at once
+                ready.on_settled(self._wake)
+            return
         release(chunks)
         if refusal:
             raise ClosedError(f"request {req_id}: KV not sent to {target.endpoint}: {refusal}")
