@@ -79,8 +79,8 @@ class WriteTracker:
         if time.monotonic() >= deadline:
             release(chunks)  # nothing was posted
             return (f"the write to {req.target.endpoint} could start only {time.monotonic() - asked_at:.1f}s after "
-                    f"its Alloc (its Grant, then its store's GPU work), past the {deadline - asked_at:.1f}s write window "
-                    "(p2p.transfer_timeout_s): not written, the receiver may have given those slots up")
+                    f"its Alloc (its Grant, then its store's GPU work), past the {deadline - asked_at:.1f}s write "
+                    "window (p2p.transfer_timeout_s): not written, the receiver may have given those slots up")
         notif = protocol.encode(protocol.Written(self._sender_id, req.wire, slots))
         try:
             handle = self._transport.write(peer.name, [c.tensor for c in chunks],

@@ -430,7 +430,7 @@ def test_submit_refuses_loudly_once_the_thread_died(make_service, chunks, receiv
         raise _Die("simulated")
 
     monkeypatch.setattr(service, "_step", die)
-    service._wake()
+    service._pipe.wake()
     wait_for(lambda: not service._thread.is_alive(), "the thread to die")
     batch = chunks.make(2)
     with pytest.raises(ClosedError, match="service thread stopped"):
@@ -852,6 +852,22 @@ def test_a_batch_whose_gpu_work_was_done_before_its_grant_is_written_at_the_gran
     assert [w.addrs for w in transport.writes] == [[BUFFER_ADDR + 3 * SLOT_BYTES]]
 
 
+def test_a_store_whose_gpu_work_ends_after_the_write_window_is_not_written(
+        make_service, transport, receiver, chunks) -> None:
+    service = make_service()
+    ready = StoreReady()
+    batch = chunks.make(2)
+    service.submit("req-1", receiver.target, batch, last=True, ready=ready)
+    receiver.welcome(transfer_timeout_s=0.2)
+    receiver.grant()
+    time.sleep(0.35)  # granted at once, but the bytes come after the receiver's window: it may have re-granted
+    ready.set_ready()
+    wait_for(lambda: service.stats().requests_failed == 1, "the request to fail past its write window")
+    assert transport.writes == [], "a write was posted into slots the receiver may have re-granted"
+    assert sorted(chunks.released) == sorted(_keys(batch))
+    assert receiver.recv(protocol.Cancel).req_id == "req-1"
+
+
 def _broken() -> bool:
     raise RuntimeError("CUDA error: an illegal memory access")
 
@@ -923,7 +939,7 @@ def test_batches_stay_in_order_one_alloc_at_a_time_and_a_held_batch_holds_the_ne
     alloc = receiver.grant([3])
     assert alloc.keys == _keys(third) and alloc.last
     wait_for(lambda: service.stats().requests_done == 1, "every batch written")
-    assert [w.addrs for w in transport.writes] == [[BUFFER_ADDR], [BUFFER_ADDR + SLOT_BYTES, BUFFER_ADDR + 2 * SLOT_BYTES],
-                                                   [BUFFER_ADDR + 3 * SLOT_BYTES]]
+    assert [w.addrs for w in transport.writes] == [[BUFFER_ADDR + s * SLOT_BYTES for s in slots]
+                                                   for slots in ([0], [1, 2], [3])]
     allocs = [m for m in receiver.seen if isinstance(m, protocol.Alloc)]
     assert [a.keys for a in allocs] == [_keys(first), _keys(second), _keys(third)]
