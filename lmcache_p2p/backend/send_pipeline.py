@@ -221,11 +221,12 @@ class AllocPipeline:
                 self.skipped += 1
         req.last_granted = req.last_granted or batch.last
         req.granted_any = req.granted_any or any(s >= 0 for s in msg.slots)
-        req.picked_s = req.picked_s or (0.0 if to_write else batch.sendable_s)  # else: stamped at its write
-        if to_write:  # posted now, or held until its store's GPU work is done
+        if to_write:  # posted now, or held until its store's GPU work is done (the write stamps picked_s)
             failed = self._writes.write(self._peers.get(req.target), req, batch, to_write, asked_at)
             if failed:
                 self.fail(req.req_id, failed, cause=protocol.KvFailCause.UNREACHABLE)
+        else:  # nothing to write: the receiver holds it all
+            req.picked_s = req.picked_s or batch.sendable_s
         if req.req_id in self.requests:  # the write may have failed the request
             self.advance(req)
 
