@@ -143,12 +143,13 @@ class P2PConfig:
     # instead of LMCache's per-chunk from_gpu. false: LMCache's own path.
     batched_gather: bool = True
     # Sender with buffer_device cuda: the engine never waits for a store's GPU work (backend/store_ready.py):
-    # the batch goes to the sender once its chunks are written. false: the engine's thread waits, as LMCache's
-    # adapter does (its slot mapping copy synchronizes each step's forward; the GPU idles while it stores).
+    # the batch goes to the sender at once (its Alloc too), its writes once its chunks are written. false: the
+    # engine's thread waits, as LMCache's adapter does (its slot mapping copy synchronizes each step's forward;
+    # the GPU idles while it stores).
     async_store: bool = True
     # Sender with async_store: a store whose GPU work has not finished this long after the engine queued it
-    # fails (KvFailed to the proxy; its pages go back to the arena, rewritten only after that work on the GPU)
-    # instead of holding up every later store's hand-over.
+    # fails (KvFailed to the proxy, its granted slots cancelled; its pages go back to the arena, rewritten only
+    # after that work on the GPU) instead of holding up every later store's writes.
     store_ready_timeout_s: float = 30.0
     # Sender: stores waiting for their GPU work (async_store) and batches waiting for the sender's thread
     # (send queue) at most; one more is refused (its pages freed, the request failed) with an error naming it.

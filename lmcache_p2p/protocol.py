@@ -279,8 +279,8 @@ class KvSent(msgspec.Struct, tag="kv_sent", frozen=True):
     chunks: int = 0
     nbytes: int = 0
     # where transfer_s went (0 when unknown, e.g. from an older sender):
-    pickup_s: float = 0.0  # first chunk submitted -> the sender's thread took it
-    grant_s: float = 0.0  # first Alloc sent -> its Grant back (the receiver's round trip)
+    pickup_s: float = 0.0  # first chunk submitted -> writable (the sender's thread took it, its GPU work done)
+    grant_s: float = 0.0  # first Alloc sent -> its Grant back (the receiver's round trip; may overlap pickup)
     write_s: float = 0.0  # first write posted -> last write seen complete
     tp_size: int = 0  # the sender's TP size: the proxy's timeline waits for one KvSent per rank (0: unknown)
 

@@ -13,7 +13,9 @@ imports lmcache) to ``send_service.py`` / ``receive_service.py``, which own the 
 (opened by ``start()``) and compose the logic:
 
     sender:   send_peers.py (sessions with receivers), send_pipeline.py (Alloc -> Grant per batch),
-              send_writes.py (writes in flight, chunks handed back once settled), send_types.py
+              send_writes.py (writes held until their store's GPU work is done, in flight, chunks handed
+              back once settled), send_types.py; store_ready.py (the store's GPU work, watched off the
+              engine's thread)
     receiver: control_port.py (its socket and senders), grant_table.py (requests and their slots),
               chunk_index.py (READY chunks and lookup pins), write_guard.py (two-sided writes)
 

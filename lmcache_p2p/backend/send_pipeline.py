@@ -1,9 +1,16 @@
 """The sender's alloc pipeline: each request's store batches, one Alloc at a time, to Grant and write.
 
-    batch queued -> Alloc (one round trip per batch) -> Grant -> write (WriteTracker) -> next batch
+    batch queued -> Alloc (one round trip per batch) -> Grant -> [held until ready] -> write (WriteTracker)
+                 -> next batch
 
 Within a request at most one Alloc is outstanding, so the receiver sees batches in order and the
-``last`` flag only after every earlier batch was granted. A refused Alloc (buffer full) is
+``last`` flag only after every earlier batch was granted. A batch may arrive before its store's GPU
+work is done (``Batch.ready``, settled by ``store_ready.StoreWatch``): its Alloc goes out at once, so
+the round trip overlaps the GPU's work, but its writes are posted only once it is READY (before, the
+bytes are not there yet). A granted batch that is not ready is held (``Request.held``), and the
+request's next Alloc waits until it is written, so batches stay in order. A store that FAILED (a
+CUDA error, or ``p2p.store_ready_timeout_s``) fails its request, whichever step its batch is at:
+KvFailed, its granted slots cancelled, its chunks handed back. A refused Alloc (buffer full) is
 retried with backoff until ``p2p.alloc_timeout_s``; then THAT request fails and its slots are
 cancelled on the receiver. A receiver that sends nothing within ``alloc_timeout_s`` after an
 Alloc is dropped with every request to it; a request whose last batch never comes fails after
@@ -113,17 +120,18 @@ class AllocPipeline:
             for c in batch.chunks:
                 c.done()
             return
+        batch.taken_s = time.perf_counter()
         req.queue.append(batch)
         req.last_received = req.last_received or batch.last
-        req.picked_s = req.picked_s or time.perf_counter()
         req.first_called_s = req.first_called_s or batch.called_s
         req.last_stored_s = batch.called_s + batch.submit_s
         req.submit_s += batch.submit_s
         self.advance(req)
 
     def advance(self, req: Request) -> None:
-        """Send the next Alloc of ``req`` if none is outstanding; finish it when all is written."""
-        if req.alloc_seq is not None or req.retry_at is not None:
+        """Send the next Alloc of ``req`` if none is outstanding and no granted batch waits for its GPU work;
+        finish it when all is written."""
+        if req.alloc_seq is not None or req.retry_at is not None or req.held is not None:
             return
         if not req.queue:
             if req.last_granted and not req.writes:
@@ -213,24 +221,27 @@ class AllocPipeline:
                 self.skipped += 1
         req.last_granted = req.last_granted or batch.last
         req.granted_any = req.granted_any or any(s >= 0 for s in msg.slots)
-        if to_write:
-            failed = self._writes.write(self._peers.get(req.target), req, to_write, asked_at)
+        if to_write:  # posted now, or held until its store's GPU work is done (the write stamps picked_s)
+            failed = self._writes.write(self._peers.get(req.target), req, batch, to_write, asked_at)
             if failed:
                 self.fail(req.req_id, failed, cause=protocol.KvFailCause.UNREACHABLE)
+        else:  # nothing to write: the receiver holds it all
+            req.picked_s = req.picked_s or batch.sendable_s
         if req.req_id in self.requests:  # the write may have failed the request
             self.advance(req)
 
     def progress_writes(self) -> None:
+        """Post the writes of held batches whose store became ready; poll those in flight."""
         for req in list(self.requests.values()):
-            if req.writes:
+            if req.writes or req.held is not None:
                 self.guarded(req.req_id, req.target.endpoint, "polling its writes",
                              lambda r=req: self._progress_request_writes(r))
 
     def _progress_request_writes(self, req: Request) -> None:
-        failed = self._writes.poll(req)
+        failed = self._writes.post_held(self._peers.get(req.target), req) or self._writes.poll(req)
         if failed:
             self.fail(req.req_id, failed, cause=protocol.KvFailCause.UNREACHABLE)
-        elif not req.writes:
+        elif req.held is None:
             self.advance(req)
 
     def _on_refused(self, peer: Peer, msg: protocol.Refused) -> None:
@@ -298,7 +309,9 @@ class AllocPipeline:
 
     def _check_request(self, req: Request, now: float) -> None:
         peer = self._peers.get(req.target)
-        if req.alloc_seq is not None and peer is not None and self._silent(peer, req, now):
+        if (failed_store := req.failed_store()) is not None:  # its bytes never come, whichever step it is at
+            self.fail(req.req_id, failed_store.problem, cause=protocol.KvFailCause.SENDER)
+        elif req.alloc_seq is not None and peer is not None and self._silent(peer, req, now):
             # No reply to this Alloc and nothing else from the receiver since it left: it is gone.
             self.fail_peer(peer, f"receiver {req.target.endpoint} sent nothing for "
                                  f"{now - req.alloc_sent_at:.1f}s after an allocation (p2p.alloc_timeout_s)",
@@ -349,7 +362,7 @@ class AllocPipeline:
         for batch in [req.alloc_batch, *req.queue]:
             for c in batch.chunks if batch else ():
                 c.done()
-        self._writes.abort(req)  # its chunks go back only once nothing reads them
+        self._writes.abort(req)  # its chunks go back only once nothing reads them (a held batch's at once)
         err = RequestFailed(f"request {req_id} to {req.target.endpoint}: {reason}")
         logger.log(logging.INFO if expected else logging.ERROR, "%s", err)
         peer = self._peers.get(req.target)

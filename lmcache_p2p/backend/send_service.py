@@ -4,7 +4,12 @@ The engine thread calls :meth:`SendService.submit` and returns at once. One name
 every socket and drives all requests as a small event loop, never blocking on one of them:
 
     submit -> per-request FIFO of batches -> Alloc (one round trip per batch, not per chunk)
-           -> Grant -> transport.write(chunks -> slots, notification=Written) -> poll -> done
+           -> Grant -> [its store's GPU work done] -> transport.write(chunks -> slots, notification=Written)
+           -> poll -> done
+
+A batch may be submitted before its store's GPU work is done (``ready``: a ``StoreReady`` that
+``store_ready.StoreWatch`` settles): its Alloc goes out at once, its writes only once it is READY;
+its settling wakes the thread (``wake_pipe.WakePipe``, as a new batch or a pairing's result does).
 
 Construction is cheap and opens nothing; :meth:`SendService.start` creates the sockets and
 starts the thread. The parts, each in its module:
@@ -28,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 import uuid
@@ -41,8 +45,9 @@ from lmcache_p2p import protocol
 from lmcache_p2p.backend.announcer import Announcer
 from lmcache_p2p.backend.send_peers import Connected, PeerSessions
 from lmcache_p2p.backend.send_pipeline import AllocPipeline
-from lmcache_p2p.backend.send_types import Batch, Chunk, SendStats, Target, release
+from lmcache_p2p.backend.send_types import Batch, Chunk, SendStats, StoreReady, Target, release
 from lmcache_p2p.backend.send_writes import WriteTracker
+from lmcache_p2p.backend.wake_pipe import WakePipe
 from lmcache_p2p.config import SENDER_IDLE_POLL_S, P2PConfig
 from lmcache_p2p.errors import ClosedError, P2PError, QueueFull
 from lmcache_p2p.transport import Transport
@@ -89,7 +94,7 @@ class SendService:
         self._inbox_max = cfg.send_queue_max_batches
         self._connected: deque[Connected] = deque()  # results of pairing threads (under _inbox_lock)
         self._inbox_lock = threading.Lock()
-        self._wake_r = self._wake_w = -1
+        self._pipe = WakePipe()  # wakes the thread's poll: a batch, a pairing's result, a store's GPU work done
         self._stop = threading.Event()
         self._closed = False
         self._dead = ""  # why the service thread stopped, once it has
@@ -113,11 +118,9 @@ class SendService:
         if self._thread is not None:
             return self
         try:
-            self._wake_r, self._wake_w = os.pipe()
-            os.set_blocking(self._wake_r, False)
-            os.set_blocking(self._wake_w, False)
+            wake_fd = self._pipe.open()
             self._ctx = zmq.Context()
-            self._poller.register(self._wake_r, zmq.POLLIN)
+            self._poller.register(wake_fd, zmq.POLLIN)
             self._peers.open(self._ctx, self._poller)
             self._announcer = Announcer(self._cfg.proxy_url, self._codec, self._cfg.heartbeat_interval_s)
             thread = threading.Thread(target=self._run, name=f"p2p-sender-{self._tp_rank}", daemon=True)
@@ -136,8 +139,7 @@ class SendService:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        with self._inbox_lock:
-            self._close_pipe_locked()
+        self._pipe.close()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the thread (it fails what is in flight and says Goodbye); idempotent, safe before
@@ -147,10 +149,9 @@ class SendService:
         self._closed = True
         self._stop.set()
         if self._thread is None:  # never started: nothing runs; close a pipe a failed start left
-            with self._inbox_lock:
-                self._close_pipe_locked()
+            self._pipe.close()
             return
-        self._wake()
+        self._pipe.wake()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -159,22 +160,26 @@ class SendService:
     # ---- engine-facing -----------------------------------------------------------------------
 
     def submit(self, req_id: str, target: Target, chunks: list[Chunk], last: bool, called_s: float = 0.0,
-               wire_id: str = "", queued_s: float = 0.0) -> None:
+               wire_id: str = "", queued_s: float = 0.0, ready: StoreReady | None = None) -> None:
         """Queue one store batch of a request; returns immediately. ClosedError if the service
         cannot send it (closed, not started, or its thread stopped): the chunks are released then.
         ``called_s``: ``time.perf_counter()`` when the engine's store call began (the proxy's timeline);
-        ``queued_s``: when it handed the batch on (default now; earlier when the batch waited for the GPU).
+        ``queued_s``: when it handed the batch on (default now).
         ``wire_id``: the receiver's id of this share of the request when the TP splits differ
-        (``kv_layout.sub_request_id``); one request may then go to several receivers."""
+        (``kv_layout.sub_request_id``); one request may then go to several receivers. ``ready``: whether the
+        store's GPU work is done (None: it is); the chunks are written only once it is READY, and a FAILED
+        one fails the request."""
         called_s = called_s or time.perf_counter()
         submit_s = (queued_s or time.perf_counter()) - called_s
         key = f"{wire_id}@{target.address}" if wire_id else req_id
         with self._inbox_lock:
             refusal, full = self._refusal(), self._full()
             if not refusal and not full:
-                self._inbox.append(Inbound(key, target, Batch(chunks, last, called_s, submit_s),
+                self._inbox.append(Inbound(key, target, Batch(chunks, last, called_s, submit_s, ready),
                                            wire_id, req_id if wire_id else ""))
-                self._wake_locked()
+                self._pipe.wake()
+                if ready is not None:  # its GPU work seen done wakes the thread to post the writes
+                    ready.on_settled(self._pipe.wake)
                 return
         release(chunks)
         if refusal:
@@ -197,7 +202,7 @@ class SendService:
             problem = self._refusal() or self._full()
             if not problem:
                 self._inbox.append(item)
-                self._wake_locked()
+                self._pipe.wake()
                 return
         logger.error("request %s: %s is not reported (the proxy's KV wait ends it): %s", item.base_id or item.key,
                      what, problem)
@@ -233,25 +238,7 @@ class SendService:
         """From a pairing thread: queue its result for the service thread, and wake it."""
         with self._inbox_lock:
             self._connected.append(result)
-            self._wake_locked()
-
-    def _wake(self) -> None:
-        with self._inbox_lock:
-            self._wake_locked()
-
-    def _wake_locked(self) -> None:
-        if self._wake_w < 0:
-            return  # the loop is gone (its pipe is closed)
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # a full pipe wakes the loop anyway
-
-    def _close_pipe_locked(self) -> None:
-        for fd in (self._wake_r, self._wake_w):
-            if fd >= 0:
-                os.close(fd)
-        self._wake_r = self._wake_w = -1
+            self._pipe.wake()
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -278,8 +265,8 @@ class SendService:
 
     def _step(self) -> None:
         events = self._wait()
-        if self._wake_r in events:
-            self._drain_wake()
+        if self._pipe.fd in events:
+            self._pipe.drain()
         self._take_connected()
         self._take_inbox()
         for peer in list(self._peers.peers.values()):
@@ -320,15 +307,7 @@ class SendService:
             self._peers.drop(peer)
         self._announcer.close(protocol.Goodbye(self.instance_id, self._tp_rank))
         self._ctx.term()
-        with self._inbox_lock:
-            self._close_pipe_locked()
-
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self._pipe.close()
 
     def _take_inbox(self) -> None:
         with self._inbox_lock:

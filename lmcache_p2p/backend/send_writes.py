@@ -1,5 +1,10 @@
 """The sender's write tracker: posts writes, polls them, and hands chunks back only once nothing reads them.
 
+A granted batch's writes are posted only once its store's GPU work is done (``Batch.is_ready``): before,
+the chunks' bytes are not there, and the decoder would load garbage. Until then the batch is held on its
+request (``Request.held``) and :meth:`WriteTracker.post_held` posts it once it is ready. A store that
+failed is not the tracker's to handle: the pipeline fails its request (the held chunks go back then).
+
 A chunk's reference goes back to LMCache (``Chunk.done``) only once the transport says nothing
 reads it any more (``Transport.settled``): at once for a completed write, later for an aborted
 one. One that never settles within ``p2p.settle_timeout_s`` is kept (leaked, logged): LMCache
@@ -17,7 +22,7 @@ from collections.abc import Sequence
 
 from lmcache_p2p import protocol
 from lmcache_p2p.backend.send_peers import Peer
-from lmcache_p2p.backend.send_types import Chunk, Request, Write, release
+from lmcache_p2p.backend.send_types import Batch, Chunk, Held, Request, Write, release
 from lmcache_p2p.config import P2PConfig
 from lmcache_p2p.errors import TransportError
 from lmcache_p2p.transport import Transport, WriteHandle
@@ -53,11 +58,18 @@ class WriteTracker:
         self._leaked_chunks: list[Chunk] = []
         self.leaked = 0
 
-    def write(self, peer: Peer | None, req: Request, pairs: Sequence[tuple[Chunk, int]], asked_at: float) -> str:
-        """Write granted chunks; "" when posted, else why not (their chunks are handed back).
+    def write(self, peer: Peer | None, req: Request, batch: Batch, pairs: Sequence[tuple[Chunk, int]],
+              asked_at: float) -> str:
+        """Write granted chunks of ``batch`` if its store's GPU work is done, else hold them on ``req`` (one
+        batch at a time: the pipeline sends no further Alloc meanwhile); "" when posted or held, else why not
+        (their chunks are handed back).
 
         Every write must end (or be aborted) within the write window of its Alloc
         (``Peer.write_timeout_s``), so it can never land in a slot the receiver re-granted."""
+        if not batch.is_ready:
+            req.held = Held(batch, list(pairs), asked_at)
+            return ""
+        req.picked_s = req.picked_s or batch.sendable_s
         chunks = [c for c, _ in pairs]
         slots = [s for _, s in pairs]
         if peer is None or not peer.name:
@@ -66,9 +78,9 @@ class WriteTracker:
         deadline = asked_at + (peer.write_timeout_s or self._cfg.transfer_timeout_s)
         if time.monotonic() >= deadline:
             release(chunks)  # nothing was posted
-            return (f"grant from {req.target.endpoint} came {time.monotonic() - asked_at:.1f}s after its Alloc, "
-                    f"past the {deadline - asked_at:.1f}s write window (p2p.transfer_timeout_s): not written, the "
-                    "receiver may have given those slots up")
+            return (f"the write to {req.target.endpoint} could start only {time.monotonic() - asked_at:.1f}s after "
+                    f"its Alloc (its Grant, then its store's GPU work), past the {deadline - asked_at:.1f}s write "
+                    "window (p2p.transfer_timeout_s): not written, the receiver may have given those slots up")
         notif = protocol.encode(protocol.Written(self._sender_id, req.wire, slots))
         try:
             handle = self._transport.write(peer.name, [c.tensor for c in chunks],
@@ -81,6 +93,15 @@ class WriteTracker:
         req.writes.append((handle, chunks, deadline))
         req.posted_s = req.posted_s or time.perf_counter()
         return ""
+
+    def post_held(self, peer: Peer | None, req: Request) -> str:
+        """Post ``req``'s held batch if its store's GPU work is now done; "" when posted or still held, else why
+        not (its chunks are handed back)."""
+        held = req.held
+        if held is None or not held.batch.is_ready:
+            return ""
+        req.held = None
+        return self.write(peer, req, held.batch, held.pairs, held.asked_at)
 
     def poll(self, req: Request) -> str:
         """Poll ``req``'s writes: completed ones hand their chunks back; "" or why the request failed."""
@@ -111,7 +132,11 @@ class WriteTracker:
         return failed
 
     def abort(self, req: Request) -> None:
-        """Abort every write of a failed request; its chunks go back once nothing reads them."""
+        """Abort every write of a failed request; its chunks go back once nothing reads them (a held batch's
+        at once: nothing was posted)."""
+        held, req.held = req.held, None
+        if held is not None:
+            release(c for c, _ in held.pairs)
         for handle, chunks, _ in req.writes:
             self._transport.abort(handle)
             self.release_after(handle, chunks, req.req_id)

@@ -1,7 +1,9 @@
 """``SenderBackend``: the prefiller side of the plugin, as LMCache sees it.
 
 ``batched_submit_put_task`` runs on the engine's thread: it takes a reference on each chunk,
-hands the batch to the sender service and returns at once. Where the KV goes comes only from
+hands the batch to the sender service and returns at once. With ``p2p.async_store`` a store in VRAM
+is handed over before its GPU work is done, with its readiness (``store_ready.StoreWatch``): the
+service asks for slots at once and writes only once the GPU is done. Where the KV goes comes only from
 ``transfer_spec`` (LMCache's DisaggSpec); a put without one (a request that was not routed for
 disaggregation) is a no-op that never breaks the engine.
 """
@@ -25,8 +27,8 @@ from lmcache_p2p.backend.plugin_base import P2PPlugin
 from lmcache_p2p.backend.send_buffer import SendArena, gpu_connector_of, lend
 from lmcache_p2p.backend.send_gather import install as install_batched_gather
 from lmcache_p2p.backend.send_service import Chunk, SendService, Target
-from lmcache_p2p.backend.send_types import release
-from lmcache_p2p.backend.store_ready import StoreHandoff, StoreMode, gpu_done, install_async_slot_mapping, store_mode_of
+from lmcache_p2p.backend.send_types import StoreReady, release
+from lmcache_p2p.backend.store_ready import StoreMode, StoreWatch, gpu_done, install_async_slot_mapping, store_mode_of
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ClosedError, ConfigError, P2PError, QueueFull
 
@@ -61,7 +63,7 @@ class SenderBackend(P2PPlugin):
         self._arena: SendArena | None = None
         self._unlend: Callable[[], None] | None = None
         self._connector: Any = None  # LMCache's GPU connector, once looked up (False: none found)
-        self._handoff: StoreHandoff | None = None  # p2p.async_store: stores reach the service off the engine's thread
+        self._watch: StoreWatch | None = None  # p2p.async_store: stores go before their GPU work is done
         self._load_in_full_graphs()
         try:
             gpu = worker_gpu(dst_device)
@@ -107,8 +109,8 @@ class SenderBackend(P2PPlugin):
         ungather = install_batched_gather() if self.cfg.batched_gather else (lambda: None)
         unslots: Callable[[], None] = lambda: None
         if self.cfg.async_store:
-            self._handoff = StoreHandoff(f"p2p-store-{self._tp_rank}", timeout_s=self.cfg.store_ready_timeout_s,
-                                         max_stores=self.cfg.store_queue_max_stores)
+            self._watch = StoreWatch(f"p2p-store-{self._tp_rank}", timeout_s=self.cfg.store_ready_timeout_s,
+                                     max_stores=self.cfg.store_queue_max_stores)
             unslots = install_async_slot_mapping()  # each step's StoreMode is chosen where the connector is known
 
         def undo() -> None:
@@ -119,7 +121,7 @@ class SenderBackend(P2PPlugin):
         self._unlend = undo
 
     def _after_store(self, device: str) -> Callable[[], bool] | None:
-        """VRAM chunks: LMCache's connector gathered them on its store stream without waiting. With a hand-off
+        """VRAM chunks: LMCache's connector gathered them on its store stream without waiting. With a store watch
         (the store's StoreMode is not SYNC), the engine's stream (a split of heads below runs on it) and LMCache's
         load stream are ordered after that stream and a check for all of it is returned; else this thread waits
         now, and None is returned."""
@@ -127,7 +129,7 @@ class SenderBackend(P2PPlugin):
             self._connector = gpu_connector_of(self) or False
         connector = self._connector
         store_stream = getattr(connector, "store_stream", None) if connector else None
-        if store_stream is not None and self._handoff is not None and store_mode_of(connector) is not StoreMode.SYNC:
+        if store_stream is not None and self._watch is not None and store_mode_of(connector) is not StoreMode.SYNC:
             return gpu_done(store_stream, getattr(connector, "load_stream", None))
         if store_stream is not None:
             store_stream.synchronize()
@@ -138,9 +140,9 @@ class SenderBackend(P2PPlugin):
         return None
 
     def close(self) -> None:
-        handoff, self._handoff = self._handoff, None
-        if handoff is not None:
-            handoff.close()  # what was stored reaches the service before it closes
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.close()  # every store's readiness is settled before the service closes
         unlend, self._unlend = self._unlend, None
         if unlend is not None:
             unlend()
@@ -170,22 +172,28 @@ class SenderBackend(P2PPlugin):
         if sends is None:
             return None
         queued_s = time.perf_counter()
-
-        def hand_over() -> None:
+        watch = self._watch
+        if watch is None:
             _hand_over(service, req_id, sends, last, called_s, queued_s)
-
-        if self._handoff is None:
-            hand_over()
             return None
 
         def fail(reason: str) -> None:
             service.fail_request(req_id, [(target, wire_id) for target, _, wire_id in sends], reason)
 
         try:
-            self._handoff.submit(ready, hand_over, lambda: release(c for _, chunks, _ in sends for c in chunks), fail)
-        except QueueFull as exc:  # its chunks were released; the engine goes on, the request fails
-            logger.error("request %s: KV not sent: %s", req_id, exc)
+            readiness = watch.watch(ready)
+        except P2PError as exc:
+            release(c for _, chunks, _ in sends for c in chunks)
+            if not isinstance(exc, QueueFull):
+                raise
+            logger.error("request %s: KV not sent: %s", req_id, exc)  # the engine goes on, the request fails
             fail(str(exc))
+            return None
+        try:  # the Alloc goes out now; the writes once ``readiness`` is READY
+            _hand_over(service, req_id, sends, last, called_s, queued_s, readiness)
+        except Exception as exc:  # what it did not give the service, it released
+            logger.exception("lmcache_p2p sender: handing a store to the send service failed")
+            fail(f"handing a store to the sender failed: {type(exc).__name__}: {exc}")
         return None
 
     def _sends(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj], transfer_spec: Any, req_id: str,
@@ -261,21 +269,22 @@ def _no_reference() -> None:
 
 
 def _hand_over(service: SendService, req_id: str, sends: list[tuple[Target, list[Chunk], str]], last: bool,
-               called_s: float, queued_s: float) -> None:
-    """Every receiver's chunks of one store to the service. Whatever happens, each chunk is given to the
-    service or released: an error releases those of the receivers not reached yet, then propagates."""
+               called_s: float, queued_s: float, ready: StoreReady | None = None) -> None:
+    """Every receiver's chunks of one store to the service (``ready``: its GPU work, None when done). Whatever
+    happens, each chunk is given to the service or released: an error releases those of the receivers not
+    reached yet, then propagates."""
     if not sends and last:
         service.nothing_to_send(req_id)  # another rank feeds every decoder rank
     for n, (target, chunks, wire_id) in enumerate(sends):
         try:
-            _submit_runs(service, req_id, target, chunks, last, called_s, wire_id, queued_s)
+            _submit_runs(service, req_id, target, chunks, last, called_s, wire_id, queued_s, ready)
         except BaseException:
             release(c for _, later, _ in sends[n + 1:] for c in later)
             raise
 
 
 def _submit_runs(service: SendService, req_id: str, target: Target, chunks: list[Chunk], last: bool,
-                 called_s: float, wire_id: str = "", queued_s: float = 0.0) -> None:
+                 called_s: float, wire_id: str = "", queued_s: float = 0.0, ready: StoreReady | None = None) -> None:
     """Submit ``chunks`` to ``target``. One write moves sources of one device: a store that found the
     arena full midway (some chunks in VRAM, the rest in host memory) goes as consecutive batches,
     ``last`` on the final one. A refusal (P2PError) is logged; any other error propagates. Either way the
@@ -283,7 +292,7 @@ def _submit_runs(service: SendService, req_id: str, target: Target, chunks: list
     runs = _runs_by_device(chunks) or [chunks]  # an empty store still carries its last flag
     for i, run in enumerate(runs):
         try:
-            service.submit(req_id, target, run, last and i == len(runs) - 1, called_s, wire_id, queued_s)
+            service.submit(req_id, target, run, last and i == len(runs) - 1, called_s, wire_id, queued_s, ready)
         except BaseException as exc:
             release(c for later in runs[i + 1:] for c in later)
             if not isinstance(exc, P2PError):

@@ -22,10 +22,13 @@ Here, each of those waits becomes an order on the GPU, where it is known to hold
   ``send_gather.gather_store`` (:attr:`StoreMode.WAIT_FREE`), whose store stream waits for the forward on the
   GPU. Any other connector (LMCache's ``VLLMPagedMemGPUConnectorV3``, ``use_gpu_connector_v3: true``, gathers
   on its store stream with no such wait) keeps LMCache's own wait (:attr:`StoreMode.HANDOFF`);
-* the sender records an event after the store's GPU work and :class:`StoreHandoff`'s thread hands the batch to
-  the send service once that event completed: in order, off the engine's thread, each wait bounded by
-  ``p2p.store_ready_timeout_s`` (the request then fails and its pages go back; the stalled work runs first on
-  the store stream, so a page is rewritten only after it).
+* the sender records an event after the store's GPU work and hands the batch to the send service at once,
+  carrying a :class:`~lmcache_p2p.backend.send_types.StoreReady`: the service asks the receiver for slots
+  (Alloc -> Grant) while the GPU still works, and posts the writes only once that is READY. :class:`StoreWatch`'s
+  thread settles each store's readiness from its event, in order, off the engine's thread, each wait bounded by
+  ``p2p.store_ready_timeout_s``: past it, or on a CUDA error, the readiness FAILED and the service fails the
+  request (KvFailed, its granted slots cancelled, its pages back; the stalled work runs first on the store
+  stream, so a page is rewritten only after it).
 """
 
 from __future__ import annotations
@@ -40,15 +43,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lmcache_p2p.backend.send_types import StoreReady
 from lmcache_p2p.errors import ClosedError, QueueFull
 
 logger = logging.getLogger(__name__)
 
 _INSTALLED_ATTR = "_lmcache_p2p_async_slot_mapping"
 _MODE_ATTR = "_lmcache_p2p_store_mode"  # on the engine's GPU connector: how its latest store may be handed over
-# How often the hand-off thread asks whether a store's GPU work is done: first after _READY_POLL_S, then twice as
+# How often the watch thread asks whether a store's GPU work is done: first after _READY_POLL_S, then twice as
 # long each time up to _READY_POLL_MAX_S. Sleeping between questions leaves the engine's core and GIL alone (a
-# blocking wait could not be bounded); a long store is asked about rarely, a short one is handed over soon.
+# blocking wait could not be bounded); a long store is asked about rarely, a short one is seen done soon.
 _READY_POLL_S = 0.0001
 _READY_POLL_MAX_S = 0.001
 _IDLE_WAIT_S = 1.0  # the idle thread's wait for a store (a submission or close() wakes it at once)
@@ -59,7 +63,7 @@ class StoreMode(enum.Enum):
     """How a store's GPU work is waited for (decided per store by ``wait_for_save``'s wrapper)."""
 
     WAIT_FREE = "wait_free"  # slot mappings copied without a wait; the gather waits for the forward on the GPU
-    HANDOFF = "handoff"  # LMCache's own wait for the forward; the hand-off thread waits for the gather
+    HANDOFF = "handoff"  # LMCache's own wait for the forward; the watch thread waits for the gather
     SYNC = "sync"  # the engine's thread waits for the gather (a KV writer we cannot order exists)
 
 
@@ -85,18 +89,17 @@ def store_mode(adapter: Any) -> StoreMode | None:
 
 
 @dataclasses.dataclass
-class PendingStore:
-    """One store on its way to the send service."""
+class _Watched:
+    """One store whose GPU work is watched."""
 
-    ready: Callable[[], bool] | None  # whether its GPU work is done (raises on a CUDA error); None: nothing to wait
-    hand_over: Callable[[], None]  # gives its chunks to the send service (releases what it did not give)
-    release: Callable[[], None]  # hands its chunks back: they will not be sent
-    fail: Callable[[str], None]  # tells the proxy its request's KV will not come (KvFailed)
+    done: Callable[[], bool]  # whether its GPU work is done (raises on a CUDA error)
+    readiness: StoreReady  # what its batches carry to the send service
     deadline: float  # monotonic: its GPU work must be done by then
 
 
-class StoreHandoff:
-    """Runs each store's hand-over in submission order, each once its GPU work is done, on one thread.
+class StoreWatch:
+    """Settles each store's :class:`StoreReady` once its GPU work is done (READY) or cannot be (FAILED), in
+    submission order, on one thread. It only watches: the store's batches are with the send service already.
 
     At most ``max_stores`` wait (``p2p.store_queue_max_stores``); each waits at most ``timeout_s``
     (``p2p.store_ready_timeout_s``) after its submission."""
@@ -105,32 +108,30 @@ class StoreHandoff:
         self._timeout_s = timeout_s
         self._max_stores = max_stores
         self._poll_s = poll_s
-        self._pending: collections.deque[PendingStore] = collections.deque()
+        self._pending: collections.deque[_Watched] = collections.deque()
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, ready: Callable[[], bool] | None, hand_over: Callable[[], None], release: Callable[[], None],
-               fail: Callable[[str], None]) -> None:
-        """Queue ``hand_over`` to run once ``ready()`` says the store's GPU work is done (None: nothing to wait
-        for) and after every earlier submission. Refused after ``release()``: ClosedError once closed,
-        QueueFull when ``max_stores`` wait already."""
+    def watch(self, done: Callable[[], bool] | None) -> StoreReady | None:
+        """The readiness of a store whose GPU work ``done()`` says is done, settled by this thread; None when
+        ``done`` is None (nothing to wait for: ready now). ClosedError once closed; QueueFull when
+        ``max_stores`` wait already (the caller hands the store's chunks back)."""
         with self._cond:
             if self._closed:
-                refusal: Exception = ClosedError("sender backend is closed")
-            elif len(self._pending) >= self._max_stores:
-                refusal = QueueFull("p2p.store_queue_max_stores", (
+                raise ClosedError("sender backend is closed")
+            if done is None:
+                return None
+            if len(self._pending) >= self._max_stores:
+                raise QueueFull("p2p.store_queue_max_stores", (
                     f"{len(self._pending)} stores already wait for their GPU work (p2p.store_queue_max_stores "
                     f"{self._max_stores}); this one is not sent: raise p2p.store_queue_max_stores, or see why the "
                     "GPU is this far behind"))
-            else:
-                self._pending.append(PendingStore(ready, hand_over, release, fail,
-                                                  time.monotonic() + self._timeout_s))
-                self._cond.notify()
-                return
-        release()
-        raise refusal
+            readiness = StoreReady()
+            self._pending.append(_Watched(done, readiness, time.monotonic() + self._timeout_s))
+            self._cond.notify()
+            return readiness
 
     def waiting(self) -> int:
         """Stores submitted whose wait for their GPU work has not ended."""
@@ -138,7 +139,7 @@ class StoreHandoff:
             return len(self._pending)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Run what was queued (its GPU work finishing or timing out), then stop the thread."""
+        """Settle what was queued (its GPU work finishing or timing out), then stop the thread."""
         with self._cond:
             if self._closed:
                 return
@@ -146,23 +147,18 @@ class StoreHandoff:
             self._cond.notify()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            logger.error("lmcache_p2p sender: store hand-over thread did not stop within %.1fs", timeout_s)
+            logger.error("lmcache_p2p sender: store watch thread did not stop within %.1fs", timeout_s)
 
     def _run(self) -> None:
         while (store := self._next()) is not None:
             problem = self._wait_ready(store)
             if problem:
                 logger.error("lmcache_p2p sender: %s; its KV is not sent", problem)
-                store.release()
-                _quietly(store.fail, problem)
-                continue
-            try:
-                store.hand_over()
-            except Exception as exc:  # what it did not give the service, it released
-                logger.exception("lmcache_p2p sender: handing a store to the send service failed")
-                _quietly(store.fail, f"handing a store to the sender failed: {type(exc).__name__}: {exc}")
+                store.readiness.set_failed(problem)
+            else:
+                store.readiness.set_ready()
 
-    def _next(self) -> PendingStore | None:
+    def _next(self) -> _Watched | None:
         """The oldest store, left queued until its wait ends (it counts against ``max_stores``); None once
         closed and empty."""
         with self._cond:
@@ -170,11 +166,11 @@ class StoreHandoff:
                 self._cond.wait(_IDLE_WAIT_S)
             return self._pending[0] if self._pending else None
 
-    def _wait_ready(self, store: PendingStore) -> str:
+    def _wait_ready(self, store: _Watched) -> str:
         """"" once the store's GPU work is done; else why it will never be sent."""
         poll_s = self._poll_s
         try:
-            while store.ready is not None and not store.ready():
+            while not store.done():
                 if time.monotonic() >= store.deadline:
                     return (f"a store's GPU work did not finish within {self._timeout_s:g}s "
                             "(p2p.store_ready_timeout_s)")
@@ -187,13 +183,6 @@ class StoreHandoff:
             with self._cond:
                 self._pending.popleft()
         return ""
-
-
-def _quietly(fn: Callable[[str], None], reason: str) -> None:
-    try:
-        fn(reason)
-    except Exception:
-        logger.exception("lmcache_p2p sender: reporting a failed store failed")
 
 
 def gpu_done(store_stream: Any, load_stream: Any = None) -> Callable[[], bool]:

@@ -116,7 +116,7 @@ class _Submits:
     def __init__(self) -> None:
         self.batches: list[tuple[list, bool]] = []
 
-    def submit(self, req_id, target, chunks, last, called_s=0.0, wire_id="", queued_s=0.0) -> None:
+    def submit(self, req_id, target, chunks, last, called_s=0.0, wire_id="", queued_s=0.0, ready=None) -> None:
         self.batches.append((chunks, last))
 
 
@@ -133,7 +133,7 @@ def test_a_store_whose_chunks_are_partly_spilled_is_submitted_as_one_batch_per_d
 
     backend = object.__new__(SenderBackend)
     backend._service, backend._arena, backend._tp_rank, backend._warned_no_spec = _Submits(), None, 0, False
-    backend._layout, backend._handoff = None, None  # equal TP: rank r sends to rank r; handed over at once
+    backend._layout, backend._watch = None, None  # equal TP: rank r sends to rank r; handed over at once
     host = PagedTensorMemoryAllocator(torch.empty(4 * PAGE, dtype=torch.uint8), FULL, DTYPES)
     other = PagedTensorMemoryAllocator(torch.empty(4 * PAGE, dtype=torch.uint8, device="meta"), FULL, DTYPES)
     objs = [other.allocate(FULL, DTYPES), other.allocate(FULL, DTYPES), host.allocate(FULL, DTYPES),
@@ -161,7 +161,7 @@ def test_a_partial_chunk_in_an_arena_page_names_its_own_bytes_not_the_page(arena
 
     backend = object.__new__(SenderBackend)
     backend._service, backend._arena, backend._tp_rank, backend._warned_no_spec = _Submits(), None, 0, False
-    backend._layout, backend._handoff = None, None  # equal TP: rank r sends to rank r; handed over at once
+    backend._layout, backend._watch = None, None  # equal TP: rank r sends to rank r; handed over at once
     part = arena.allocate(shape_of(5), DTYPES)
     key = CacheEngineKey(model_name="m", world_size=1, worker_id=0, chunk_hash=7, dtype=torch.bfloat16)
     spec = SimpleNamespace(receiver_host="127.0.0.1", receiver_alloc_port=[7300], req_id="req-1",

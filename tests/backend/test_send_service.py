@@ -20,6 +20,7 @@ import zmq
 
 from lmcache_p2p import protocol
 from lmcache_p2p.backend.send_service import Chunk, SendService, Target
+from lmcache_p2p.backend.send_types import StoreReady
 from lmcache_p2p.config import P2PConfig, Role
 from lmcache_p2p.errors import ClosedError, PeerUnreachable, QueueFull, TransportError
 from lmcache_p2p.transport import Notification, Transport, WriteHandle
@@ -429,7 +430,7 @@ def test_submit_refuses_loudly_once_the_thread_died(make_service, chunks, receiv
         raise _Die("simulated")
 
     monkeypatch.setattr(service, "_step", die)
-    service._wake()
+    service._pipe.wake()
     wait_for(lambda: not service._thread.is_alive(), "the thread to die")
     batch = chunks.make(2)
     with pytest.raises(ClosedError, match="service thread stopped"):
@@ -810,3 +811,135 @@ def test_kv_failed_says_what_is_known_about_the_decoder(make_service, receiver, 
     case(service, receiver, chunks)
     failed = proxy.recv(protocol.KvFailed)
     assert (failed.req_id, failed.cause) == ("req-1", cause), failed.reason
+
+
+# ---- a batch handed over before its store's GPU work is done: Alloc at once, writes only once ready -----------
+
+
+def test_no_write_is_posted_before_its_stores_gpu_work_is_done_even_once_granted(
+        make_service, transport, receiver, chunks, proxy) -> None:
+    service = make_service(proxy_url=proxy.url, instance_id="prefiller-t", heartbeat_interval_s=0.05)
+    proxy.recv(protocol.Announce)
+    ready = StoreReady()
+    batch = chunks.make(2)
+    service.submit("req-1", receiver.target, batch, last=True, ready=ready)
+    receiver.welcome()
+    alloc = receiver.grant()  # the Alloc went out while the GPU still works, and is granted
+    assert alloc.keys == _keys(batch) and alloc.last
+    time.sleep(0.3)  # the Grant is in, the bytes are not: nothing may be written
+    assert transport.writes == [] and chunks.released == [] and service.stats().requests_done == 0
+    ready.set_ready()
+    wait_for(lambda: service.stats().requests_done == 1, "the writes once the GPU work is done")
+    assert [w.addrs for w in transport.writes] == [[BUFFER_ADDR, BUFFER_ADDR + SLOT_BYTES]]
+    assert sorted(chunks.released) == sorted(_keys(batch))
+    sent = proxy.recv(protocol.KvSent)
+    # pickup runs until the GPU work was seen done; the Grant's round trip overlapped it
+    assert sent.pickup_s >= 0.3 and sent.grant_s < sent.pickup_s and sent.chunks == 2
+
+
+def test_a_batch_whose_gpu_work_was_done_before_its_grant_is_written_at_the_grant(
+        make_service, transport, receiver, chunks) -> None:
+    service = make_service()
+    ready = StoreReady()
+    service.submit("req-1", receiver.target, chunks.make(1), last=True, ready=ready)
+    receiver.welcome()
+    alloc = receiver.recv(protocol.Alloc)  # held unanswered: the GPU finishes first
+    ready.set_ready()
+    time.sleep(0.1)
+    assert transport.writes == []  # no slots yet
+    receiver.send(protocol.Grant(alloc.seq, alloc.req_id, [3], free_slots=NUM_SLOTS - 1))
+    wait_for(lambda: service.stats().requests_done == 1, "the write at the Grant")
+    assert [w.addrs for w in transport.writes] == [[BUFFER_ADDR + 3 * SLOT_BYTES]]
+
+
+def test_a_store_whose_gpu_work_ends_after_the_write_window_is_not_written(
+        make_service, transport, receiver, chunks) -> None:
+    service = make_service()
+    ready = StoreReady()
+    batch = chunks.make(2)
+    service.submit("req-1", receiver.target, batch, last=True, ready=ready)
+    receiver.welcome(transfer_timeout_s=0.2)
+    receiver.grant()
+    time.sleep(0.35)  # granted at once, but the bytes come after the receiver's window: it may have re-granted
+    ready.set_ready()
+    wait_for(lambda: service.stats().requests_failed == 1, "the request to fail past its write window")
+    assert transport.writes == [], "a write was posted into slots the receiver may have re-granted"
+    assert sorted(chunks.released) == sorted(_keys(batch))
+    assert receiver.recv(protocol.Cancel).req_id == "req-1"
+
+
+def _broken() -> bool:
+    raise RuntimeError("CUDA error: an illegal memory access")
+
+
+@pytest.mark.parametrize("done, reason", [
+    (lambda: False, "p2p.store_ready_timeout_s"),
+    (_broken, "illegal memory access"),
+], ids=["gpu-timeout", "cuda-error"])
+def test_a_store_that_fails_after_its_grant_fails_the_request_cancels_its_slots_and_releases_its_chunks(
+        make_service, transport, receiver, chunks, proxy, done, reason) -> None:
+    from lmcache_p2p.backend.store_ready import StoreWatch
+
+    service = make_service(proxy_url=proxy.url, heartbeat_interval_s=0.05)
+    proxy.recv(protocol.Announce)
+    gate = threading.Event()
+    watch = StoreWatch("test-store", timeout_s=0.3, max_stores=8)
+    try:
+        ready = watch.watch(lambda: gate.is_set() and done())  # settles only once the test let the Grant in
+        batch = chunks.make(2)
+        service.submit("req-1", receiver.target, batch, last=True, ready=ready)
+        receiver.welcome()
+        receiver.grant()
+        time.sleep(0.1)  # the Grant reached the sender before the store's GPU work failed
+        gate.set()
+        failed = proxy.recv(protocol.KvFailed)
+    finally:
+        watch.close()
+    assert failed.req_id == "req-1" and reason in failed.reason and failed.cause is protocol.KvFailCause.SENDER
+    assert receiver.recv(protocol.Cancel).req_id == "req-1"  # the granted slots go back on the decoder
+    assert transport.writes == [] and sorted(chunks.released) == sorted(_keys(batch))
+    assert service.stats().requests_failed == 1 and service.pending_requests() == 0
+
+
+def test_a_store_that_fails_while_its_alloc_is_out_fails_the_request_and_its_late_grant_is_cancelled(
+        make_service, transport, receiver, chunks, proxy) -> None:
+    service = make_service(proxy_url=proxy.url, heartbeat_interval_s=0.05)
+    proxy.recv(protocol.Announce)
+    ready = StoreReady()
+    batch = chunks.make(1)
+    service.submit("req-1", receiver.target, batch, last=True, ready=ready)
+    receiver.welcome()
+    alloc = receiver.recv(protocol.Alloc)
+    ready.set_failed("a store's GPU work failed: RuntimeError: CUDA error")
+    failed = proxy.recv(protocol.KvFailed)  # at once, not at the Grant
+    assert failed.req_id == "req-1" and "CUDA error" in failed.reason
+    assert chunks.released == _keys(batch)
+    receiver.recv(protocol.Cancel)
+    receiver.send(protocol.Grant(alloc.seq, alloc.req_id, [0], free_slots=NUM_SLOTS - 1))
+    assert "granted after" in receiver.recv(protocol.Cancel).reason
+    assert transport.writes == []
+
+
+def test_batches_stay_in_order_one_alloc_at_a_time_and_a_held_batch_holds_the_next_alloc(
+        make_service, transport, receiver, chunks) -> None:
+    service = make_service()
+    first_ready, second_ready = StoreReady(), StoreReady()
+    first, second, third = chunks.make(1), chunks.make(2), chunks.make(1)
+    service.submit("req-1", receiver.target, first, last=False, ready=first_ready)
+    service.submit("req-1", receiver.target, second, last=False, ready=second_ready)
+    service.submit("req-1", receiver.target, third, last=True)  # host chunks: ready now
+    receiver.welcome()
+    assert receiver.grant([0]).keys == _keys(first)
+    second_ready.set_ready()  # the later store's GPU work is seen done first
+    with pytest.raises(AssertionError, match="no Alloc"):
+        receiver.recv(protocol.Alloc, timeout_s=0.3)  # the first batch, granted but not ready, holds the next Alloc
+    assert transport.writes == []
+    first_ready.set_ready()
+    assert receiver.grant([1, 2]).keys == _keys(second)
+    alloc = receiver.grant([3])
+    assert alloc.keys == _keys(third) and alloc.last
+    wait_for(lambda: service.stats().requests_done == 1, "every batch written")
+    assert [w.addrs for w in transport.writes] == [[BUFFER_ADDR + s * SLOT_BYTES for s in slots]
+                                                   for slots in ([0], [1, 2], [3])]
+    allocs = [m for m in receiver.seen if isinstance(m, protocol.Alloc)]
+    assert [a.keys for a in allocs] == [_keys(first), _keys(second), _keys(third)]

@@ -1,8 +1,9 @@
 """A prefiller's stores without the engine waiting for the GPU (backend/store_ready.py, p2p.async_store).
 
 On this machine there is no GPU: the streams, events and device copies are stand-ins that record what
-was asked of them, so the tests check the order of the waits (what the GPU pass relies on) and that
-every chunk reaches the send service, in order, off the engine's thread, or is handed back.
+was asked of them, so the tests check the order of the waits (what the GPU pass relies on), that every
+chunk reaches the send service at once and in order, carrying its store's readiness (settled off the
+engine's thread), or is handed back. What the service does with that readiness: test_send_service.py.
 """
 
 from __future__ import annotations
@@ -16,87 +17,89 @@ import pytest
 import torch
 
 from lmcache_p2p.backend import send_gather, sender as sender_module
-from lmcache_p2p.backend.store_ready import StoreHandoff, StoreMode, install_async_slot_mapping, store_mode_of
+from lmcache_p2p.backend.send_types import Readiness, StoreReady
+from lmcache_p2p.backend.store_ready import StoreMode, StoreWatch, install_async_slot_mapping, store_mode_of
 from lmcache_p2p.config import P2PConfig
 from lmcache_p2p.errors import ClosedError, ConfigError, QueueFull
 
 
-# ---- the hand-off thread ----------------------------------------------------------------------------
+# ---- the watch thread --------------------------------------------------------------------------------
 
 
-def make_handoff(name: str = "test-store", timeout_s: float = 10.0, max_stores: int = 64) -> StoreHandoff:
-    return StoreHandoff(name, timeout_s=timeout_s, max_stores=max_stores)
+def make_watch(name: str = "test-store", timeout_s: float = 10.0, max_stores: int = 64) -> StoreWatch:
+    return StoreWatch(name, timeout_s=timeout_s, max_stores=max_stores)
 
 
-def no_failure(reason: str) -> None:
-    raise AssertionError(f"unexpected failure: {reason}")
+def settled_on(readiness: StoreReady, seen: list) -> None:
+    readiness.on_settled(lambda: seen.append((readiness.state, threading.current_thread().name)))
 
 
-def test_hand_overs_run_in_order_each_after_its_gpu_work_and_never_on_the_callers_thread():
-    handoff = make_handoff()
+def test_readiness_settles_in_order_each_after_its_gpu_work_on_the_watch_thread():
+    watch = make_watch()
     gate = threading.Event()
-    ran: list[tuple[str, str]] = []
+    seen: list = []
     try:
-        handoff.submit(gate.is_set, lambda: ran.append(("first", threading.current_thread().name)), lambda: None,
-                       no_failure)
-        handoff.submit(None, lambda: ran.append(("second", threading.current_thread().name)), lambda: None,
-                       no_failure)
-        assert not gate.wait(0.05) and ran == []  # the second waits behind the first's GPU work
+        first, second = watch.watch(gate.is_set), watch.watch(lambda: True)
+        settled_on(first, seen)
+        settled_on(second, seen)
+        assert not gate.wait(0.05) and seen == []  # the second waits behind the first's GPU work
+        assert first.state is second.state is Readiness.PENDING
         gate.set()
     finally:
-        handoff.close()
-    assert ran == [("first", "test-store"), ("second", "test-store")]
+        watch.close()
+    assert seen == [(Readiness.READY, "test-store"), (Readiness.READY, "test-store")] and watch.waiting() == 0
 
 
-def test_failed_gpu_work_hands_its_chunks_back_fails_the_request_and_later_stores_still_go():
-    handoff = make_handoff()
-    released, ran, failed = [], [], []
+def test_a_store_with_nothing_to_wait_for_is_ready_now():
+    watch = make_watch()
+    try:
+        assert watch.watch(None) is None and watch.waiting() == 0
+    finally:
+        watch.close()
+
+
+def test_failed_gpu_work_fails_its_readiness_with_the_cause_and_later_stores_still_go():
+    watch = make_watch()
 
     def broken() -> bool:
         raise RuntimeError("CUDA error: an illegal memory access")
 
-    handoff.submit(broken, lambda: ran.append("broken"), lambda: released.append("broken"), failed.append)
-    handoff.submit(None, lambda: ran.append("next"), lambda: released.append("next"), failed.append)
-    handoff.close()
-    assert released == ["broken"] and ran == ["next"]
-    assert len(failed) == 1 and "illegal memory access" in failed[0]
+    failed, later = watch.watch(broken), watch.watch(lambda: True)
+    watch.close()
+    assert failed.state is Readiness.FAILED and "illegal memory access" in failed.problem
+    assert later.state is Readiness.READY
 
 
 def test_gpu_work_that_never_finishes_fails_its_store_at_the_deadline_and_later_stores_go():
-    handoff = make_handoff(timeout_s=0.1)
-    released, ran, failed = [], [], []
+    watch = make_watch(timeout_s=0.1)
     started = time.monotonic()
-    handoff.submit(lambda: False, lambda: ran.append("hung"), lambda: released.append("hung"), failed.append)
-    handoff.submit(None, lambda: ran.append("next"), lambda: released.append("next"), failed.append)
-    handoff.close()
+    hung, later = watch.watch(lambda: False), watch.watch(lambda: True)
+    watch.close()
     assert time.monotonic() - started < 5.0
-    assert released == ["hung"] and ran == ["next"]
-    assert len(failed) == 1 and "p2p.store_ready_timeout_s" in failed[0]
+    assert hung.state is Readiness.FAILED and "p2p.store_ready_timeout_s" in hung.problem
+    assert later.state is Readiness.READY
 
 
-def test_a_store_after_close_is_handed_back_with_a_clear_error():
-    handoff = make_handoff()
-    handoff.close()
-    released = []
-    with pytest.raises(ClosedError, match="closed"):
-        handoff.submit(None, lambda: None, lambda: released.append(True), no_failure)
-    assert released == [True]
+def test_a_store_after_close_is_refused_with_a_clear_error():
+    watch = make_watch()
+    watch.close()
+    for done in (lambda: True, None):
+        with pytest.raises(ClosedError, match="closed"):
+            watch.watch(done)
 
 
-def test_a_full_hand_off_refuses_with_the_setting_to_raise_and_hands_the_chunks_back():
-    handoff = make_handoff(max_stores=2)
+def test_a_full_watch_refuses_with_the_setting_to_raise():
+    watch = make_watch(max_stores=2)
     gate = threading.Event()
-    released = []
     try:
-        handoff.submit(gate.is_set, lambda: None, lambda: released.append(1), no_failure)
-        handoff.submit(gate.is_set, lambda: None, lambda: released.append(2), no_failure)
+        watched = [watch.watch(gate.is_set), watch.watch(gate.is_set)]
         with pytest.raises(QueueFull, match=r"p2p\.store_queue_max_stores") as refused:
-            handoff.submit(gate.is_set, lambda: None, lambda: released.append(3), no_failure)
-        assert refused.value.key == "p2p.store_queue_max_stores" and released == [3]
+            watch.watch(gate.is_set)
+        assert refused.value.key == "p2p.store_queue_max_stores"
         gate.set()
     finally:
-        handoff.close()
-    assert released == [3] and handoff.waiting() == 0
+        watch.close()
+    assert [r.state for r in watched] == [Readiness.READY] * 2 and watch.waiting() == 0
 
 
 @pytest.mark.parametrize("key", ["store_queue_max_stores", "send_queue_max_batches"])
@@ -109,7 +112,7 @@ def test_queue_bounds_are_whole_numbers_named_when_wrong(key):
         P2PConfig.from_mapping({"role": "sender", "store_ready_timeout_s": 0})
 
 
-# ---- the sender hands its stores over through it ------------------------------------------------------
+# ---- the sender hands its stores over at once, with their readiness -----------------------------------
 
 
 class Submits:
@@ -118,18 +121,20 @@ class Submits:
 
     def __init__(self, broken_at: int | None = None) -> None:
         self.batches: list[tuple[list[str], bool, str]] = []
+        self.readiness: list[StoreReady | None] = []  # each batch's, in order
         self.nothing: list[str] = []
         self.failures: list[tuple[str, list, str]] = []
         self._broken_at = broken_at
         self._calls = 0
 
-    def submit(self, req_id, target, chunks, last, called_s=0.0, wire_id="", queued_s=0.0) -> None:
+    def submit(self, req_id, target, chunks, last, called_s=0.0, wire_id="", queued_s=0.0, ready=None) -> None:
         self._calls += 1
         if self._calls - 1 == self._broken_at:
             for c in chunks:
                 c.done()
             raise RuntimeError("an unexpected error inside submit")
         self.batches.append(([c.key for c in chunks], last, threading.current_thread().name))
+        self.readiness.append(ready)
 
     def nothing_to_send(self, req_id) -> None:
         self.nothing.append(req_id)
@@ -163,10 +168,10 @@ class Obj:
         return MemoryFormat.KV_2LTD
 
 
-def sender_with(service, handoff):
+def sender_with(service, watch):
     backend = object.__new__(sender_module.SenderBackend)
     backend._service, backend._arena, backend._tp_rank, backend._warned_no_spec = service, None, 0, False
-    backend._layout, backend._handoff, backend._connector = None, handoff, None
+    backend._layout, backend._watch, backend._connector = None, watch, None
     return backend
 
 
@@ -188,19 +193,23 @@ def spec(last: bool, ports=(7300,)):
                            is_last_prefill=last)
 
 
-def test_a_senders_stores_reach_the_service_in_order_on_the_hand_off_thread():
-    service, handoff = Submits(), make_handoff("p2p-store-0")
-    backend = sender_with(service, handoff)
-    backend.batched_submit_put_task(keys_of(1, 2), [Obj(), Obj()], transfer_spec=spec(last=False))
-    backend.batched_submit_put_task(keys_of(3), [Obj()], transfer_spec=spec(last=True))
-    handoff.close()
-    assert service.batches == [(["1", "2"], False, "p2p-store-0"), (["3"], True, "p2p-store-0")]
+def test_host_stores_reach_the_service_in_order_at_once_with_nothing_to_wait_for():
+    service, watch = Submits(), make_watch("p2p-store-0")
+    backend = sender_with(service, watch)
+    try:
+        backend.batched_submit_put_task(keys_of(1, 2), [Obj(), Obj()], transfer_spec=spec(last=False))
+        backend.batched_submit_put_task(keys_of(3), [Obj()], transfer_spec=spec(last=True))
+        caller = threading.current_thread().name
+        assert service.batches == [(["1", "2"], False, caller), (["3"], True, caller)]
+        assert service.readiness == [None, None] and watch.waiting() == 0
+    finally:
+        watch.close()
 
 
-def test_a_store_refused_by_a_closed_hand_off_drops_the_references_it_took():
-    service, handoff = Submits(), make_handoff("p2p-store-0")
-    handoff.close()
-    backend = sender_with(service, handoff)
+def test_a_store_refused_by_a_closed_watch_drops_the_references_it_took():
+    service, watch = Submits(), make_watch("p2p-store-0")
+    watch.close()
+    backend = sender_with(service, watch)
     objs = [Obj(), Obj()]
     with pytest.raises(ClosedError):
         backend.batched_submit_put_task(keys_of(1, 2), objs, transfer_spec=spec(last=True))
@@ -220,26 +229,26 @@ def test_a_bad_spec_for_a_later_decoder_rank_takes_no_reference_at_all():
 
 
 @pytest.mark.parametrize("broken_at", [0, 1], ids=["first-run", "second-run"])
-@pytest.mark.parametrize("with_handoff", [False, True], ids=["engine-thread", "hand-off-thread"])
-def test_an_error_handing_a_store_over_releases_every_chunk_the_service_did_not_take(broken_at, with_handoff):
+@pytest.mark.parametrize("with_watch", [False, True], ids=["sync-store", "async-store"])
+def test_an_error_handing_a_store_over_releases_every_chunk_the_service_did_not_take(broken_at, with_watch):
     # Three runs: host chunks, VRAM chunks (the arena filled and emptied midway), host chunks again.
     service = Submits(broken_at=broken_at)
-    handoff = make_handoff("p2p-store-0") if with_handoff else None
-    backend = sender_with(service, handoff)
+    watch = make_watch("p2p-store-0") if with_watch else None
+    backend = sender_with(service, watch)
     objs = [Obj(), Obj(vram_tensor()), Obj(vram_tensor()), Obj()]
     try:
-        if with_handoff:
+        if with_watch:
             backend.batched_submit_put_task(keys_of(1, 2, 3, 4), objs, transfer_spec=spec(last=True))
         else:
             with pytest.raises(RuntimeError, match="unexpected error inside submit"):
                 backend.batched_submit_put_task(keys_of(1, 2, 3, 4), objs, transfer_spec=spec(last=True))
     finally:
-        if handoff is not None:
-            handoff.close()
+        if watch is not None:
+            watch.close()
     taken = {key for keys, _, _ in service.batches for key in keys}
     assert [o.refs for o, k in zip(objs, "1234")] == [2 if k in taken else 1 for k in "1234"]
     assert len(service.batches) == broken_at  # nothing after the error was submitted
-    if with_handoff:  # the request is failed at once rather than left to the proxy's KV timeout
+    if with_watch:  # the request is failed at once rather than left to the proxy's KV timeout
         assert len(service.failures) == 1 and "unexpected error inside submit" in service.failures[0][2]
 
 
@@ -286,41 +295,54 @@ def test_gpu_done_orders_the_engine_and_the_load_stream_after_the_store_and_neve
     assert log == ["engine waits for store", "load waits for store", "event {}", "event recorded on engine", "queried"]
 
 
-def vram_sender(service, handoff, ready):
-    backend = sender_with(service, handoff)
+def vram_sender(service, watch, ready):
+    backend = sender_with(service, watch)
     backend._arena = SimpleNamespace(device="cuda:0")
     backend._after_store = lambda device: ready
     return backend
 
 
-def test_a_failed_gpu_wait_on_a_requests_first_batch_fails_the_request_and_frees_its_pages():
+def test_a_vram_store_reaches_the_service_before_its_gpu_work_is_done_carrying_its_readiness():
+    gate = threading.Event()
+    service, watch = Submits(), make_watch("p2p-store-0")
+    objs = [Obj(vram_tensor()), Obj(vram_tensor())]
+    try:
+        vram_sender(service, watch, gate.is_set).batched_submit_put_task(keys_of(1, 2), objs, transfer_spec=spec(True))
+        # handed over at once (the service asks for slots now), every run of the store with the same readiness
+        assert service.batches == [(["1", "2"], True, threading.current_thread().name)]
+        [readiness] = service.readiness
+        assert not gate.wait(0.05) and readiness.state is Readiness.PENDING
+        gate.set()
+    finally:
+        watch.close()
+    assert readiness.state is Readiness.READY and [o.refs for o in objs] == [2, 2]  # the service holds them
+
+
+def test_a_failed_gpu_wait_fails_the_readiness_the_service_holds_with_its_cause():
     def broken() -> bool:
         raise RuntimeError("CUDA error: an illegal memory access")
 
-    service, handoff = Submits(), make_handoff("p2p-store-0")
+    service, watch = Submits(), make_watch("p2p-store-0")
     objs = [Obj(vram_tensor()), Obj(vram_tensor())]
-    vram_sender(service, handoff, broken).batched_submit_put_task(keys_of(1, 2), objs, transfer_spec=spec(last=False))
-    handoff.close()
-    assert [o.refs for o in objs] == [1, 1] and service.batches == []
-    [(req_id, shares, reason)] = service.failures
-    assert req_id == "req-1" and [t.endpoint for t, _ in shares] == ["tcp://127.0.0.1:7300"]
-    assert "illegal memory access" in reason
+    vram_sender(service, watch, broken).batched_submit_put_task(keys_of(1, 2), objs, transfer_spec=spec(last=False))
+    watch.close()
+    [readiness] = service.readiness  # the service fails the request and frees its pages (test_send_service.py)
+    assert readiness.state is Readiness.FAILED and "illegal memory access" in readiness.problem
 
 
-def test_a_store_whose_gpu_work_outlives_store_ready_timeout_fails_and_frees_its_pages():
-    service, handoff = Submits(), make_handoff("p2p-store-0", timeout_s=0.1)
-    objs = [Obj(vram_tensor())]
-    vram_sender(service, handoff, lambda: False).batched_submit_put_task(keys_of(1), objs, transfer_spec=spec(True))
-    handoff.close()
-    assert objs[0].refs == 1 and service.batches == []
-    [(req_id, _, reason)] = service.failures
-    assert req_id == "req-1" and "p2p.store_ready_timeout_s" in reason
+def test_a_store_whose_gpu_work_outlives_store_ready_timeout_fails_its_readiness_naming_the_key():
+    service, watch = Submits(), make_watch("p2p-store-0", timeout_s=0.1)
+    vram_sender(service, watch, lambda: False).batched_submit_put_task(keys_of(1), [Obj(vram_tensor())],
+                                                                       transfer_spec=spec(True))
+    watch.close()
+    [readiness] = service.readiness
+    assert readiness.state is Readiness.FAILED and "p2p.store_ready_timeout_s" in readiness.problem
 
 
-def test_a_store_refused_by_a_full_hand_off_frees_its_pages_and_fails_the_request_without_raising():
+def test_a_store_refused_by_a_full_watch_frees_its_pages_and_fails_the_request_without_raising():
     gate = threading.Event()
-    service, handoff = Submits(), make_handoff("p2p-store-0", max_stores=1)
-    backend = vram_sender(service, handoff, gate.is_set)
+    service, watch = Submits(), make_watch("p2p-store-0", max_stores=1)
+    backend = vram_sender(service, watch, gate.is_set)
     first, second = [Obj(vram_tensor())], [Obj(vram_tensor())]
     try:
         backend.batched_submit_put_task(keys_of(1), first, transfer_spec=spec(last=False))
@@ -330,7 +352,7 @@ def test_a_store_refused_by_a_full_hand_off_frees_its_pages_and_fails_the_reques
         assert req_id == "req-1" and "p2p.store_queue_max_stores" in reason
         gate.set()
     finally:
-        handoff.close()
+        watch.close()
     assert [keys for keys, _, _ in service.batches] == [["1"]]
 
 
@@ -353,32 +375,32 @@ def connector_in(mode: StoreMode | None, log: list):
 
 
 @pytest.mark.parametrize("mode", [StoreMode.WAIT_FREE, StoreMode.HANDOFF])
-def test_vram_chunks_wait_on_the_gpu_with_a_hand_off_and_on_the_engines_thread_without(monkeypatch, mode):
+def test_vram_chunks_wait_on_the_gpu_with_a_watch_and_on_the_engines_thread_without(monkeypatch, mode):
     log: list[str] = []
     monkeypatch.setattr(sender_module, "gpu_done", lambda store, load: log.append(
-        f"event after {store.name}, {load.name} ordered after it") or (lambda: log.append("hand-off checks") or True))
-    handoff = make_handoff("p2p-store-0")
-    backend = sender_with(Submits(), handoff)
+        f"event after {store.name}, {load.name} ordered after it") or (lambda: log.append("watch checks") or True))
+    watch = make_watch("p2p-store-0")
+    backend = sender_with(Submits(), watch)
     backend._connector = connector_in(mode, log)
-    assert backend._after_store("cuda:0")() is True  # the returned check runs on the hand-off thread
-    assert log == ["event after store, load ordered after it", "hand-off checks"]
-    handoff.close()
+    assert backend._after_store("cuda:0")() is True  # the returned check runs on the watch thread
+    assert log == ["event after store, load ordered after it", "watch checks"]
+    watch.close()
     log.clear()
-    backend._handoff = None
+    backend._watch = None
     assert backend._after_store("cuda:0") is None and log == ["cpu waits for store"]
 
 
 @pytest.mark.parametrize("mode", [StoreMode.SYNC, None], ids=["another-kv-writer", "never-decided"])
-def test_a_store_in_sync_mode_waits_on_the_engines_thread_even_with_a_hand_off(monkeypatch, mode):
+def test_a_store_in_sync_mode_waits_on_the_engines_thread_even_with_a_watch(monkeypatch, mode):
     log: list[str] = []
-    monkeypatch.setattr(sender_module, "gpu_done", lambda store, load: pytest.fail("no hand-off in SYNC mode"))
-    handoff = make_handoff("p2p-store-0")
-    backend = sender_with(Submits(), handoff)
+    monkeypatch.setattr(sender_module, "gpu_done", lambda store, load: pytest.fail("no watch in SYNC mode"))
+    watch = make_watch("p2p-store-0")
+    backend = sender_with(Submits(), watch)
     backend._connector = connector_in(mode, log)
     try:
         assert backend._after_store("cuda:0") is None and log == ["cpu waits for store"]
     finally:
-        handoff.close()
+        watch.close()
 
 
 def test_async_store_is_on_by_default_and_must_be_a_bool():

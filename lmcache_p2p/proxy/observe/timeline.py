@@ -21,8 +21,11 @@ TP rank, after its last chunk was written). The phases, in seconds:
                 start -> its last store call's end; one store per prefill: equals ``submit``)
   submit        prefiller: time spent in ``batched_submit_put_task`` for the request (engine thread)
   transfer      prefiller: first chunk submitted -> last chunk written (acknowledged by the transport);
-                within it: pickup (-> the sender's thread took the chunks), grant (its first Alloc -> the
-                receiver's Grant) and write (first write posted -> last write seen complete)
+                within it: pickup (-> the first chunks could be written: the sender's thread took them and,
+                for a store in VRAM, its GPU work was seen done), grant (its first Alloc -> the receiver's
+                Grant) and write (first write posted -> last write seen complete). The Alloc leaves when the
+                sender's thread takes the chunks, before their GPU work is done: grant overlaps pickup (only
+                what of it outlasts pickup delays the writes), so pickup + grant + write may exceed transfer
 
 With ``--workers N`` the first byte, decode sent and first decoded byte are the relay worker's own
 stamps (same machine, same monotonic clock), reported to the coordinator with ``started`` / ``closed``.
