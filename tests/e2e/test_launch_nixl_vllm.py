@@ -1,10 +1,12 @@
 """``lmcache-p2p launch --connector nixl`` for real: one command starts a vLLM-CPU prefiller and decoder running
-vLLM's own NixlConnector and our proxy in front of them.
+vLLM's own NixlConnector and, in front of them, our proxy or vllm-router (``--router vllm-router``: vLLM's own
+PD stack).
 
-The launcher runs as a user runs it (its own process, Ctrl-C = SIGTERM). Greedy completions through the proxy,
+The launcher runs as a user runs it (its own process, Ctrl-C = SIGTERM). Greedy completions through the front,
 plain and streamed, equal the decoder's own answers to the same prompts sent straight to it (one instance, the
 same flags, no ``kv_transfer_params``); the decoder pulled the prompts' KV from the prefiller (vLLM's external
-prefix cache hits on its /metrics); every request went the ``vllm-nixl`` way; SIGTERM stops everything.
+prefix cache hits on its /metrics); behind our proxy every request went the ``vllm-nixl`` way; SIGTERM stops
+everything.
 No prefix caching, so that the decoder's own answers are computed before the pulls and never reused by them.
 """
 
@@ -40,12 +42,13 @@ def wait_serving(proc: subprocess.Popen, out: str, timeout_s: float) -> None:
         time.sleep(1.0)
 
 
-def test_one_command_serves_vllm_nixl_instances_behind_our_proxy_with_one_instances_outputs(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("router", ["lmcache_p2p", "vllm-router"])
+def test_one_command_serves_vllm_nixl_instances_with_one_instances_outputs(router, tiny_model_dir, tmp_path):
     # tp_size=2 claims base+50 and base+51: the two instances' NIXL handshake ports (--kv-port + slot)
     base = free_cluster_base_port(prefill=1, decode=1, tp_size=2)
-    proxy, decoder = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 30}"
-    argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "launch", "--connector", "nixl", "--prefill", "1",
-            "--decode", "1", "--model", str(tiny_model_dir), "--proxy-port", str(base),
+    proxy, decoder = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 30}"  # one decoder: the same port
+    argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "launch", "--connector", "nixl", "--router", router,
+            "--prefill", "1", "--decode", "1", "--model", str(tiny_model_dir), "--proxy-port", str(base),
             "--proxy-control-port", str(base + 1), "--prefill-port", str(base + 10), "--decode-port", str(base + 30),
             "--kv-port", str(base + 50), "--log-dir", str(tmp_path / "logs"), "--no-prefix-caching",
             "--on-exit", "stop"]
@@ -62,8 +65,9 @@ def test_one_command_serves_vllm_nixl_instances_behind_our_proxy_with_one_instan
             for stream in (False, True):
                 assert complete(proxy, model, prompt, stream=stream) == reference[prompt], (prompt, stream)
         assert metric_total(httpx.get(f"{decoder}/metrics", timeout=10).text, HITS) > hits_before
-        recent = httpx.get(f"{proxy}/stats", timeout=10).json()["recent"]
-        assert len(recent) == 2 * len(PROMPTS) and {r["backend"] for r in recent} == {"vllm-nixl"}
+        if router == "lmcache_p2p":  # vllm-router keeps no request timeline
+            recent = httpx.get(f"{proxy}/stats", timeout=10).json()["recent"]
+            assert len(recent) == 2 * len(PROMPTS) and {r["backend"] for r in recent} == {"vllm-nixl"}
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
