@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_process_serves_and_exits_cleanly_on_signal(sig):
-    proxy = ProxyProcess("--prefill", "http://127.0.0.1:1", "--summary-interval-s", "0")
+    proxy = ProxyProcess("--prefill", "http://127.0.0.1:1", "--summary-interval-s", "0", "--tokenizer", "none")
     proc, url = proxy.proc, proxy.url
     try:
         health = httpx.get(url + "/health", timeout=5, trust_env=False).json()
