@@ -1,5 +1,5 @@
-"""The proxy's HTTP port: its listening socket, bound before anything starts, and the warm-up before its
-first client. Used by the one process and by each relay worker (``relay/worker.py``).
+"""The proxy's HTTP port: its listening socket, bound before anything starts, and the warm-up before anything
+runs on the event loop. Used by the one process and by each relay worker (``relay/worker.py``).
 
 It owns the socket's options. It must not serve anything (``server.py`` and the relay workers do).
 """
@@ -38,8 +38,11 @@ def bind_http(host: str, port: int, *, listen: bool = True, reuse_port: bool = F
 
 
 async def warm_up() -> None:
-    """Before the first client: anyio imports its asyncio backend at its first use (~25 ms), and that first use
-    is Starlette's first ``StreamingResponse``, i.e. on the first stream's first byte, in every process."""
+    """Before anything runs on the event loop: what would otherwise be imported at a first use on it, where every
+    request, probe and control message waits for the import (seconds on a loaded machine): aiohttp, the client of
+    every upstream call (a health probe's first), and anyio's asyncio backend, whose first use is Starlette's first
+    ``StreamingResponse``, i.e. the first stream's first byte, in every process."""
+    import aiohttp  # noqa: F401
     import anyio
 
     await anyio.sleep(0)

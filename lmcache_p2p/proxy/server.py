@@ -103,7 +103,11 @@ class Proxy:
         self.port = 0
 
     async def start(self) -> None:
-        """Bind the control socket and start the background tasks (not the HTTP server)."""
+        """Import the tokenizer library (``http/tokenizer.wait_imported``) and what the loop's first uses would import
+        (``listener.warm_up``) before anything runs on the loop, bind the control socket and start the background
+        tasks (not the HTTP server)."""
+        await self.orchestrator.tokenizers.import_before_serving()
+        await warm_up()
         exposed = self.settings.exposed_ports()
         if exposed and not self.settings.shared_secret:
             logger.warning("INSECURE (--insecure): %s reachable beyond loopback WITHOUT a shared secret: anyone who "
@@ -124,7 +128,6 @@ class Proxy:
         workers = self.settings.workers > 1
         sock = bind_http(self.settings.host, self.settings.port, listen=not workers, reuse_port=workers)
         self.port = sock.getsockname()[1]
-        await warm_up()
         if workers:
             await self._start_workers(sock)
             return

@@ -459,7 +459,8 @@ _FLAGS: tuple[_Flag, ...] = (
           "(default %(default)s)"),
     _Flag("--tokenizer-load-timeout-s", "tokenizer_load_timeout_s",
           "longest wait for one load of the tokenizer (the import of transformers included), in the proxy and in "
-          "each relay worker; past it the proxy goes without (and tries again) and a relay worker answers 503 "
+          "each relay worker; past it the proxy goes without (and tries again) and a relay worker answers 503. "
+          "Also the longest the proxy and each relay worker wait at start, before serving, for that import "
           "(default %(default)s)"),
     _Flag("--migration-limit", "migration_limit",
           "times one request's decode stream may move to another instance when its decoder fails mid-stream; "

@@ -43,11 +43,17 @@ logger = logging.getLogger(__name__)
 
 _FORWARDED_HEADERS = ("authorization",)
 _KEEPALIVE_S = 4.0
+REQUEST_ID_HEADER = "X-Request-Id"  # vLLM names a request after it (cmpl-{id}-{prompt index}-{8 random})
 
 
 def forwarded_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
     """Client headers an instance needs too (its API key)."""
     return {k: v for k in _FORWARDED_HEADERS if (v := client_headers.get(k))}
+
+
+def with_request_id(headers: Mapping[str, str], request_id: str | None) -> Mapping[str, str]:
+    """``headers`` and, when given, the ``X-Request-Id`` the instance names its request after."""
+    return headers if request_id is None else {**headers, REQUEST_ID_HEADER: request_id}
 
 
 class Upstream:

@@ -1,4 +1,5 @@
-"""Fake vLLM instances running vLLM's NixlConnector (pull mode), as far as the proxy sees them.
+"""Fake vLLM instances running vLLM's NixlConnector (pull mode) or NixlPushConnector, as far as the proxy sees
+them.
 
 The contract they keep (vLLM 0.32, ``nixl/pull_scheduler.py``):
 
@@ -10,13 +11,22 @@ The contract they keep (vLLM 0.32, ``nixl/pull_scheduler.py``):
   not lost) and cover exactly its prompt, else the request fails with an error event in its stream (vLLM's
   ``kv_load_failure_policy: fail``); a pull frees the blocks on the prefiller.
 * ``/metrics``: ``vllm:kv_cache_usage_perc`` and ``vllm:cache_config_info`` (blocks, block size).
+* request ids as vLLM makes them of the ``X-Request-Id`` header (a random one without it):
+  ``cmpl-{id}-{prompt index}-{8 random}`` for a completion, ``chatcmpl-{id}-{8 random}`` for a chat.
+* push mode (``NixlNetwork.push``, ``nixl/push_scheduler.py`` and ``push_worker.py``): the prefiller answers
+  ``transfer_mode: push``, and the decoder's blocks are written by the prefiller whose finished request has
+  the decoder's request id once the random suffix is cut off both (``get_base_request_id``); a decode that
+  no prefill matches waits for a push that never comes (its stream stays silent).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import json
+import re
+import uuid
 from typing import Any
 
 from starlette.requests import Request
@@ -24,6 +34,20 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from .fakes import FakeVllm, tokenize
+
+_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("fake_vllm_request_id")
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def vllm_request_id(kind: str, request: Request) -> str:
+    """vLLM 0.32's engine request id of an HTTP request (``kind``: cmpl or chatcmpl)."""
+    base = request.headers.get("x-request-id") or uuid.uuid4().hex
+    index = "-0" if kind == "cmpl" else ""
+    return f"{kind}-{base}{index}-{uuid.uuid4().hex[:8]}"
+
+
+def base_request_id(request_id: str) -> str:
+    return _RANDOM_SUFFIX.sub("", request_id)
 
 
 @dataclasses.dataclass
@@ -42,13 +66,20 @@ class NixlNetwork:
         self.die_first_stream_after: int | None = None  # the first decode stream of the cluster dies after n tokens
         self.break_first_prefill = False  # the first prefiller asked to keep KV dies with the request in hand
         self.hang_first_pull = False  # the first decoder's pull never completes (its stream stays silent)
-        self._next = 0
+        self.push = False  # the instances run NixlPushConnector
+        self.unmatched_pushes: list[str] = []  # decoders' request ids that no finished prefill matched
 
-    def keep(self, engine: str, prompt_ids: list[int]) -> str:
-        self._next += 1
-        request_id = f"{engine}-req-{self._next}"
+    def keep(self, engine: str, prompt_ids: list[int], request_id: str) -> str:
         self.held[request_id] = Held(engine, list(prompt_ids))
         return request_id
+
+    def pushed_to(self, decoder_request_id: str) -> str | None:
+        """Push mode: the prefill whose blocks the decoder's request gets (None: none matches, nothing comes)."""
+        base = base_request_id(decoder_request_id)
+        match = next((rid for rid in self.held if base_request_id(rid) == base), None)
+        if match is None:
+            self.unmatched_pushes.append(decoder_request_id)
+        return match
 
     def pull(self, decoder: str, params: dict[str, Any], prompt_ids: list[int]) -> str | None:
         """None when the pull worked, else why not."""
@@ -82,9 +113,20 @@ class FakeNixlVllm(FakeVllm):
         self.metrics_delay_s = 0.0
         self.server._app.router.routes.append(Route("/metrics", self._metrics, methods=["GET"]))
 
+    async def _chat(self, request: Request) -> Any:
+        _request_id.set(vllm_request_id("chatcmpl", request))
+        return await super()._chat(request)
+
     async def _completions(self, request: Request) -> Any:
+        _request_id.set(vllm_request_id("cmpl", request))
         body = await request.json()
         params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_prefill") and self.network.push:
+            matched = self.network.pushed_to(_request_id.get())
+            if matched is None:
+                self.requests.append(("/v1/completions", body))
+                return StreamingResponse(_silent(), media_type="text/event-stream")
+            params = body["kv_transfer_params"] = {**params, "remote_request_id": matched}  # what it was written
         if params.get("do_remote_prefill") and self.network.hang_first_pull:
             self.network.hang_first_pull = False
             self.requests.append(("/v1/completions", body))
@@ -106,11 +148,12 @@ class FakeNixlVllm(FakeVllm):
         answer = super()._answer(obj, choices, ids, tokens, body)
         params = body.get("kv_transfer_params") or {}
         if params.get("do_remote_decode"):
-            request_id = self.network.keep(self.engine_id, ids)
+            request_id = self.network.keep(self.engine_id, ids, _request_id.get())
             answer["kv_transfer_params"] = {
                 "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
                 "remote_engine_id": self.engine_id, "remote_request_id": request_id, "remote_host": "127.0.0.1",
                 "remote_port": self.side_channel_port, "tp_size": 1, "remote_num_tokens": len(ids),
+                "transfer_mode": "push" if self.network.push else "pull",
             }
         return answer
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_process_serves_and_exits_cleanly_on_signal(sig):
-    proxy = ProxyProcess("--prefill", "http://127.0.0.1:1", "--summary-interval-s", "0")
+    proxy = ProxyProcess("--prefill", "http://127.0.0.1:1", "--summary-interval-s", "0", "--tokenizer", "none")
     proc, url = proxy.proc, proxy.url
     try:
         health = httpx.get(url + "/health", timeout=5, trust_env=False).json()
@@ -156,13 +156,45 @@ async def test_without_a_secret_on_loopback_admin_stays_open():
         assert (await c.client.get("/instances?all=1")).status_code == 200
 
 
-def test_warm_up_loads_what_the_first_stream_would_load_on_its_first_byte():
-    """anyio imports its asyncio backend (~25 ms) at its first use, Starlette's first StreamingResponse: a
-    proxy process (one process, or each relay worker) does it at start, before its first client."""
+def test_warm_up_loads_what_the_first_stream_and_the_first_probe_would_load_on_the_loop():
+    """anyio imports its asyncio backend (~25 ms) at its first use, Starlette's first StreamingResponse, and aiohttp
+    (seconds on a loaded machine) is imported at the first upstream call, a health probe's: a proxy process (one
+    process, or each relay worker) does both at start, before anything runs on its loop."""
+    modules = ("anyio._backends._asyncio", "aiohttp")
     code = ("import asyncio, sys\n"
             "from lmcache_p2p.proxy.listener import warm_up\n"
-            "before = 'anyio._backends._asyncio' in sys.modules\n"
+            f"before = [m in sys.modules for m in {modules!r}]\n"
             "asyncio.run(warm_up())\n"
-            "print(before, 'anyio._backends._asyncio' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.split() == ["False", "True"]
+            f"print(*before, *[m in sys.modules for m in {modules!r}])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "False", "True", "True"]
+
+
+@pytest.mark.anyio
+async def test_the_proxy_warms_up_before_its_probes_and_control_socket_run_on_the_loop(monkeypatch):
+    from lmcache_p2p.proxy import server
+    from lmcache_p2p.proxy.control import ControlListener
+    from lmcache_p2p.proxy.router.health import HealthProber
+    from lmcache_p2p.proxy.settings import ProxySettings
+
+    order: list[str] = []
+
+    async def warm_up() -> None:
+        order.append("warm_up")
+
+    def recorded(name: str, real):
+        def call(self, *args, **kwargs):
+            order.append(name)
+            return real(self, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(server, "warm_up", warm_up)
+    monkeypatch.setattr(HealthProber, "start", recorded("probes", HealthProber.start))
+    monkeypatch.setattr(ControlListener, "start", recorded("control", ControlListener.start))
+    proxy = server.Proxy(ProxySettings(port=0, control_port=0, summary_interval_s=0, tokenizer="none"))
+    try:
+        await proxy.start()
+        await proxy.start_http()
+    finally:
+        await proxy.close()
+    assert order == ["warm_up", "control", "probes"]

@@ -12,7 +12,12 @@ the same one) picks the strategy here, which answers three questions:
     ``{"do_remote_decode": true, ...}`` asks the prefiller to keep the prompt's KV blocks; its answer's
     ``kv_transfer_params`` (engine id, block ids, side-channel host and port, TP size) go in the decode
     request, and the decoder pulls the blocks before it decodes. Nothing to wait for at the proxy;
-    blocks nobody pulls are the prefiller's to free (its ``kv_lease_duration``).
+    blocks nobody pulls are the prefiller's to free (its ``kv_lease_duration``). The prefill and its decode
+    carry one ``X-Request-Id`` (the attempt's ``req_id``), as vllm-router sends them: vLLM's
+    NixlPushConnector (the prefiller writes into blocks the decoder registered) pairs the two by vLLM's
+    request id, made of it; its prefiller answers ``transfer_mode: push``. A chat prefill's id
+    (``chatcmpl-...``) never pairs with the decode's (a completion, ``cmpl-...``), so such a KV counts as
+    failed at once and ``--on-kv-failure`` applies (``retry``: a /v1/completions prefill of the prompt ids).
 * what the decode carries (:attr:`KvBackend.decode_prompt_is_prefill_prompt`): ours takes prompt + every
   token the client has (it computes the first token's KV itself); a NixlConnector decoder must be
   prompted with exactly the prompt the prefiller computed (its blocks cover that prompt and no more), so
@@ -43,7 +48,7 @@ from typing import Any
 from lmcache_p2p.proxy.flow.context import Services
 from lmcache_p2p.proxy.handover.waiters import KvOutcome, KvStatus, KvWaiter
 from lmcache_p2p.proxy.http.held_text import greedy
-from lmcache_p2p.proxy.http.shaping import ClientRequest, kv_transfer_params
+from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint, kv_transfer_params
 from lmcache_p2p.proxy.router.instances import Backend, Instance
 from lmcache_p2p.proxy.router.lease import Lease
 
@@ -54,6 +59,7 @@ NIXL_PREFILL_PARAMS: dict[str, Any] = {
 }
 # What a NixlConnector decoder needs of the prefiller's answer to pull its blocks.
 NIXL_DECODE_KEYS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port")
+PUSH_MODE = "push"  # the prefiller's transfer_mode when it runs NixlPushConnector
 
 
 class KvAttempt(abc.ABC):
@@ -75,8 +81,13 @@ class KvAttempt(abc.ABC):
         """When the KV became ready, as the decoder's notices stamped it (None: with the prefill's answer)."""
         return None
 
-    def answered(self, answer: dict[str, Any]) -> None:
-        """The prefill's answer."""
+    @property
+    def request_id(self) -> str | None:
+        """The ``X-Request-Id`` the prefill and the decode that takes its KV both carry (None: none)."""
+        return None
+
+    def answered(self, answer: dict[str, Any], endpoint: str) -> None:
+        """The prefill's answer, to a prefill sent to ``endpoint``."""
 
     @abc.abstractmethod
     async def wait(self, timeout_s: float) -> KvOutcome:
@@ -146,13 +157,22 @@ class PulledAttempt(KvAttempt):
     def prefill_params(self) -> dict[str, Any]:
         return dict(NIXL_PREFILL_PARAMS)
 
-    def answered(self, answer: dict[str, Any]) -> None:
+    @property
+    def request_id(self) -> str | None:
+        return self.req_id
+
+    def answered(self, answer: dict[str, Any], endpoint: str) -> None:
         params = answer.get("kv_transfer_params")
         missing = [k for k in NIXL_DECODE_KEYS if not isinstance(params, dict) or params.get(k) is None]
         if missing:
             self._problem = (f"the prefiller's answer has no kv_transfer_params {', '.join(missing)} for the decoder "
                              "to pull its KV from: is it running vLLM's NixlConnector (kv_role kv_both or "
                              "kv_producer)?")
+            return
+        if params.get("transfer_mode") == PUSH_MODE and endpoint != Endpoint.COMPLETIONS.value:  # type: ignore[union-attr]
+            self._problem = (f"the prefiller runs NixlPushConnector, which pairs a prefill with its decode by vLLM's "
+                             f"request id, and a prefill on {endpoint} is named unlike the decode (a completion): "
+                             "its KV can never be pushed")
             return
         self._params = dict(params)  # type: ignore[arg-type]
 

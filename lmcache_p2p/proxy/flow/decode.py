@@ -30,7 +30,7 @@ from lmcache_p2p.proxy.flow.output import end_of_context, shape_delta
 from lmcache_p2p.proxy.flow.steps import RequestSteps, Target
 from lmcache_p2p.proxy.http.responses import Delta, decode_delta
 from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint
-from lmcache_p2p.proxy.upstream import Upstream
+from lmcache_p2p.proxy.upstream import Upstream, with_request_id
 
 
 class DecodeSession:
@@ -89,7 +89,7 @@ class DecodeSession:
                 try:
                     events = await stack.enter_async_context(self._upstream.stream_events(
                         target.url, Endpoint.COMPLETIONS.value, target.body, idle_timeout_s=self._idle_timeout_s,
-                        headers=self._headers))
+                        headers=with_request_id(self._headers, target.request_id)))
                     if self._decode_accepted_s is None:
                         self._decode_accepted_s = self._clock()
                     if self._text is not None:

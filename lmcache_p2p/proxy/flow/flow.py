@@ -402,7 +402,8 @@ class RequestFlow:
         # a decoder that pulls the KV first outputs nothing until the pull is done: --kv-timeout-s bounds that
         # as it bounds our KvReady wait (a pull that hangs then moves the decode elsewhere)
         first_output_timeout_s = self._s.settings.kv_timeout_s if kv is not None else None
-        return Target(instance.http_url, body, continues_at - upto, first_output_timeout_s)
+        return Target(instance.http_url, body, continues_at - upto, first_output_timeout_s,
+                      kv.request_id if kv is not None else None)
 
     def _may_continue_elsewhere(self) -> bool:
         """Another instance prompted with prompt + output so far would decode as this one did."""

@@ -52,6 +52,7 @@ class DecodeKv:
     output_tokens: int
     prompt_fixed: bool
     backend: Backend  # a decoder of another backend takes none of it (it recomputes)
+    request_id: str | None = None  # the X-Request-Id it carries: its prefill's (see ``KvAttempt.request_id``)
 
 
 class KvHandover:
@@ -85,10 +86,15 @@ class KvHandover:
         self._ctx.timeline.backend = decoder.backend.value
         return attempt.prefill_params
 
-    def answered(self, answer: dict[str, Any]) -> None:
-        """The prefill of the current attempt answered."""
+    @property
+    def request_id(self) -> str | None:
+        """The ``X-Request-Id`` the current attempt's prefill carries (None: none)."""
+        return self._current.request_id if self._current is not None else None
+
+    def answered(self, answer: dict[str, Any], endpoint: str) -> None:
+        """The prefill of the current attempt answered (it was sent to ``endpoint``)."""
         if self._current is not None:
-            self._current.answered(answer)
+            self._current.answered(answer, endpoint)
 
     def not_sent(self) -> None:
         """Every prefiller refused the connection: no KV is on its way (nothing to cancel)."""
@@ -105,7 +111,7 @@ class KvHandover:
             self._taken, self._current = attempt, None
             backend = backend_of(attempt.decoder.instance)
             self._kv = DecodeKv(attempt.decode_params(), attempt.output_tokens,
-                                backend.decode_prompt_is_prefill_prompt, backend.backend)
+                                backend.decode_prompt_is_prefill_prompt, backend.backend, attempt.request_id)
         return self._kv
 
     def free_taken(self) -> None:

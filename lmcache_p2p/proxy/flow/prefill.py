@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from lmcache_p2p.config import Role
@@ -33,6 +33,7 @@ from lmcache_p2p.proxy.http.shaping import (
     tokenize_body,
     truncate_prompt,
 )
+from lmcache_p2p.proxy.upstream import with_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -230,38 +231,41 @@ class PrefillAttempts:
         """Begin a fresh KV attempt (for ours: a waiter for a fresh req_id), THEN send the prefill."""
         decoder = self._placement.lease().instance
         body = build(self._handover.begin(output_tokens))
+        headers = with_request_id(self._ctx.headers, self._handover.request_id)
         logger.debug("prefill %s on %s, KV to %s", self._ctx.timeline.req_id, prefiller.http_url, decoder.instance_id)
         try:
-            answered = await self._post_prefill(prefiller, path, body, prompt_tokens, decoder)
+            answered = await self._post_prefill(prefiller, path, body, prompt_tokens, decoder, headers)
         except UpstreamConnectError:
             self._handover.not_sent()
             raise
         self._placement.prefilled_on = answered[0]
-        self._handover.answered(answered[1])
+        self._handover.answered(answered[1], path)
         return answered
 
     async def _post_prefill(self, prefiller: Instance, path: str, body: dict[str, Any], prompt_tokens: int,
-                            decoder: Instance) -> tuple[Instance, dict[str, Any]]:
+                            decoder: Instance, headers: Mapping[str, str]) -> tuple[Instance, dict[str, Any]]:
         """POST the prefill; on a refused connection, to the next compatible prefiller. Returns who
         answered; raises _PrefillBroken when a connection broke after the prefill was sent."""
         failed: set[str] = set()
         while True:
             try:
-                return prefiller, await self._post(prefiller, path, body, prompt_tokens)
+                return prefiller, await self._post(prefiller, path, body, prompt_tokens, headers)
             except UpstreamConnectError as exc:
                 failed.add(prefiller.instance_id)
                 prefiller = self._placement.next_prefiller(failed, exc, decoder)
             except UpstreamUnreachable as exc:
                 raise _PrefillBroken(prefiller, exc) from exc
 
-    async def _post(self, inst: Instance, path: str, body: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
-        """One POST to ``inst`` under a lease of its load; failed connections are counted against it."""
+    async def _post(self, inst: Instance, path: str, body: dict[str, Any], prompt_tokens: int,
+                    headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """One POST to ``inst`` under a lease of its load; failed connections are counted against it.
+        ``headers``: the request's (the client's own by default)."""
         s, timeline = self._s, self._ctx.timeline
         timeline.prefill_sent_s = s.clock()
         try:
             with s.registry.lease(inst, prompt_tokens):
                 answer = await s.upstream.post_json(inst.http_url, path, body, timeout_s=s.settings.prefill_timeout_s,
-                                                    headers=self._ctx.headers)
+                                                    headers=self._ctx.headers if headers is None else headers)
         except UpstreamUnreachable as exc:
             self._placement.connect_failed(inst, exc)
             raise

@@ -51,6 +51,7 @@ class Target(msgspec.Struct, frozen=True):
     body: dict[str, Any] | msgspec.Raw  # the decode request's JSON body; a relay worker's: the bytes as sent
     replays: int = 0  # the client's last output tokens this decode generates again (dropped from its stream)
     first_output_timeout_s: float | None = None  # its first output's deadline (a decoder that pulls the KV first)
+    request_id: str | None = None  # its X-Request-Id: the prefill's whose KV it takes (vLLM pairs them by it)
 
 
 class Count(msgspec.Struct, frozen=True):

@@ -7,9 +7,12 @@ Where it comes from (``--tokenizer``):
   when that path exists on the proxy's machine (``lmcache-p2p launch`` runs everything on one host);
 * ``none``: no tokenizer.
 
-It is loaded once, lazily (at the first request), in a thread (``transformers`` takes seconds
-to import), and shared by every request. Only fast tokenizers (``tokenizers``-backed, as vLLM's
-own fast detokenizer) are used; a slow one is treated as no tokenizer, with a warning.
+It is loaded once, in a thread, as soon as an instance names its folder, and shared by every
+request. The library it needs (``transformers``' AutoTokenizer, which imports torch) is imported before
+the process serves anything (:func:`wait_imported`): its C extensions initialise holding the GIL for
+seconds, many times that on a loaded machine, and would stall the event loop (every request, ``/health``,
+``/instances``, the control socket) if imported beside it. Only fast tokenizers (``tokenizers``-backed, as
+vLLM's own fast detokenizer) are used; a slow one is treated as no tokenizer, with a warning.
 
 With a tokenizer the proxy counts prompt tokens exactly (text prompts as vLLM tokenizes them;
 chat messages through the model's chat template, as vLLM renders them) and makes the output text
@@ -39,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 NONE = "none"
+# What AutoTokenizer is imported from: ``import transformers`` alone is a lazy shell, this imports torch and the rest.
+TOKENIZER_MODULE = "transformers.models.auto.tokenization_auto"
 # mixed scripts, digits, whitespace runs, punctuation and markup: where two tokenizers of one vocabulary differ
 _PROBE_TEXT = "Hello, world!  12 345.6 ünïcödé 中文 ½ <b>x</b>\n\tEnd"
 
@@ -133,9 +138,9 @@ def _string_content(message: Any) -> dict[str, Any]:
 
 def load_tokenizer(path: str) -> ProxyTokenizer | None:
     """Load the tokenizer in ``path`` (blocking: call it in a thread). None when it is not a fast one."""
-    from transformers import AutoTokenizer  # lazy: seconds to import
+    auto_tokenizer = import_library().AutoTokenizer  # lazy: seconds to import
 
-    hf = AutoTokenizer.from_pretrained(path)
+    hf = auto_tokenizer.from_pretrained(path)
     if not hasattr(hf, "_tokenizer"):
         logger.warning("the tokenizer in %s is not a fast (tokenizers-backed) one: the proxy cannot detokenize "
                        "as vLLM's fast detokenizer does; text comes from the instances (--tokenizer)", path)
@@ -180,11 +185,17 @@ class TokenizerProvider:
         return self._tokenizer.source if self._tokenizer is not None else None
 
     def prefetch(self) -> None:
-        """Import ``transformers`` in a thread now (seconds), so the first request waits for the load alone."""
+        """Import the tokenizer library in a thread now (seconds), so the first request waits for the load alone."""
         if not self._done and self._prefetch is None and self._source != NONE:
             self._prefetch = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(importlib.import_module, "transformers"), name="proxy-tokenizer-import")
+                asyncio.to_thread(import_library), name="proxy-tokenizer-import")
             self._prefetch.add_done_callback(_log_prefetch_failure)
+
+    async def import_before_serving(self) -> None:
+        """Import the tokenizer library before the proxy serves (:func:`wait_imported`); nothing without one."""
+        self.prefetch()
+        if self._prefetch is not None:
+            await wait_imported(self._prefetch, self._load_timeout_s)
 
     async def get(self, instances: Sequence[Instance], wait_s: float | None = None) -> ProxyTokenizer | None:
         """The tokenizer, loading it if needed; waits at most ``wait_s`` (None: until loaded) and answers
@@ -325,6 +336,22 @@ class TokenizerProvider:
             root = card.get("root")
             return root if isinstance(root, str) else None
         raise error
+
+
+def import_library() -> Any:
+    """The module AutoTokenizer comes from, imported (blocking: seconds)."""
+    return importlib.import_module(TOKENIZER_MODULE)
+
+
+async def wait_imported(importing: asyncio.Task[Any], timeout_s: float) -> None:
+    """Wait at most ``timeout_s`` (``--tokenizer-load-timeout-s``) for ``importing``, the tokenizer library's import
+    in a thread, before the process serves anything: the import holds the GIL while C extensions initialise
+    (torch's), so beside a serving event loop it would stall every request and control message on it. Past the
+    timeout the process serves anyway and the import goes on (a warning names the key)."""
+    done, _ = await asyncio.wait({importing}, timeout=timeout_s)
+    if not done:
+        logger.warning("importing %s took more than %g s: serving meanwhile, which the import may stall until it ends "
+                       "(--tokenizer-load-timeout-s; --tokenizer none goes without)", TOKENIZER_MODULE, timeout_s)
 
 
 def _log_prefetch_failure(task: asyncio.Task[Any]) -> None:

@@ -62,6 +62,7 @@ class _WireTarget(msgspec.Struct, frozen=True):
     body: msgspec.Raw
     replays: int = 0
     first_output_timeout_s: float | None = None
+    request_id: str | None = None
 
 
 class WirePlanned(msgspec.Struct, frozen=True, tag="planned"):
@@ -73,7 +74,8 @@ class WirePlanned(msgspec.Struct, frozen=True, tag="planned"):
     def planned(self) -> Planned:
         return Planned(None if self.target is None else Target(self.target.url, self.target.body,
                                                                    self.target.replays,
-                                                                   self.target.first_output_timeout_s))
+                                                                   self.target.first_output_timeout_s,
+                                                                   self.target.request_id))
 
 
 class Step(msgspec.Struct, frozen=True):

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import importlib
 import logging
 from typing import Any
 
 from lmcache_p2p.proxy.errors import ProxyError
-from lmcache_p2p.proxy.http.tokenizer import ProxyTokenizer, load_tokenizer
+from lmcache_p2p.proxy.http.tokenizer import ProxyTokenizer, import_library, load_tokenizer, wait_imported
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +27,16 @@ class Tokenizers:
         self._import: asyncio.Task[Any] | None = None
 
     def prefetch(self) -> None:
-        """Import ``transformers`` in a thread now (seconds): the first request then waits for the folder alone."""
+        """Import the tokenizer library in a thread now (seconds): the first request then waits for the folder alone."""
         if self._import is None:
             self._import = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(importlib.import_module, "transformers"), name="relay-tokenizer-import")
+                asyncio.to_thread(import_library), name="relay-tokenizer-import")
+
+    async def import_before_serving(self) -> None:
+        """Import the tokenizer library before this worker serves (``http/tokenizer.wait_imported``)."""
+        self.prefetch()
+        assert self._import is not None
+        await wait_imported(self._import, self._load_timeout_s)
 
     def preload(self, source: str) -> None:
         """Start loading ``source`` now (the proxy's --tokenizer folder), before the first request needs it."""

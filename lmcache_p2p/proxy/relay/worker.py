@@ -81,7 +81,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="deadline of one call to the coordinator (it covers a prefill and a KV wait)")
     p.add_argument("--graceful-shutdown-s", type=float, required=True)
     p.add_argument("--tokenizer", default=NONE, help="the proxy's --tokenizer: a folder is loaded at start; 'auto': "
-                   "transformers is imported at start and the coordinator's folder loaded once it knows it")
+                   "transformers is imported before it listens and the coordinator's folder loaded once it knows it")
     p.add_argument("--tokenizer-load-timeout-s", type=float, required=True,
                    help="longest a request waits for this worker's load of the tokenizer")
     p.add_argument("--log-level", default="INFO")
@@ -91,16 +91,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    tokenizers = Tokenizers(args.tokenizer_load_timeout_s)
+    if args.tokenizer != NONE:  # before it listens: the kernel hands a listening worker its share of connections
+        await tokenizers.import_before_serving()
+    await warm_up()
     sock = bind_http(args.host, args.port, reuse_port=True)
-    link = CoordinatorLink(args.uds, args.index, args.coordinator_timeout_s, Tokenizers(args.tokenizer_load_timeout_s))
+    link = CoordinatorLink(args.uds, args.index, args.coordinator_timeout_s, tokenizers)
     upstream = Upstream(args.connect_timeout_s, args.dead_peer_timeout_s)
     worker_app = WorkerApp(link, upstream, args.chars_per_token)
-    if args.tokenizer != NONE:
-        worker_app.tokenizers.prefetch()
     if os.path.isdir(args.tokenizer):
         worker_app.tokenizers.preload(args.tokenizer)
     app = worker_app.build()
-    await warm_up()
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=args.graceful_shutdown_s, timeout_keep_alive=30)
     server = _Server(config)

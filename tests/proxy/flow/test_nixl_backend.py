@@ -14,7 +14,7 @@ from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.flow.backends import NIXL_PREFILL_PARAMS
 
 from ..conftest import Cluster, eventually, make_cluster, tokenizer_dir  # noqa: F401 (a fixture)
-from ..fakes import MODEL, PROMPT, generate, token_text, tokenize
+from ..fakes import MESSAGES, MODEL, PROMPT, chat_prompt, generate, token_text, tokenize
 from ..nixl_fakes import FakeNixlVllm, NixlNetwork
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -221,9 +221,9 @@ async def test_a_decoder_that_cannot_pull_continues_elsewhere():
     try:
         real_keep = network.keep
 
-        def lose_first(engine: str, ids: list[int]) -> str:  # the first prefill's blocks are gone before the pull
+        def lose_first(engine: str, ids: list[int], request_id: str) -> str:  # gone before the pull
             network.keep = real_keep  # type: ignore[method-assign]
-            return real_keep(engine, ids) + "-lost"
+            return real_keep(engine, ids, request_id) + "-lost"
 
         network.keep = lose_first  # type: ignore[method-assign]
         events = await c.stream("/v1/completions", {**BODY, "stream": True})
@@ -253,6 +253,45 @@ async def test_a_pull_that_hangs_moves_the_decode_after_the_kv_timeout():
         assert len(hung.calls("/v1/completions")) == 1 and len(network.pulls) == 1
         assert len(p.calls("/v1/completions")) == 2  # the continuation was prefilled again for the other decoder
         assert c.metric("lmcache_p2p_proxy_failovers_total", phase="migrate") == 1
+    finally:
+        await _close(cm, c)
+
+
+@pytest.mark.parametrize("workers", [1, 2])  # 2: the decode's X-Request-Id crosses the relay to its worker
+async def test_a_push_connector_decode_gets_the_kv_its_own_prefill_wrote(workers):
+    # NixlPushConnector pairs a prefill and its decode by vLLM's request id: they must carry one X-Request-Id
+    cm, c, network, (p,), (d,) = await nixl_cluster(kv_timeout_s=1.0, decode_idle_timeout_s=30.0, workers=workers)
+    network.push = True
+    try:
+        ids = tokenize(PROMPT)
+        events = await c.stream("/v1/completions", {**BODY, "stream": True})
+        answer = (await c.post("/v1/completions", BODY)).json()
+        assert client_tokens(events) == generate(ids, 6)
+        assert answer["choices"][0]["text"] == "".join(token_text(t) for t in generate(ids, 6))
+        assert not network.unmatched_pushes  # no decode waited out --kv-timeout-s for a push that never came
+        assert [prompt for who, _, prompt in network.pulls] == [ids, ids] and {w for w, _, _ in network.pulls} == {d.name}
+        assert c.metric("lmcache_p2p_proxy_failovers_total", phase="migrate") == 0
+        assert len(p.calls("/v1/completions")) == 2 and len(d.calls("/v1/completions")) == 2
+    finally:
+        await _close(cm, c)
+
+
+async def test_a_chat_prefill_on_a_push_pair_is_retried_as_a_completion_its_decode_pairs_with():
+    # a chat prefill's vLLM id (chatcmpl-...) never pairs with the decode's (cmpl-...): waiting for that push
+    # would cost --kv-timeout-s, so the KV counts as failed at once and the retry prefills the prompt ids
+    cm, c, network, (p,), (d,) = await nixl_cluster(kv_timeout_s=1.0, decode_idle_timeout_s=30.0)
+    network.push = True
+    try:
+        ids = tokenize(chat_prompt(MESSAGES))
+        answer = (await c.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 5,
+                                                        "temperature": 0, "return_token_ids": True})).json()
+        assert answer["choices"][0]["token_ids"] == generate(ids, 5)
+        assert len(p.calls("/v1/chat/completions")) == 1
+        retry, = p.calls("/v1/completions")
+        assert retry["prompt"] == ids and retry["kv_transfer_params"] == NIXL_PREFILL_PARAMS
+        assert not network.unmatched_pushes and [prompt for _, _, prompt in network.pulls] == [ids]
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="failed") == 1
+        assert c.metric("lmcache_p2p_proxy_failovers_total", phase="migrate") == 0
     finally:
         await _close(cm, c)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import threading
 
 import pytest
@@ -91,3 +92,49 @@ async def test_an_import_of_transformers_that_does_not_end_is_waited_for_at_most
     assert not provider.settled  # the load gave up its place: a later request tries again
     provider._prefetch.set_result(None)
     assert await provider.get([], wait_s=None) is not None and provider.settled
+
+
+@pytest.fixture
+def slow_library(tmp_path, monkeypatch):
+    """The tokenizer library is a module whose import takes 0.5 s; yields its name."""
+    name = "slow_tokenizer_library_for_test"
+    (tmp_path / f"{name}.py").write_text("import time\ntime.sleep(0.5)\n\n\nclass AutoTokenizer:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(tok, "TOKENIZER_MODULE", name)
+    yield name
+    sys.modules.pop(name, None)
+
+
+async def test_the_proxy_imports_the_tokenizer_library_before_it_serves(slow_library):
+    # the real import (torch's C extensions) holds the GIL for seconds, many times that on a loaded machine: run
+    # beside the serving event loop it stalls every request, /health, /instances and the control socket
+    from lmcache_p2p.proxy.server import Proxy
+    from lmcache_p2p.proxy.settings import ProxySettings
+
+    proxy = Proxy(ProxySettings(port=0, control_port=0, summary_interval_s=0))
+    try:
+        await proxy.start()
+        assert slow_library in sys.modules  # imported before anything of the proxy runs
+    finally:
+        await proxy.close()
+
+
+async def test_a_relay_worker_imports_the_tokenizer_library_before_it_listens(slow_library, monkeypatch):
+    from lmcache_p2p.proxy.relay import worker
+
+    class Listening(Exception):
+        pass
+
+    imported_when_bound = []
+
+    def bind_http(*args, **kwargs):
+        imported_when_bound.append(slow_library in sys.modules)
+        raise Listening
+
+    monkeypatch.setattr(worker, "bind_http", bind_http)
+    args = worker.parse_args(["--host", "127.0.0.1", "--port", "1", "--uds", "/nonexistent", "--index", "0",
+                              "--chars-per-token", "4", "--connect-timeout-s", "1", "--coordinator-timeout-s", "1",
+                              "--graceful-shutdown-s", "1", "--tokenizer", "auto", "--tokenizer-load-timeout-s", "30"])
+    with pytest.raises(Listening):
+        await worker.serve(args)
+    assert imported_when_bound == [True]

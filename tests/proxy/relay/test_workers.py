@@ -275,7 +275,7 @@ def _wait(condition: Any, timeout_s: float = 60.0) -> None:
 
 
 def test_a_proxy_whose_workers_keep_dying_exits_with_an_error():
-    proxy = ProxyProcess("--workers", "2", "--summary-interval-s", "0")
+    proxy = ProxyProcess("--workers", "2", "--summary-interval-s", "0", "--tokenizer", "none")
     try:
         killed: set[int] = set()
         deadline = time.monotonic() + 120
@@ -293,7 +293,8 @@ def test_a_proxy_whose_workers_keep_dying_exits_with_an_error():
 
 
 def test_sigterm_stops_the_coordinator_and_every_worker():
-    proxy = ProxyProcess("--workers", "2", "--summary-interval-s", "0", "--graceful-shutdown-s", "1")
+    proxy = ProxyProcess("--workers", "2", "--summary-interval-s", "0", "--graceful-shutdown-s", "1",
+                         "--tokenizer", "none")
     try:
         workers = [p for p in _children(proxy.proc.pid) if _alive(p)]
         assert len(workers) == 2
