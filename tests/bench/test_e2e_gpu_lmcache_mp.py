@@ -10,21 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import _bench_module
 from lmcache_p2p.cli import connectors, launch
 from lmcache_p2p.cli.main import build_parser, split_passthrough
 
 SYSTEM = "vllm-nixl-lmcache-mp"
-
-
-@pytest.fixture(scope="module")
-def e2e_gpu():
-    return _bench_module("e2e_gpu")
-
-
-@pytest.fixture(scope="module")
-def mp_gpu():
-    return _bench_module("e2e_gpu_lmcache_mp")
 
 
 def cfg_of(tmp_path: Path, **over):

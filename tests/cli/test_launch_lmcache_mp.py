@@ -4,7 +4,6 @@ processes: the planned servers, vLLM configs, ports, start order, and the refusa
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -15,21 +14,9 @@ from lmcache_p2p.cli.instance import GpuAssignment
 from lmcache_p2p.cli.main import build_parser
 from lmcache_p2p.errors import ConfigError, StartupError
 
+from .test_launch_connector import children, kv_config, parse
+
 NIXL_NAMES = {"nixl-lmcache-mp": "NixlConnector", "nixl-push-lmcache-mp": "NixlPushConnector"}
-
-
-def parse(tmp_path: Path, *argv: str):
-    return build_parser().parse_args(["launch", "--model", str(tmp_path), "--log-dir", str(tmp_path), *argv])
-
-
-def children(log_dir: Path, *argv: str) -> dict:
-    log_dir.mkdir(exist_ok=True)
-    args = parse(log_dir, "--model", str(log_dir.parent), *argv)
-    return {c.name: c for c in launch.build_children(args, log_dir.parent, log_dir)}
-
-
-def kv_config(argv: list[str]) -> dict:
-    return json.loads(argv[argv.index("--kv-transfer-config") + 1])
 
 
 def flag(argv: list[str], name: str) -> str:

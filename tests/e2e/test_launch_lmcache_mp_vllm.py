@@ -11,35 +11,20 @@ SIGTERM stops everything, the LMCache servers included.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import httpx
 import pytest
 
 from lmcache_p2p.cli import connectors, ports
 from lmcache_p2p.cli.demo import metric_total
-from test_nixl_backend_vllm import PROMPTS, complete  # tests/e2e is on sys.path
+from test_launch_nixl_vllm import SERVING_TIMEOUT_S, launch_1p1d, stop, wait_serving  # tests/e2e on sys.path
+from test_nixl_backend_vllm import PROMPTS, complete
 from vllm_server import free_cluster_base_port
 
 # Two vLLM servers and two LMCache servers for ~2 min: in `make test-long`.
 pytestmark = [pytest.mark.vllm, pytest.mark.long]
 
-SERVING_TIMEOUT_S = 600.0
-STOP_TIMEOUT_S = 90.0
 HITS = "vllm:external_prefix_cache_hits_total"
 LONG_PROMPT = "In a distant galaxy, a small robot " * 60  # ~600 tokens: two whole LMCache chunks and more
-
-
-def wait_serving(proc: subprocess.Popen, out: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while "is serving" not in open(out, errors="replace").read():
-        assert proc.poll() is None, f"the launcher exited {proc.returncode}:\n{open(out).read()[-4000:]}"
-        assert time.monotonic() < deadline, f"not serving after {timeout_s:.0f}s:\n{open(out).read()[-4000:]}"
-        time.sleep(1.0)
 
 
 def hits(url: str) -> float:
@@ -53,15 +38,8 @@ def test_one_command_serves_lmcache_mp_pd_behind_our_proxy_with_one_instances_ou
     # servers take base+200..203 (checked free by the launcher before it starts anything)
     base = free_cluster_base_port(prefill=1, decode=1, tp_size=2)
     proxy, prefiller, decoder = (f"http://127.0.0.1:{base + off}" for off in (0, 10, 30))
-    argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "launch", "--connector", "nixl-lmcache-mp", "--prefill", "1",
-            "--decode", "1", "--model", str(tiny_model_dir), "--proxy-port", str(base),
-            "--proxy-control-port", str(base + 1), "--prefill-port", str(base + 10), "--decode-port", str(base + 30),
-            "--kv-port", str(base + 50), "--lmcache-server-port", str(base + 200), "--lmcache-l1-size", "256MB",
-            "--log-dir", str(tmp_path / "logs"), "--no-prefix-caching", "--on-exit", "stop"]
-    out = str(tmp_path / "launch.out")
-    with open(out, "wb") as sink:
-        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, out = launch_1p1d(base, tiny_model_dir, tmp_path, "--connector", "nixl-lmcache-mp",
+                            "--lmcache-server-port", str(base + 200), "--lmcache-l1-size", "256MB")
     try:
         wait_serving(proc, out, SERVING_TIMEOUT_S)
         model = str(tiny_model_dir.resolve())  # the launcher serves the model under its resolved path
@@ -78,13 +56,7 @@ def test_one_command_serves_lmcache_mp_pd_behind_our_proxy_with_one_instances_ou
         recent = httpx.get(f"{proxy}/stats", timeout=10).json()["recent"]
         assert len(recent) == 2 * len(prompts) + 1 and {r["backend"] for r in recent} == {"vllm-nixl"}
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        code = stop(proc)
     assert code == 0, open(out).read()[-4000:]
     listened = (base, base + 10, base + 30, base + 50, base + 51, *range(base + 200, base + 204))
     held = {p: ports.holders_of(p) for p in listened if not ports.bindable(p)}
