@@ -8,6 +8,10 @@ Systems, one after the other (each gets the GPUs alone; its servers are stopped 
   lmcache-pd         LMCache's built-in PD (``enable_pd: true``, NIXL, ``pd_buffer_device: cuda``),
                      prefiller GPU 0, decoder GPU 1, behind the LMCache PD proxy of ``../shared/anchor``
                      (``--lmcache-pd-proxy``)
+  vllm-nixl(-push)   vLLM's NixlConnector (push: NixlPushConnector) 1P1D behind vllm-router (bench/e2e_gpu_nixl.py)
+  vllm-nixl-lmcache-mp  LMCache's multi-process PD recipe (NixlConnector beside LMCacheMPConnector, an LMCache
+                     server per instance) behind our proxy: ``launch --connector nixl-lmcache-mp``
+                     (bench/e2e_gpu_lmcache_mp.py)
 
 Every system gets the same vLLM flags (``--vllm-arg``/after ``--``: e.g. ``--load-format dummy
 --enforce-eager``), no prefix caching, the same ``--max-model-len`` and ``--gpu-memory-utilization``
@@ -58,17 +62,19 @@ from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
 from lmcache_p2p.config import parse_size_bytes
 
 try:
+    from bench import e2e_gpu_lmcache_mp as lmcache_mp_gpu
     from bench import e2e_gpu_nixl as nixl_gpu
 except ImportError:  # run as bench/e2e_gpu.py: its folder is sys.path[0]
+    import e2e_gpu_lmcache_mp as lmcache_mp_gpu  # type: ignore[no-redef]
     import e2e_gpu_nixl as nixl_gpu  # type: ignore[no-redef]
 
 logger = logging.getLogger("bench.e2e_gpu")
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("single", "lmcache_p2p-nixl", "lmcache_p2p-nccl", "lmcache-pd", "lmcache_p2p-nixl-hostsend",
-           "single-neighbour", "vllm-nixl", "vllm-nixl-push")
+           "single-neighbour", "vllm-nixl", "vllm-nixl-push", "vllm-nixl-lmcache-mp")
 GPUS = {"single": 1, "lmcache_p2p-nixl": 2, "lmcache_p2p-nccl": 2, "lmcache-pd": 2, "lmcache_p2p-nixl-hostsend": 2,
-        "single-neighbour": 1, "vllm-nixl": 2, "vllm-nixl-push": 2}
+        "single-neighbour": 1, "vllm-nixl": 2, "vllm-nixl-push": 2, "vllm-nixl-lmcache-mp": 2}
 # vllm-nixl: vLLM's NixlConnector 1P1D behind vllm-router, the PD stack users pick today (bench/e2e_gpu_nixl.py).
 # single-neighbour (--one-gpu): the single instance measured while a second plain vLLM on the same GPU (the
 # decoder's share of it) decodes a steady background load: what one-GPU 1P1D's prefill loses to time-slicing
@@ -165,6 +171,7 @@ class Config:
     prefill_tp: int = 1  # lmcache_p2p: launch --prefill-tp (a GPU per rank)
     decode_tp: int = 1  # lmcache_p2p: launch --decode-tp; the single instance runs at this TP size too
     single_gpu_memory_utilization: float | None = None  # the single instance's (None: --gpu-memory-utilization)
+    lmcache_l1_size: str = "2GB"  # vllm-nixl-lmcache-mp: each LMCache server's L1 (launch --lmcache-l1-size)
 
 
 @dataclasses.dataclass
@@ -395,6 +402,10 @@ def start(system: str, cfg: Config) -> Deployment:
         return start_single_neighbour(cfg)
     if system in nixl_gpu.SYSTEMS:
         return nixl_gpu.start(cfg, STARTUP_TIMEOUT_S, STOP_GRACE_S, Deployment, system)
+    if system == lmcache_mp_gpu.SYSTEM:
+        return lmcache_mp_gpu.start(cfg, STARTUP_TIMEOUT_S, STOP_GRACE_S, P2P_PROXY_PORT,
+                                    (("prefiller", P2P_PREFILL_PORT), ("decoder", P2P_DECODE_PORT)), Deployment,
+                                    wait_registered)
     if system == "lmcache_p2p-nixl-hostsend":
         return start_p2p(cfg, "nixl", send_buffer_size="0")
     if system.startswith("lmcache_p2p-"):
@@ -798,6 +809,8 @@ def workload(cfg: Config, system: str | None = None) -> dict[str, Any]:
         out["single_gpu_memory_utilization"] = cfg.single_gpu_memory_utilization
     if system == "lmcache-pd":
         out["lmcache_pd_receive_buffer_size"] = cfg.lmcache_pd_receive_buffer_size
+    if system == lmcache_mp_gpu.SYSTEM:
+        out["lmcache_l1_size"] = cfg.lmcache_l1_size
     if system is not None and system.startswith("lmcache_p2p-") and (cfg.proxy_workers or 1) > 1:
         out["proxy_workers"] = cfg.proxy_workers
     return out
@@ -1162,6 +1175,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                    help="LMCache PD's decoder pd_buffer_size (default auto: every prompt of the call's rates + 2 GiB, "
                    "at most half the GPU): LMCache 0.5.3 keeps every received chunk there and never frees one")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM flag for every server (or after --)")
+    p.add_argument("--lmcache-l1-size", default="2GB",
+                   help="vllm-nixl-lmcache-mp: each LMCache server's L1, in host memory (launch --lmcache-l1-size; "
+                        "default 2GB)")
     p.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results" / "e2e_gpu_parts",
                    help="per-system row cache: rates found there are skipped")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "e2e_gpu.json")
@@ -1230,7 +1246,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
                   ceiling=not a.no_ceiling and not a.one_gpu, one_gpu=a.one_gpu,
                   p2p_args=tuple(a.p2p_arg), send_buffer_size=a.send_buffer_size, long_points=long_points,
                   trace=a.trace, direct_prefiller=a.direct_prefiller, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
-                  single_gpu_memory_utilization=single_utilization(a)), a.logs_archive
+                  single_gpu_memory_utilization=single_utilization(a),
+                  lmcache_l1_size=a.lmcache_l1_size), a.logs_archive
 
 
 def single_utilization(a: argparse.Namespace) -> float | None:

@@ -123,9 +123,11 @@ set -o pipefail
   start=$(date +%s)
   eval "$(bash "$GPU_BUILD/gpu-kit/install_bundle.sh" "$GPU_BUILD/gpu-bundle/bundle.sha")" || exit 1
   export PYTHONPATH="$ROOT:$PYTHONPATH" PYTHONUNBUFFERED=1
-  if compgen -G "$GPU_BUILD/gpu-kit/wheels/*.whl" >/dev/null; then  # vllm-router for the vllm-nixl system
-    [ -d "${SITE:-/tmp/site}/vllm_router" ] || python3 -m pip install -q --no-index --no-deps --no-compile \
-      --target "${SITE:-/tmp/site}" "$GPU_BUILD"/gpu-kit/wheels/*.whl || exit 1
+  # vllm-router for the vllm-nixl system, the LMCache MP server's imports for vllm-nixl-lmcache-mp
+  if compgen -G "$GPU_BUILD/gpu-kit/wheels/*.whl" >/dev/null; then
+    [ -d "${SITE:-/tmp/site}/vllm_router" ] && [ -d "${SITE:-/tmp/site}/blake3" ] || python3 -m pip install -q \
+      --no-index --no-deps --no-compile --upgrade --target "${SITE:-/tmp/site}" "$GPU_BUILD"/gpu-kit/wheels/*.whl \
+      || exit 1
   fi
   echo "[gpu_pass] installed in $(($(date +%s) - start))s"
   nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv

@@ -4,7 +4,9 @@
 #   build/gpu-bundle/parts/p0..p4, bundle.sha  real vLLM 0.24 + lmcache 0.5.3 + nixl + the small wheels the GPU
 #                                              machine lacks (../shared/gpu/build_bundle.sh; ~3 min, cached)
 #   build/gpu-kit/                             the kit's installer and model maker and LMCache's PD proxy
-#   build/gpu-kit/wheels/                      vllm-router's abi3 wheel, orjson and setproctitle for Python 3.12
+#   build/gpu-kit/wheels/                      vllm-router's abi3 wheel, orjson and setproctitle for Python 3.12,
+#                                              and what lmcache 0.5.3's MP server needs beyond the bundle (blake3,
+#                                              cryptography, OpenTelemetry: ~6 MB)
 #                                              (../shared/gpu, ../shared/anchor: beside the checkout, they do
 #                                              not travel to the device by themselves), and pytest-wheels/:
 #                                              pytest, pytest-timeout, pytest-xdist and what they need (cp312,
@@ -38,6 +40,16 @@ fi
 if ! compgen -G "$BUILD/gpu-kit/wheels/vllm_router-*.whl" >/dev/null; then
   ${PIP:-.venv/bin/python -m pip} download --python-version 3.12 --only-binary=:all: --no-deps \
     -d "$BUILD/gpu-kit/wheels" vllm-router==0.1.17 orjson setproctitle
+fi
+# What lmcache 0.5.3's `lmcache server` (the vllm-nixl-lmcache-mp system, launch --connector nixl-lmcache-mp) imports
+# that neither the bundle nor the GPU image has: blake3 (its default token hash), cryptography (its L2 serde, imported
+# with its storage manager), OpenTelemetry (its metrics); the versions the CPU machines run lmcache 0.5.6 with
+MP_SERVER_PINS=(blake3==1.0.11 cryptography==51.0.1 cffi==2.1.1 pycparser==3.12 opentelemetry-api==1.40.0
+                opentelemetry-sdk==1.40.0 opentelemetry-semantic-conventions==0.61b0
+                opentelemetry-exporter-prometheus==0.61b0 importlib_metadata==8.7.1 zipp==4.1.2)
+if ! compgen -G "$BUILD/gpu-kit/wheels/blake3-*.whl" >/dev/null; then
+  ${PIP:-.venv/bin/python -m pip} download --python-version 3.12 --only-binary=:all: --no-deps \
+    -d "$BUILD/gpu-kit/wheels" "${MP_SERVER_PINS[@]}"
 fi
 if [ "${1:-}" = "--src" ]; then  # this checkout's code as a carried folder (for a device tool that sends another checkout)
   dest=${2:-$BUILD}/${SRC_NAME:-gpu-src}

@@ -28,7 +28,7 @@ import yaml
 
 from lmcache_p2p.cli import connectors, routers
 from lmcache_p2p.cli import gpu as gpu_plan
-from lmcache_p2p.cli.layout import Instance, side_channel_port, tp_of
+from lmcache_p2p.cli.layout import Instance, lmcache_server, side_channel_port, tp_of
 from lmcache_p2p.cli.tensor_parallel import split_tp_arg, tp_sizes
 from lmcache_p2p.cli.vllm_env import HOST, vllm_argv, vllm_env
 from lmcache_p2p.config import P2PConfig, parse_size_bytes
@@ -159,7 +159,7 @@ def lmcache_config(inst: Instance, args: argparse.Namespace, site: Site) -> dict
 def transfer_config(inst: Instance, args: argparse.Namespace) -> dict[str, Any]:
     """vLLM's --kv-transfer-config for the instance's role (with a vLLM connector, its recipe's)."""
     if connectors.native(args):
-        return connectors.transfer_config(connectors.connector_of(args), args.device)
+        return connectors.transfer_config(connectors.connector_of(args), args.device, lmcache_server(inst, args))
     transfer: dict[str, Any] = {"kv_connector": "LMCacheConnectorV1",
                                 "kv_role": "kv_producer" if inst.role == "prefiller" else "kv_consumer"}
     if inst.role == "decoder":

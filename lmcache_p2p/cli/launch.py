@@ -22,6 +22,8 @@ LMCache, placed, flagged, supervised and logged as ours; each one's NIXL handsha
 (VLLM_NIXL_SIDE_CHANNEL_PORT) on --kv-port + its place in the launch order (prefillers first). The proxy
 names them with --nixl-prefill / --nixl-decode; with --router vllm-router this is vLLM's own PD stack.
 --transport nccl, --p2p, --buffer-size and --send-buffer-size set our plugin only and are refused there.
+--connector nixl-lmcache-mp (nixl-push-lmcache-mp), LMCache's multi-process PD recipe, adds LMCacheMPConnector
+in vLLM's MultiConnector and an LMCache server per instance, started first, supervised and logged like it.
 
 GPUs (``--device cuda``): the instances' ranks (prefillers first) get the GPUs of ``--gpus`` (default
 0,1,...) in order, one per rank, as their visible devices; a decoder rank's receive buffer lives in
@@ -43,7 +45,7 @@ import yaml
 
 from lmcache_p2p.cli import demo
 from lmcache_p2p.cli import gpu as gpu_plan
-from lmcache_p2p.cli import connectors, ports, routers
+from lmcache_p2p.cli import connectors, lmcache_servers, ports, routers
 from lmcache_p2p.cli.instance import (  # noqa: F401 (launch's own names for them, as tests import them)
     GpuAssignment, Site, cache_flags, instance_spec, instance_utilization, lmcache_config, p2p_overrides, proxy_command,
     send_buffer_bytes, tp_flags,
@@ -53,7 +55,7 @@ from lmcache_p2p.cli.layout import (  # noqa: F401 (the launcher's plan, as test
     decoder_instance, plan, planned_ports, rank_slots_of, slot_of,
 )
 from lmcache_p2p.cli.tensor_parallel import add_tp_args, check_tp_fits_model, model_heads, tp_sizes
-from lmcache_p2p.cli.processes import Child, StartupError, startup_waves, stop_all, wait_healthy
+from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
 from lmcache_p2p.cli.supervise import OnExit, RestartPolicy, SupervisionError, Supervisor
 from lmcache_p2p.cli.vllm_env import HOST, ucx_devices_for, write_logging_config
 from lmcache_p2p.config import parse_size_bytes
@@ -90,7 +92,7 @@ def add_plan_args(p: argparse.ArgumentParser, local: bool) -> None:
     _add_deployment_args(p, local)
     add_tp_args(p)
     ports_title = "ports (each one is checked free before anything starts)" if local else "ports (in each pod)"
-    _add_port_args(p.add_argument_group(ports_title))
+    _add_port_args(p.add_argument_group(ports_title), local)
     _add_instance_args(p, local)
     _add_gpu_args(p.add_argument_group("GPUs (--device cuda)"), local)
 
@@ -114,11 +116,14 @@ def _add_deployment_args(p: argparse.ArgumentParser, local: bool) -> None:
                             "vllm-router (vllm-project's router in its vLLM PD mode, unchanged; docs/ROUTERS.md says "
                             "what each gives up) (default %(default)s)")
     registered = "registered with the proxy by URL" if local else "each pod registered with the proxy by a sidecar"
-    p.add_argument("--connector", choices=[c.value for c in connectors.Connector],
-                   default=connectors.Connector.LMCACHE_P2P.value,
+    # LMCache's MP recipe needs an LMCache server beside each instance: the launcher starts them, the manifests do not
+    choices = [c.value for c in connectors.Connector if local or not c.lmcache_mp]
+    mp = ("; nixl-lmcache-mp / nixl-push-lmcache-mp: the same beside LMCacheMPConnector in vLLM's MultiConnector, "
+          "with an LMCache server per instance (LMCache's multi-process PD recipe)") if local else ""
+    p.add_argument("--connector", choices=choices, default=connectors.Connector.LMCACHE_P2P.value,
                    help=f"the instances' KV connector: lmcache_p2p (LMCache with our plugin), nixl (vLLM's own "
                         f"NixlConnector, the pull connector: plain vLLM servers, {registered}) or nixl-push (vLLM's "
-                        f"NixlPushConnector; on one node without RDMA the one to run) (default %(default)s)")
+                        f"NixlPushConnector; on one node without RDMA the one to run){mp} (default %(default)s)")
     p.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.PREFIX.value,
                    help="the proxy's routing policy (default %(default)s)")
     p.add_argument("--proxy-workers", type=int, default=1,
@@ -144,7 +149,7 @@ def _add_deployment_args(p: argparse.ArgumentParser, local: bool) -> None:
                             "disaggregated (the tokens the decoder loaded from the prefiller), then stop everything")
 
 
-def _add_port_args(g: argparse._ArgumentGroup) -> None:
+def _add_port_args(g: argparse._ArgumentGroup, local: bool) -> None:
     g.add_argument("--proxy-port", type=int, default=9100,
                    help="the proxy's OpenAI-compatible HTTP port (default %(default)s)")
     g.add_argument("--proxy-control-port", type=int, default=9101,
@@ -156,6 +161,11 @@ def _add_port_args(g: argparse._ArgumentGroup) -> None:
                         f"(+ its TP rank); with --transport nccl its NCCL store {TRANSPORT_PORT_OFFSET} above "
                         f"(7400 + {KV_PORT_STRIDE}*i by default); with --connector nixl/nixl-push the i-th instance "
                         f"(prefillers first) takes --kv-port + i for its NIXL handshake (default %(default)s)")
+    if local:
+        g.add_argument("--lmcache-server-port", type=int, default=7600, action=connectors.Given,
+                       help="--connector nixl-lmcache-mp / nixl-push-lmcache-mp: the i-th instance's LMCache server "
+                            "(prefillers first) takes --lmcache-server-port + 2*i for its requests and the next port "
+                            "for its HTTP API (default %(default)s)")
 
 
 def _add_instance_args(p: argparse.ArgumentParser, local: bool) -> None:
@@ -171,6 +181,10 @@ def _add_instance_args(p: argparse.ArgumentParser, local: bool) -> None:
                             "decoder's API server and engine core stay off the prefillers' worker cores (decode steps "
                             "and token streaming never take the core a prefill, and so time to first token, waits "
                             "for); workers: only the workers are pinned, everything else runs anywhere")
+    if local:
+        p.add_argument("--lmcache-l1-size", default="2GB", action=connectors.Given,
+                       help="--connector nixl-lmcache-mp / nixl-push-lmcache-mp: each LMCache server's L1 cache, in "
+                            "host memory (allocated as it fills) (default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="every vLLM server's --max-model-len: the longest prompt + output (default %(default)s)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -389,8 +403,10 @@ def buffer_sizing(buffer_size: str, model: Path) -> str | None:
 
 
 def build_children(args: argparse.Namespace, model: Path, log_dir: Path) -> list[Child]:
-    """The proxy first, then every vLLM instance (prefillers, then decoders)."""
+    """The proxy first, then with LMCache MP every instance's LMCache server, then every vLLM instance (prefillers,
+    then decoders)."""
     connectors.check_flags(args)
+    connectors.check_runs_here(args)
     instances = plan(args)
     check_tp_fits_model(tp_sizes(args), model_heads(model),
                         [role for role in ("prefiller", "decoder") if any(i.role == role for i in instances)])
@@ -402,7 +418,9 @@ def build_children(args: argparse.Namespace, model: Path, log_dir: Path) -> list
         if inst.name in gpus:
             logger.info("%s: GPU %s, --gpu-memory-utilization %.2f", inst.name,
                         ",".join(map(str, gpus[inst.name].indices)), gpus[inst.name].memory_utilization)
-    return [proxy_child(args, log_dir)] + [vllm_child(i, model, args, log_dir, gpus.get(i.name)) for i in instances]
+    servers = [lmcache_servers.child(i, args, log_dir, gpus.get(i.name)) for i in instances]
+    return ([proxy_child(args, log_dir)] + [s for s in servers if s is not None]
+            + [vllm_child(i, model, args, log_dir, gpus.get(i.name)) for i in instances])
 
 
 def supervise(children: list[Child], policy: RestartPolicy, every_s: float = SUPERVISE_EVERY_S) -> int:
@@ -422,8 +440,7 @@ def serving_line(args: argparse.Namespace, proxy_url: str, model: Path) -> str:
     sizes = tp_sizes(args)
     tp = "" if (sizes.prefill, sizes.decode) == (1, 1) else f" (prefill TP {sizes.prefill}, decode TP {sizes.decode})"
     front = "" if not routers.foreign(args) else f" behind {args.router}"
-    kv = connectors.connector_of(args).vllm_name
-    served = f"vLLM's {kv}" if kv else "lmcache_p2p"
+    served = connectors.connector_of(args).label
     return f"{served} is serving {args.prefill}P{args.decode}D{tp}{front}: {proxy_url}/v1  (model {model})"
 
 
@@ -458,7 +475,7 @@ def run(args: argparse.Namespace) -> int:
     proxy_url = f"http://{proxy_host(args)}:{args.proxy_port}"
     try:
         ports.check_ports_free(planned_ports(args), host=args.host)
-        for wave in startup_waves(children):  # instances sharing a GPU one after another
+        for wave in lmcache_servers.start_waves(children):  # instances sharing a GPU one after another
             for child in wave:
                 child.start()
             wait_healthy(wave, args.startup_timeout_s)

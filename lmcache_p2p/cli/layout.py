@@ -4,7 +4,9 @@ Ports follow LMCache's 1p1d example (--proxy-port 9100, --prefill-port 7100+i, -
 7200+i, --kv-port 7300+10*i, the NCCL store 100 above); a decoder of TP size k listens on k control
 ports (and k NCCL store ports) from there, one per rank, and decoders sit max(10, k) ports apart.
 With a vLLM connector (``--connector nixl``) no instance listens on a port of ours; each one's NIXL
-handshake listener takes --kv-port + its place in the launch order (prefillers first) instead.
+handshake listener takes --kv-port + its place in the launch order (prefillers first) instead, and with
+LMCache MP (``--connector nixl-lmcache-mp``) each one's LMCache server takes two ports from
+--lmcache-server-port + 2 * that place (its request port, then its HTTP port).
 :func:`planned_ports` lists every port a launch will listen on, with what it is for, so that the
 launcher checks them before it starts.
 """
@@ -95,9 +97,15 @@ def instance_ports(inst: Instance, args: argparse.Namespace) -> list[ports.PortU
     flag = "--prefill-port" if inst.role == "prefiller" else "--decode-port"
     uses = [ports.PortUse(inst.http_port, f"{inst.name}'s HTTP ({flag})", "http")]
     if connectors.native(args):
-        return uses + [ports.PortUse(side_channel_port(inst, args),
-                                     f"{inst.name}'s NIXL handshake ({connectors.SIDE_CHANNEL_PORT_ENV}, --kv-port)",
-                                     SIDE_CHANNEL)]
+        uses.append(ports.PortUse(side_channel_port(inst, args),
+                                  f"{inst.name}'s NIXL handshake ({connectors.SIDE_CHANNEL_PORT_ENV}, --kv-port)",
+                                  SIDE_CHANNEL))
+        server = lmcache_server(inst, args)
+        if server is not None:
+            uses += [ports.PortUse(server.port, f"{inst.name}'s LMCache server (--lmcache-server-port)", "lmcache"),
+                     ports.PortUse(server.http_port, f"{inst.name}'s LMCache server HTTP (--lmcache-server-port + 1)",
+                                   "lmcache-http")]
+        return uses
     uses += [ports.PortUse(port, f"{inst.name} rank {r}'s KV control port (--kv-port)", f"kv-{r}")
              for r, port in enumerate(inst.control_ports)]
     if args.transport == "nccl":
@@ -120,6 +128,14 @@ def planned_ports(args: argparse.Namespace) -> list[ports.PortUse]:
 def side_channel_port(inst: Instance, args: argparse.Namespace) -> int:
     """With a vLLM connector: where the instance's NIXL handshake listener binds (its TP ranks share it)."""
     return args.kv_port + slot_of(inst, args)
+
+
+def lmcache_server(inst: Instance, args: argparse.Namespace) -> connectors.LmcacheServer | None:
+    """With LMCache MP: where the instance's LMCache server listens (its TP ranks share it); else None."""
+    if not connectors.connector_of(args).lmcache_mp:
+        return None
+    port = args.lmcache_server_port + 2 * slot_of(inst, args)
+    return connectors.LmcacheServer(inst.host, port, port + 1)
 
 
 def slot_of(inst: Instance, args: argparse.Namespace) -> int:

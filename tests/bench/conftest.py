@@ -51,3 +51,13 @@ def tp_cpu() -> ModuleType:
 @pytest.fixture(scope="session")
 def routers() -> ModuleType:
     return _bench_module("routers")
+
+
+@pytest.fixture(scope="session")
+def e2e_gpu() -> ModuleType:
+    return _bench_module("e2e_gpu")
+
+
+@pytest.fixture(scope="session")
+def mp_gpu() -> ModuleType:
+    return _bench_module("e2e_gpu_lmcache_mp")

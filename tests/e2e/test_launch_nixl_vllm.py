@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -45,33 +46,45 @@ def wait_serving(proc: subprocess.Popen, out: str, timeout_s: float) -> None:
         time.sleep(1.0)
 
 
+def launch_1p1d(base: int, model_dir: Path, tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """The launcher, as a user starts it, for 1P1D of ``model_dir`` laid out from ``base`` (proxy ``base``, prefiller
+    ``base+10``, decoder ``base+30``, NIXL handshakes from ``base+50``), no prefix caching, stopping at the first
+    exit; ``flags`` added. Returns the process and the file its output goes to."""
+    argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "launch", "--prefill", "1", "--decode", "1",
+            "--model", str(model_dir), "--proxy-port", str(base), "--proxy-control-port", str(base + 1),
+            "--prefill-port", str(base + 10), "--decode-port", str(base + 30), "--kv-port", str(base + 50),
+            "--log-dir", str(tmp_path / "logs"), "--no-prefix-caching", "--on-exit", "stop", *flags]
+    out = str(tmp_path / "launch.out")
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, out
+
+
+def stop(proc: subprocess.Popen) -> int:
+    """SIGTERM the launcher as Ctrl-C would; its exit code (its whole session killed if it does not stop)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
 @contextlib.contextmanager
 def launched(connector: str, router: str, tiny_model_dir, tmp_path) -> Iterator[tuple[str, str, str]]:
     """``launch --connector CONNECTOR --router ROUTER`` 1P1D: (the front's URL, the decoder's, the model's name);
     on exit SIGTERM, which stops everything (exit 0, nothing left listening)."""
     # tp_size=2 claims base+50 and base+51: the two instances' NIXL handshake ports (--kv-port + slot)
     base = free_cluster_base_port(prefill=1, decode=1, tp_size=2)
-    argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "launch", "--connector", connector, "--router", router,
-            "--prefill", "1", "--decode", "1", "--model", str(tiny_model_dir), "--proxy-port", str(base),
-            "--proxy-control-port", str(base + 1), "--prefill-port", str(base + 10), "--decode-port", str(base + 30),
-            "--kv-port", str(base + 50), "--log-dir", str(tmp_path / "logs"), "--no-prefix-caching",
-            "--on-exit", "stop"]
-    out = str(tmp_path / "launch.out")
-    with open(out, "wb") as sink:
-        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, out = launch_1p1d(base, tiny_model_dir, tmp_path, "--connector", connector, "--router", router)
     try:
         wait_serving(proc, out, SERVING_TIMEOUT_S)
         # one decoder: the same port whatever the router; the launcher serves the model under its resolved path
         yield f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 30}", str(tiny_model_dir.resolve())
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        code = stop(proc)
     assert code == 0, open(out).read()[-4000:]
     held = {p: ports.holders_of(p) for p in (base, base + 10, base + 30, base + 50, base + 51) if not ports.bindable(p)}
     assert not held, held  # nothing left listening (connections in TIME_WAIT do not count)
