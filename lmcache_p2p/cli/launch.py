@@ -116,8 +116,7 @@ def _add_deployment_args(p: argparse.ArgumentParser, local: bool) -> None:
                             "vllm-router (vllm-project's router in its vLLM PD mode, unchanged; docs/ROUTERS.md says "
                             "what each gives up) (default %(default)s)")
     registered = "registered with the proxy by URL" if local else "each pod registered with the proxy by a sidecar"
-    # LMCache's MP recipe needs an LMCache server beside each instance: the launcher starts them, the manifests do not
-    choices = [c.value for c in connectors.Connector if local or not c.lmcache_mp]
+    choices = [c.value for c in connectors.Connector if local or not c.lmcache_mp]  # MP: the launcher starts servers
     mp = ("; nixl-lmcache-mp / nixl-push-lmcache-mp: the same beside LMCacheMPConnector in vLLM's MultiConnector, "
           "with an LMCache server per instance (LMCache's multi-process PD recipe)") if local else ""
     p.add_argument("--connector", choices=choices, default=connectors.Connector.LMCACHE_P2P.value,
