@@ -265,11 +265,27 @@ class RequestFlow:
         return tokenizer
 
     async def plan(self) -> Target:
-        """Wait for the KV (retrying or recomputing per policy), then where the first decode goes."""
-        await self._handover.settle(self._prefill.retry)
+        """Wait for the KV (retrying or recomputing per policy), then where the first decode goes. With
+        ``--early-decode`` an lmcache_p2p pair's decode goes at once (``Target.kv_pending``), its KV wait beside
+        it (``settled``)."""
+        early = self._handover.go_early()
+        if not early:
+            await self._handover.settle(self._prefill.retry)
         if self.decoder_regenerates_first:
             self._output.ids.clear()
         self._phases.advance(FlowPhase.PLANNED)
+        return self._target(kv_pending=early)
+
+    async def settled(self) -> Target | None:
+        """An early decode's KV outcome against its first output (``flow/early.py``): None when the decode goes
+        on; when the KV failed first, the decode is given up and the failure goes where ``--on-kv-failure``
+        says, as for a wait before the decode: where the decode goes instead."""
+        failed = await self._handover.early_failure()
+        if failed is None or self._phases.now is not FlowPhase.PLANNED:
+            return None
+        if self.timeline.decode_parts:
+            self.timeline.decode_parts.pop()  # it served nothing: the next target continues at the same token
+        await self._handover.fail_over(failed, self._prefill.retry)
         return self._target()
 
     async def unreachable(self, exc: UpstreamConnectError) -> Target | None:
@@ -277,6 +293,7 @@ class RequestFlow:
         decoder = self._placement.lease().instance
         if self.timeline.decode_parts:
             self.timeline.decode_parts.pop()  # it served nothing: the next target continues at the same token
+        self._handover.decode_left()
         self._connect_failed.add(decoder.instance_id)
         self._placement.connect_failed(decoder, exc)
         self._handover.moved()
@@ -287,12 +304,14 @@ class RequestFlow:
         return self._target()
 
     def started(self, decode_sent_s: float | None = None, first_decoded_s: float | None = None,
-                decode_accepted_s: float | None = None) -> None:
+                decode_accepted_s: float | None = None, kv_pending: bool = False) -> None:
         """The target sent its first output: it has loaded the request's KV. The stamps (same machine,
         same monotonic clock) of its decode request, its response headers and that first output, when the
-        caller has them."""
+        caller has them; ``kv_pending``: of a target sent before its KV was ready."""
         if self._phases.now is not FlowPhase.PLANNED:
             return  # its first output was seen already (or the request is over)
+        if kv_pending and not self._handover.decode_first():
+            return  # the KV failed first: that decode was given up (settled() named where it goes)
         self._phases.advance(FlowPhase.DECODING)
         if decode_sent_s is not None:
             self.timeline.decode_sent_s = decode_sent_s
@@ -315,6 +334,7 @@ class RequestFlow:
             return None
         decoder = self._placement.lease().instance
         self._migrated_from.add(decoder.instance_id)
+        self._handover.decode_left()
         self._handover.free_taken()
         try:
             self._placement.migrate(decoder, self._migrated_from, exc, len(output_ids))
@@ -337,6 +357,7 @@ class RequestFlow:
         that ended after its handler gave up), it releases what was taken since."""
         if answer is not None and self._phases.now is not FlowPhase.CLOSED:
             self._take(answer)
+        self._handover.stop_early()
         if self._handover.pending:
             ended = self.first is not None and not self.needs_decode
             self._handover.abandon("no decode needed: the first token ended the output" if ended
@@ -382,9 +403,9 @@ class RequestFlow:
             self._phases.advance(FlowPhase.ENDED)
             self._output.remember(self._placement.leased)
 
-    def _target(self) -> Target:
+    def _target(self, kv_pending: bool = False) -> Target:
         """The current decoder and the decode request that continues after the output so far. The decoder
-        holding the KV takes the handover now (the decode goes to it)."""
+        holding the KV takes the handover now (the decode goes to it); ``kv_pending``: before its KV is ready."""
         ids = self._output.ids
         continues_at = len(ids) - self._rewound
         kv = self._handover.take()
@@ -400,9 +421,10 @@ class RequestFlow:
             self.timeline.decode_sent_s = self._s.clock()
         self.timeline.decode_parts.append(DecodePart(instance.instance_id, continues_at))
         # a decoder that pulls the KV first outputs nothing until the pull is done: --kv-timeout-s bounds that
-        # as it bounds our KvReady wait (a pull that hangs then moves the decode elsewhere)
-        first_output_timeout_s = self._s.settings.kv_timeout_s if kv is not None else None
-        return Target(instance.http_url, body, continues_at - upto, first_output_timeout_s)
+        # as it bounds our KvReady wait (a pull that hangs then moves the decode elsewhere); an early decode's
+        # wait is bounded by the KV wait beside it
+        first_output_timeout_s = self._s.settings.kv_timeout_s if kv is not None and kv.portable else None
+        return Target(instance.http_url, body, continues_at - upto, first_output_timeout_s, kv_pending)
 
     def _may_continue_elsewhere(self) -> bool:
         """Another instance prompted with prompt + output so far would decode as this one did."""

@@ -1,7 +1,7 @@
 """The requests the coordinator holds for its relay workers (``--workers N``), each under its worker's
 handle, and the steps on them as they arrive from the wire: ``open`` (prefill), ``plan`` (the KV wait,
-where the decode goes), ``unreachable`` / ``broken`` (where it goes instead), ``started``, ``closed``
-(with the answer's counts). One per coordinator.
+where the decode goes), ``settled`` (an early decode's KV outcome), ``unreachable`` / ``broken`` (where it
+goes instead), ``started``, ``closed`` (with the answer's counts). One per coordinator.
 
 Each step is a call of the request's ``RequestFlow`` (``flow/steps.py``), as one process's own
 requests make them; ``relay/coordinator.py`` is its HTTP side. It owns the table of open flows, the
@@ -32,7 +32,7 @@ _CLOSED_REMEMBERED = 4096  # handles closed here lately: an open still running, 
 class _Open:
     flow: RequestFlow
     worker: int
-    planning: asyncio.Task[Target] | None = None  # the KV wait and choice of decoder after the open
+    planning: asyncio.Task[Target | None] | None = None  # the KV wait and choice of decoder (plan, settled)
 
 
 class FlowHost:
@@ -89,6 +89,19 @@ class FlowHost:
                 task.cancel()
         return None if task.cancelled() else task.result()
 
+    async def settled(self, handle: str) -> Planned | None:
+        """An early decode's KV outcome (``RequestFlow.settled``); None when the request was closed meanwhile."""
+        held = self._flows.get(handle)
+        if held is None:
+            return None
+        task = held.planning = asyncio.get_running_loop().create_task(held.flow.settled(), name="flow-settled")
+        try:
+            await asyncio.wait({task})
+        finally:
+            if not task.done():
+                task.cancel()
+        return None if task.cancelled() else Planned(task.result())
+
     async def unreachable(self, step: Step) -> Planned:
         return Planned(await self.flow(step.handle).unreachable(UpstreamConnectError(step.message)))
 
@@ -99,7 +112,7 @@ class FlowHost:
     def started(self, step: Step) -> None:
         held = self._flows.get(step.handle)
         if held is not None:
-            held.flow.started(step.decode_sent_s, step.first_decoded_s, step.decode_accepted_s)
+            held.flow.started(step.decode_sent_s, step.first_decoded_s, step.decode_accepted_s, step.kv_pending)
 
     def closed(self, step: Step) -> None:
         """The request is over: its counts, then close it. A "closed" sent again (its first answer was
