@@ -81,7 +81,6 @@ token ended the output, the client left, an error) and tells every rank of D to 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -102,12 +101,12 @@ from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
 from lmcache_p2p.proxy.flow.output import RequestOutput
 from lmcache_p2p.proxy.flow.placement import Placement
 from lmcache_p2p.proxy.flow.prefill import PrefillAttempts
+from lmcache_p2p.proxy.flow.prompt import measure
 from lmcache_p2p.proxy.router.registry import Registry
 from lmcache_p2p.proxy.flow.steps import Answer, Count, Opened, Target
 from lmcache_p2p.proxy.http.responses import FirstToken
 from lmcache_p2p.proxy.router.routing import ColocatedReason, RequestCost, Router
-from lmcache_p2p.proxy.http.shaping import (ClientRequest, Endpoint, decode_body, reads_output_tokens,
-                                            truncate_prompt)
+from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint, decode_body, reads_output_tokens
 from lmcache_p2p.proxy.observe.timeline import DecodePart, Timeline
 from lmcache_p2p.proxy.http.tokenizer import ProxyTokenizer, TokenizerProvider
 from lmcache_p2p.proxy.upstream import Upstream
@@ -116,9 +115,6 @@ from lmcache_p2p.proxy.handover.waiters import KvWaiters
 __all__ = ["FlowSettings", "Orchestrator", "RequestFlow", "apply_count"]
 
 logger = logging.getLogger(__name__)
-
-_INLINE_TOKENIZE_MAX_TOKENS = 2048  # estimated prompt tokens (--chars-per-token) tokenized on the event loop
-
 
 class Orchestrator:
     def __init__(self, registry: Registry, router: Router, waiters: KvWaiters, upstream: Upstream,
@@ -381,7 +377,8 @@ class RequestFlow:
 
     async def _prefill_first(self) -> FirstToken:
         ctx = self._ctx
-        req = ctx.req = await self._measure(ctx.req)
+        req, self._output.tokenizer = await measure(self._s, ctx, ctx.req)
+        ctx.req = req
         first = await self._prefill.run(RequestCost(req.prompt_tokens, req.output_tokens_estimate))
         self.first = self._output.shape_first(first)
         ctx.prefill_done_s = self._s.clock()
@@ -439,43 +436,6 @@ class RequestFlow:
         if self.first is None:
             raise RuntimeError("prefill() first")
         return self.first
-
-    async def _measure(self, req: ClientRequest) -> ClientRequest:
-        """``req`` with its exact prompt token count when the proxy has the tokenizer (kept for the text).
-
-        A text completion's ids go to the prefiller in place of its text (``prefill_body``): the
-        prompt is then tokenized once per request, here, not again in the prefiller's API server.
-        """
-        s = self._s
-        instances = [] if s.tokenizers.settled else s.registry.routable(Role.SENDER) + s.registry.routable(Role.RECEIVER)
-        self._output.tokenizer = await s.tokenizers.get(instances, s.settings.tokenizer_wait_s)
-        ids = await self._prompt_ids(req)
-        if ids is not None and req.truncates:
-            ids = truncate_prompt(req, ids, s.tokenizers.max_model_len)
-        if ids and s.router.uses_prefix:
-            self._ctx.prefix = s.router.prompt_prefix(ids)
-        if ids is None:
-            return req
-        if req.prompt_ids is not None:
-            return dataclasses.replace(req, prompt_ids=tuple(ids), exact_prompt_tokens=len(ids))
-        # a truncated text goes to the prefiller as text: vLLM keeps the tokenizer's special tokens when it
-        # truncates a text, which a cut of the ids would not
-        return dataclasses.replace(req, exact_prompt_tokens=len(ids),
-                                   tokenized_ids=None if req.is_chat or req.truncates else tuple(ids))
-
-    async def _prompt_ids(self, req: ClientRequest) -> list[int] | None:
-        """The prompt's ids: the client's, else as the proxy's tokenizer makes them (None: no tokenizer,
-        or a prompt it cannot render). A short prompt is tokenized on the event loop: its encoding costs
-        less than the hop to a thread and back; a long one in a thread, so that the loop keeps serving
-        other requests."""
-        if req.prompt_ids is not None:
-            return list(req.prompt_ids)
-        tokenizer = self._output.tokenizer
-        if tokenizer is None:
-            return None
-        if req.prompt_tokens_estimate <= _INLINE_TOKENIZE_MAX_TOKENS:
-            return tokenizer.prompt_ids(req)
-        return await asyncio.to_thread(tokenizer.prompt_ids, req)
 
 
 def apply_count(metrics: ProxyMetrics, count: Count) -> None:
