@@ -493,14 +493,19 @@ class FakeAgent:
             await self.send(KvFailed(req_id=req_id, instance_id=self.instance_id, tp_rank=0, reason="buffer full",
                                      cause=self.kv_fail_cause))
         elif self.kv_mode in ("ready", "one_rank"):
-            ranks = range(self.tp_size) if self.kv_mode == "ready" else range(1)
-            for rank in ranks:
-                held = self.kv_chunks_held
-                extra = {} if held is None else {"chunks_held": held, "bytes_received": (3 - held) << 20}
-                await self.send(KvReady(req_id=req_id, instance_id=self.instance_id, tp_rank=rank, chunks=3,
-                                        nbytes=3 << 20, **extra))
-            if self.kv_mode == "ready":
-                self._landed.setdefault(req_id, asyncio.Event()).set()
+            await self.report_ready(req_id, range(self.tp_size) if self.kv_mode == "ready" else range(1))
+
+    async def report_ready(self, req_id: str, ranks: range | None = None) -> None:
+        """KvReady for ``req_id`` from ``ranks`` (every rank: None); once every rank's is out, a decode parked
+        for it goes on."""
+        ranks = range(self.tp_size) if ranks is None else ranks
+        for rank in ranks:
+            held = self.kv_chunks_held
+            extra = {} if held is None else {"chunks_held": held, "bytes_received": (3 - held) << 20}
+            await self.send(KvReady(req_id=req_id, instance_id=self.instance_id, tp_rank=rank, chunks=3,
+                                    nbytes=3 << 20, **extra))
+        if len(ranks) == self.tp_size:
+            self._landed.setdefault(req_id, asyncio.Event()).set()
 
     def close(self) -> None:
         for task in self._tasks:

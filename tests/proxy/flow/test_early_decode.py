@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_p2p.protocol import KvFailCause
+from lmcache_p2p.protocol import KvFailCause, KvFailed
 from lmcache_p2p.vllm_plugin.router_addressing import MARKER_KEY, marker_of
 
 from ..conftest import eventually, make_cluster
@@ -49,15 +49,17 @@ def early_count(c, first: str) -> float:
 async def test_the_decode_goes_before_the_kv_is_ready_carrying_the_marker_and_outputs_as_one_instance(workers):
     async with early(workers) as c:
         decoder = c.decoders[0]
-        decoder.agent.kv_delay_s = 0.3  # the KV's last chunk lands well after the prefill answered
+        decoder.agent.kv_mode = "silent"  # reported below, once the decode is parked on the decoder
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": N, "stream": True, "return_token_ids": True}
         request = asyncio.ensure_future(c.stream("/v1/completions", body))
-        await eventually(lambda: decodes(decoder))
-        assert decoder.agent.reported == []  # the decode is on the decoder; its KV is not ready yet
+        await eventually(lambda: decodes(decoder))  # on the decoder, its KV not ready
+        req_id = c.network.specs[-1]["req_id"]
+        await asyncio.sleep(0.1)
+        assert not request.done()  # held by the decoder while its KV is missing
+        await decoder.agent.report_ready(req_id)
         events = await request
         assert events[-1] == "[DONE]" and streamed_ids(events) == generate(IDS, N)
         decode, = decodes(decoder)
-        req_id = c.network.specs[-1]["req_id"]
         assert decode["prompt"] == IDS + generate(IDS, 1) and decode["max_tokens"] == N - 1
         assert decode["kv_transfer_params"] == {MARKER_KEY: {"req_id": req_id, "prompt_tokens": len(IDS)}}
         marker = marker_of(decode["kv_transfer_params"], "cmpl-x")  # what the decoder's plugin reads of it
@@ -65,8 +67,8 @@ async def test_the_decode_goes_before_the_kv_is_ready_carrying_the_marker_and_ou
         assert early_count(c, "kv_ready") == 1
         assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 1
         recent, = (await c.client.get("/stats")).json()["recent"]
-        assert recent["kv_wait"] >= 250 and recent["decode_start"] < 250  # sent long before the KV was ready
-        assert recent["kv_after_decode"] is not None and recent["kv_after_decode"] > 0
+        assert recent["decode_start"] < recent["kv_wait"]  # sent before the KV was ready
+        assert recent["kv_after_decode"] >= 100 and recent["kv_wait"] >= recent["kv_after_decode"]
         assert_idle(c)
 
 
@@ -79,16 +81,29 @@ async def test_a_non_streamed_early_decode_answers_as_one_instance(workers):
         assert_idle(c)
 
 
+def fail_when_parked(node, cause: KvFailCause = KvFailCause.UNKNOWN) -> None:
+    """The decoder's KV fails once its early decode is parked there (nothing else is reported)."""
+    agent = node.agent
+    agent.kv_mode = "silent"
+
+    async def park(marker: dict[str, Any]) -> None:
+        await agent.send(KvFailed(req_id=marker["req_id"], instance_id=agent.instance_id, tp_rank=0,
+                                  reason="the prefiller's write failed", cause=cause))
+        await agent.parked(marker)
+
+    node.vllm.kv_park = park
+
+
 def _cut_first_decoder(c) -> list[FakeAgent]:
-    """The first decoder a prefill sends KV to fails it (its prefiller cannot reach it), after 0.2 s: its early
-    decode is parked there by then."""
+    """The first decoder a prefill sends KV to fails it (its prefiller cannot reach it) once the early decode is
+    parked there."""
     cut: list[FakeAgent] = []
 
     async def deliver(spec):
-        agent = next(n.agent for n in c.decoders if n.agent.control_port(0) == spec["receiver_alloc_port"][0])
+        node = next(n for n in c.decoders if n.agent.control_port(0) == spec["receiver_alloc_port"][0])
         if not cut:
-            cut.append(agent)
-            agent.kv_mode, agent.kv_fail_cause, agent.kv_delay_s = "fail", KvFailCause.UNREACHABLE, 0.2
+            cut.append(node.agent)
+            fail_when_parked(node, KvFailCause.UNREACHABLE)
         await c.network.deliver(spec)
 
     for node in c.prefillers:
@@ -127,7 +142,7 @@ async def test_a_kv_failure_before_the_first_output_closes_the_early_decode_and_
 async def test_with_on_kv_failure_fail_an_early_decode_whose_kv_failed_is_closed_and_answered_502(workers):
     async with early(workers, on_kv_failure="fail", kv_timeout_s=60.0) as c:
         decoder = c.decoders[0]
-        decoder.agent.kv_mode, decoder.agent.kv_delay_s = "fail", 0.2
+        fail_when_parked(decoder)
         resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": N})
         assert resp.status_code == 502 and "--on-kv-failure=fail" in resp.json()["error"]["message"]
         assert len(decodes(decoder)) == 1
@@ -139,16 +154,19 @@ async def test_with_on_kv_failure_fail_an_early_decode_whose_kv_failed_is_closed
 
 async def test_a_first_output_before_the_kv_is_ready_takes_the_handover(workers):
     """The decoder's wait for the KV ran out (it computed what it lacked): its output comes before the KvReady,
-    the handover is taken as usual and the KV's outcome still arrives for the figures."""
+    the handover is taken as usual and the KV's outcome, arriving while it decodes, still counts."""
     async with early(workers) as c:
         decoder = c.decoders[0]
         decoder.vllm.kv_park = None  # it does not hold the decode
-        decoder.vllm.token_delay_s = 0.1  # the KV lands while it decodes
-        decoder.agent.kv_delay_s = 0.35
+        decoder.vllm.token_delay_s = 0.2
+        decoder.agent.kv_mode = "silent"  # reported below, once the proxy saw the first output
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": N, "stream": True, "return_token_ids": True}
-        events = await c.stream("/v1/completions", body)
+        request = asyncio.ensure_future(c.stream("/v1/completions", body))
+        await eventually(lambda: early_count(c, "decode_first") == 1)
+        await decoder.agent.report_ready(c.network.specs[-1]["req_id"])
+        events = await request
         assert streamed_ids(events) == generate(IDS, N)
-        assert early_count(c, "decode_first") == 1 and early_count(c, "kv_failed") == 0
+        assert early_count(c, "kv_ready") == 0 and early_count(c, "kv_failed") == 0
         assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="ready") == 1  # the wait ran on beside it
         assert decoder.vllm.finished_streams == 1
         assert_idle(c)
