@@ -11,7 +11,10 @@ ready, then name the decode on D and follow it (migration) until the request clo
     finally:
         flow.close(answer)                   # never awaits: safe in a cancelled task
 
-The waiter for "KV ready" is registered before the prefill is sent. On a KV failure or timeout
+The waiter for "KV ready" is registered before the prefill is sent. With ``--early-decode`` an lmcache_p2p
+pair's decode is named at once, carrying the marker its decoder holds it by until the KV arrived, and the
+wait runs beside it (``flow/early.py``): a KV failure before the decode's first output gives that decode
+up (``settled``) and takes the path below, as a wait before the decode would. On a KV failure or timeout
 (``--kv-timeout-s``) the policy decides: ``retry`` prefills once more (token ids, another pair
 when there is one) and then recomputes, ``recompute`` sends the decode at once (the decoder
 recomputes what it lacks), ``fail`` answers 502/504. A handover that cannot happen ends its wait as

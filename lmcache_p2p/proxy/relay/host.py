@@ -15,7 +15,8 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from lmcache_p2p.proxy.errors import ClientDisconnected, ProxyError, UpstreamConnectError, UpstreamUnreachable
 from lmcache_p2p.proxy.flow.flow import Orchestrator, RequestFlow
@@ -25,6 +26,8 @@ from lmcache_p2p.proxy.relay.messages import Planned, Step
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _CLOSED_REMEMBERED = 4096  # handles closed here lately: an open still running, a "closed" sent again
 
 
@@ -32,7 +35,7 @@ _CLOSED_REMEMBERED = 4096  # handles closed here lately: an open still running, 
 class _Open:
     flow: RequestFlow
     worker: int
-    planning: asyncio.Task[Target | None] | None = None  # the KV wait and choice of decoder (plan, settled)
+    planning: asyncio.Task[Any] | None = None  # the KV wait and choice of decoder (plan, settled)
 
 
 class FlowHost:
@@ -78,29 +81,28 @@ class FlowHost:
 
     async def plan(self, handle: str) -> Target | None:
         """Where the first decode goes, once the KV is ready; None when the request was closed meanwhile."""
-        held = self._flows.get(handle)
-        if held is None:
-            return None
-        task = held.planning = asyncio.get_running_loop().create_task(held.flow.plan(), name="flow-plan")
-        try:
-            await asyncio.wait({task})
-        finally:
-            if not task.done():
-                task.cancel()
-        return None if task.cancelled() else task.result()
+        ran, target = await self._waiting_step(handle, lambda flow: flow.plan(), "flow-plan")
+        return target if ran else None
 
     async def settled(self, handle: str) -> Planned | None:
         """An early decode's KV outcome (``RequestFlow.settled``); None when the request was closed meanwhile."""
+        ran, moved = await self._waiting_step(handle, lambda flow: flow.settled(), "flow-settled")
+        return Planned(moved) if ran else None
+
+    async def _waiting_step(self, handle: str, step: Callable[[RequestFlow], Awaitable[T]],
+                            name: str) -> tuple[bool, T | None]:
+        """A step that waits (the KV), as the request's ``planning`` task that its close cancels; (False, None)
+        when the request was closed, before or meanwhile."""
         held = self._flows.get(handle)
         if held is None:
-            return None
-        task = held.planning = asyncio.get_running_loop().create_task(held.flow.settled(), name="flow-settled")
+            return False, None
+        task = held.planning = asyncio.get_running_loop().create_task(step(held.flow), name=name)
         try:
             await asyncio.wait({task})
         finally:
             if not task.done():
                 task.cancel()
-        return None if task.cancelled() else Planned(task.result())
+        return (False, None) if task.cancelled() else (True, task.result())
 
     async def unreachable(self, step: Step) -> Planned:
         return Planned(await self.flow(step.handle).unreachable(UpstreamConnectError(step.message)))
