@@ -56,6 +56,8 @@ async def test_the_decode_goes_before_the_kv_is_ready_carrying_the_marker_and_ou
         req_id = c.network.specs[-1]["req_id"]
         await asyncio.sleep(0.1)
         assert not request.done()  # held by the decoder while its KV is missing
+        inst, = [i for i in c.proxy.registry.instances() if i.instance_id == decoder.agent.instance_id]
+        assert inst.free_slots() < decoder.agent.capacity_slots  # its KV's credit is held, as for a later decode
         await decoder.agent.report_ready(req_id)
         events = await request
         assert events[-1] == "[DONE]" and streamed_ids(events) == generate(IDS, N)
@@ -69,6 +71,7 @@ async def test_the_decode_goes_before_the_kv_is_ready_carrying_the_marker_and_ou
         recent, = (await c.client.get("/stats")).json()["recent"]
         assert recent["decode_start"] < recent["kv_wait"]  # sent before the KV was ready
         assert recent["kv_after_decode"] >= 100 and recent["kv_wait"] >= recent["kv_after_decode"]
+        assert inst.free_slots() == decoder.agent.capacity_slots  # returned at the first output
         assert_idle(c)
 
 
