@@ -72,6 +72,11 @@ async def test_the_decode_goes_before_the_kv_is_ready_carrying_the_marker_and_ou
         assert recent["decode_start"] < recent["kv_wait"]  # sent before the KV was ready
         assert recent["kv_after_decode"] >= 100 and recent["kv_wait"] >= recent["kv_after_decode"]
         assert inst.free_slots() == decoder.agent.capacity_slots  # returned at the first output
+        if workers > 1:  # the KV's outcome came on open's answer: no call of its own
+            calls = c.proxy.coordinator.calls
+            await eventually(lambda: calls["closed"] == 1)
+            steps = {step: n for step, n in calls.items() if step not in ("hello", "tokenizer")}  # workers' own
+            assert steps == {"open": 1, "started": 1, "closed": 1}
         assert_idle(c)
 
 
