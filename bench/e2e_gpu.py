@@ -5,6 +5,8 @@ Systems, one after the other (each gets the GPUs alone; its servers are stopped 
   single             one vLLM server on GPU 0, no LMCache, no kv-transfer-config
   lmcache_p2p-nixl   ``lmcache-p2p launch --device cuda --prefill 1 --decode 1 --transport nixl``
   lmcache_p2p-nccl   the same over NCCL
+  lmcache_p2p-nixl-early  lmcache_p2p-nixl with the proxy's ``--early-decode`` (``--proxy-arg=--early-decode``):
+                     the decode goes when the prefill answered and the decoder holds it until its KV arrived
   lmcache-pd         LMCache's built-in PD (``enable_pd: true``, NIXL, ``pd_buffer_device: cuda``),
                      prefiller GPU 0, decoder GPU 1, behind the LMCache PD proxy of ``../shared/anchor``
                      (``--lmcache-pd-proxy``)
@@ -55,7 +57,7 @@ from typing import Any
 import httpx
 import yaml
 
-from lmcache_p2p.cli.demo import lookups_in_log
+from lmcache_p2p.cli.demo import final_lookups, request_lookups_in_log
 from lmcache_p2p.cli.gpu import utilization_with_buffer, query_gpus
 from lmcache_p2p.cli.processes import Child, StartupError, stop_all, wait_healthy
 from lmcache_p2p.cli.vllm_env import vllm_argv, vllm_env, write_logging_config
@@ -72,9 +74,10 @@ logger = logging.getLogger("bench.e2e_gpu")
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("single", "lmcache_p2p-nixl", "lmcache_p2p-nccl", "lmcache-pd", "lmcache_p2p-nixl-hostsend",
-           "single-neighbour", "vllm-nixl", "vllm-nixl-push", "vllm-nixl-lmcache-mp")
+           "single-neighbour", "vllm-nixl", "vllm-nixl-push", "vllm-nixl-lmcache-mp", "lmcache_p2p-nixl-early")
 GPUS = {"single": 1, "lmcache_p2p-nixl": 2, "lmcache_p2p-nccl": 2, "lmcache-pd": 2, "lmcache_p2p-nixl-hostsend": 2,
-        "single-neighbour": 1, "vllm-nixl": 2, "vllm-nixl-push": 2, "vllm-nixl-lmcache-mp": 2}
+        "single-neighbour": 1, "vllm-nixl": 2, "vllm-nixl-push": 2, "vllm-nixl-lmcache-mp": 2, "lmcache_p2p-nixl-early": 2}
+EARLY_DECODE = "--early-decode"  # the proxy flag of lmcache_p2p-nixl-early (its A/B against lmcache_p2p-nixl)
 # vllm-nixl: vLLM's NixlConnector 1P1D behind vllm-router, the PD stack users pick today (bench/e2e_gpu_nixl.py).
 # single-neighbour (--one-gpu): the single instance measured while a second plain vLLM on the same GPU (the
 # decoder's share of it) decodes a steady background load: what one-GPU 1P1D's prefill loses to time-slicing
@@ -265,25 +268,14 @@ def start_neighbour_load(cfg: Config, log_dir: Path) -> subprocess.Popen:
 
 
 def start_p2p(cfg: Config, transport: str, on_exit: str = "stop", log_name: str | None = None,
-              send_buffer_size: str | None = None) -> Deployment:
+              send_buffer_size: str | None = None, early_decode: bool = False) -> Deployment:
     """``lmcache-p2p launch`` itself, as a user starts it (its own process; stopped with SIGTERM)."""
-    system = f"lmcache_p2p-{transport}" + ("-hostsend" if send_buffer_size == "0" else "")
+    system = f"lmcache_p2p-{transport}" + ("-hostsend" if send_buffer_size == "0" else "") + (
+        "-early" if early_decode else "")
+    argv = p2p_launch_argv(cfg, transport, on_exit, system if log_name is None else log_name, send_buffer_size,
+                           early_decode)
     log_dir = cfg.log_dir / (log_name or system)
     log_dir.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "launch", "--device", cfg.device, "--prefill", "1",
-            "--decode", "1", "--transport", transport, "--model", str(cfg.model), "--log-dir", str(log_dir),
-            "--buffer-size", cfg.buffer_size, "--max-model-len", str(cfg.max_model_len),
-            "--gpu-memory-utilization", f"{cfg.gpu_memory_utilization:.2f}", "--proxy-port", str(P2P_PROXY_PORT),
-            "--proxy-control-port", str(P2P_PROXY_PORT + 1), "--on-exit", on_exit,
-            "--startup-timeout-s", str(int(STARTUP_TIMEOUT_S)),
-            *(["--proxy-workers", str(cfg.proxy_workers)] if cfg.proxy_workers and cfg.proxy_workers > 1 else []),
-            *(["--send-buffer-size", send_buffer_size] if send_buffer_size is not None else []),
-            *(["--gpus", "0,0", "--share-gpus"] if cfg.one_gpu else []),
-            "--prefill-tp", str(cfg.prefill_tp), "--decode-tp", str(cfg.decode_tp),
-            *(arg for kv in cfg.p2p_args for arg in ("--p2p", kv)),
-            # explicit, whatever the launcher's default: every system runs with the single instance's flags (random
-            # prompts share no prefix); vLLM takes the last of --enable/--no-enable-prefix-caching
-            "--", "--no-enable-prefix-caching", *cfg.vllm_args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     launcher = Child(f"launch-{transport}", argv, env, log_dir / "launch.log",
                      f"http://127.0.0.1:{P2P_PROXY_PORT}/health")
@@ -297,6 +289,27 @@ def start_p2p(cfg: Config, transport: str, on_exit: str = "stop", log_name: str 
         deployment.stop()
         raise
     return deployment
+
+
+def p2p_launch_argv(cfg: Config, transport: str, on_exit: str, log_name: str, send_buffer_size: str | None,
+                    early_decode: bool = False) -> list[str]:
+    """The ``lmcache-p2p launch`` command of a lmcache_p2p system (``early_decode``: its proxy's ``--early-decode``)."""
+    log_dir = cfg.log_dir / log_name
+    return [sys.executable, "-m", "lmcache_p2p.cli.main", "launch", "--device", cfg.device, "--prefill", "1",
+            "--decode", "1", "--transport", transport, "--model", str(cfg.model), "--log-dir", str(log_dir),
+            "--buffer-size", cfg.buffer_size, "--max-model-len", str(cfg.max_model_len),
+            "--gpu-memory-utilization", f"{cfg.gpu_memory_utilization:.2f}", "--proxy-port", str(P2P_PROXY_PORT),
+            "--proxy-control-port", str(P2P_PROXY_PORT + 1), "--on-exit", on_exit,
+            "--startup-timeout-s", str(int(STARTUP_TIMEOUT_S)),
+            *(["--proxy-workers", str(cfg.proxy_workers)] if cfg.proxy_workers and cfg.proxy_workers > 1 else []),
+            *(["--send-buffer-size", send_buffer_size] if send_buffer_size is not None else []),
+            *(["--gpus", "0,0", "--share-gpus"] if cfg.one_gpu else []),
+            "--prefill-tp", str(cfg.prefill_tp), "--decode-tp", str(cfg.decode_tp),
+            *(arg for kv in cfg.p2p_args for arg in ("--p2p", kv)),
+            *([f"--proxy-arg={EARLY_DECODE}"] if early_decode else []),
+            # explicit, whatever the launcher's default: every system runs with the single instance's flags (random
+            # prompts share no prefix); vLLM takes the last of --enable/--no-enable-prefix-caching
+            "--", "--no-enable-prefix-caching", *cfg.vllm_args]
 
 
 def wait_registered(launcher: Child, url: str, timeout_s: float) -> None:
@@ -408,6 +421,8 @@ def start(system: str, cfg: Config) -> Deployment:
                                     wait_registered)
     if system == "lmcache_p2p-nixl-hostsend":
         return start_p2p(cfg, "nixl", send_buffer_size="0")
+    if system == "lmcache_p2p-nixl-early":
+        return start_p2p(cfg, "nixl", send_buffer_size=cfg.send_buffer_size, early_decode=True)
     if system.startswith("lmcache_p2p-"):
         return start_p2p(cfg, system.split("-", 1)[1], send_buffer_size=cfg.send_buffer_size)
     return start_lmcache_pd(cfg)
@@ -443,7 +458,7 @@ def run_rate(cfg: Config, dep: Deployment, rate: float, key: str | None = None) 
     result_dir = cfg.log_dir / dep.system
     name = f"bench-{file_part(key) if key else f'r{rate:g}'}.json"
     traced_from = time.perf_counter()
-    seen = len(lookups_in_log(dep.decoder_log)) if dep.decoder_log and dep.decoder_log.exists() else 0
+    seen = len(request_lookups_in_log(dep.decoder_log)) if dep.decoder_log and dep.decoder_log.exists() else 0
     if dep.has_stats:
         httpx.post(f"{dep.url}/stats/reset", timeout=HTTP_TIMEOUT_S).raise_for_status()
     if dep.pd_stats:
@@ -459,7 +474,9 @@ def run_rate(cfg: Config, dep: Deployment, rate: float, key: str | None = None) 
                            + "\n".join(log_path.read_text(errors="replace").splitlines()[-20:]))
     result = json.loads((result_dir / name).read_text())
     stats = httpx.get(f"{dep.url}/stats", timeout=HTTP_TIMEOUT_S).json() if dep.has_stats else None
-    lookups = lookups_in_log(dep.decoder_log)[seen:] if dep.decoder_log and dep.decoder_log.exists() else []
+    # each request's last lookup: a decode held for its KV (--early-decode) is looked up on every scheduler step
+    lookups = (final_lookups(request_lookups_in_log(dep.decoder_log)[seen:])
+               if dep.decoder_log and dep.decoder_log.exists() else [])
     row = make_row(dep.system, rate, result, stats, lookups, cfg.output_len, 1 if cfg.one_gpu else None)
     if cfg.long_points:
         row.update(input_len=cfg.input_len, output_len=cfg.output_len, point=key, sequential=rate == 0)
@@ -656,9 +673,12 @@ def handover_split(row: dict[str, Any]) -> dict[str, Any] | None:
             "decoder_prefill_ms_mean": mean("request_prefill_time_seconds"),
             "outside_decoder_ms_mean": None if handover_mean is None else round(handover_mean - ttft["mean_ms"], 3),
             # the proxy's phases of the handover (lmcache_p2p only): kv_wait + decode_start + decode_first,
-            # and decode_accept, the decoder's HTTP intake inside decode_first
+            # and decode_accept, the decoder's HTTP intake inside decode_first; with --early-decode the decode
+            # starts at the prefill's answer, kv_after_decode (decode sent -> KV ready) runs inside decode_first,
+            # and the decoder's own TTFT holds its wait for the KV
             **{f"{phase}_ms_mean": (timeline.get(phase) or {}).get("mean")
-               for phase in ("kv_wait", "decode_start", "decode_accept", "decode_first") if timeline.get(phase)}}
+               for phase in ("kv_wait", "decode_start", "kv_after_decode", "decode_accept", "decode_first")
+               if timeline.get(phase)}}
 
 
 def single_outside_engine(row: dict[str, Any]) -> float | None:

@@ -25,6 +25,7 @@ SERIAL_GROUP = "serial"
 SERIAL_ORDER = (
     "tests/e2e/test_pd_vllm.py",
     "tests/e2e/test_prompt_kv_vllm.py",
+    "tests/e2e/test_early_decode_vllm.py",
     "tests/e2e/test_colocated_vllm.py",
     "tests/cli/test_bench.py",
     "tests/e2e/test_vllm_router.py",

@@ -20,6 +20,7 @@ DEMO_TIMEOUT_S = 120.0
 STATS_TIMEOUT_S = 10.0
 # Logged by LMCache's vLLM adapter for every lookup an instance makes.
 HIT_RE = re.compile(r"Total tokens (\d+), Inference Engine computed tokens: (\d+), LMCache hit tokens: (\d+)")
+REQUEST_HIT_RE = re.compile(r"Reqid: (\S+), " + HIT_RE.pattern)
 
 
 class Lookup(NamedTuple):
@@ -33,6 +34,22 @@ def lookups_in_log(log_path: Path) -> list[Lookup]:
     """Every LMCache lookup an instance logged, in order."""
     text = log_path.read_text(errors="replace")
     return [Lookup(int(total), int(hit)) for total, _, hit in HIT_RE.findall(text)]
+
+
+def request_lookups_in_log(log_path: Path) -> list[tuple[str, Lookup]]:
+    """Every LMCache lookup an instance logged, with its request id, in order."""
+    text = log_path.read_text(errors="replace")
+    return [(req, Lookup(int(total), int(hit))) for req, total, _, hit in REQUEST_HIT_RE.findall(text)]
+
+
+def final_lookups(lookups: list[tuple[str, Lookup]]) -> list[Lookup]:
+    """The last lookup of each request, in the order the requests came: a decode held for its KV (our proxy's
+    ``--early-decode``, or behind vllm-router) is looked up on every scheduler step until the KV arrived, and
+    its last lookup is what it loaded."""
+    last: dict[str, Lookup] = {}
+    for req, lookup in lookups:
+        last[req] = lookup
+    return list(last.values())
 
 
 def demo_request(proxy_url: str, model: Path, log_dir: Path, *, tiny_model: bool,

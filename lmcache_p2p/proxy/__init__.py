@@ -25,11 +25,14 @@ sample since start or the last ``POST /stats/reset`` (which answers the window i
 ``{"window_s", "ttft_ms", "handover_ms", "kv_wait_ms", "timeline_ms", "recent"}``, each summary
 ``{"count", "mean", "p50", "p99"}`` in milliseconds (null without samples; nearest-rank
 percentiles). ttft = request received -> first token; handover = prefill answer received -> first
-decode byte; kv_wait = the part of the handover spent waiting for "KV ready". ``timeline_ms`` has
-one summary per phase of a disaggregated request (``observe/timeline.py``): queue, prefill, first_byte,
-kv_wait, decode_start, decode_first (and decode_accept within it) at the proxy, and store, submit, transfer as the prefiller's
-sender reports them (``KvSent``); ``recent`` lists the last 256 requests' phases
-(``{"req_id", <phase>: ms | null}``); Prometheus has them as ``lmcache_p2p_proxy_phase_seconds{phase}``.
+decode byte; kv_wait = prefill answer -> "KV ready" (the part of the handover spent waiting for it, unless
+``--early-decode`` sent the decode before: then it runs beside the decode). ``timeline_ms`` has one summary
+per phase of a disaggregated request (``observe/timeline.py``): queue, prefill, first_byte, kv_wait,
+decode_start, kv_after_decode (an early decode's: decode sent -> KV ready), decode_first and decode_accept
+within it at the proxy, and store, submit, transfer and its parts as the prefiller's sender reports them (``KvSent``);
+``recent`` lists the last 256 requests' phases (``{"req_id", "backend", <phase>: ms | null}``); Prometheus has
+them as ``lmcache_p2p_proxy_phase_seconds{phase,backend}``, and early decodes by what came first as
+``lmcache_p2p_proxy_early_decodes_total{first}``.
 
 Reading order: ``settings`` -> ``router.registry`` -> ``router.routing`` -> ``handover.waiters`` ->
 ``control`` -> ``http.shaping`` -> ``flow.steps`` -> ``flow.flow`` (then ``flow.placement``,

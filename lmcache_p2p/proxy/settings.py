@@ -92,6 +92,10 @@ class ProxySettings:
     # probe bounded by health_probe_timeout_s): a decoder the proxy cannot reach ends the wait at once and
     # the request fails over. 0: never probe (only KvFailed, the registry and --kv-timeout-s end a wait).
     kv_probe_after_s: float = 1.0
+    # An lmcache_p2p pair's decode goes out when the prefill answered, not after KvReady: the decoder holds it
+    # in its scheduler until the KV arrived (p2p.router_kv_timeout_s) while the proxy still waits for the KV's
+    # outcome, and closes that decode and fails over when the KV fails before the decode's first output.
+    early_decode: bool = False
     instance_ttl_s: float = 10.0
     connect_timeout_s: float = 5.0
     # An upstream connection whose peer acknowledges nothing (TCP keepalive probes, data sent) this long
@@ -208,6 +212,7 @@ class ProxySettings:
             on_kv_failure=KvFailurePolicy(args.on_kv_failure),
             kv_timeout_s=args.kv_timeout_s,
             kv_probe_after_s=args.kv_probe_after_s,
+            early_decode=args.early_decode,
             instance_ttl_s=args.instance_ttl_s,
             connect_timeout_s=args.connect_timeout_s,
             dead_peer_timeout_s=args.dead_peer_timeout_s,
@@ -271,6 +276,8 @@ class _Flag:
         if self.field is None:
             return dict(self.options_)
         value = operator.attrgetter(self.field)(defaults)
+        if isinstance(value, bool):
+            return {"action": argparse.BooleanOptionalAction, "default": value, **self.options_}
         if isinstance(value, enum.Enum):
             return {"choices": [m.value for m in type(value)], "default": value.value, **self.options_}
         typed = {} if isinstance(value, str) else {"type": type(value)}
@@ -420,6 +427,11 @@ _FLAGS: tuple[_Flag, ...] = (
           "probe the decoder's GET /health when its KV is not ready this long after the prefill answered, and "
           "again at this interval: a decoder that does not answer ends the wait and the request fails over "
           "(0: never; default %(default)s)"),
+    _Flag("--early-decode", "early_decode",
+          "send an lmcache_p2p pair's decode as soon as the prefill answered, before its KV is ready: the decoder "
+          "holds it until the KV arrived (its p2p.router_kv_timeout_s bounds that) while its HTTP intake overlaps "
+          "the transfer's end; a KV that fails before the decode's first output closes that decode and "
+          "--on-kv-failure applies as without it (default %(default)s)"),
     _Flag("--instance-ttl-s", "instance_ttl_s",
           "forget an instance after this long without a heartbeat (default %(default)s)"),
     _Flag("--connect-timeout-s", "connect_timeout_s", "connect timeout of every upstream call (default %(default)s)"),

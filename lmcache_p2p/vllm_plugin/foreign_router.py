@@ -2,19 +2,25 @@
 what our proxy would have told it (docs/ROUTERS.md).
 
 Our proxy names the decoder in ``kv_transfer_params.disagg_spec`` and waits for KvReady before it sends
-the decode. A foreign router does neither, so, with ``p2p.router_control_port_offset`` set:
+the decode (unless ``--early-decode``: then its decode carries the marker below). A foreign router does
+neither, so (the prefiller's side with ``p2p.router_control_port_offset`` set; a decoder, ``role: receiver``,
+reads the marker whatever its offset):
 
 - prefiller (``update_state_after_alloc``, before the request's first forward): a request with no
   ``disagg_spec`` whose id names a decoder (``router_addressing.py``) gets the one our proxy would
   have sent, so LMCache hands our sender a ``transfer_spec`` and the KV is pushed while the prompt is
   prefilled, exactly as behind our proxy. Its response (``request_finished``) carries a marker
   naming the KV's key, which the router copies into the decode request;
-- decoder (``get_num_new_matched_tokens``): a request with that marker is looked up over its whole
-  prompt (the router sends the decoder the prompt alone, not prompt + first token), and, while the
-  hit is short of the prompt the prefiller stored, the scheduler is told to ask again on a later step
-  (``None``: vLLM skips the request this step, the engine keeps serving the others), up to
-  ``p2p.router_kv_timeout_s``; then it takes the hit it has and computes the rest. Only chunks that
-  fully arrived ever count, so a late or failed transfer costs time, never a wrong token;
+- decoder (``get_num_new_matched_tokens``): a request with that marker is looked up over exactly the
+  prompt the prefiller stored (the router sends the decoder that prompt alone; our proxy, with
+  ``--early-decode``, sends prompt + first token and the same marker before the KV is ready, so the
+  token after the stored prompt is left out of the lookup, as ``skip_last_n_tokens`` does for its
+  decodes sent after KvReady), and, while the hit is short of that prompt, the scheduler is told to
+  ask again on a later step (``None``: vLLM skips the request this step, the engine keeps serving the
+  others), up to ``p2p.router_kv_timeout_s``; then it takes the hit it has and computes the rest. Only
+  chunks that fully arrived ever count, so a late or failed transfer costs time, never a wrong token.
+  A request asked again sooner than ``RETRY_PAUSE_S`` after its last ask (an engine with nothing else
+  to run) first sleeps out the rest of that pause; a busy engine's steps get no sleep;
 - every worker (``LMCacheEngine.lookup``): a lookup of a request id that still holds pins from an
   earlier lookup drops those first (LMCache overwrites its record of them, which would keep the
   chunks pinned in the receive buffer for good).
@@ -24,6 +30,7 @@ the decode. A foreign router does neither, so, with ``p2p.router_control_port_of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -39,11 +46,20 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_CLASS = "LMCacheConnectorV1Impl"
 ENGINE_CLASS = "LMCacheEngine"
-# A skipped request is looked up again on the scheduler's next step; sleeping this long before saying
-# so keeps an engine with nothing else to run from spinning on the GIL that the receive thread needs.
+# A skipped request is looked up again on the scheduler's next step. Asked again sooner than this after its
+# last ask, the engine has nothing else to run: sleeping out the rest keeps it from spinning on the GIL that
+# the receive thread needs, while a busy engine's steps (each longer than this) get no sleep.
 RETRY_PAUSE_S = 0.001
 _PATCHED_ATTR = "_lmcache_p2p_foreign_router_patched"
 _STATE_ATTR = "_lmcache_p2p_router_state"
+
+
+@dataclasses.dataclass
+class Parked:
+    """A decode waiting for the KV the prefiller announced (monotonic times)."""
+
+    first_s: float  # its first lookup: ``p2p.router_kv_timeout_s`` counts from here
+    asked_s: float  # its last lookup that told the scheduler to ask again
 
 
 class RouterState:
@@ -56,7 +72,7 @@ class RouterState:
         self.receiver = cfg is not None and cfg.role is Role.RECEIVER
         self.timeout_s = cfg.router_kv_timeout_s if cfg is not None else 0.0
         self.sent: dict[str, Marker] = {}  # prefiller: engine request id -> its marker
-        self.waiting: dict[str, float] = {}  # decoder: engine request id -> monotonic time of its first lookup
+        self.waiting: dict[str, Parked] = {}  # decoder: engine request id -> its wait so far
 
 
 def state_of(connector: Any) -> RouterState:
@@ -129,10 +145,16 @@ def wrap_matched_tokens(original: Callable[..., Any], clock: Callable[[], float]
 def lookup_whole_prompt(connector: Any, original: Callable[..., Any], request: Any, num_computed_tokens: int,
                         marker: Marker, state: RouterState, clock: Callable[[], float],
                         pause: Callable[[float], None]) -> Any:
-    """LMCache's lookup over the whole prompt; None (ask again later) while the KV the prefiller announced
+    """LMCache's lookup over the prompt the prefiller stored; None (ask again later) while the KV it announced
     is still arriving, until ``p2p.router_kv_timeout_s``."""
     req_id = request.request_id
-    skip, connector.skip_last_n_tokens = connector.skip_last_n_tokens, 0
+    parked = state.waiting.get(req_id)
+    if parked is not None and (since_s := clock() - parked.asked_s) < RETRY_PAUSE_S:
+        pause(RETRY_PAUSE_S - since_s)  # asked again at once: the engine has nothing else to run
+    want = min(marker.prompt_tokens, len(request.prompt_token_ids))
+    # the stored prompt's tokens alone: a token after it (our proxy's decode carries the first output token)
+    # would key the partial last chunk differently and it could never hit
+    skip, connector.skip_last_n_tokens = connector.skip_last_n_tokens, max(0, len(request.all_token_ids) - want)
     try:
         result = original(connector, request, num_computed_tokens)
     finally:
@@ -141,12 +163,13 @@ def lookup_whole_prompt(connector: Any, original: Callable[..., Any], request: A
         return None  # LMCache's own asynchronous lookup is still running
     client = connector.lookup_client
     hit = client.lookup_cache(lookup_id=req_id) if client is not None else -1
-    want = min(marker.prompt_tokens, len(request.prompt_token_ids))
-    started = state.waiting.setdefault(req_id, clock())
+    now = clock()
+    if parked is None:
+        parked = state.waiting[req_id] = Parked(now, now)
     if hit < 0 or hit >= want:
         state.waiting.pop(req_id, None)
         return result
-    if clock() - started >= state.timeout_s:
+    if now - parked.first_s >= state.timeout_s:
         state.waiting.pop(req_id, None)
         logger.warning("request %s: %d of the %d prompt tokens the prefiller sent (%s) arrived within "
                        "p2p.router_kv_timeout_s (%gs): the decoder computes the rest", req_id, hit, want,
@@ -154,7 +177,7 @@ def lookup_whole_prompt(connector: Any, original: Callable[..., Any], request: A
         return result
     client.clear_lookup_status(req_id)  # the next step looks it up again (its pins are dropped then)
     connector.load_specs.pop(req_id, None)
-    pause(RETRY_PAUSE_S)
+    parked.asked_s = now
     return None
 
 

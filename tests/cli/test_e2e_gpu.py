@@ -343,6 +343,38 @@ def test_send_buffer_size_goes_to_lmcache_p2p_but_not_to_its_hostsend_variant(e2
                      ("nccl", {"send_buffer_size": None})]
 
 
+def test_the_early_decode_system_is_lmcache_p2p_nixl_with_the_proxy_flag_and_nothing_else(e2e_gpu, tmp_path,
+                                                                                           monkeypatch) -> None:
+    """lmcache_p2p-nixl-early (the A/B of --early-decode): the same launch as lmcache_p2p-nixl plus the proxy flag."""
+    cfg, _ = e2e_gpu.parse_args(["--model", str(tmp_path), "--log-dir", str(tmp_path / "logs"), "--systems",
+                                 "lmcache_p2p-nixl,lmcache_p2p-nixl-early", "--send-buffer-size", "64MB"])
+    assert cfg.systems == ("lmcache_p2p-nixl", "lmcache_p2p-nixl-early") and e2e_gpu.GPUS["lmcache_p2p-nixl-early"] == 2
+    plain = e2e_gpu.p2p_launch_argv(cfg, "nixl", "stop", "lmcache_p2p-nixl", "64MB")
+    early = e2e_gpu.p2p_launch_argv(cfg, "nixl", "stop", "lmcache_p2p-nixl", "64MB", early_decode=True)
+    at = early.index("--proxy-arg=--early-decode")
+    assert early[:at] + early[at + 1:] == plain and at < early.index("--")  # a launch flag, not a vLLM one
+    from lmcache_p2p.cli.main import build_parser
+
+    launch_args = build_parser().parse_args(early[early.index("launch"):early.index("--")])
+    assert launch_args.proxy_arg == ["--early-decode"] and launch_args.transport == "nixl"
+    calls = []
+    monkeypatch.setattr(e2e_gpu, "start_p2p", lambda cfg, transport, **kw: calls.append((transport, kw)))
+    e2e_gpu.start("lmcache_p2p-nixl-early", cfg)
+    assert calls == [("nixl", {"send_buffer_size": "64MB", "early_decode": True})]
+
+
+def test_a_rows_lookups_are_each_requests_last_one(tmp_path) -> None:
+    """A decode held for its KV is looked up on every scheduler step: the row counts the lookup it loaded."""
+    from lmcache_p2p.cli.demo import final_lookups, request_lookups_in_log
+
+    line = "LMCache INFO: Reqid: {}, Total tokens {}, Inference Engine computed tokens: 0, LMCache hit tokens: {}, ..."
+    log = tmp_path / "decoder-0.log"
+    log.write_text("\n".join([line.format("cmpl-a-0", 1025, 512), line.format("cmpl-b-0", 300, 299),
+                              line.format("cmpl-a-0", 1025, 768), line.format("cmpl-a-0", 1025, 1024)]))
+    assert final_lookups(request_lookups_in_log(log)) == [Lookup(1025, 1024), Lookup(300, 299)]
+    assert final_lookups(request_lookups_in_log(log)[1:]) == [Lookup(300, 299), Lookup(1025, 1024)]
+
+
 def test_long_points_are_rows_keyed_by_length_and_rate_in_that_order(e2e_gpu, tmp_path, monkeypatch) -> None:
     cfg, _ = e2e_gpu.parse_args(["--model", str(tmp_path), "--systems", "single", "--long", "16000:0.5:12,8000:seq:4",
                                  "--results-dir", str(tmp_path / "parts"), "--out", str(tmp_path / "out.json"),

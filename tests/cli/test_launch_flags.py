@@ -164,3 +164,25 @@ def test_host_binds_every_listener_there_and_needs_the_secret_beyond_loopback(tm
     loopback = build_parser().parse_args(["launch"])
     p2p = yaml.safe_load(launch.write_lmcache_config(launch.plan(loopback)[0], loopback, tmp_path).read_text())
     assert p2p["extra_config"]["p2p"]["host"] == "127.0.0.1"
+
+
+def test_proxy_arg_passes_early_decode_to_the_proxy_which_takes_it(tmp_path: Path) -> None:
+    """``launch --proxy-arg=--early-decode``: the proxy's command carries the flag, and the proxy's own parser turns it
+    into its setting (the lead's GPU A/B is one launch flag)."""
+    import argparse
+
+    from lmcache_p2p.proxy.server import add_arguments
+    from lmcache_p2p.proxy.settings import ProxySettings
+
+    args = build_parser().parse_args(["launch", "--proxy-arg=--early-decode"])
+    child = launch.proxy_child(args, tmp_path)
+    assert "--early-decode" in child.argv
+    proxy_argv = list(child.argv[child.argv.index("proxy") + 1:])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert ProxySettings.from_args(parser.parse_args(proxy_argv)).early_decode is True
+    default = build_parser().parse_args(["launch"])
+    default_argv = list(launch.proxy_child(default, tmp_path).argv)
+    assert ProxySettings.from_args(parser.parse_args(default_argv[default_argv.index("proxy") + 1:])).early_decode \
+        is False
+    assert parser.parse_args(["--no-early-decode"]).early_decode is False

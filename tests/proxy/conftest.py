@@ -86,6 +86,7 @@ class Cluster:
                           chunk_tokens=chunk_tokens, fingerprint=fingerprint)
         node = Node(vllm, agent)
         if role is Role.RECEIVER:
+            vllm.kv_park = agent.parked
             self.network.add(agent)
             self.decoders.append(node)
         else:

@@ -40,6 +40,7 @@ from lmcache_p2p.protocol import (
     KvReady,
     dialled_name,
 )
+from lmcache_p2p.vllm_plugin.router_addressing import MARKER_KEY
 
 EOS = 2
 MODEL = "fake-model"
@@ -202,6 +203,10 @@ class FakeVllm:
         self.cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (None: not reported)
         self.cancelled_streams = 0
         self.finished_streams = 0
+        # a decode carrying the early-decode marker waits on this before its first token, as a decoder's scheduler
+        # holds it until its KV arrived (the cluster sets its agent's; None: it decodes at once, as a decoder
+        # whose wait ran out and computed the rest)
+        self.kv_park: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         self.server = HttpServer(Starlette(routes=[
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
@@ -370,6 +375,8 @@ class FakeVllm:
         offset = 0
         held = ""  # the text of held tokens, sent with the next one
         try:
+            if self.kv_park is not None and MARKER_KEY in (body.get("kv_transfer_params") or {}):
+                await self.kv_park(body["kv_transfer_params"][MARKER_KEY])
             for i, token in enumerate(tokens):
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
@@ -425,6 +432,10 @@ class FakeAgent:
         self.kv_delay_s = 0.0
         self.kv_chunks_held: int | None = None  # report KvReady's chunks_held / bytes_received (None: old peer)
         self.kv_requests: list[str] = []
+        self.reported: list[str] = []  # req_ids whose KvReady / KvFailed it sent, in order
+        self.park_timeout_s = 5.0  # the decoder's p2p.router_kv_timeout_s: a parked decode then computes the rest
+        self.load_s = 0.05  # a parked decode's engine step once its KV landed (the KvReady is out by then)
+        self._landed: dict[str, asyncio.Event] = {}
         self._codec = Codec(secret)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
@@ -464,19 +475,37 @@ class FakeAgent:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def parked(self, marker: dict[str, Any]) -> None:
+        """A marked decode's wait for its KV on this decoder: until every rank's KV landed, at most
+        ``park_timeout_s``."""
+        landed = self._landed.setdefault(marker["req_id"], asyncio.Event())
+        try:
+            await asyncio.wait_for(landed.wait(), self.park_timeout_s)
+        except TimeoutError:
+            return
+        await asyncio.sleep(self.load_s)
+
     async def _report(self, req_id: str) -> None:
         if self.kv_delay_s:
             await asyncio.sleep(self.kv_delay_s)
+        self.reported.append(req_id)
         if self.kv_mode == "fail":
             await self.send(KvFailed(req_id=req_id, instance_id=self.instance_id, tp_rank=0, reason="buffer full",
                                      cause=self.kv_fail_cause))
         elif self.kv_mode in ("ready", "one_rank"):
-            ranks = range(self.tp_size) if self.kv_mode == "ready" else range(1)
-            for rank in ranks:
-                held = self.kv_chunks_held
-                extra = {} if held is None else {"chunks_held": held, "bytes_received": (3 - held) << 20}
-                await self.send(KvReady(req_id=req_id, instance_id=self.instance_id, tp_rank=rank, chunks=3,
-                                        nbytes=3 << 20, **extra))
+            await self.report_ready(req_id, range(self.tp_size) if self.kv_mode == "ready" else range(1))
+
+    async def report_ready(self, req_id: str, ranks: range | None = None) -> None:
+        """KvReady for ``req_id`` from ``ranks`` (every rank: None); once every rank's is out, a decode parked
+        for it goes on."""
+        ranks = range(self.tp_size) if ranks is None else ranks
+        for rank in ranks:
+            held = self.kv_chunks_held
+            extra = {} if held is None else {"chunks_held": held, "bytes_received": (3 - held) << 20}
+            await self.send(KvReady(req_id=req_id, instance_id=self.instance_id, tp_rank=rank, chunks=3,
+                                    nbytes=3 << 20, **extra))
+        if len(ranks) == self.tp_size:
+            self._landed.setdefault(req_id, asyncio.Event()).set()
 
     def close(self) -> None:
         for task in self._tasks:

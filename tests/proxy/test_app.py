@@ -8,7 +8,7 @@ import pytest
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy import app as app_module
-from lmcache_p2p.proxy.flow.flow import RequestFlow
+from lmcache_p2p.proxy.flow import flow as flow_module
 from lmcache_p2p.proxy.router.registry import StaticInstance
 
 from .conftest import eventually, make_cluster
@@ -176,19 +176,19 @@ async def test_a_prefill_that_ends_after_its_client_left_and_the_handler_gave_up
     """A cancelled prefill that does not stop within ``_CANCEL_WAIT_S`` goes on to lease a decoder and register
     its KV waiter after the handler answered: both are released when it ends."""
     monkeypatch.setattr(app_module, "_CANCEL_WAIT_S", 0.01)
-    measure = RequestFlow._measure
+    measure = flow_module.measure
     entered = asyncio.Event()
 
-    async def slow_to_stop(self, req):
+    async def slow_to_stop(services, ctx, req):
         entered.set()
         try:
             await asyncio.sleep(20)  # the client leaves meanwhile
         except asyncio.CancelledError:  # does not stop at its cancel: the handler gives up waiting first
             asyncio.current_task().uncancel()
             await asyncio.sleep(0.5)
-        return await measure(self, req)
+        return await measure(services, ctx, req)
 
-    monkeypatch.setattr(RequestFlow, "_measure", slow_to_stop)
+    monkeypatch.setattr(flow_module, "measure", slow_to_stop)
     async with make_cluster() as c:
         post = asyncio.ensure_future(c.post("/v1/completions", BODY))
         await eventually(entered.is_set)

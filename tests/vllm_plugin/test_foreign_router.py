@@ -138,7 +138,7 @@ def test_the_decoder_waits_for_the_announced_kv_then_loads_the_whole_prompt():
     request = request_of(params=MARKED)
     client.ready = 512  # two chunks landed, the third is on its way
     assert matched(impl, request, 0) is None  # vLLM skips the request this step
-    assert impl.load_specs == {} and client.lookup_cache(ENGINE_ID) == -1 and clock.pauses
+    assert impl.load_specs == {} and client.lookup_cache(ENGINE_ID) == -1
     clock.now += 0.5
     client.ready = len(PROMPT)
     assert matched(impl, request, 0) == len(PROMPT) - 1  # the whole prompt (vLLM recomputes the last token)
@@ -214,3 +214,103 @@ def test_the_real_lmcache_engine_is_patched():
 
     assert foreign_router.patch_cache_engine(cache_engine)
     assert getattr(cache_engine.LMCacheEngine.lookup, "_lmcache_p2p_foreign_router_patched", False)
+
+
+# ---- a decode our proxy sent before the KV was ready (proxy --early-decode) -----------------------------------
+
+
+class ChunkLookupClient(LookupClient):
+    """LMCache's lookup as its chunk keys make it: a chunk hits when the tokens it covers, from the prompt's start,
+    are those the prefiller stored (``stored``, of which the first ``ready`` tokens' chunks arrived). A partial last
+    chunk is keyed by its own tokens, so prompt + one more token does not hit the stored prompt's last chunk."""
+
+    def __init__(self, stored: list[int], chunk_tokens: int = 256) -> None:
+        super().__init__()
+        self.stored = stored
+        self.chunk_tokens = chunk_tokens
+
+    def lookup(self, token_ids, lookup_id, request_configs=None) -> int:
+        self.lookups.append(len(token_ids))
+        hit = 0
+        for start in range(0, len(token_ids), self.chunk_tokens):
+            chunk = list(token_ids[start:start + self.chunk_tokens])
+            end = start + len(chunk)
+            if end > self.ready or chunk != self.stored[start:end] or (end < len(self.stored) and
+                                                                       len(chunk) < self.chunk_tokens):
+                break
+            hit = end
+        self.status[lookup_id] = hit
+        return hit
+
+
+OURS_ID = "cmpl-5f0c2a4e-0-a1b2c3d4"  # a request id of our proxy's decode: no router addressing in it
+
+
+def test_our_proxys_early_decode_loads_the_whole_stored_prompt_and_computes_only_the_first_token():
+    """The proxy's decode is prompt + first token; the prefiller stored the prompt: the lookup covers exactly the
+    stored prompt (its partial last chunk included), so the decoder waits for all of it, not for a hit that the
+    prompt + first token can never make."""
+    client, clock = ChunkLookupClient(PROMPT), Clock()
+    impl, matched = decoder(client, clock)
+    decode = PROMPT + [7]
+    request = request_of(OURS_ID, Marker("5f0c2a4e", len(PROMPT)).as_params(), prompt=decode)
+    client.ready = 512  # two chunks landed, the partial third is on its way
+    assert matched(impl, request, 0) is None
+    clock.now += 0.5
+    client.ready = len(PROMPT)
+    assert matched(impl, request, 0) == len(PROMPT)  # every stored token loaded; vLLM computes the first token
+    assert client.lookups == [len(PROMPT), len(PROMPT)]  # the stored prompt, not prompt + first token
+    assert impl.load_specs[OURS_ID].lmcache_cached_tokens == len(PROMPT)
+    assert impl.skip_last_n_tokens == 1 and foreign_router.state_of(impl).waiting == {}
+
+
+def test_a_decode_that_regenerates_the_first_token_loads_the_whole_prompt_too():
+    """The proxy sends the prompt alone when it cannot make the first token's text: every stored token hits and
+    vLLM computes the last prompt token again (its output is the first token)."""
+    client, clock = ChunkLookupClient(PROMPT), Clock()
+    impl, matched = decoder(client, clock)
+    client.ready = len(PROMPT)
+    request = request_of(OURS_ID, Marker("5f0c2a4e", len(PROMPT)).as_params())
+    assert matched(impl, request, 0) == len(PROMPT) - 1
+    assert client.lookups == [len(PROMPT)]
+
+
+def test_a_parked_decode_pauses_only_when_the_engine_asks_again_within_the_pause():
+    """An idle engine asks again at once: the wrapper sleeps out the rest of the pause (no spin on the GIL the
+    receive thread needs). A busy engine's steps are longer than the pause: no sleep is added to them."""
+    client, clock = LookupClient(), Clock()
+    impl, matched = decoder(client, clock)
+    request = request_of(params=MARKED)
+    client.ready = 256
+    assert matched(impl, request, 0) is None
+    assert clock.pauses == []  # the first ask: nothing to pause for
+    clock.now += 0.0002  # asked again 0.2 ms later: an engine with nothing else to run
+    assert matched(impl, request, 0) is None
+    assert clock.pauses == [pytest.approx(foreign_router.RETRY_PAUSE_S - 0.0002)]
+    clock.now += 0.02  # a busy engine's next step, 20 ms later
+    assert matched(impl, request, 0) is None
+    other = request_of(ENGINE_ID.replace(UUID, "f" * 32), params=MARKED)
+    assert matched(impl, other, 0) is None  # another parked request, asked in the same step
+    assert len(clock.pauses) == 1
+
+
+def test_a_decoder_our_launcher_starts_behind_our_proxy_waits_for_the_marked_kv(tmp_path):
+    """The decoder's YAML as ``lmcache-p2p launch`` writes it behind our proxy has no router offset (only a
+    prefiller behind vllm-router needs one): its role alone turns the marker's wait on."""
+    from lmcache_p2p.cli import launch
+    from lmcache_p2p.cli.main import build_parser
+
+    args = build_parser().parse_args(["launch", "--prefill", "1", "--decode", "1"])
+    decoder_inst = next(i for i in launch.plan(args) if i.role == "decoder")
+    config = LMCacheEngineConfig.from_file(str(launch.write_lmcache_config(decoder_inst, args, tmp_path)))
+    assert "router_control_port_offset" not in config.extra_config["p2p"]
+    client, clock = ChunkLookupClient(PROMPT), Clock()
+    impl = impl_of("kv_consumer", config, client, skip_last_n_tokens=1)
+    original = inspect.unwrap(vllm_v1_adapter.LMCacheConnectorV1Impl.get_num_new_matched_tokens)
+    matched = foreign_router.wrap_matched_tokens(original, clock, clock.pause)
+    request = request_of(OURS_ID, Marker("5f0c2a4e", len(PROMPT)).as_params(), prompt=PROMPT + [7])
+    client.ready = 256
+    assert matched(impl, request, 0) is None  # parked: the marker is read
+    client.ready = len(PROMPT)
+    clock.now += 0.01
+    assert matched(impl, request, 0) == len(PROMPT)

@@ -29,6 +29,13 @@ the same one) picks the strategy here, which answers three questions:
   first output); a NixlConnector decoder is polled for its paged KV cache's free blocks
   (``router/kv_metrics.py``) and holds the request's blocks until the decode ends.
 
+With ``--early-decode`` (:attr:`KvBackend.decodes_early`: ours only) the decode goes out as soon as the prefill
+answered, carrying :meth:`KvAttempt.early_params` (the marker a decoder behind vllm-router reads too,
+``vllm_plugin/router_addressing.py``: the req_id and the prompt's token count), and the decoder's scheduler
+holds it until that prompt's KV arrived (``vllm_plugin/foreign_router.py``) while the proxy's KV wait runs
+beside it (``flow/handover.py``). A NixlConnector decode needs the prefill's answer itself, so it never goes
+earlier than today.
+
 A broken decode continues elsewhere (:attr:`KvBackend.continues_with_kv`): ours recomputes on the next
 decoder; with NixlConnector the proxy prefills prompt + output so far on a prefiller and the next
 decoder pulls that, so nothing is recomputed on the decoder and nothing reaches the client twice. A
@@ -51,6 +58,7 @@ from lmcache_p2p.proxy.http.held_text import greedy
 from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint, kv_transfer_params
 from lmcache_p2p.proxy.router.instances import Backend, Instance
 from lmcache_p2p.proxy.router.lease import Lease
+from lmcache_p2p.vllm_plugin.router_addressing import Marker
 
 # What vLLM's NixlConnector reads on a prefill (its toy proxy and vllm-router send exactly this).
 NIXL_PREFILL_PARAMS: dict[str, Any] = {
@@ -108,6 +116,11 @@ class KvAttempt(abc.ABC):
         """The decode's ``kv_transfer_params`` (None: it carries none)."""
         return None
 
+    def early_params(self, prompt_tokens: int) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` of a decode sent before the KV is ready, whose prefill stored
+        ``prompt_tokens`` tokens (None: this backend's decode cannot go before)."""
+        return None
+
     def cancel(self, services: Services, reason: str) -> None:
         """Free the KV the decode will not (or did not) load, where the proxy can; never awaits."""
 
@@ -139,6 +152,9 @@ class PushedAttempt(KvAttempt):
 
     def on_down(self, reason: str) -> None:
         self._waiter.on_down(reason)
+
+    def early_params(self, prompt_tokens: int) -> dict[str, Any] | None:
+        return Marker(self.req_id, prompt_tokens).as_params()
 
     def cancel(self, services: Services, reason: str) -> None:
         if self.prefill_sent:
@@ -192,6 +208,7 @@ class KvBackend(abc.ABC):
     decode_prompt_is_prefill_prompt: bool  # the decode is prompted with the prefill's prompt alone
     decoder_keeps_kv: bool  # the decoder holds the KV from the decode's start to its end (else: until loaded)
     continues_with_kv: bool  # a broken decode continues after a prefill of prompt + output (else: recomputed)
+    decodes_early: bool  # the decode may go before the KV is ready (--early-decode), with ``early_params``
 
     @abc.abstractmethod
     def attempt(self, services: Services, decoder: Lease, output_tokens: int) -> KvAttempt:
@@ -207,6 +224,7 @@ class LmcacheP2PBackend(KvBackend):
     decode_prompt_is_prefill_prompt = False
     decoder_keeps_kv = False
     continues_with_kv = False
+    decodes_early = True
 
     def attempt(self, services: Services, decoder: Lease, output_tokens: int) -> KvAttempt:
         req_id = uuid.uuid4().hex
@@ -219,6 +237,7 @@ class VllmNixlBackend(KvBackend):
     decode_prompt_is_prefill_prompt = True
     decoder_keeps_kv = True
     continues_with_kv = True
+    decodes_early = False
 
     def attempt(self, services: Services, decoder: Lease, output_tokens: int) -> KvAttempt:
         return PulledAttempt(uuid.uuid4().hex, decoder, output_tokens)

@@ -33,6 +33,7 @@ class FlowSettings:
 
     kv_timeout_s: float
     kv_probe_after_s: float  # 0: a KV wait never probes its decoder
+    early_decode: bool  # an lmcache_p2p pair's decode goes out before its KV is ready (RequestFlow.settled)
     health_probe_timeout_s: float
     prefill_timeout_s: float
     decode_idle_timeout_s: float

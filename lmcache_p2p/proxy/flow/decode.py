@@ -7,6 +7,12 @@ the request's owner names, the client's text, and migration when a stream breaks
       broken / silent / 5xx -> broken()     continue after the output so far, elsewhere
     the output ends (finish, a stop string, or the context is full)
 
+A target sent before its KV was ready (``Target.kv_pending``, ``--early-decode``) races its connection and
+first output against ``settled()``, the KV's outcome: an output that comes first is reported (``started``) and
+held until ``settled()`` answers; a target it names instead (the KV failed first) closes this stream, drops
+what it sent and goes on there; a refused or broken stream waits for that answer before its own step. While
+``settled()`` is pending no other step is called, so the owner decides each of these once.
+
 The steps are the request's step API (``flow/steps.py``): the request's ``RequestFlow`` itself in this
 process, or the coordinator of ``--workers N`` through ``relay/link.py``. So the decode and migration
 loop exists once, here. It owns the stream, the output ids the client has and its text
@@ -81,35 +87,84 @@ class DecodeSession:
                 target, self._replay = moved, replay
 
     async def _stream(self, target: Target) -> AsyncIterator[Delta]:
-        """One decode stream; a refused connection goes where the steps say."""
-        async with contextlib.AsyncExitStack() as stack:
-            while True:
-                if self._decode_sent_s is None:
-                    self._decode_sent_s = self._clock()
-                try:
-                    events = await stack.enter_async_context(self._upstream.stream_events(
-                        target.url, Endpoint.COMPLETIONS.value, target.body, idle_timeout_s=self._idle_timeout_s,
-                        headers=with_request_id(self._headers, target.request_id)))
-                    if self._decode_accepted_s is None:
-                        self._decode_accepted_s = self._clock()
-                    if self._text is not None:
-                        self._text.prime()  # while the decoder loads the KV (O(prompt) for some prompts)
-                    break
-                except UpstreamConnectError as exc:
-                    moved = await self._steps.unreachable(exc)
-                    if moved is None:
-                        raise
-                    target = moved
-            async for event in _first_within(events, target):
-                if not self._started:
-                    self._started = True
-                    self._steps.started(self._decode_sent_s, self._clock(), self._decode_accepted_s)
-                delta = self._take(decode_delta(event))
-                if delta is None:
-                    continue
-                yield delta
-                if self.finished:
-                    return  # a stop string the proxy found: closing the stream aborts the decoder's request
+        """One decode stream; a refused connection goes where the steps say, and so does an early decode whose
+        KV failed before its first output."""
+        while True:
+            try:
+                opened = await (self._open_early(target) if target.kv_pending else self._open(target))
+            except UpstreamConnectError as exc:
+                moved = await self._steps.unreachable(exc)
+                if moved is None:
+                    raise
+                target = moved
+                continue
+            if isinstance(opened, Target):  # the early decode's KV failed first: its stream was closed
+                target = opened
+                continue
+            async with opened.stack:
+                async for event in _first_within(opened.events(), target):
+                    if not self._started:
+                        self._report_first(opened.first_s or self._clock(), target.kv_pending)
+                    delta = self._take(decode_delta(event))
+                    if delta is None:
+                        continue
+                    yield delta
+                    if self.finished:
+                        return  # a stop string the proxy found: closing the stream aborts the decoder's request
+            return
+
+    async def _open(self, target: Target, read_first: bool = False) -> _Opened:
+        """The decode request, to its response headers (and its first event when ``read_first``)."""
+        stack = contextlib.AsyncExitStack()
+        try:
+            if self._decode_sent_s is None:
+                self._decode_sent_s = self._clock()
+            events = await stack.enter_async_context(self._upstream.stream_events(
+                target.url, Endpoint.COMPLETIONS.value, target.body, idle_timeout_s=self._idle_timeout_s,
+                headers=with_request_id(self._headers, target.request_id)))
+            if self._decode_accepted_s is None:
+                self._decode_accepted_s = self._clock()
+            if self._text is not None:
+                self._text.prime()  # while the decoder loads the KV (O(prompt) for some prompts)
+            opened = _Opened(stack, events)
+            if read_first:
+                opened.first = await anext(events, None)
+                opened.first_s = self._clock()
+            return opened
+        except BaseException:
+            await stack.aclose()
+            raise
+
+    async def _open_early(self, target: Target) -> _Opened | Target:
+        """A ``kv_pending`` target, opened while its KV's outcome comes (``settled``): the stream with its first
+        event held, or the target the steps name instead (this one's stream closed); raises the stream's error
+        once the KV's outcome let the decode go on."""
+        settled = asyncio.ensure_future(self._steps.settled())
+        opening = asyncio.ensure_future(self._open(target, read_first=True))
+        keep = False
+        try:
+            done, _ = await asyncio.wait({settled, opening}, return_when=asyncio.FIRST_COMPLETED)
+            if settled not in done:
+                opened = _opened(opening)
+                if opened is not None and opened.first is not None and opened.first_s is not None:
+                    self._report_first(opened.first_s, kv_pending=True)  # the owner decides what came first
+                await asyncio.wait({settled})  # bounded: the KV wait's deadline, or the output just reported
+            moved = settled.result()
+            if moved is not None:
+                self._started = False  # that output was not the request's: the next stream's first is
+                return moved
+            keep = True
+            return await opening
+        finally:
+            if not settled.done():
+                settled.cancel()
+            if not keep:
+                await _discard(opening)
+
+    def _report_first(self, first_s: float, kv_pending: bool) -> None:
+        self._started = True
+        sent_s = first_s if self._decode_sent_s is None else self._decode_sent_s
+        self._steps.started(sent_s, first_s, self._decode_accepted_s, kv_pending)
 
     def _take(self, raw: Delta | None) -> Delta | None:
         """The client's delta of one decode event (None: nothing for the client)."""
@@ -123,6 +178,38 @@ class DecodeSession:
         self.output_ids.extend(delta.token_ids)
         self.finished = delta.finish_reason is not None
         return delta
+
+
+class _Opened:
+    """A decode stream to its response headers: what closes it and its events (the first maybe read already)."""
+
+    def __init__(self, stack: contextlib.AsyncExitStack, events: AsyncIterator[dict[str, Any]]) -> None:
+        self.stack = stack
+        self._events = events
+        self.first: dict[str, Any] | None = None  # read by ``_open_early``, not yet taken
+        self.first_s: float | None = None  # when it was read
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        first, self.first = self.first, None
+        if first is not None:
+            yield first
+        async for event in self._events:
+            yield event
+
+
+def _opened(task: asyncio.Future[_Opened]) -> _Opened | None:
+    """A finished open's stream (None: it failed, its error stays in the task)."""
+    return task.result() if not task.cancelled() and task.exception() is None else None
+
+
+async def _discard(task: asyncio.Future[_Opened]) -> None:
+    """An open whose decode is given up: cancelled, or its stream closed (vLLM aborts the request)."""
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})  # it closes what it opened as it ends
+    opened = _opened(task)
+    if opened is not None:
+        await opened.stack.aclose()
 
 
 async def _first_within(events: AsyncIterator[dict[str, Any]], target: Target) -> AsyncIterator[dict[str, Any]]:

@@ -11,7 +11,10 @@ ready, then name the decode on D and follow it (migration) until the request clo
     finally:
         flow.close(answer)                   # never awaits: safe in a cancelled task
 
-The waiter for "KV ready" is registered before the prefill is sent. On a KV failure or timeout
+The waiter for "KV ready" is registered before the prefill is sent. With ``--early-decode`` an lmcache_p2p
+pair's decode is named at once, carrying the marker its decoder holds it by until the KV arrived, and the
+wait runs beside it (``flow/early.py``): a KV failure before the decode's first output gives that decode
+up (``settled``) and takes the path below, as a wait before the decode would. On a KV failure or timeout
 (``--kv-timeout-s``) the policy decides: ``retry`` prefills once more (token ids, another pair
 when there is one) and then recomputes, ``recompute`` sends the decode at once (the decoder
 recomputes what it lacks), ``fail`` answers 502/504. A handover that cannot happen ends its wait as
@@ -81,7 +84,6 @@ token ended the output, the client left, an error) and tells every rank of D to 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -102,12 +104,12 @@ from lmcache_p2p.proxy.observe.metrics import ProxyMetrics
 from lmcache_p2p.proxy.flow.output import RequestOutput
 from lmcache_p2p.proxy.flow.placement import Placement
 from lmcache_p2p.proxy.flow.prefill import PrefillAttempts
+from lmcache_p2p.proxy.flow.prompt import measure
 from lmcache_p2p.proxy.router.registry import Registry
 from lmcache_p2p.proxy.flow.steps import Answer, Count, Opened, Target
 from lmcache_p2p.proxy.http.responses import FirstToken
 from lmcache_p2p.proxy.router.routing import ColocatedReason, RequestCost, Router
-from lmcache_p2p.proxy.http.shaping import (ClientRequest, Endpoint, decode_body, reads_output_tokens,
-                                            truncate_prompt)
+from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint, decode_body, reads_output_tokens
 from lmcache_p2p.proxy.observe.timeline import DecodePart, Timeline
 from lmcache_p2p.proxy.http.tokenizer import ProxyTokenizer, TokenizerProvider
 from lmcache_p2p.proxy.upstream import Upstream
@@ -116,9 +118,6 @@ from lmcache_p2p.proxy.handover.waiters import KvWaiters
 __all__ = ["FlowSettings", "Orchestrator", "RequestFlow", "apply_count"]
 
 logger = logging.getLogger(__name__)
-
-_INLINE_TOKENIZE_MAX_TOKENS = 2048  # estimated prompt tokens (--chars-per-token) tokenized on the event loop
-
 
 class Orchestrator:
     def __init__(self, registry: Registry, router: Router, waiters: KvWaiters, upstream: Upstream,
@@ -265,11 +264,27 @@ class RequestFlow:
         return tokenizer
 
     async def plan(self) -> Target:
-        """Wait for the KV (retrying or recomputing per policy), then where the first decode goes."""
-        await self._handover.settle(self._prefill.retry)
+        """Wait for the KV (retrying or recomputing per policy), then where the first decode goes. With
+        ``--early-decode`` an lmcache_p2p pair's decode goes at once (``Target.kv_pending``), its KV wait beside
+        it (``settled``)."""
+        early = self._handover.go_early()
+        if not early:
+            await self._handover.settle(self._prefill.retry)
         if self.decoder_regenerates_first:
             self._output.ids.clear()
         self._phases.advance(FlowPhase.PLANNED)
+        return self._target(kv_pending=early)
+
+    async def settled(self) -> Target | None:
+        """An early decode's KV outcome against its first output (``flow/early.py``): None when the decode goes
+        on; when the KV failed first, the decode is given up and the failure goes where ``--on-kv-failure``
+        says, as for a wait before the decode: where the decode goes instead."""
+        failed = await self._handover.early_failure()
+        if failed is None or self._phases.now is not FlowPhase.PLANNED:
+            return None
+        if self.timeline.decode_parts:
+            self.timeline.decode_parts.pop()  # it served nothing: the next target continues at the same token
+        await self._handover.fail_over(failed, self._prefill.retry)
         return self._target()
 
     async def unreachable(self, exc: UpstreamConnectError) -> Target | None:
@@ -277,6 +292,7 @@ class RequestFlow:
         decoder = self._placement.lease().instance
         if self.timeline.decode_parts:
             self.timeline.decode_parts.pop()  # it served nothing: the next target continues at the same token
+        self._handover.decode_left()
         self._connect_failed.add(decoder.instance_id)
         self._placement.connect_failed(decoder, exc)
         self._handover.moved()
@@ -287,12 +303,14 @@ class RequestFlow:
         return self._target()
 
     def started(self, decode_sent_s: float | None = None, first_decoded_s: float | None = None,
-                decode_accepted_s: float | None = None) -> None:
+                decode_accepted_s: float | None = None, kv_pending: bool = False) -> None:
         """The target sent its first output: it has loaded the request's KV. The stamps (same machine,
         same monotonic clock) of its decode request, its response headers and that first output, when the
-        caller has them."""
+        caller has them; ``kv_pending``: of a target sent before its KV was ready."""
         if self._phases.now is not FlowPhase.PLANNED:
             return  # its first output was seen already (or the request is over)
+        if kv_pending and not self._handover.decode_first():
+            return  # the KV failed first: that decode was given up (settled() named where it goes)
         self._phases.advance(FlowPhase.DECODING)
         if decode_sent_s is not None:
             self.timeline.decode_sent_s = decode_sent_s
@@ -315,6 +333,7 @@ class RequestFlow:
             return None
         decoder = self._placement.lease().instance
         self._migrated_from.add(decoder.instance_id)
+        self._handover.decode_left()
         self._handover.free_taken()
         try:
             self._placement.migrate(decoder, self._migrated_from, exc, len(output_ids))
@@ -337,6 +356,7 @@ class RequestFlow:
         that ended after its handler gave up), it releases what was taken since."""
         if answer is not None and self._phases.now is not FlowPhase.CLOSED:
             self._take(answer)
+        self._handover.stop_early()
         if self._handover.pending:
             ended = self.first is not None and not self.needs_decode
             self._handover.abandon("no decode needed: the first token ended the output" if ended
@@ -360,7 +380,8 @@ class RequestFlow:
 
     async def _prefill_first(self) -> FirstToken:
         ctx = self._ctx
-        req = ctx.req = await self._measure(ctx.req)
+        req, self._output.tokenizer = await measure(self._s, ctx, ctx.req)
+        ctx.req = req
         first = await self._prefill.run(RequestCost(req.prompt_tokens, req.output_tokens_estimate))
         self.first = self._output.shape_first(first)
         ctx.prefill_done_s = self._s.clock()
@@ -382,9 +403,9 @@ class RequestFlow:
             self._phases.advance(FlowPhase.ENDED)
             self._output.remember(self._placement.leased)
 
-    def _target(self) -> Target:
+    def _target(self, kv_pending: bool = False) -> Target:
         """The current decoder and the decode request that continues after the output so far. The decoder
-        holding the KV takes the handover now (the decode goes to it)."""
+        holding the KV takes the handover now (the decode goes to it); ``kv_pending``: before its KV is ready."""
         ids = self._output.ids
         continues_at = len(ids) - self._rewound
         kv = self._handover.take()
@@ -400,10 +421,11 @@ class RequestFlow:
             self.timeline.decode_sent_s = self._s.clock()
         self.timeline.decode_parts.append(DecodePart(instance.instance_id, continues_at))
         # a decoder that pulls the KV first outputs nothing until the pull is done: --kv-timeout-s bounds that
-        # as it bounds our KvReady wait (a pull that hangs then moves the decode elsewhere)
-        first_output_timeout_s = self._s.settings.kv_timeout_s if kv is not None else None
+        # as it bounds our KvReady wait (a pull that hangs then moves the decode elsewhere); an early decode's
+        # wait is bounded by the KV wait beside it
+        first_output_timeout_s = self._s.settings.kv_timeout_s if kv is not None and kv.portable else None
         return Target(instance.http_url, body, continues_at - upto, first_output_timeout_s,
-                      kv.request_id if kv is not None else None)
+                      request_id=kv.request_id if kv is not None else None, kv_pending=kv_pending)
 
     def _may_continue_elsewhere(self) -> bool:
         """Another instance prompted with prompt + output so far would decode as this one did."""
@@ -418,43 +440,6 @@ class RequestFlow:
         if self.first is None:
             raise RuntimeError("prefill() first")
         return self.first
-
-    async def _measure(self, req: ClientRequest) -> ClientRequest:
-        """``req`` with its exact prompt token count when the proxy has the tokenizer (kept for the text).
-
-        A text completion's ids go to the prefiller in place of its text (``prefill_body``): the
-        prompt is then tokenized once per request, here, not again in the prefiller's API server.
-        """
-        s = self._s
-        instances = [] if s.tokenizers.settled else s.registry.routable(Role.SENDER) + s.registry.routable(Role.RECEIVER)
-        self._output.tokenizer = await s.tokenizers.get(instances, s.settings.tokenizer_wait_s)
-        ids = await self._prompt_ids(req)
-        if ids is not None and req.truncates:
-            ids = truncate_prompt(req, ids, s.tokenizers.max_model_len)
-        if ids and s.router.uses_prefix:
-            self._ctx.prefix = s.router.prompt_prefix(ids)
-        if ids is None:
-            return req
-        if req.prompt_ids is not None:
-            return dataclasses.replace(req, prompt_ids=tuple(ids), exact_prompt_tokens=len(ids))
-        # a truncated text goes to the prefiller as text: vLLM keeps the tokenizer's special tokens when it
-        # truncates a text, which a cut of the ids would not
-        return dataclasses.replace(req, exact_prompt_tokens=len(ids),
-                                   tokenized_ids=None if req.is_chat or req.truncates else tuple(ids))
-
-    async def _prompt_ids(self, req: ClientRequest) -> list[int] | None:
-        """The prompt's ids: the client's, else as the proxy's tokenizer makes them (None: no tokenizer,
-        or a prompt it cannot render). A short prompt is tokenized on the event loop: its encoding costs
-        less than the hop to a thread and back; a long one in a thread, so that the loop keeps serving
-        other requests."""
-        if req.prompt_ids is not None:
-            return list(req.prompt_ids)
-        tokenizer = self._output.tokenizer
-        if tokenizer is None:
-            return None
-        if req.prompt_tokens_estimate <= _INLINE_TOKENIZE_MAX_TOKENS:
-            return tokenizer.prompt_ids(req)
-        return await asyncio.to_thread(tokenizer.prompt_ids, req)
 
 
 def apply_count(metrics: ProxyMetrics, count: Count) -> None:

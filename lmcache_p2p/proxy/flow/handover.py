@@ -14,6 +14,10 @@ decoder, and otherwise (or with ``recompute``) the prefiller that computed the p
 decode (its prefix cache holds the prompt), else another instance computes it
 (``Placement.continue_without``). The KV timeout stays the bound of last resort.
 
+With ``--early-decode`` (``go_early``) the decode takes an lmcache_p2p attempt before its KV is ready: it
+carries the attempt's marker, the wait runs beside it (``flow/early.py`` decides what came first), and a KV
+that fails first takes the same path as a wait that failed before the decode (``fail_over``).
+
 It owns the attempts (a fresh ``req_id`` each), what the decode carries of them, and the probe of their
 decoder. It must not choose instances or send prefills: a retry prefill is the caller's (``retry`` below), the
 decoder comes from the placement (``flow/placement.py``). Nothing here waits without a deadline (``--kv-timeout-s``).
@@ -32,6 +36,7 @@ from lmcache_p2p.protocol import KvFailCause
 from lmcache_p2p.proxy.errors import KvNotReady, ProxyError, UpstreamError
 from lmcache_p2p.proxy.flow.backends import KvAttempt, KvBackend, backend_of
 from lmcache_p2p.proxy.flow.context import RequestContext, Services
+from lmcache_p2p.proxy.flow.early import Early, EarlyRace
 from lmcache_p2p.proxy.flow.placement import Placement
 from lmcache_p2p.proxy.router.health import HEALTH_PATH
 from lmcache_p2p.proxy.router.registry import Instance
@@ -52,6 +57,7 @@ class DecodeKv:
     output_tokens: int
     prompt_fixed: bool
     backend: Backend  # a decoder of another backend takes none of it (it recomputes)
+    portable: bool  # the params take the KV to any decoder of the backend (pulled); else only to the attempt's
     request_id: str | None = None  # the X-Request-Id it carries: its prefill's (see ``KvAttempt.request_id``)
 
 
@@ -63,6 +69,8 @@ class KvHandover:
         self._current: KvAttempt | None = None
         self._taken: KvAttempt | None = None  # the attempt the running decode took: cancelled after its 1st output
         self._kv: DecodeKv | None = None  # what the decode carries, as of the last take
+        self._early: EarlyRace | None = None  # the KV wait beside a decode sent before it (--early-decode)
+        self._early_attempt: KvAttempt | None = None  # that decode's attempt
         self.outcome: KvOutcome | None = None  # the last wait's
 
     @property
@@ -104,14 +112,19 @@ class KvHandover:
     def take(self) -> DecodeKv | None:
         """The decode goes to the decoder holding the KV: it takes the handover. What that decode carries
         (None: no KV comes with it): a new attempt's, else the last one's while its KV is still unread (a
-        decode that was refused before it reached its decoder)."""
+        decode that was refused before it reached its decoder). An early decode's attempt keeps its waiter:
+        its wait runs on beside the decode."""
         if self._current is not None:
             attempt = self._current
-            attempt.drop()
+            early = attempt is self._early_attempt
+            if not early:
+                attempt.drop()
             self._taken, self._current = attempt, None
             backend = backend_of(attempt.decoder.instance)
-            self._kv = DecodeKv(attempt.decode_params(), attempt.output_tokens,
-                                backend.decode_prompt_is_prefill_prompt, backend.backend, attempt.request_id)
+            pulled = attempt.decode_params()
+            params = attempt.early_params(len(self._ctx.prompt_ids) + attempt.output_tokens) if early else pulled
+            self._kv = DecodeKv(params, attempt.output_tokens, backend.decode_prompt_is_prefill_prompt,
+                                backend.backend, pulled is not None, attempt.request_id)
         return self._kv
 
     def free_taken(self) -> None:
@@ -124,7 +137,7 @@ class KvHandover:
     def moved(self) -> None:
         """The decode moves to another decoder before it produced output (its connection was refused): the KV
         it took stays for the next decoder where the backend's can (pulled), else is freed."""
-        if self._kv is not None and self._kv.params is None:
+        if self._kv is not None and not self._kv.portable:
             self.free_taken()
 
     def abandon(self, reason: str) -> None:
@@ -137,15 +150,62 @@ class KvHandover:
         attempt.cancel(self._s, reason)
 
     async def settle(self, retry: Callable[[Collection[str]], Awaitable[None]]) -> None:
-        """Wait for the KV; on a failure or timeout do what ``--on-kv-failure`` says (``retry``: prefill
-        once more, then recompute), without the decoder when it is known down or unreachable (``retry``
-        avoids it, and the prefiller continues instead of it recomputing)."""
+        """Wait for the KV; on a failure or timeout do what ``--on-kv-failure`` says (``fail_over``)."""
         if self._current is None:  # colocated: no KV comes
             return
+        outcome = await self._wait(self._current)
+        if outcome.status is not KvStatus.READY:
+            await self.fail_over(outcome, retry)
+
+    def go_early(self) -> bool:
+        """``--early-decode``: the current attempt's decode goes before its KV is ready, and its wait runs beside
+        it; whether it does (an attempt of a backend whose decode may, its prefill sent)."""
+        attempt = self._current
+        if (not self._s.settings.early_decode or attempt is None or not attempt.prefill_sent
+                or not backend_of(attempt.decoder.instance).decodes_early):
+            return False
+        self.stop_early()
+        self._early_attempt = attempt
+        self._early = EarlyRace(self._wait(attempt), self._count_early, f"kv-early-{attempt.req_id}")
+        self._ctx.timeline.early_decode = True
+        return True
+
+    async def early_failure(self) -> KvOutcome | None:
+        """The early decode's KV failure when it came before the decode's first output (the decode is given up:
+        its attempt is the current one again, for ``fail_over``); None when the decode goes on."""
+        early, attempt = self._early, self._early_attempt
+        if early is None or attempt is None:
+            return None
+        failed = await early.decided()
+        if failed is not None and self._taken is attempt:
+            self._current, self._taken, self._kv = attempt, None, None
+        return failed
+
+    def decode_first(self) -> bool:
+        """The early decode produced its first output; False when the KV's failure gave it up already (that
+        output is not the request's). The wait goes on, for the KV's figures."""
+        return self._early is None or self._early.decode_first()
+
+    def decode_left(self) -> None:
+        """The decode left its decoder (refused, broke): a wait beside it stops (its KV is freed, not awaited)."""
+        if self._early is not None:
+            self._early.decode_first()
+            self.stop_early()
+
+    def stop_early(self) -> None:
+        """Stop the wait beside an early decode, if one runs (the request closes); never awaits."""
+        early, attempt, self._early, self._early_attempt = self._early, self._early_attempt, None, None
+        if early is not None and attempt is not None:
+            early.stop()
+            attempt.drop()
+
+    async def fail_over(self, outcome: KvOutcome, retry: Callable[[Collection[str]], Awaitable[None]]) -> None:
+        """The current attempt's KV failed or timed out: what ``--on-kv-failure`` says, without its decoder when
+        that is known down or unreachable (``retry`` avoids it, and the prefiller continues instead of it
+        recomputing)."""
+        if self._current is None:
+            raise RuntimeError("no KV handover to fail over")
         decoder = self._current.decoder.instance
-        outcome = await self._wait()
-        if outcome.status is KvStatus.READY:
-            return
         policy = self._s.settings.on_kv_failure
         if policy is KvFailurePolicy.FAIL:
             self._give_up(outcome, "answering an error (--on-kv-failure=fail)")
@@ -168,7 +228,7 @@ class KvHandover:
             self._continue_without(decoder, out)
             return
         decoder = self._placement.lease().instance
-        outcome = await self._wait()
+        outcome = await self._wait(self._current)
         if outcome.status is not KvStatus.READY:
             out = self._out_of_reach(outcome, decoder)
             self._give_up(outcome, f"{out}: the decode continues without it" if out else "the decoder recomputes")
@@ -188,10 +248,9 @@ class KvHandover:
         if why:
             self._placement.continue_without(decoder, why)
 
-    async def _wait(self) -> KvOutcome:
-        if self._current is None:
+    async def _wait(self, attempt: KvAttempt | None) -> KvOutcome:
+        if attempt is None:
             raise RuntimeError("no KV handover: prefill() first")
-        attempt = self._current
         probe = None
         if self._s.settings.kv_probe_after_s > 0 and attempt.can_be_overdue:
             probe = asyncio.get_running_loop().create_task(self._probe(attempt), name=f"kv-probe-{attempt.req_id}")
@@ -201,7 +260,7 @@ class KvHandover:
             if probe is not None:
                 probe.cancel()  # never awaited: it only sleeps or probes, and ends at its next step
         if not backend_of(attempt.decoder.instance).decoder_keeps_kv:
-            self._placement.lease().settle()  # its slots are reserved: the next heartbeat counts them
+            attempt.decoder.settle()  # its slots are reserved: the next heartbeat counts them
         m = self._s.metrics
         m.kv_outcomes.labels(outcome.status.value).inc()
         m.observe_kv_wait(outcome.wait_s)
@@ -212,6 +271,9 @@ class KvHandover:
             timeline.kv_ready_s = ready_at_s if ready_at_s is not None else timeline.prefill_answered_s
         self.outcome = outcome
         return outcome
+
+    def _count_early(self, first: Early) -> None:
+        self._s.metrics.early_decodes.labels(first.value).inc()
 
     async def _probe(self, attempt: KvAttempt) -> None:
         """While the KV is overdue, probe its decoder every ``--kv-probe-after-s``: one that does not answer

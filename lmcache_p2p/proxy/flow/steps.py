@@ -4,6 +4,8 @@ asks of the request's owner (the process that routes it), and the typed data of 
     steps = owner.open(req, headers, received_s)
     opened = await steps.prefill()             routed, admitted, prefilled: the first token
     target = await steps.plan()                the KV is ready (or retried / recomputed): where the decode goes
+      await steps.settled()                    (``target.kv_pending``: sent before its KV was ready) the KV's
+                                               outcome, raced against the first output: where instead (None: on)
       await steps.unreachable(exc)             the target refused the connection: where instead (None: nowhere)
       steps.started(sent_s, first_s)           its first output came (the KV is loaded)
       await steps.broken(ids, ..., exc)        the stream broke after ``ids``: where it continues
@@ -52,6 +54,7 @@ class Target(msgspec.Struct, frozen=True):
     replays: int = 0  # the client's last output tokens this decode generates again (dropped from its stream)
     first_output_timeout_s: float | None = None  # its first output's deadline (a decoder that pulls the KV first)
     request_id: str | None = None  # its X-Request-Id: the prefill's whose KV it takes (vLLM pairs them by it)
+    kv_pending: bool = False  # sent before its KV is ready (--early-decode): race its first output against settled()
 
 
 class Count(msgspec.Struct, frozen=True):
@@ -82,15 +85,23 @@ class RequestSteps(Protocol):
     async def plan(self) -> Target:
         """Wait for the KV (retrying or recomputing per policy); where the first decode goes."""
 
+    async def settled(self) -> Target | None:
+        """A ``kv_pending`` target's KV outcome, or its first output (``started``), whichever the owner learns
+        first: None when the decode goes on (the KV is ready, or the decode output first, or left its decoder);
+        else the KV failed first, the decode is given up (the caller closes its stream and drops what it
+        received) and where the decode goes instead (``--on-kv-failure``, as for a KV wait before the decode).
+        Bounded by ``--kv-timeout-s`` and that failure's path."""
+
     async def unreachable(self, exc: UpstreamConnectError) -> Target | None:
         """The target refused the connection (nothing was sent): where the decode goes instead."""
 
     async def broken(self, output_ids: list[int], finished: bool, rewound: int, exc: UpstreamError) -> Target | None:
         """The stream broke after ``output_ids``: where it continues (the last ``rewound`` generated again)."""
 
-    def started(self, decode_sent_s: float, first_decoded_s: float, decode_accepted_s: float | None = None) -> None:
+    def started(self, decode_sent_s: float, first_decoded_s: float, decode_accepted_s: float | None = None,
+                kv_pending: bool = False) -> None:
         """The target sent its first output (it has loaded the KV); the stamps of its request, its response
-        headers and that output."""
+        headers and that output; ``kv_pending``: the target was (then the owner may have given it up first)."""
 
     async def end(self, answer: Answer) -> None:
         """The answer is complete: the owner closes the request now (before the client's last bytes)."""

@@ -14,7 +14,8 @@ Definitions:
   first output of that instance) and no handover.
 
 Per-request timeline (``observe/timeline.py`` defines the phases: queue, prefill, first_byte, kv_wait,
-decode_start, decode_first at the proxy; store, submit, transfer reported by the prefiller):
+decode_start, kv_after_decode (an early decode's), decode_first, decode_accept at the proxy; store, submit,
+transfer and its parts reported by the prefiller):
 ``lmcache_p2p_proxy_phase_seconds{phase,backend}`` (the pair's KV backend: ``lmcache_p2p``, ``vllm-nixl``, or
 ``none`` for a request one instance served; ``lmcache_p2p_proxy_backend_requests_total{backend}`` counts the
 pairs' requests) and, in ``/stats``, ``timeline_ms`` (count, mean, p50, p99 per phase) and ``recent`` (the
@@ -70,6 +71,11 @@ class ProxyMetrics:
         self.kv_outcomes = Counter(_PREFIX + "kv_outcomes", "KV handovers by outcome (ready, failed, timeout)",
                                    ["outcome"], registry=r)
         self.kv_bytes = Counter(_PREFIX + "kv_bytes", "KV bytes decoders reported received", registry=r)
+        self.early_decodes = Counter(_PREFIX + "early_decodes",
+                                     "Decodes sent before their KV was ready (--early-decode), by what the proxy "
+                                     "learnt first: kv_ready, decode_first (its first output, or it left its "
+                                     "decoder), kv_failed (the decode was closed, the request failed over)",
+                                     ["first"], registry=r)
         self.control_messages = Counter(_PREFIX + "control_messages", "Accepted control messages by type",
                                         ["type"], registry=r)
         self.control_rejected = Counter(_PREFIX + "control_rejected", "Rejected control messages by reason",

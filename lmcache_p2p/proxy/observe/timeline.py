@@ -5,6 +5,7 @@ The proxy stamps (``clock()``, ``time.perf_counter`` by default) as the request 
     received -> prefill sent -> prefill answered -> first byte written to the client
                                 prefill answered .. KV ready on every decoder rank (may come first)
                                 max(prefill answered, KV ready) -> decode sent -> first decoded byte
+                                (--early-decode: prefill answered -> decode sent, the KV wait beside it)
 
 and the prefiller's sender reports its own durations for the request (``protocol.KvSent``, one per
 TP rank, after its last chunk was written). The phases, in seconds:
@@ -13,7 +14,10 @@ TP rank, after its last chunk was written). The phases, in seconds:
   prefill       prefill sent -> prefill answer (the prefiller's HTTP round trip, forward pass included)
   first_byte    prefill answer -> the first token's bytes written to a streaming client
   kv_wait       prefill answer -> KV ready on every rank (0 when it was ready first)
-  decode_start  max(prefill answer, KV ready) -> decode request sent
+  decode_start  max(prefill answer, KV ready) -> decode request sent; an early decode's (``--early-decode``):
+                prefill answer -> decode request sent
+  kv_after_decode  an early decode's only: decode sent -> KV ready on every rank (0 when it was ready first):
+                how long the decoder could hold the decode for its KV (its HTTP intake included)
   decode_first  decode sent -> the decoder's first streamed byte; within it decode_accept (-> the
                 decoder's response headers: its HTTP intake and the request's rendering, before vLLM
                 counts the request as arrived, so outside the decoder's own TTFT histogram)
@@ -60,6 +64,7 @@ class Phase(str, enum.Enum):
     FIRST_BYTE = "first_byte"
     KV_WAIT = "kv_wait"
     DECODE_START = "decode_start"
+    KV_AFTER_DECODE = "kv_after_decode"
     DECODE_FIRST = "decode_first"
     DECODE_ACCEPT = "decode_accept"
     STORE = "store"
@@ -71,7 +76,7 @@ class Phase(str, enum.Enum):
 
 
 PROXY_PHASES = (Phase.QUEUE, Phase.PREFILL, Phase.FIRST_BYTE, Phase.KV_WAIT, Phase.DECODE_START,
-                Phase.DECODE_FIRST, Phase.DECODE_ACCEPT)
+                Phase.KV_AFTER_DECODE, Phase.DECODE_FIRST, Phase.DECODE_ACCEPT)
 PREFILLER_PHASES = (Phase.STORE, Phase.SUBMIT, Phase.TRANSFER, Phase.PICKUP, Phase.GRANT, Phase.WRITE)
 
 
@@ -91,6 +96,7 @@ class Timeline:
     req_id: str = ""  # the KV handover's id (the prefiller and decoder know the request by it)
     tp_size: int = 1  # prefiller reports expected (one per rank)
     backend: str = ""  # the KV backend of its pair (``Backend``; "" when no pair served it)
+    early_decode: bool = False  # its decode went before its KV was ready (--early-decode)
     prefill_sent_s: float | None = None
     prefill_answered_s: float | None = None
     first_byte_s: float | None = None
@@ -106,10 +112,14 @@ class Timeline:
         _span(out, Phase.QUEUE, self.received_s, self.prefill_sent_s)
         _span(out, Phase.PREFILL, self.prefill_sent_s, self.prefill_answered_s)
         _span(out, Phase.FIRST_BYTE, self.prefill_answered_s, self.first_byte_s)
-        answered = self.prefill_answered_s
-        if answered is not None and self.kv_ready_s is not None:
-            out[Phase.KV_WAIT] = max(0.0, self.kv_ready_s - answered)
-            _span(out, Phase.DECODE_START, max(answered, self.kv_ready_s), self.decode_sent_s)
+        answered, ready = self.prefill_answered_s, self.kv_ready_s
+        if answered is not None and ready is not None:
+            out[Phase.KV_WAIT] = max(0.0, ready - answered)
+        if self.early_decode:
+            _span(out, Phase.DECODE_START, answered, self.decode_sent_s)
+            _span(out, Phase.KV_AFTER_DECODE, self.decode_sent_s, ready)
+        elif answered is not None and ready is not None:
+            _span(out, Phase.DECODE_START, max(answered, ready), self.decode_sent_s)
         _span(out, Phase.DECODE_FIRST, self.decode_sent_s, self.first_decoded_s)
         if self.first_decoded_s is not None:
             _span(out, Phase.DECODE_ACCEPT, self.decode_sent_s, self.decode_accepted_s)

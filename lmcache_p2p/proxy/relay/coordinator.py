@@ -111,7 +111,8 @@ class RelayCoordinator:
 
     async def _open_answer(self, handle: str, opened: Opened) -> AsyncIterator[bytes]:
         """``open``'s answer: the first token at once, then (no call from the worker needed) where the decode
-        goes once the KV is ready. A request closed meanwhile stops its KV wait (``FlowHost.closed``)."""
+        goes once the KV is ready, and after a target sent before it (``--early-decode``) the KV's outcome. A
+        request closed meanwhile stops its KV wait (``FlowHost.closed``)."""
         yield msgspec.json.encode(opened) + b"\n"
         if not opened.needs_decode:
             return
@@ -120,8 +121,17 @@ class RelayCoordinator:
         except Exception as exc:
             yield msgspec.json.encode(_plan_failed(opened, exc)) + b"\n"
             return
-        if target is not None:
-            yield msgspec.json.encode(Planned(target)) + b"\n"
+        if target is None:
+            return
+        yield msgspec.json.encode(Planned(target)) + b"\n"
+        if target.kv_pending:  # sent before its KV was ready: what came first decides where it goes
+            try:
+                settled = await self._host.settled(handle)
+            except Exception as exc:
+                yield msgspec.json.encode(_plan_failed(opened, exc)) + b"\n"
+                return
+            if settled is not None:
+                yield msgspec.json.encode(settled) + b"\n"
 
     async def _unreachable(self, request: Request) -> Response:
         return await self._target_step(self._host.unreachable(await self._step(request)))

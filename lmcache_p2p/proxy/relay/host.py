@@ -1,7 +1,7 @@
 """The requests the coordinator holds for its relay workers (``--workers N``), each under its worker's
 handle, and the steps on them as they arrive from the wire: ``open`` (prefill), ``plan`` (the KV wait,
-where the decode goes), ``unreachable`` / ``broken`` (where it goes instead), ``started``, ``closed``
-(with the answer's counts). One per coordinator.
+where the decode goes), ``settled`` (an early decode's KV outcome), ``unreachable`` / ``broken`` (where it
+goes instead), ``started``, ``closed`` (with the answer's counts). One per coordinator.
 
 Each step is a call of the request's ``RequestFlow`` (``flow/steps.py``), as one process's own
 requests make them; ``relay/coordinator.py`` is its HTTP side. It owns the table of open flows, the
@@ -15,7 +15,8 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from lmcache_p2p.proxy.errors import ClientDisconnected, ProxyError, UpstreamConnectError, UpstreamUnreachable
 from lmcache_p2p.proxy.flow.flow import Orchestrator, RequestFlow
@@ -25,6 +26,8 @@ from lmcache_p2p.proxy.relay.messages import Planned, Step
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _CLOSED_REMEMBERED = 4096  # handles closed here lately: an open still running, a "closed" sent again
 
 
@@ -32,7 +35,7 @@ _CLOSED_REMEMBERED = 4096  # handles closed here lately: an open still running, 
 class _Open:
     flow: RequestFlow
     worker: int
-    planning: asyncio.Task[Target] | None = None  # the KV wait and choice of decoder after the open
+    planning: asyncio.Task[Any] | None = None  # the KV wait and choice of decoder (plan, settled)
 
 
 class FlowHost:
@@ -78,16 +81,28 @@ class FlowHost:
 
     async def plan(self, handle: str) -> Target | None:
         """Where the first decode goes, once the KV is ready; None when the request was closed meanwhile."""
+        ran, target = await self._waiting_step(handle, lambda flow: flow.plan(), "flow-plan")
+        return target if ran else None
+
+    async def settled(self, handle: str) -> Planned | None:
+        """An early decode's KV outcome (``RequestFlow.settled``); None when the request was closed meanwhile."""
+        ran, moved = await self._waiting_step(handle, lambda flow: flow.settled(), "flow-settled")
+        return Planned(moved) if ran else None
+
+    async def _waiting_step(self, handle: str, step: Callable[[RequestFlow], Awaitable[T]],
+                            name: str) -> tuple[bool, T | None]:
+        """A step that waits (the KV), as the request's ``planning`` task that its close cancels; (False, None)
+        when the request was closed, before or meanwhile."""
         held = self._flows.get(handle)
         if held is None:
-            return None
-        task = held.planning = asyncio.get_running_loop().create_task(held.flow.plan(), name="flow-plan")
+            return False, None
+        task = held.planning = asyncio.get_running_loop().create_task(step(held.flow), name=name)
         try:
             await asyncio.wait({task})
         finally:
             if not task.done():
                 task.cancel()
-        return None if task.cancelled() else task.result()
+        return (False, None) if task.cancelled() else (True, task.result())
 
     async def unreachable(self, step: Step) -> Planned:
         return Planned(await self.flow(step.handle).unreachable(UpstreamConnectError(step.message)))
@@ -99,7 +114,7 @@ class FlowHost:
     def started(self, step: Step) -> None:
         held = self._flows.get(step.handle)
         if held is not None:
-            held.flow.started(step.decode_sent_s, step.first_decoded_s, step.decode_accepted_s)
+            held.flow.started(step.decode_sent_s, step.first_decoded_s, step.decode_accepted_s, step.kv_pending)
 
     def closed(self, step: Step) -> None:
         """The request is over: its counts, then close it. A "closed" sent again (its first answer was

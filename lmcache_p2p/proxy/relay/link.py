@@ -240,6 +240,11 @@ class RemoteSteps:
             raise RuntimeError("prefill() first")
         return await self._answer.plan()  # the coordinator sends it once the KV is ready: no call from here
 
+    async def settled(self) -> Target | None:
+        if self._answer is None:
+            raise RuntimeError("prefill() first")
+        return await self._answer.settled()  # the coordinator sends it once it is decided: no call from here
+
     async def unreachable(self, exc: UpstreamConnectError) -> Target | None:
         return await self._call("unreachable", Step(self.handle, message=str(exc)))
 
@@ -248,10 +253,11 @@ class RemoteSteps:
                                                connect_failed=isinstance(exc, UpstreamConnectError),
                                                message=str(exc)))
 
-    def started(self, decode_sent_s: float, first_decoded_s: float, decode_accepted_s: float | None = None) -> None:
+    def started(self, decode_sent_s: float, first_decoded_s: float, decode_accepted_s: float | None = None,
+                kv_pending: bool = False) -> None:
         self._reports.append(self._link.tell_later(
             "started", Step(self.handle, decode_sent_s=decode_sent_s, first_decoded_s=first_decoded_s,
-                            decode_accepted_s=decode_accepted_s)))
+                            decode_accepted_s=decode_accepted_s, kv_pending=kv_pending)))
 
     async def end(self, answer: Answer) -> None:
         if self._closed:
@@ -298,17 +304,31 @@ class OpenAnswer:
         return msgspec.json.decode(await self._line("open"), type=Opened)
 
     async def plan(self) -> Target:
-        """Where the first decode goes (the coordinator sends it once the KV is ready); raises its error."""
+        """Where the first decode goes (the coordinator sends it once the KV is ready, or at once for a target
+        sent before its KV was ready: ``settled`` reads the rest); raises its error."""
+        target = await self._target_line("the decode's plan", closes=False)
+        if target is None:
+            await self.aclose()
+            raise ProxyError("the coordinator named no decoder")
+        if not target.kv_pending:
+            await self.aclose()
+        return target
+
+    async def settled(self) -> Target | None:
+        """The early decode's KV outcome: None, it goes on; else where it goes instead; raises its error."""
+        return await self._target_line("the early decode's KV outcome", closes=True)
+
+    async def _target_line(self, what: str, closes: bool) -> Target | None:
         try:
-            line = msgspec.json.decode(await self._line("the decode's plan"), type=WirePlanLine)
-        finally:
+            line = msgspec.json.decode(await self._line(what), type=WirePlanLine)
+        except BaseException:
+            await self.aclose()
+            raise
+        if closes or isinstance(line, PlanFailed):
             await self.aclose()
         if isinstance(line, PlanFailed):
             raise RelayedError(line.failed, line.status)
-        target = line.planned().target
-        if target is None:
-            raise ProxyError("the coordinator named no decoder")
-        return target
+        return line.planned().target
 
     async def aclose(self) -> None:
         if not self._closed:

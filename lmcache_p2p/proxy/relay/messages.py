@@ -6,11 +6,15 @@ structs, sent as they are); ``relay/link.py`` turns the steps into these message
 back into calls. One request, as a worker sees it (3 calls; nothing on the client's path waits for a reply
 but the first line of ``open``):
 
-    POST /_relay/open     Open   -> Opened, Planned|PlanFailed   (JSON lines)
-                                 the answer is two JSON lines on one response: ``Opened`` once the
+    POST /_relay/open     Open   -> Opened, Planned|PlanFailed[, Planned|PlanFailed]   (JSON lines)
+                                 the answer is JSON lines on one response: ``Opened`` once the
                                  prefill is done (routed, admitted): the first token; then, after the
-                                 KV wait, where the decode goes (only when ``Opened.needs_decode``)
+                                 KV wait, where the decode goes (only when ``Opened.needs_decode``);
+                                 after a target sent before its KV was ready (``Target.kv_pending``,
+                                 --early-decode), the step ``settled``'s answer: None, the decode goes on,
+                                 or where it goes instead (the KV failed before its first output)
     POST /_relay/started  Step                      the decoder's first output (its KV is loaded), not awaited
+                                                    (``kv_pending``: of a target sent before its KV was ready)
     POST /_relay/unreachable / broken  Step -> Planned   the decode could not connect / broke: go on where?
     POST /_relay/closed   Step                      the request is over, however it ended (idempotent), with the
                                                     requests_total / errors_total counts of its answer; a
@@ -25,7 +29,8 @@ after it, a ``PlanFailed`` line). The coordinator counts the calls it takes per 
 
 Version history: 1: first. 2: ``plan`` folded into ``open``'s answer, ``count`` into ``closed``;
 ``started`` carries the worker's decode-sent / first-output stamps. 3: ``broken`` carries ``rewound``
-(the last output tokens the continuation generates again, ``http/held_text.py``).
+(the last output tokens the continuation generates again, ``http/held_text.py``). 4: ``Target.kv_pending``
+and ``open``'s third line after such a target (``settled``); ``started`` carries ``kv_pending``.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from lmcache_p2p.proxy.flow.steps import Count, Opened, Target
 __all__ = ["Count", "Failed", "Hello", "Open", "Opened", "PlanFailed", "Planned", "Step", "Target", "TokenizerSource",
            "WirePlanLine", "WirePlanned"]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 VERSION_HEADER = "x-lmcache-relay-version"
 PREFIX = "/_relay"
 
@@ -63,6 +68,7 @@ class _WireTarget(msgspec.Struct, frozen=True):
     replays: int = 0
     first_output_timeout_s: float | None = None
     request_id: str | None = None
+    kv_pending: bool = False
 
 
 class WirePlanned(msgspec.Struct, frozen=True, tag="planned"):
@@ -72,10 +78,9 @@ class WirePlanned(msgspec.Struct, frozen=True, tag="planned"):
     target: _WireTarget | None
 
     def planned(self) -> Planned:
-        return Planned(None if self.target is None else Target(self.target.url, self.target.body,
-                                                                   self.target.replays,
-                                                                   self.target.first_output_timeout_s,
-                                                                   self.target.request_id))
+        t = self.target
+        return Planned(None if t is None else Target(t.url, t.body, t.replays, t.first_output_timeout_s,
+                                                     request_id=t.request_id, kv_pending=t.kv_pending))
 
 
 class Step(msgspec.Struct, frozen=True):
@@ -90,6 +95,7 @@ class Step(msgspec.Struct, frozen=True):
     decode_sent_s: float | None = None  # started: the decode request was sent to the decoder
     decode_accepted_s: float | None = None  # started: the decoder's response headers arrived
     first_decoded_s: float | None = None  # started: the decoder's first output arrived
+    kv_pending: bool = False  # started: of a target sent before its KV was ready
     counts: list[Count] = []  # closed: the answer's requests_total / errors_total
 
 

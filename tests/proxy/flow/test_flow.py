@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from lmcache_p2p.config import Role
-from lmcache_p2p.proxy.flow import flow as flow_module
+from lmcache_p2p.proxy.flow import prompt as prompt_module
 from lmcache_p2p.proxy.router.registry import Instance
 
 from .. import fakes
@@ -497,7 +497,7 @@ async def test_a_text_completion_reaches_the_prefiller_as_the_tokenizers_ids(tok
                                                                              inline_max_tokens):
     """The proxy tokenizes the prompt anyway (count, prefix): the prefiller gets the ids, not the text again."""
     path, hf = tokenizer_dir
-    monkeypatch.setattr(flow_module, "_INLINE_TOKENIZE_MAX_TOKENS", inline_max_tokens)
+    monkeypatch.setattr(prompt_module, "INLINE_TOKENIZE_MAX_TOKENS", inline_max_tokens)
     async with make_cluster(tokenizer=str(path)) as c:
         resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
                                                 "add_special_tokens": True, "return_token_ids": True})

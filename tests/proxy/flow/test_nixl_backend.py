@@ -12,6 +12,7 @@ import pytest
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.flow.backends import NIXL_PREFILL_PARAMS
+from lmcache_p2p.vllm_plugin.router_addressing import MARKER_KEY
 
 from ..conftest import Cluster, eventually, make_cluster, tokenizer_dir  # noqa: F401 (a fixture)
 from ..fakes import MESSAGES, MODEL, PROMPT, chat_prompt, generate, token_text, tokenize
@@ -119,8 +120,11 @@ async def test_a_nixl_instance_is_never_paired_with_one_of_ours():
         await _close(cm, c)
 
 
-async def test_mixed_backends_pair_only_within_each():
-    cm, c, network, (np_,), (nd,) = await nixl_cluster()
+@pytest.mark.parametrize("early_decode", [False, True])
+async def test_mixed_backends_pair_only_within_each(early_decode):
+    """--early-decode changes our pairs' decodes alone: a NixlConnector decode still waits for the prefill's
+    answer and carries its pull parameters."""
+    cm, c, network, (np_,), (nd,) = await nixl_cluster(early_decode=early_decode)
     try:
         ours_p = await c.add_node(Role.SENDER)
         ours_d = await c.add_node(Role.RECEIVER)
@@ -130,10 +134,11 @@ async def test_mixed_backends_pair_only_within_each():
         results = await asyncio.gather(*(c.stream("/v1/completions", b) for b in bodies))
         for body, events in zip(bodies, results):
             assert client_tokens(events) == generate(tokenize(body["prompt"]), 6)
-        kinds = lambda fake: {("disagg_spec" if "disagg_spec" in kv else "nixl") for kv in  # noqa: E731
+        kinds = lambda fake: {next((k for k in ("disagg_spec", MARKER_KEY) if k in kv), "nixl") for kv in  # noqa: E731
                               (b.get("kv_transfer_params") for _, b in fake.requests) if kv}
         assert kinds(np_) == {"nixl"} and kinds(nd) == {"nixl"}
-        assert kinds(ours_p.vllm) == {"disagg_spec"} and kinds(ours_d.vllm) == set()
+        assert kinds(ours_p.vllm) == {"disagg_spec"}
+        assert kinds(ours_d.vllm) == ({MARKER_KEY} if early_decode else set())
         assert c.metric("lmcache_p2p_proxy_backend_requests_total", backend=NIXL) >= 1
         assert c.metric("lmcache_p2p_proxy_backend_requests_total", backend="lmcache_p2p") >= 1
     finally:

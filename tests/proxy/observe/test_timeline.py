@@ -12,6 +12,7 @@ from ..conftest import eventually, make_cluster
 from ..fakes import MODEL, PROMPT
 
 PHASES = {p.value for p in Phase}
+EARLY_ONLY = {Phase.KV_AFTER_DECODE.value}  # a decode sent before its KV was ready (--early-decode)
 
 
 def full_timeline(**changes: float) -> Timeline:
@@ -33,6 +34,19 @@ def test_kv_ready_before_the_prefill_answer_waits_zero_and_decode_starts_from_th
     phases = full_timeline(kv_ready_s=10.030).phases()
     assert phases[Phase.KV_WAIT] == 0.0
     assert phases[Phase.DECODE_START] == pytest.approx(0.007)  # 10.054 -> 10.061
+
+
+def test_an_early_decode_starts_from_the_answer_and_shows_how_long_its_kv_came_after_it():
+    """--early-decode: the decode went at 10.055, a millisecond after the prefill answered; the KV was ready at
+    10.060. kv_wait stays answer -> KV ready; decode_start is answer -> decode sent; kv_after_decode the rest."""
+    phases = full_timeline(early_decode=True, decode_sent_s=10.055).phases()
+    assert phases[Phase.KV_WAIT] == pytest.approx(0.006)
+    assert phases[Phase.DECODE_START] == pytest.approx(0.001)
+    assert phases[Phase.KV_AFTER_DECODE] == pytest.approx(0.005)
+    assert phases[Phase.DECODE_FIRST] == pytest.approx(0.026)
+    assert Phase.KV_AFTER_DECODE not in full_timeline().phases()  # a decode sent after its KV has none
+    no_kv = full_timeline(early_decode=True, kv_ready_s=None).phases()  # its output came first, the KV never
+    assert Phase.DECODE_START in no_kv and Phase.KV_WAIT not in no_kv and Phase.KV_AFTER_DECODE not in no_kv
 
 
 def test_moments_that_did_not_happen_leave_their_phases_out():
@@ -71,14 +85,15 @@ def test_a_prefiller_report_joins_its_timeline_whichever_comes_first(report_firs
         m.report_prefiller(report)
     m.report_prefiller(report)  # a duplicate is counted once
     stats = m.stats()
-    assert {phase: s["count"] for phase, s in stats["timeline_ms"].items()} == dict.fromkeys(PHASES, 1)
+    counts = {phase: s["count"] for phase, s in stats["timeline_ms"].items()}
+    assert counts == {**dict.fromkeys(PHASES - EARLY_ONLY, 1), **dict.fromkeys(EARLY_ONLY, 0)}
     assert stats["timeline_ms"]["transfer"]["p50"] == 5.0
     assert stats["timeline_ms"]["prefill"]["mean"] == pytest.approx(50.0)
     recent, = stats["recent"]
     assert set(recent) == PHASES | {"req_id", "backend"} and recent["req_id"] == "r1"
     assert recent["backend"] == "lmcache_p2p"
     assert recent["submit"] == 1.0 and recent["queue"] == pytest.approx(4.0)
-    for phase in PHASES:
+    for phase in PHASES - EARLY_ONLY:
         assert m.registry.get_sample_value("lmcache_p2p_proxy_phase_seconds_count",
                                            {"phase": phase, "backend": "lmcache_p2p"}) == 1, phase
 
@@ -111,8 +126,9 @@ def test_recent_keeps_the_last_timelines_and_reset_empties_it():
 
 @pytest.mark.anyio
 @pytest.mark.timeout(30)
-async def test_a_streamed_disaggregated_request_fills_every_phase():
-    async with make_cluster() as c:
+@pytest.mark.parametrize("early_decode", [False, True])
+async def test_a_streamed_disaggregated_request_fills_every_phase(early_decode):
+    async with make_cluster(early_decode=early_decode) as c:
         await c.stream("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True})
         req_id = c.network.specs[-1]["req_id"]
         await c.prefillers[0].agent.send(KvSent(req_id, c.prefillers[0].agent.instance_id, 0, store_s=0.002,
@@ -121,7 +137,7 @@ async def test_a_streamed_disaggregated_request_fills_every_phase():
         stats = (await c.client.get("/stats")).json()
         recent, = stats["recent"]
         assert recent["req_id"] == req_id and recent["backend"] == "lmcache_p2p"
-        for phase in PHASES:
+        for phase in PHASES - (set() if early_decode else EARLY_ONLY):
             assert stats["timeline_ms"][phase]["count"] == 1, phase
             assert recent[phase] is not None and recent[phase] >= 0, phase
         ttft = stats["ttft_ms"]["p50"]
