@@ -46,8 +46,10 @@ class Proxy:
     def __init__(self, port: int, env: dict[str, str], log: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
         with log.open("a") as out:  # printed when a test fails (pytest shows what it printed)
-            self.proc = subprocess.Popen([sys.executable, "-m", "lmcache_p2p.cli.main", "proxy", "--port", str(port),
-                                          "--control-port", str(free_port())], env=env, stdout=out, stderr=out)
+            # no tokenizer: its library's import (torch) would take most of a loaded machine's start-up deadline
+            argv = [sys.executable, "-m", "lmcache_p2p.cli.main", "proxy", "--port", str(port),
+                    "--control-port", str(free_port()), "--tokenizer", "none"]
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out)
         try:
             eventually(self._up, START_TIMEOUT_S)
         except BaseException:
