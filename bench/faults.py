@@ -3,6 +3,7 @@
     .venv/bin/python bench/faults.py                       # every scenario, long counts
     .venv/bin/python bench/faults.py --short               # the CI short form
     .venv/bin/python bench/faults.py --scenarios every_decoder_gone,different_models
+    .venv/bin/python bench/faults.py --short --proxy-arg=--early-decode --out bench/results/faults_early.json
 
 Hold the machine's vLLM lock while it runs (``flock /tmp/lmcache_p2p_vllm.lock ...``): it starts
 up to three vLLM-CPU servers (and a plain reference instance before them). Writes
@@ -16,6 +17,7 @@ defined there. Exit status 1 when a scenario failed its bar (``Row.passed``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "faults"), str(ROOT / "tests")]
 
 from fault_scenarios import ALL, BY_NAME, SHORT, Row  # noqa: E402
-from fault_suite import print_table, row_dict, run_suite  # noqa: E402
+from fault_suite import SPEC, print_table, row_dict, run_suite  # noqa: E402
 
 try:
     from bench.meta import collect
@@ -39,6 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--short", action="store_true", help="the CI short form (fewer scenarios, small counts)")
     p.add_argument("--scenarios", default="", help=f"comma-separated subset of: {', '.join(BY_NAME)}")
     p.add_argument("--model", type=Path, default=None, help="default: the tiny model, built into models/ if missing")
+    p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
+                   help="an extra flag for the suite's proxy, e.g. --proxy-arg=--early-decode (repeatable)")
     p.add_argument("--log-dir", type=Path, default=None, help="default: logs/faults-<time>")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "faults.json")
     p.add_argument("--from-rows", type=Path, default=None,
@@ -69,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = [Row(**r) for r in json.loads(args.from_rows.read_text())]
         source = f"rows of an earlier run: {args.from_rows}"
     else:
+        spec = dataclasses.replace(SPEC, proxy_args=(*SPEC.proxy_args, *args.proxy_arg))
         rows = run_suite(args.model, log_dir, names, long=not args.short,
-                         cache_dir=ROOT / "models" / ".fault-reference")
+                         cache_dir=ROOT / "models" / ".fault-reference", spec=spec)
         source = f"bench/faults.py, logs in {log_dir}"
     measured = [{**row_dict(r), "status": "run"} for r in rows]
     failed = [r.scenario for r in rows
               if not r.passed(BY_NAME[r.scenario].all_succeed if r.scenario in BY_NAME else False)]
-    result = {"meta": meta, "failed_scenarios": failed, "form": "short" if args.short else "long", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    result = {"meta": meta, "failed_scenarios": failed, "form": "short" if args.short else "long",
+              "proxy_args": list(args.proxy_arg), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "source": source, "rows": measured + not_run_rows({r.scenario for r in rows})}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
