@@ -6,6 +6,7 @@ proxy's upstream client on host ``a``; ``b``'s link is cut after a few events.""
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import time
@@ -39,11 +40,27 @@ def rig():
     with NetRig(["a", "b"]) as built:
         server = subprocess.Popen(built.argv("b", [sys.executable, "-c", STREAMER, built.addr("b")]))
         try:
-            time.sleep(1.0)
+            _wait_listening(built, server)
             yield built
         finally:
             server.kill()
             server.wait(10)
+
+
+def _wait_listening(rig: NetRig, server: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Until the streamer on ``b`` accepts a connection from ``a`` (a loaded CI machine can take
+    seconds to start it; a fixed sleep made the test fail as unreachable before anything was cut)."""
+    deadline = time.monotonic() + timeout_s
+    with rig.inside("a"):
+        while True:
+            assert server.poll() is None, f"the streamer exited with {server.returncode}"
+            try:
+                socket.create_connection((rig.addr("b"), 7200), timeout=1.0).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
 
 async def _stream_then_cut(rig: NetRig, dead_peer_timeout_s: float | None, idle_timeout_s: float) -> Exception:
