@@ -395,6 +395,7 @@ TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
     "tp_cpu": tp_cpu_table,
     "anchor_cpu": anchor_table,
     "anchor_cpu_quick": anchor_table,
+    "early_decode_cpu": anchor_table,
     "e2e_cpu": e2e_cpu_table,
     "e2e_gpu": e2e_gpu_table,
     "e2e_gpu_anchor": e2e_gpu_table,
