@@ -6,6 +6,8 @@ its HTTP server is known healthy. It is forgotten after ``ttl_s`` without a hear
 of its ranks. ``Goodbye`` drains it:
 no new work, in-flight work finishes, then it is forgotten. Static instances (from flags) never
 expire; an announced instance with the same role and HTTP URL takes their place while it is alive.
+An instance registered by URL (:meth:`Registry.register`) announces nothing: it drains out the same
+way when its registration carried a ``ttl_s`` and no registration renewed it within that time.
 
 Health: the plugin announces before vLLM's HTTP server listens, so every new instance (static,
 announced, restarted after a goodbye, or moved to another URL) starts :attr:`Health.PENDING`; a
