@@ -3,13 +3,13 @@ SIGTERM.
 
 vLLM's own connectors (``--connector nixl``) speak nothing to the proxy's registry, so the proxy learns such an
 instance by URL (``POST /instances/register``, an admin call). Told once, a proxy that restarts forgets it; so
-this command registers the instance again every ``--interval-s`` (a no-op for a proxy that knows it; a restarted
+this command registers the instance again every ``--interval-s`` (a renewal for a proxy that knows it; a restarted
 proxy knows it again within that time). Each registration carries a ``ttl_s`` (``--ttl-s``, by default three
-intervals): a proxy not told again within it takes the instance out and forgets it, so a pod killed without its drain
-(node lost, OOM kill) leaves the proxy by itself. On SIGTERM (or SIGINT) it stops registering, then asks the proxy to
-drain the instance (``POST /instances/drain``): whatever it registered last lands before that drain, so it never
-brings back an instance its pod's preStop is draining. ``deploy kubernetes`` runs it as the registration sidecar of every
-vLLM-connector instance pod (docs/KUBERNETES.md).
+intervals): a proxy not told again within it takes the instance out and forgets it once idle, so a pod killed
+without its drain (node lost, OOM kill) leaves the proxy by itself. On SIGTERM (or SIGINT) it stops registering,
+then asks the proxy to drain the instance (``POST /instances/drain``): whatever it registered last lands before that
+drain, so it never brings back an instance its pod's preStop is draining. ``deploy kubernetes`` runs it as the
+registration sidecar of every vLLM-connector instance pod (docs/KUBERNETES.md).
 
 An answer that says the registration itself is wrong (400: role or URL; 401/403: no or another secret than the
 proxy's) ends the command with status 2, so that the misconfiguration shows (a crash-looping sidecar); an
@@ -85,8 +85,8 @@ class Registration:
         from lmcache_p2p.proxy.settings import registration
 
         spec = registration(role, url, backend, url_key="--url")
-        return cls(proxy.rstrip("/"), role, spec.http_url, backend, registered_id(spec.backend, spec.role, spec.http_url),
-                   ttl_s)
+        instance_id = registered_id(spec.backend, spec.role, spec.http_url)
+        return cls(proxy.rstrip("/"), role, spec.http_url, backend, instance_id, ttl_s)
 
     @property
     def body(self) -> dict[str, str | float]:

@@ -8,7 +8,8 @@ import pytest
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ProtocolError, VersionError
 from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Fingerprint, Goodbye
-from lmcache_p2p.proxy.router.registry import Health, Instance, InstanceState, RankInfo, Registry, StaticInstance
+from lmcache_p2p.proxy.router.registry import (Health, Instance, InstanceState, Lease, RankInfo, Registry,
+                                               StaticInstance)
 
 
 class Clock:
@@ -460,13 +461,19 @@ def test_a_registration_without_a_ttl_never_expires_and_each_registration_sets_t
     assert registry.routable(Role.RECEIVER) == [forever, leased] and leased.registration_ttl_s is None
 
 
-def test_an_expired_registration_keeps_its_requests_out_of_new_work_until_they_end(gated, clock):
-    registry, events = gated
+def expired_with_a_request(registry: Registry, clock: Clock) -> tuple[Instance, Lease]:
+    """A registration of ``ttl_s`` 10 that routed a request, then was not renewed: the proxy's sweep found it."""
     inst = registry.register(nixl(), ttl_s=10)
     registry.mark_up(inst)
     lease = registry.lease(inst, tokens=100)
     clock.now_s += 11
-    registry.evict_expired()  # the proxy's sweep: no request has to come
+    registry.evict_expired()  # no request has to come
+    return inst, lease
+
+
+def test_an_expired_registration_keeps_its_requests_out_of_new_work_until_they_end(gated, clock):
+    registry, events = gated
+    inst, lease = expired_with_a_request(registry, clock)
     assert inst.state is InstanceState.DRAINING and registry.routable(Role.RECEIVER) == []
     assert registry.instances() == [inst] and events.forgotten == []  # listed while its request finishes
     clock.now_s += 100
@@ -478,11 +485,7 @@ def test_an_expired_registration_keeps_its_requests_out_of_new_work_until_they_e
 
 def test_registered_again_while_draining_out_it_is_active_again_and_after_it_left_it_is_new(gated, clock):
     registry, events = gated
-    inst = registry.register(nixl(), ttl_s=10)
-    registry.mark_up(inst)
-    lease = registry.lease(inst, tokens=100)
-    clock.now_s += 11
-    registry.evict_expired()
+    inst, lease = expired_with_a_request(registry, clock)
     assert registry.register(nixl(), ttl_s=10) is inst  # its sidecar was only late: the same instance, active
     assert inst.state is InstanceState.ACTIVE and registry.routable(Role.RECEIVER) == [inst]
     lease.release()
