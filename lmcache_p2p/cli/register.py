@@ -3,11 +3,13 @@ SIGTERM.
 
 vLLM's own connectors (``--connector nixl``) speak nothing to the proxy's registry, so the proxy learns such an
 instance by URL (``POST /instances/register``, an admin call). Told once, a proxy that restarts forgets it; so
-this command registers the instance again every ``--interval-s`` (a no-op for a proxy that knows it; a restarted
-proxy knows it again within that time). On SIGTERM (or SIGINT) it stops registering, then asks the proxy to drain
-the instance (``POST /instances/drain``): whatever it registered last lands before that drain, so it never brings
-back an instance its pod's preStop is draining. ``deploy kubernetes`` runs it as the registration sidecar of every
-vLLM-connector instance pod (docs/KUBERNETES.md).
+this command registers the instance again every ``--interval-s`` (a renewal for a proxy that knows it; a restarted
+proxy knows it again within that time). Each registration carries a ``ttl_s`` (``--ttl-s``, by default three
+intervals): a proxy not told again within it takes the instance out and forgets it once idle, so a pod killed
+without its drain (node lost, OOM kill) leaves the proxy by itself. On SIGTERM (or SIGINT) it stops registering,
+then asks the proxy to drain the instance (``POST /instances/drain``): whatever it registered last lands before that
+drain, so it never brings back an instance its pod's preStop is draining. ``deploy kubernetes`` runs it as the
+registration sidecar of every vLLM-connector instance pod (docs/KUBERNETES.md).
 
 An answer that says the registration itself is wrong (400: role or URL; 401/403: no or another secret than the
 proxy's) ends the command with status 2, so that the misconfiguration shows (a crash-looping sidecar); an
@@ -36,6 +38,7 @@ from lmcache_p2p.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefiller", "decoder")
+TTL_INTERVALS = 3  # --ttl-s's default, in --interval-s: two registrations in a row may be lost
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -53,6 +56,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--interval-s", type=float, default=10.0,
                    help="register again this often: a restarted proxy knows the instance again within it "
                         "(default %(default)s)")
+    p.add_argument("--ttl-s", type=float, default=None,
+                   help="unless registered again within this time the proxy takes the instance out and forgets it "
+                        "once idle (a pod gone without its drain); more than --interval-s, or 0: never "
+                        f"(default {TTL_INTERVALS} x --interval-s)")
     p.add_argument("--request-timeout-s", type=float, default=10.0,
                    help="each call to the proxy may take this long (default %(default)s)")
     p.add_argument("--alive-file", type=Path, default=None,
@@ -70,18 +77,23 @@ class Registration:
     url: str
     backend: str
     instance_id: str  # the id the proxy lists it under (what a drain names)
+    ttl_s: float | None = None  # the proxy forgets it unless registered again within this time; None: never
 
     @classmethod
-    def of(cls, proxy: str, role: str, url: str, backend: str) -> Registration:
+    def of(cls, proxy: str, role: str, url: str, backend: str, ttl_s: float | None = None) -> Registration:
         from lmcache_p2p.proxy.router.instances import registered_id
         from lmcache_p2p.proxy.settings import registration
 
         spec = registration(role, url, backend, url_key="--url")
-        return cls(proxy.rstrip("/"), role, spec.http_url, backend, registered_id(spec.backend, spec.role, spec.http_url))
+        instance_id = registered_id(spec.backend, spec.role, spec.http_url)
+        return cls(proxy.rstrip("/"), role, spec.http_url, backend, instance_id, ttl_s)
 
     @property
-    def body(self) -> dict[str, str]:
-        return {"role": self.role, "url": self.url, "backend": self.backend}
+    def body(self) -> dict[str, str | float]:
+        body: dict[str, str | float] = {"role": self.role, "url": self.url, "backend": self.backend}
+        if self.ttl_s is not None:
+            body["ttl_s"] = self.ttl_s
+        return body
 
 
 class Refused(Exception):
@@ -149,7 +161,11 @@ def check(args: argparse.Namespace) -> Registration:
     for flag, value in (("--interval-s", args.interval_s), ("--request-timeout-s", args.request_timeout_s)):
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(flag, f"must be > 0, got {value}")
-    return Registration.of(args.proxy, args.role, args.url, args.backend)
+    ttl_s = TTL_INTERVALS * args.interval_s if args.ttl_s is None else args.ttl_s
+    if ttl_s != 0 and not (math.isfinite(ttl_s) and ttl_s > args.interval_s):
+        raise ConfigError("--ttl-s", f"must be more than --interval-s ({args.interval_s:g}): the proxy would forget "
+                                     f"the instance between two registrations; or 0 (never expires), got {ttl_s:g}")
+    return Registration.of(args.proxy, args.role, args.url, args.backend, ttl_s or None)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,8 +5,9 @@
     GET  /health                                 200 while the proxy runs; counts routable instances
     GET  /instances                              routable instances (?all=1: every registered one)   [admin]
     POST /instances/drain                        {"instance_id"}: no new work; forgotten once idle   [admin]
-    POST /instances/register                     {"role", "url", "backend"}: an instance that cannot announce
-                                                 itself (vLLM's NixlConnector: backend "vllm-nixl")   [admin]
+    POST /instances/register                     {"role", "url", "backend", "ttl_s"?}: an instance that cannot
+                                                 announce itself (vLLM's NixlConnector: backend "vllm-nixl");
+                                                 with ttl_s it expires unless registered again within it [admin]
     GET  /metrics                                Prometheus
     GET  /stats                                  TTFT / handover / kv_wait count, mean, p50, p99 (ms) since
                                                  start or the last reset, per-phase timeline_ms and the
@@ -53,7 +54,7 @@ from lmcache_p2p.proxy.router.registry import Instance
 from lmcache_p2p.proxy.flow.steps import Count, RequestOwner
 from lmcache_p2p.proxy.http.responses import SSE_DONE, Delta, Renderer, renderer_for, sse
 from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint, parse_client_request
-from lmcache_p2p.proxy.settings import registration
+from lmcache_p2p.proxy.settings import registration, registration_ttl
 from lmcache_p2p.proxy.upstream import Upstream, forwarded_headers
 
 logger = logging.getLogger(__name__)
@@ -229,17 +230,21 @@ class ProxyApp:
         return JSONResponse(_describe(inst))
 
     async def register(self, request: Request) -> Response:
-        """Register an instance by URL: ``{"role": "prefiller"|"decoder", "url": ..., "backend": "vllm-nixl"}``.
-        It takes traffic once its ``GET /health`` answers 200; registering it again is a no-op."""
+        """Register an instance by URL: ``{"role": "prefiller"|"decoder", "url": ..., "backend": "vllm-nixl",
+        "ttl_s": 30}``. It takes traffic once its ``GET /health`` answers 200. With ``ttl_s`` (seconds) it expires
+        unless registered again within that time (``Registry.register``); without, it stays until drained.
+        Registering it again refreshes it (and sets its ``ttl_s``)."""
         try:
             body = await request.json()
             spec = registration(str(body["role"]), str(body["url"]), str(body.get("backend", "vllm-nixl")))
+            ttl_s = registration_ttl(body.get("ttl_s"))
         except (ValueError, KeyError, TypeError, ConfigError) as exc:
             detail = str(exc) if isinstance(exc, ConfigError) else "body must be a JSON object"
             return JSONResponse({"error": {"message": f'{detail}: send {{"role": "prefiller" or "decoder", "url": '
-                                                      f'"http://host:port", "backend": "vllm-nixl"}}',
+                                                      f'"http://host:port", "backend": "vllm-nixl"}} and optionally '
+                                                      f'"ttl_s": <seconds>',
                                            "type": "invalid_request_error", "code": 400}}, status_code=400)
-        return JSONResponse(_describe(self._o.registry.register(spec)))
+        return JSONResponse(_describe(self._o.registry.register(spec, ttl_s)))
 
     async def metrics(self, request: Request) -> Response:
         body, content_type = self._o.metrics.render()
@@ -402,6 +407,7 @@ def _describe(inst: Instance) -> dict[str, Any]:
         "instance_id": inst.instance_id, "role": inst.role.value, "http_url": inst.http_url,
         "state": inst.state.value, "complete": inst.complete, "health": inst.health.value,
         "routable": inst.routable, "static": inst.static, "tp_size": inst.tp_size, "backend": inst.backend.value,
+        "ttl_s": inst.registration_ttl_s,
         "control_host": inst.control_host, "inflight_requests": inst.inflight_requests,
         "inflight_tokens": inst.inflight_tokens, "capacity_slots": inst.capacity_slots,
         "free_slots": inst.free_slots(), "chunk_tokens": inst.chunk_tokens,

@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import math
 import operator
 import os
 import socket
@@ -324,6 +325,16 @@ def registration(role: str, url: str, backend: str = Backend.VLLM_NIXL.value, ur
         raise ConfigError("backend", f"{kind.value} instances register themselves: point their p2p.proxy_url at "
                                      "this proxy's --control-port")
     return StaticInstance(role=roles[role], http_url=_url(url_key, url), backend=kind)
+
+
+def registration_ttl(value: object) -> float | None:
+    """The ``ttl_s`` of a registration by URL (``POST /instances/register``): a positive number of seconds, or
+    None (absent) for one that never expires."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ConfigError("ttl_s", f"must be a positive number of seconds (or left out: never expires), got {value!r}")
+    return float(value)
 
 
 def _rank_ports(key: str, value: str, tp_size: int, tp_given: bool) -> tuple[int, ...]:

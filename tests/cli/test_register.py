@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from lmcache_p2p.cli import drain, register
-from lmcache_p2p.cli.main import main
+from lmcache_p2p.cli.main import build_parser, main
 from lmcache_p2p.cli.register import Refused, Registration, keep_registered
 
 from .conftest import free_port
@@ -186,10 +186,45 @@ def test_an_answer_that_the_registration_is_wrong_ends_it(status: int) -> None:
     (["--url", "10.0.0.9:7200"], "--url"),
     (["--url", "http://10.0.0.9:7200", "--interval-s", "0"], "--interval-s"),
     (["--url", "http://10.0.0.9:7200", "--request-timeout-s", "nan"], "--request-timeout-s"),
+    (["--url", "http://10.0.0.9:7200", "--interval-s", "10", "--ttl-s", "10"], "--ttl-s"),
+    (["--url", "http://10.0.0.9:7200", "--ttl-s", "-1"], "--ttl-s"),
+    (["--url", "http://10.0.0.9:7200", "--ttl-s", "inf"], "--ttl-s"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(argv: list[str], flag: str, capsys) -> None:
     assert main(["register", "--proxy", "http://proxy:9100", "--role", "decoder", *argv]) == 2
     assert f"error: {flag}: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "ttl_s"), [([], 30.0), (["--interval-s", "2"], 6.0), (["--ttl-s", "12.5"], 12.5),
+                                             (["--ttl-s", "0"], None)])
+def test_it_sends_the_ttl_s_of_its_flags_three_intervals_by_default(argv: list[str], ttl_s: float | None) -> None:
+    args = build_parser().parse_args(["register", "--proxy", "http://proxy:9100", "--role", "decoder", "--url",
+                                      "http://10.0.0.9:7200", *argv])
+    rec = Recorder(stop_after=1)
+    with httpx.Client(transport=httpx.MockTransport(rec)) as client:
+        keep_registered(client, register.check(args), rec.stop, 0.001, {})
+    sent = rec.calls[0][1]
+    assert sent.get("ttl_s") == ttl_s and ("ttl_s" in sent) is (ttl_s is not None)  # 0: sent without, never expires
+
+
+def test_a_pod_killed_without_its_drain_leaves_the_proxy_within_its_ttl(env, tmp_path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    wanted = Registration.of("", "decoder", url, "vllm-nixl").instance_id
+    logs = tmp_path / "proxy.log", tmp_path / "registrar.log"
+    proxy = Proxy(free_port(), env, logs[0])
+    child = registrar(proxy.url, url, env, logs[1], "--ttl-s", "3")
+    try:
+        eventually(lambda: wanted in proxy.listed())
+        time.sleep(5 * INTERVAL_S)
+        assert wanted in proxy.listed()  # each registration renews it
+        child.kill()  # no SIGTERM: no drain (node lost, OOM kill)
+        child.wait(EXIT_TIMEOUT_S)
+        eventually(lambda: wanted not in proxy.listed())  # gone without a request, by the proxy's sweep
+    finally:
+        child.kill()
+        child.wait(EXIT_TIMEOUT_S)
+        proxy.stop()
+        print_logs(*logs)
 
 
 def test_the_id_it_drains_is_the_one_the_proxy_registers_it_under() -> None:

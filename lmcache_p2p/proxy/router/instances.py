@@ -103,6 +103,10 @@ class Instance:
     inflight_tokens: int = 0
     commits: list[Commit] = dataclasses.field(default_factory=list)
     backend: Backend = Backend.LMCACHE_P2P
+    # registered by URL with a TTL (``Registry.register``): it expires unless registered again by
+    # ``registered_until_s``; None (a flag's registration, an announced instance) never expires so
+    registration_ttl_s: float | None = None
+    registered_until_s: float = math.inf
 
     @property
     def complete(self) -> bool:

@@ -6,6 +6,8 @@ its HTTP server is known healthy. It is forgotten after ``ttl_s`` without a hear
 of its ranks. ``Goodbye`` drains it:
 no new work, in-flight work finishes, then it is forgotten. Static instances (from flags) never
 expire; an announced instance with the same role and HTTP URL takes their place while it is alive.
+An instance registered by URL (:meth:`Registry.register`) announces nothing: it drains out the same
+way when its registration carried a ``ttl_s`` and no registration renewed it within that time.
 
 Health: the plugin announces before vLLM's HTTP server listens, so every new instance (static,
 announced, restarted after a goodbye, or moved to another URL) starts :attr:`Health.PENDING`; a
@@ -33,6 +35,7 @@ Single-threaded (the event loop); nothing here awaits, listeners included.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
@@ -100,24 +103,29 @@ class Registry:
         self._notify(self.on_pending, inst)
         return inst
 
-    def register(self, spec: StaticInstance) -> Instance:
+    def register(self, spec: StaticInstance, ttl_s: float | None = None) -> Instance:
         """An instance that cannot announce itself (``Backend.announces`` is False: vLLM's NixlConnector),
         registered by its URL (a flag or ``POST /instances/register``). It is probed like any other, polled
-        for its KV capacity and liveness (``router/kv_metrics.py``) and never expires; a drain forgets it once
-        idle. Registering it again is a no-op, or brings back one that is draining."""
+        for its KV capacity and liveness (``router/kv_metrics.py``); a drain forgets it once idle.
+
+        ``ttl_s`` makes the registration a lease: unless registered again within ``ttl_s`` it expires
+        (:meth:`evict_expired`: no new work, forgotten once its in-flight requests end), so a pod that died
+        without draining leaves. Each registration refreshes it and sets its TTL; one without (a flag's) never
+        expires. Registering again brings back one that is draining (drained or expired)."""
         instance_id = registered_id(spec.backend, spec.role, spec.http_url)
         self._drained.pop(instance_id, None)
         inst = self._dynamic.get(instance_id)
-        if inst is not None:
-            if inst.state is InstanceState.DRAINING:
-                inst.state = InstanceState.ACTIVE
-                logger.info("%s %s registered again: active", inst.role_name, instance_id)
-            return inst
-        inst = Instance(instance_id=instance_id, role=spec.role, http_url=spec.http_url, tp_size=1,
-                        control_host=spec.control_host, ranks={0: RankInfo(0)}, backend=spec.backend)
-        self._dynamic[instance_id] = inst
-        logger.info("%s %s registered at %s (%s)", inst.role_name, instance_id, inst.http_url, spec.backend.value)
-        self._set_pending(inst)
+        if inst is None:
+            inst = Instance(instance_id=instance_id, role=spec.role, http_url=spec.http_url, tp_size=1,
+                            control_host=spec.control_host, ranks={0: RankInfo(0)}, backend=spec.backend)
+            self._dynamic[instance_id] = inst
+            logger.info("%s %s registered at %s (%s)", inst.role_name, instance_id, inst.http_url, spec.backend.value)
+            self._set_pending(inst)
+        elif inst.state is InstanceState.DRAINING:
+            inst.state = InstanceState.ACTIVE
+            logger.info("%s %s registered again: active", inst.role_name, instance_id)
+        inst.registration_ttl_s = ttl_s
+        inst.registered_until_s = math.inf if ttl_s is None else self.now() + ttl_s
         return inst
 
     def observe_capacity(self, inst: Instance, capacity_blocks: int, free_blocks: int, block_tokens: int) -> None:
@@ -192,13 +200,7 @@ class Registry:
         if inst is None:
             return None
         inst.goodbye_ranks.add(msg.tp_rank)
-        if inst.state is InstanceState.ACTIVE:
-            inst.state = InstanceState.DRAINING
-            logger.info(
-                "%s %s (%s) said goodbye: draining %d in-flight request(s)",
-                role_name(inst.role), inst.instance_id, inst.http_url, inst.inflight_requests,
-            )
-        self._forget_if_drained(inst)
+        self._start_draining(inst, "said goodbye")
         return inst
 
     def drain(self, instance_id: str) -> Instance | None:
@@ -212,20 +214,24 @@ class Registry:
             (i for i in self._static.values() if i.instance_id == instance_id), None)
         if inst is None:
             return None
-        if inst.state is InstanceState.ACTIVE:
-            inst.state = InstanceState.DRAINING
-            logger.info("%s %s (%s) drained by the operator: %d in-flight request(s) finish first",
-                        role_name(inst.role), inst.instance_id, inst.http_url, inst.inflight_requests)
         if not inst.static:
             self._drained[instance_id] = self.now()
-            self._forget_if_drained(inst)
+        self._start_draining(inst, "drained by the operator")
         return inst
 
     def evict_expired(self) -> list[Instance]:
-        """Forget instances with a rank silent for longer than the TTL."""
-        deadline = self.now() - self._ttl_s
+        """Forget instances with a rank silent for longer than the TTL; drain registrations past their own
+        ``ttl_s`` (:meth:`register`). Called before routing and periodically (the proxy's sweep); returns those
+        forgotten for missed heartbeats."""
+        now = self.now()
+        deadline = now - self._ttl_s
         for instance_id in [i for i, seen in self._drained.items() if seen < deadline]:
             del self._drained[instance_id]
+        lapsed = [inst for inst in self._dynamic.values()
+                  if inst.state is InstanceState.ACTIVE and inst.registered_until_s < now]
+        for inst in lapsed:
+            self._start_draining(inst, f"not registered again within its ttl_s {inst.registration_ttl_s:g} s",
+                                 level=logging.WARNING)
         expired = [
             inst for inst in self._dynamic.values()
             if inst.backend.announces and any(r.last_seen_s < deadline for r in inst.ranks.values())
@@ -299,6 +305,15 @@ class Registry:
     def _credit_changed(self) -> None:
         for listener in self.on_credit:
             listener()
+
+    def _start_draining(self, inst: Instance, why: str, level: int = logging.INFO) -> None:
+        """No new work for ``inst`` (said once, with ``why``); a dynamic one is forgotten once its in-flight
+        requests end (now, when it has none)."""
+        if inst.state is InstanceState.ACTIVE:
+            inst.state = InstanceState.DRAINING
+            logger.log(level, "%s %s (%s) %s: no new work; %d in-flight request(s) finish first",
+                       role_name(inst.role), inst.instance_id, inst.http_url, why, inst.inflight_requests)
+        self._forget_if_drained(inst)
 
     def _forget_if_drained(self, inst: Instance) -> None:
         drained = inst.state is InstanceState.DRAINING and inst.inflight_requests == 0

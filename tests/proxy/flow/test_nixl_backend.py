@@ -12,6 +12,7 @@ import pytest
 
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.flow.backends import NIXL_PREFILL_PARAMS
+from lmcache_p2p.proxy.router.instances import InstanceState
 from lmcache_p2p.vllm_plugin.router_addressing import MARKER_KEY
 
 from ..conftest import Cluster, eventually, make_cluster, tokenizer_dir  # noqa: F401 (a fixture)
@@ -337,6 +338,40 @@ async def test_register_refuses_what_it_cannot_drive(body, message):
         resp = await c.post("/instances/register", body)
         assert resp.status_code == 400 and message in resp.json()["error"]["message"]
         assert c.proxy.registry.instances() == []
+
+
+@pytest.mark.parametrize("ttl_s", [0, -5, "30", True])
+async def test_register_refuses_a_ttl_that_is_not_a_positive_number(ttl_s):
+    async with make_cluster(0, 0) as c:
+        resp = await c.post("/instances/register", {"role": "decoder", "url": "http://127.0.0.1:1", "ttl_s": ttl_s})
+        assert resp.status_code == 400
+        assert resp.json()["error"]["message"].startswith("ttl_s: must be a positive number of seconds")
+        assert c.proxy.registry.instances() == []
+
+
+async def test_a_registration_not_renewed_within_its_ttl_drains_out_without_any_request():
+    """The sweep every --instance-ttl-s / 4 finds it: no request has to come."""
+    cm, c, network, _, _ = await nixl_cluster(n_prefill=0, n_decode=0, instance_ttl_s=0.2)
+    try:
+        d = await add_nixl(c, network, "decoder")  # registered without a ttl_s: it stays
+        resp = await c.post("/instances/register", {"role": "decoder", "url": "http://127.0.0.1:1", "backend": NIXL,
+                                                    "ttl_s": 2})
+        assert resp.status_code == 200 and resp.json()["ttl_s"] == 2
+        inst = next(i for i in c.proxy.registry.instances() if i.http_url == "http://127.0.0.1:1")
+        lease = c.proxy.registry.lease(inst, tokens=1)  # a request still in flight on it
+        listed = {i["http_url"]: i for i in (await c.client.get("/instances", params={"all": "1"})).json()}
+        assert (listed[inst.http_url]["ttl_s"], listed[d.url]["ttl_s"]) == (2, None)
+        await eventually(lambda: inst.state is InstanceState.DRAINING)  # not registered again: no new work ...
+        listed = {i["http_url"]: i for i in (await c.client.get("/instances", params={"all": "1"})).json()}
+        assert listed[inst.http_url]["state"] == "draining"  # ... listed while its request finishes
+        assert [i["http_url"] for i in (await c.client.get("/instances")).json()] == [d.url]
+        assert c.metric("lmcache_p2p_proxy_instances", role="receiver", state="draining") == 1
+        lease.release()
+        assert [i.http_url for i in c.proxy.registry.instances()] == [d.url]
+        assert c.metric("lmcache_p2p_proxy_instances", role="receiver", state="draining") == 0
+        assert c.metric("lmcache_p2p_proxy_instances", role="receiver", state="active") == 1
+    finally:
+        await _close(cm, c)
 
 
 async def test_a_dead_nixl_instance_leaves_rotation_through_its_metrics_poll():

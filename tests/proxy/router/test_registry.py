@@ -8,7 +8,8 @@ import pytest
 from lmcache_p2p.config import Role
 from lmcache_p2p.errors import ProtocolError, VersionError
 from lmcache_p2p.protocol import PROTOCOL_VERSION, Announce, Fingerprint, Goodbye
-from lmcache_p2p.proxy.router.registry import Health, Instance, InstanceState, RankInfo, Registry, StaticInstance
+from lmcache_p2p.proxy.router.registry import (Health, Instance, InstanceState, Lease, RankInfo, Registry,
+                                               StaticInstance)
 
 
 class Clock:
@@ -421,3 +422,79 @@ def test_an_instance_keeps_its_own_load_from_hold_to_release():
     inst.release(30, commit, now_s=3.0)
     assert (inst.inflight_requests, inst.inflight_tokens, inst.commits) == (0, 0, [])
     assert inst.hold(tokens=5, chunks=0) is None  # no KV comes with it: load only
+
+
+# ---- registrations by URL (vLLM's NixlConnector) with a TTL: a lease -----------------------------------------
+
+def nixl(url: str = "http://10.0.0.9:7200") -> StaticInstance:
+    from lmcache_p2p.proxy.settings import registration
+
+    return registration("decoder", url)
+
+
+def test_a_registration_with_a_ttl_expires_unless_registered_again(registry, clock, caplog):
+    inst = registry.register(nixl(), ttl_s=30)
+    for _ in range(4):  # each registration refreshes it: 80 s in all, never 30 s without one
+        clock.now_s += 20
+        assert registry.register(nixl(), ttl_s=30) is inst
+        assert registry.routable(Role.RECEIVER) == [inst]
+    clock.now_s += 30
+    assert registry.routable(Role.RECEIVER) == [inst]  # a registration exactly ttl_s old still holds
+    clock.now_s += 0.5
+    with caplog.at_level(logging.INFO, logger="lmcache_p2p.proxy.router.registry"):
+        assert registry.routable(Role.RECEIVER) == []
+    assert registry.instances() == []  # idle: forgotten at once
+    said = [r for r in caplog.records if "ttl_s" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert inst.instance_id in said[0].getMessage() and "ttl_s 30 s" in said[0].getMessage()
+
+
+def test_a_registration_without_a_ttl_never_expires_and_each_registration_sets_the_ttl(registry, clock):
+    forever = registry.register(nixl("http://10.0.0.8:7200"))  # a flag's, or a one-off call's
+    leased = registry.register(nixl(), ttl_s=10)
+    assert registry.register(nixl(), ttl_s=60) is leased  # a longer lease from now on
+    clock.now_s += 50
+    assert registry.routable(Role.RECEIVER) == [forever, leased]
+    registry.register(nixl())  # registered again without one: it stays too
+    clock.now_s += 1e6
+    registry.evict_expired()
+    assert registry.routable(Role.RECEIVER) == [forever, leased] and leased.registration_ttl_s is None
+
+
+def expired_with_a_request(registry: Registry, clock: Clock) -> tuple[Instance, Lease]:
+    """A registration of ``ttl_s`` 10 that routed a request, then was not renewed: the proxy's sweep found it."""
+    inst = registry.register(nixl(), ttl_s=10)
+    registry.mark_up(inst)
+    lease = registry.lease(inst, tokens=100)
+    clock.now_s += 11
+    registry.evict_expired()  # no request has to come
+    return inst, lease
+
+
+def test_an_expired_registration_keeps_its_requests_out_of_new_work_until_they_end(gated, clock):
+    registry, events = gated
+    inst, lease = expired_with_a_request(registry, clock)
+    assert inst.state is InstanceState.DRAINING and registry.routable(Role.RECEIVER) == []
+    assert registry.instances() == [inst] and events.forgotten == []  # listed while its request finishes
+    clock.now_s += 100
+    registry.evict_expired()  # expired once: not drained again, still waiting for its request
+    assert registry.instances() == [inst]
+    lease.release()
+    assert registry.instances() == [] and events.forgotten == [inst]
+
+
+def test_registered_again_while_draining_out_it_is_active_again_and_after_it_left_it_is_new(gated, clock):
+    registry, events = gated
+    inst, lease = expired_with_a_request(registry, clock)
+    assert registry.register(nixl(), ttl_s=10) is inst  # its sidecar was only late: the same instance, active
+    assert inst.state is InstanceState.ACTIVE and registry.routable(Role.RECEIVER) == [inst]
+    lease.release()
+    assert registry.instances() == [inst]  # active: a released lease does not forget it
+    clock.now_s += 11
+    registry.evict_expired()
+    assert registry.instances() == [] and events.forgotten == [inst]
+    back = registry.register(nixl(), ttl_s=10)
+    assert back is not inst and back.health is Health.PENDING and events.pending == [inst, back]
+    assert registry.routable(Role.RECEIVER) == []  # probed again before it takes work
+    registry.mark_up(back)
+    assert registry.routable(Role.RECEIVER) == [back]
