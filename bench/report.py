@@ -124,6 +124,20 @@ def anchor_table(rows: Sequence[Mapping[str, Any]]) -> str:
          for r in ordered])
 
 
+def early_decode_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``early_decode_cpu.json``: the anchor's rows of each run, the runs of one (load, system) side by side."""
+    ordered = sorted(rows, key=lambda r: (load_key(r["load"]), system_key(r["system"]), r["run"]))
+    return markdown(
+        ["system", "load", "run", "TTFT p50 / p99 ms", "handover p50 / p99 ms", "out tok/s", "failed", "= single",
+         "full hits"],
+        [[r["system"], r["load"], str(r["run"]), pair(r, "ttft_ms_p50", "ttft_ms_p99"),
+          pair(r, "handover_ms_p50", "handover_ms_p99"), cell(r.get("output_tokens_per_s"), 0),
+          f"{r.get('failed')}/{r.get('requests', '?')}",
+          "(ref)" if r["system"] == "single" else cell(r.get("outputs_equal_single")),
+          f"{r['kv_full_hits']}/{r.get('kv_lookups')}" if r.get("kv_full_hits") is not None else "-"]
+         for r in ordered])
+
+
 def _chunk(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
@@ -395,7 +409,7 @@ TABLES: dict[str, Callable[[Sequence[Mapping[str, Any]]], str]] = {
     "tp_cpu": tp_cpu_table,
     "anchor_cpu": anchor_table,
     "anchor_cpu_quick": anchor_table,
-    "early_decode_cpu": anchor_table,
+    "early_decode_cpu": early_decode_table,
     "e2e_cpu": e2e_cpu_table,
     "e2e_gpu": e2e_gpu_table,
     "e2e_gpu_anchor": e2e_gpu_table,
