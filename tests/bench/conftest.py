@@ -6,6 +6,7 @@ import importlib
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -18,46 +19,22 @@ def _bench_module(name: str) -> ModuleType:
     return importlib.import_module(f"bench.{name}")
 
 
-@pytest.fixture(scope="session")
-def anchor() -> ModuleType:
-    return _bench_module("anchor")
+def _module_fixture(name: str) -> Any:
+    """A session fixture that returns ``bench/<name>.py`` imported as a module."""
+
+    @pytest.fixture(scope="session")
+    def module() -> ModuleType:
+        return _bench_module(name)
+
+    return module
 
 
-@pytest.fixture(scope="session")
-def meta() -> ModuleType:
-    return _bench_module("meta")
-
-
-@pytest.fixture(scope="session")
-def report() -> ModuleType:
-    return _bench_module("report")
-
-
-@pytest.fixture(scope="session")
-def e2e() -> ModuleType:
-    return _bench_module("e2e")
-
-
-@pytest.fixture(scope="session")
-def transfer() -> ModuleType:
-    return _bench_module("transfer")
-
-
-@pytest.fixture(scope="session")
-def tp_cpu() -> ModuleType:
-    return _bench_module("tp_cpu")
-
-
-@pytest.fixture(scope="session")
-def routers() -> ModuleType:
-    return _bench_module("routers")
-
-
-@pytest.fixture(scope="session")
-def e2e_gpu() -> ModuleType:
-    return _bench_module("e2e_gpu")
-
-
-@pytest.fixture(scope="session")
-def mp_gpu() -> ModuleType:
-    return _bench_module("e2e_gpu_lmcache_mp")
+anchor = _module_fixture("anchor")
+meta = _module_fixture("meta")
+report = _module_fixture("report")
+e2e = _module_fixture("e2e")
+transfer = _module_fixture("transfer")
+tp_cpu = _module_fixture("tp_cpu")
+routers = _module_fixture("routers")
+e2e_gpu = _module_fixture("e2e_gpu")
+mp_gpu = _module_fixture("e2e_gpu_lmcache_mp")
