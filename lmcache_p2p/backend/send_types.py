@@ -85,7 +85,8 @@ class StoreReady:
         """Call ``listener`` once this settles (now, if it has)."""
         with self._lock:
             if self._state is Readiness.PENDING:
-                self._listeners.append(listener)
+                if listener not in self._listeners:  # a store's batches share it and their listener
+                    self._listeners.append(listener)
                 return
         listener()
 

@@ -346,7 +346,9 @@ def wait_registered(proxy_url: str, instance_ids: list[str], timeout_s: float, s
     endpoint then: a Bearer token)."""
     import httpx
 
-    headers = {"authorization": f"Bearer {secret}"} if secret else {}
+    from lmcache_p2p.cli.drain import admin_headers
+
+    headers = admin_headers(secret)
     deadline = time.monotonic() + timeout_s
     missing = list(instance_ids)
     while time.monotonic() < deadline:

@@ -21,6 +21,8 @@ import os
 from lmcache_p2p.cli import connectors, ports, routers
 from lmcache_p2p.cli.tensor_parallel import tp_sizes
 
+LOOPBACK = "127.0.0.1"
+
 KV_PORT_STRIDE = 10  # decoder i's KV ports start at --kv-port + 10*i (one per TP rank from there)
 TRANSPORT_PORT_OFFSET = 100  # a decoder's NCCL store ports sit this far above its control ports
 SIDE_CHANNEL = "side-channel"  # the name of a vLLM connector's NIXL handshake port (vLLM's word for it)
@@ -131,11 +133,13 @@ def side_channel_port(inst: Instance, args: argparse.Namespace) -> int:
 
 
 def lmcache_server(inst: Instance, args: argparse.Namespace) -> connectors.LmcacheServer | None:
-    """With LMCache MP: where the instance's LMCache server listens (its TP ranks share it); else None."""
+    """With LMCache MP: where the instance's LMCache server listens (its TP ranks share it); else None. Always on
+    loopback, whatever the instance's ``--host``: only its own instance and the launcher's health check dial it,
+    and it has no share of our secret."""
     if not connectors.connector_of(args).lmcache_mp:
         return None
     port = args.lmcache_server_port + 2 * slot_of(inst, args)
-    return connectors.LmcacheServer(inst.host, port, port + 1)
+    return connectors.LmcacheServer(LOOPBACK, port, port + 1)
 
 
 def slot_of(inst: Instance, args: argparse.Namespace) -> int:

@@ -73,6 +73,7 @@ class EarlyRace:
     def stop(self) -> None:
         """Stop the wait (the request closes, or its decode left the decoder); never awaits."""
         self._task.cancel()
+        self._changed.set()  # a task cancelled before its first step never reaches _watch's finally
 
     def _decide(self, state: Early) -> None:
         self.state = state
