@@ -511,7 +511,8 @@ def test_close_with_a_pairing_in_flight_returns_at_once(make) -> None:
     time.sleep(0.3)  # it has offered and waits for the claim
     start = time.monotonic()
     rx.close()
-    assert time.monotonic() - start < 1.0
+    # not the 60 s pairing wait; the margin is for a loaded 2-core CI machine (it took 1.02 s there once)
+    assert time.monotonic() - start < 10.0
     assert _recv_threads("rx") == []
 
 
