@@ -120,7 +120,7 @@ class Cluster:
 @asynccontextmanager
 async def make_cluster(n_prefill: int = 1, n_decode: int = 1, *, tp_size: int = 1, secret: str | None = None,
                        **settings: Any) -> AsyncIterator[Cluster]:
-    defaults = dict(port=0, control_port=0, summary_interval_s=0, kv_timeout_s=2.0, instance_ttl_s=30.0,
+    defaults = dict(port=0, control_port=0, summary_interval_s=0, kv_timeout_s=10.0, instance_ttl_s=30.0,
                     prefill_timeout_s=5.0, decode_idle_timeout_s=5.0, graceful_shutdown_s=1.0,
                     health_probe_interval_s=0.05, health_probe_timeout_s=1.0,
                     workers=int(os.environ.get(WORKERS_ENV, "1")))

@@ -86,9 +86,10 @@ class KvWaiter:
         try:
             await asyncio.wait_for(self._done.wait(), timeout_s)
         except TimeoutError:
-            ranks = sorted(self._ready)
-            return KvOutcome(KvStatus.TIMEOUT, self._clock() - start,
-                             reason=f"no KV ready within {timeout_s:.1f} s (--kv-timeout-s); ranks ready: {ranks}")
+            if not self._done.is_set():  # a notice can land while the timed-out wait is being cancelled
+                ranks = sorted(self._ready)
+                return KvOutcome(KvStatus.TIMEOUT, self._clock() - start,
+                                 reason=f"no KV ready within {timeout_s:.1f} s (--kv-timeout-s); ranks ready: {ranks}")
         elapsed_s = self._clock() - start
         if self._failed is not None:
             return KvOutcome(KvStatus.FAILED, elapsed_s, cause=self._failed.cause,

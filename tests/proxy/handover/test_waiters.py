@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lmcache_p2p.protocol import KvFailCause, KvFailed, KvReady
+from lmcache_p2p.proxy.handover import waiters as waiters_module
 from lmcache_p2p.proxy.handover.waiters import KvStatus, KvWaiters
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
@@ -46,3 +47,19 @@ async def test_a_ready_wait_is_not_ended_by_its_decoder_going_down_afterwards():
     waiters.deliver(KvReady("r1", "decoder-a", 0, 1, 10))
     waiters.decoder_down("decoder-a", "forgotten")
     assert (await waiter.wait(LONG_S)).status is KvStatus.READY
+
+
+async def test_a_notice_that_lands_while_the_timed_out_wait_is_cancelled_counts(monkeypatch):
+    """``wait_for`` gives the loop a turn while it cancels a timed-out wait: a KvReady delivered then is the
+    outcome (it landed), not a timeout whose reason lists every rank ready."""
+    waiters = KvWaiters()
+    waiter = waiters.register("r1", 1, "decoder-a")
+
+    async def late_wait_for(aw, timeout_s):
+        aw.close()
+        waiters.deliver(KvReady("r1", "decoder-a", 0, 1, 10))
+        raise TimeoutError
+
+    monkeypatch.setattr(waiters_module.asyncio, "wait_for", late_wait_for)
+    outcome = await waiter.wait(0.01)
+    assert (outcome.status, outcome.nbytes) == (KvStatus.READY, 10)
