@@ -42,6 +42,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "long: the full matrix of an expensive test (many vLLM starts); `make test-long` runs it, "
         "`make test` (CI) runs the short form beside it",
     )
+    config.addinivalue_line(
+        "markers",
+        "vllm_start_fails: its vLLM servers exit during start-up (they never serve a request): it runs beside the "
+        "serial group instead of in it",
+    )
     xdist_groups.configure(config)
 
 
@@ -56,7 +61,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 def is_serial(item: pytest.Item) -> bool:
     """Starts vLLM servers: runs alone among its kind. (A network-namespace rig without vLLM runs beside it: its
-    namespaces carry its process id, and it removes only those of processes that are gone.)"""
+    namespaces carry its process id, and it removes only those of processes that are gone; so do vLLM servers
+    that exit during start-up, ``vllm_start_fails``: a few seconds of one instance's memory.)"""
+    if item.get_closest_marker("vllm_start_fails"):
+        return False
     return bool(item.get_closest_marker("vllm") or item.get_closest_marker("faults"))
 
 

@@ -73,12 +73,12 @@ def stop(proc: subprocess.Popen) -> int:
 
 
 @contextlib.contextmanager
-def launched(connector: str, router: str, tiny_model_dir, tmp_path) -> Iterator[tuple[str, str, str]]:
-    """``launch --connector CONNECTOR --router ROUTER`` 1P1D: (the front's URL, the decoder's, the model's name);
-    on exit SIGTERM, which stops everything (exit 0, nothing left listening)."""
+def launched(connector: str, router: str, tiny_model_dir, tmp_path, *flags: str) -> Iterator[tuple[str, str, str]]:
+    """``launch --connector CONNECTOR --router ROUTER`` 1P1D (``flags`` added): (the front's URL, the decoder's, the
+    model's name); on exit SIGTERM, which stops everything (exit 0, nothing left listening)."""
     # tp_size=2 claims base+50 and base+51: the two instances' NIXL handshake ports (--kv-port + slot)
     base = free_cluster_base_port(prefill=1, decode=1, tp_size=2)
-    proc, out = launch_1p1d(base, tiny_model_dir, tmp_path, "--connector", connector, "--router", router)
+    proc, out = launch_1p1d(base, tiny_model_dir, tmp_path, "--connector", connector, "--router", router, *flags)
     try:
         wait_serving(proc, out, SERVING_TIMEOUT_S)
         # one decoder: the same port whatever the router; the launcher serves the model under its resolved path
@@ -102,6 +102,25 @@ def test_one_command_serves_vllm_nixl_instances_with_one_instances_outputs(route
         if router == "lmcache_p2p":  # vllm-router keeps no request timeline
             recent = httpx.get(f"{front}/stats", timeout=10).json()["recent"]
             assert len(recent) == 2 * len(PROMPTS) and {r["backend"] for r in recent} == {"vllm-nixl"}
+
+
+@pytest.mark.parametrize("tp", ["--prefill-tp=2", "--decode-tp=2"], ids=["p2-d1", "p1-d2"])
+def test_our_proxy_in_front_of_vllm_nixl_instances_of_different_tp_serves_the_decoders_outputs(
+        tp, tiny_model_dir, tmp_path):
+    """Different TP on each side (vLLM's NixlConnector maps the heads of one onto the other): in float32, where one
+    model's answer does not depend on how its heads are split (``bench/results/tp_cpu.json``), every completion
+    through our proxy equals the decoder's own, and the decoder pulled the prompts' KV."""
+    with launched("nixl", "lmcache_p2p", tiny_model_dir, tmp_path, tp, "--", "--dtype", "float32") as (
+            proxy, decoder, model):
+        reference = {p: complete(decoder, model, p) for p in PROMPTS}
+        hits_before = metric_total(httpx.get(f"{decoder}/metrics", timeout=10).text, HITS)
+        for prompt in PROMPTS:
+            for stream in (False, True):
+                assert complete(proxy, model, prompt, stream=stream) == reference[prompt], (prompt, stream)
+        hits = metric_total(httpx.get(f"{decoder}/metrics", timeout=10).text, HITS) - hits_before
+        assert hits > 0  # the decoder loaded KV it did not compute
+        recent = httpx.get(f"{proxy}/stats", timeout=10).json()["recent"]
+        assert len(recent) == 2 * len(PROMPTS) and {r["backend"] for r in recent} == {"vllm-nixl"}
 
 
 def test_our_proxy_in_front_of_the_push_connector_serves_every_request_as_one_instance(tiny_model_dir, tmp_path):

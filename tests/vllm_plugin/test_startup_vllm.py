@@ -13,7 +13,7 @@ from lmcache_p2p.cli.launch import cache_flags
 from test_startup import yaml_with
 from vllm_server import VLLMServer, VLLMServerError, free_port
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_start_fails]  # beside the serial group (tests/conftest.py)
 pytest.importorskip("vllm")
 
 CONSUMER = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_consumer",
