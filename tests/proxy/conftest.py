@@ -120,8 +120,10 @@ class Cluster:
 @asynccontextmanager
 async def make_cluster(n_prefill: int = 1, n_decode: int = 1, *, tp_size: int = 1, secret: str | None = None,
                        **settings: Any) -> AsyncIterator[Cluster]:
+    # No tokenizer unless a test names one (the fakes' model is no folder): each relay worker would import
+    # transformers (torch) before it serves, seconds of CPU per worker for nothing here.
     defaults = dict(port=0, control_port=0, summary_interval_s=0, kv_timeout_s=10.0, instance_ttl_s=30.0,
-                    prefill_timeout_s=5.0, decode_idle_timeout_s=5.0, graceful_shutdown_s=1.0,
+                    tokenizer="none", prefill_timeout_s=5.0, decode_idle_timeout_s=5.0, graceful_shutdown_s=1.0,
                     health_probe_interval_s=0.05, health_probe_timeout_s=1.0,
                     workers=int(os.environ.get(WORKERS_ENV, "1")))
     proxy = Proxy(ProxySettings(**{**defaults, "shared_secret": secret, **settings}))
