@@ -66,6 +66,7 @@ class NixlNetwork:
         self.die_first_stream_after: int | None = None  # the first decode stream of the cluster dies after n tokens
         self.break_first_prefill = False  # the first prefiller asked to keep KV dies with the request in hand
         self.hang_first_pull = False  # the first decoder's pull never completes (its stream stays silent)
+        self.hang_first_pull_headers = False  # ... and its decoder never even answers the decode's headers
         self.push = False  # the instances run NixlPushConnector
         self.unmatched_pushes: list[str] = []  # decoders' request ids that no finished prefill matched
 
@@ -127,6 +128,10 @@ class FakeNixlVllm(FakeVllm):
                 self.requests.append(("/v1/completions", body))
                 return StreamingResponse(_silent(), media_type="text/event-stream")
             params = body["kv_transfer_params"] = {**params, "remote_request_id": matched}  # what it was written
+        if params.get("do_remote_prefill") and self.network.hang_first_pull_headers:
+            self.network.hang_first_pull_headers = False
+            self.requests.append(("/v1/completions", body))
+            await asyncio.sleep(3600)  # cancelled when the proxy closes the connection
         if params.get("do_remote_prefill") and self.network.hang_first_pull:
             self.network.hang_first_pull = False
             self.requests.append(("/v1/completions", body))

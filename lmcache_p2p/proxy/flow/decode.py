@@ -102,7 +102,7 @@ class DecodeSession:
                 target = opened
                 continue
             async with opened.stack:
-                async for event in _first_within(opened.events(), target):
+                async for event in opened.events():
                     if not self._started:
                         self._report_first(opened.first_s or self._clock(), target.kv_pending)
                     delta = self._take(decode_delta(event))
@@ -114,7 +114,19 @@ class DecodeSession:
             return
 
     async def _open(self, target: Target, read_first: bool = False) -> _Opened:
-        """The decode request, to its response headers (and its first event when ``read_first``)."""
+        """The decode request, to its response headers (and its first event when ``read_first``). A decode that pulls
+        its KV first must have its headers and first event within ``target.first_output_timeout_s``: a decoder
+        whose pull stalls may hold either."""
+        timeout_s = target.first_output_timeout_s
+        if timeout_s is None:
+            return await self._open_now(target, read_first)
+        try:
+            return await asyncio.wait_for(self._open_now(target, read_first=True), timeout_s)
+        except TimeoutError:
+            raise UpstreamTimeout(f"POST {target.url}: no output within {timeout_s:.1f} s: its KV pull did not "
+                                  "complete (--kv-timeout-s)") from None
+
+    async def _open_now(self, target: Target, read_first: bool) -> _Opened:
         stack = contextlib.AsyncExitStack()
         try:
             if self._decode_sent_s is None:
@@ -210,21 +222,6 @@ async def _discard(task: asyncio.Future[_Opened]) -> None:
     opened = _opened(task)
     if opened is not None:
         await opened.stack.aclose()
-
-
-async def _first_within(events: AsyncIterator[dict[str, Any]], target: Target) -> AsyncIterator[dict[str, Any]]:
-    """``events``, the first within ``target.first_output_timeout_s`` (when it has one)."""
-    timeout_s = target.first_output_timeout_s
-    if timeout_s is not None:
-        try:
-            yield await asyncio.wait_for(anext(events), timeout_s)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise UpstreamTimeout(f"POST {target.url}: no output within {timeout_s:.1f} s: its KV pull did not "
-                                  "complete (--kv-timeout-s)") from None
-    async for event in events:
-        yield event
 
 
 def migratable(exc: UpstreamError) -> bool:

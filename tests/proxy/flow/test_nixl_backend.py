@@ -247,10 +247,12 @@ async def test_a_decoder_that_cannot_pull_continues_elsewhere():
         await _close(cm, c)
 
 
-async def test_a_pull_that_hangs_moves_the_decode_after_the_kv_timeout():
+@pytest.mark.parametrize("hang", ["hang_first_pull", "hang_first_pull_headers"])
+async def test_a_pull_that_hangs_moves_the_decode_after_the_kv_timeout(hang):
+    """The decoder holds the decode's first event, or its response headers too, while its pull stalls."""
     cm, c, network, (p,), decoders = await nixl_cluster(n_decode=2, kv_timeout_s=0.5, decode_idle_timeout_s=30.0)
     try:
-        network.hang_first_pull = True
+        setattr(network, hang, True)
         started = time.monotonic()
         events = await c.stream("/v1/completions", {**BODY, "stream": True})
         assert time.monotonic() - started < 5.0  # --kv-timeout-s, not --decode-idle-timeout-s
