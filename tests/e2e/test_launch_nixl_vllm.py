@@ -73,12 +73,12 @@ def stop(proc: subprocess.Popen) -> int:
 
 
 @contextlib.contextmanager
-def launched(connector: str, router: str, tiny_model_dir, tmp_path, *flags: str) -> Iterator[tuple[str, str, str]]:
-    """``launch --connector CONNECTOR --router ROUTER`` 1P1D (``flags`` added): (the front's URL, the decoder's, the
-    model's name); on exit SIGTERM, which stops everything (exit 0, nothing left listening)."""
+def launched(connector: str, router: str, tiny_model_dir, tmp_path) -> Iterator[tuple[str, str, str]]:
+    """``launch --connector CONNECTOR --router ROUTER`` 1P1D: (the front's URL, the decoder's, the model's name);
+    on exit SIGTERM, which stops everything (exit 0, nothing left listening)."""
     # tp_size=2 claims base+50 and base+51: the two instances' NIXL handshake ports (--kv-port + slot)
     base = free_cluster_base_port(prefill=1, decode=1, tp_size=2)
-    proc, out = launch_1p1d(base, tiny_model_dir, tmp_path, "--connector", connector, "--router", router, *flags)
+    proc, out = launch_1p1d(base, tiny_model_dir, tmp_path, "--connector", connector, "--router", router)
     try:
         wait_serving(proc, out, SERVING_TIMEOUT_S)
         # one decoder: the same port whatever the router; the launcher serves the model under its resolved path
