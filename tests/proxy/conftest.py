@@ -62,6 +62,7 @@ class Cluster:
     decoders: list[Node]
     secret: str | None
     encode: Callable[[str], list[int]] | None = None  # the fakes' tokenizer (None: fakes.tokenize)
+    setup_vllm: Callable[[FakeVllm], None] | None = None  # applied to each fake before it serves
 
     @property
     def control_address(self) -> str:
@@ -75,6 +76,8 @@ class Cluster:
         vllm = FakeVllm(f"{role.value}-{len(self.prefillers) + len(self.decoders)}")
         if self.encode is not None:
             vllm.encode = self.encode
+        if self.setup_vllm is not None:
+            self.setup_vllm(vllm)
         if serve_http:
             await vllm.server.start()
         else:
@@ -119,7 +122,10 @@ class Cluster:
 
 @asynccontextmanager
 async def make_cluster(n_prefill: int = 1, n_decode: int = 1, *, tp_size: int = 1, secret: str | None = None,
+                       setup_vllm: Callable[[FakeVllm], None] | None = None,
                        **settings: Any) -> AsyncIterator[Cluster]:
+    """A proxy with fake instances; ``setup_vllm`` shapes each fake before it serves (what the proxy
+    reads once, such as the /v1/models card, must be there before the proxy can ask)."""
     # No tokenizer unless a test names one (the fakes' model is no folder): each relay worker would import
     # transformers (torch) before it serves, seconds of CPU per worker for nothing here.
     defaults = dict(port=0, control_port=0, summary_interval_s=0, kv_timeout_s=10.0, instance_ttl_s=30.0,
@@ -130,7 +136,8 @@ async def make_cluster(n_prefill: int = 1, n_decode: int = 1, *, tp_size: int = 
     await proxy.start()
     await proxy.start_http()
     client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy.port}", timeout=10, trust_env=False)
-    cluster = Cluster(proxy, client, KvNetwork(), [], [], secret, encode=_hf_encode(settings.get("tokenizer")))
+    cluster = Cluster(proxy, client, KvNetwork(), [], [], secret, encode=_hf_encode(settings.get("tokenizer")),
+                      setup_vllm=setup_vllm)
     try:
         for _ in range(n_prefill):
             await cluster.add_node(Role.SENDER)

@@ -532,10 +532,10 @@ async def test_token_id_prompts_without_a_tokenizer_send_prompt_plus_first():
 @pytest.mark.parametrize("card", [{"max_model_len": 40}, {}], ids=["context-known", "context-unknown"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_prompt_one_token_short_of_the_context_never_sends_a_decode_of_max_tokens_0(card, stream):
-    async with make_cluster() as c:
-        for node in c.prefillers + c.decoders:
-            node.vllm.max_model_len = 40
-            node.vllm.models_card = card
+    def context_40(vllm):  # before the proxy reads the card (once, as soon as an instance is up)
+        vllm.max_model_len, vllm.models_card = 40, card
+
+    async with make_cluster(setup_vllm=context_40) as c:
         ids = list(range(10, 49))  # 39 tokens: the first output token fills the 40-token context
         body = {"model": MODEL, "prompt": ids, "max_tokens": 10, "return_token_ids": True, "stream": stream}
         if stream:
