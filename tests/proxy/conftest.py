@@ -63,6 +63,7 @@ class Cluster:
     secret: str | None
     encode: Callable[[str], list[int]] | None = None  # the fakes' tokenizer (None: fakes.tokenize)
     setup_vllm: Callable[[FakeVllm], None] | None = None  # applied to each fake before it serves
+    kv_before_answers: bool = False  # a prefill answers once the proxy heard its KvReady (kv_ready_then_answer)
 
     @property
     def control_address(self) -> str:
@@ -93,13 +94,27 @@ class Cluster:
             self.network.add(agent)
             self.decoders.append(node)
         else:
-            vllm.kv_sink = self.network.deliver
+            vllm.kv_sink = self.kv_ready_then_answer if self.kv_before_answers else self.network.deliver
             self.prefillers.append(node)
         if announce:
             await agent.announce()
             await eventually(lambda: any(i.instance_id == agent.instance_id and (i.routable or not serve_http)
                                          for i in self.proxy.registry.instances()))
         return node
+
+    async def kv_ready_then_answer(self, spec: dict[str, Any]) -> None:
+        """A prefill's KV delivery that returns (and lets the prefiller answer) only once the proxy heard every
+        rank's KvReady, when the decoder's agent reports them all (``kv_mode`` "ready"). For a test whose short
+        ``--kv-timeout-s`` is meant for another wait: the proxy times its wait from the prefill's answer, and on a
+        loaded machine a KvReady already sent could otherwise be read after that short timeout."""
+        await self.network.deliver(spec)
+        agent = self.network.agent_for(spec)
+        if agent is not None and agent.kv_mode == "ready":
+            await eventually(lambda: self._kv_heard(spec["req_id"]))
+
+    def _kv_heard(self, req_id: str) -> bool:
+        waiter = self.proxy.waiters._waiters.get(req_id)
+        return waiter is None or waiter.ready_at_s is not None  # None: the request is over
 
     async def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         return await self.client.post(path, json=body)
@@ -122,22 +137,23 @@ class Cluster:
 
 @asynccontextmanager
 async def make_cluster(n_prefill: int = 1, n_decode: int = 1, *, tp_size: int = 1, secret: str | None = None,
-                       setup_vllm: Callable[[FakeVllm], None] | None = None,
+                       setup_vllm: Callable[[FakeVllm], None] | None = None, kv_before_answers: bool = False,
                        **settings: Any) -> AsyncIterator[Cluster]:
     """A proxy with fake instances; ``setup_vllm`` shapes each fake before it serves (what the proxy
-    reads once, such as the /v1/models card, must be there before the proxy can ask)."""
+    reads once, such as the /v1/models card, must be there before the proxy can ask);
+    ``kv_before_answers``: see :meth:`Cluster.kv_ready_then_answer`."""
     # No tokenizer unless a test names one (the fakes' model is no folder): each relay worker would import
     # transformers (torch) before it serves, seconds of CPU per worker for nothing here.
     defaults = dict(port=0, control_port=0, summary_interval_s=0, kv_timeout_s=10.0, instance_ttl_s=30.0,
                     tokenizer="none", prefill_timeout_s=5.0, decode_idle_timeout_s=5.0, graceful_shutdown_s=1.0,
-                    health_probe_interval_s=0.05, health_probe_timeout_s=1.0,
+                    health_probe_interval_s=0.05, health_probe_timeout_s=10.0,
                     workers=int(os.environ.get(WORKERS_ENV, "1")))
     proxy = Proxy(ProxySettings(**{**defaults, "shared_secret": secret, **settings}))
     await proxy.start()
     await proxy.start_http()
     client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy.port}", timeout=10, trust_env=False)
     cluster = Cluster(proxy, client, KvNetwork(), [], [], secret, encode=_hf_encode(settings.get("tokenizer")),
-                      setup_vllm=setup_vllm)
+                      setup_vllm=setup_vllm, kv_before_answers=kv_before_answers)
     try:
         for _ in range(n_prefill):
             await cluster.add_node(Role.SENDER)

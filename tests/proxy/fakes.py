@@ -524,9 +524,13 @@ class KvNetwork:
     def add(self, agent: FakeAgent) -> None:
         self._by_port[agent.control_port(0)] = agent
 
+    def agent_for(self, spec: dict[str, Any]) -> FakeAgent | None:
+        """The decoder agent ``spec`` sends the KV to (None: no decoder of this network listens there)."""
+        return self._by_port.get(spec["receiver_alloc_port"][0])
+
     async def deliver(self, spec: dict[str, Any]) -> None:
         self.specs.append(spec)
-        agent = self._by_port.get(spec["receiver_alloc_port"][0])
+        agent = self.agent_for(spec)
         if agent is not None:
             agent.on_kv(spec)
 

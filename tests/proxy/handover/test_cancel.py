@@ -78,7 +78,8 @@ async def test_kv_timeout_cancels_before_the_decoder_recomputes():
 
 
 async def test_kv_timeout_then_retry_cancels_the_first_attempt_only():
-    async with cluster_with_receiver(kv_timeout_s=0.2) as (c, control):
+    # the short KV timeout is for the first attempt: the retry's KvReady is heard before its prefill answers
+    async with cluster_with_receiver(kv_timeout_s=0.2, kv_before_answers=True) as (c, control):
         agent = c.decoders[0].agent
         agent.kv_mode = "silent"
         original = agent.on_kv
