@@ -49,9 +49,21 @@ async def test_instances_join_and_leave_while_requests_flow():
 
 
 async def test_silent_instance_is_evicted_after_the_ttl():
-    async with make_cluster(instance_ttl_s=0.3) as c:
-        assert c.proxy.registry.routable(Role.RECEIVER)
-        await eventually(lambda: not c.proxy.registry.instances(), timeout_s=3)
+    async with make_cluster(n_prefill=0, n_decode=0, instance_ttl_s=0.3) as c:
+        node = await c.add_node(Role.RECEIVER, announce=False)
+
+        async def heartbeats() -> None:
+            while True:
+                await node.agent.announce()
+                await asyncio.sleep(0.05)
+
+        # heartbeats until it is routable: a loaded machine may take longer than the TTL to probe its /health
+        beating = asyncio.ensure_future(heartbeats())
+        try:
+            await eventually(lambda: c.proxy.registry.routable(Role.RECEIVER))
+        finally:
+            beating.cancel()
+        await eventually(lambda: not c.proxy.registry.instances())  # silent from now on (the default TTL is 30 s)
         resp = await c.post("/v1/completions", BODY)
         assert resp.status_code == 503
 

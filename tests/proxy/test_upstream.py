@@ -131,18 +131,19 @@ async def test_an_answer_that_is_not_a_json_object_is_malformed(serve, upstream,
 
 async def test_a_cancelled_call_closes_its_connection(serve, upstream) -> None:
     """A client that leaves mid-prefill: the instance sees the connection close (vLLM aborts the request)."""
-    closed = asyncio.Event()
+    received, closed = asyncio.Event(), asyncio.Event()
 
     async def handler(reader, writer) -> None:
         await _read_request(reader)
+        received.set()
         if await reader.read(1) == b"":
             closed.set()
 
     url = await serve(handler)
     call = asyncio.ensure_future(upstream.post_json(url, "/v1/completions", {}, timeout_s=30))
-    await asyncio.sleep(0.2)
+    await asyncio.wait_for(received.wait(), 10)  # cancelled before it was sent, nothing would reach the instance
     call.cancel()
-    await asyncio.wait_for(closed.wait(), 5)
+    await asyncio.wait_for(closed.wait(), 10)
 
 
 async def test_a_health_probe_reports_the_status_and_maps_failures_as_every_call(serve, upstream) -> None:

@@ -150,7 +150,7 @@ async def test_a_decoder_dying_mid_stream_still_migrates(stream):
 
 async def test_a_killed_worker_is_restarted_and_its_requests_are_closed():
     async with make_cluster(workers=2) as c:
-        c.decoders[0].vllm.token_delay_s = 0.05  # streams of 5 s: all open when the worker is killed
+        c.decoders[0].vllm.token_delay_s = 0.5  # streams of 50 s: all open when the worker is killed, until let go
         pool = c.proxy.workers
         before = dict(pool.pids)
         streams = [asyncio.ensure_future(_stream_until_cut(str(c.client.base_url))) for _ in range(6)]
@@ -161,9 +161,9 @@ async def test_a_killed_worker_is_restarted_and_its_requests_are_closed():
         os.kill(before[victim], signal.SIGKILL)
         await eventually(lambda: pool.pids.get(victim) not in (None, before[victim]), timeout_s=60)
         assert c.proxy.coordinator.open_on(victim) == 0  # its requests were closed when it died
+        c.decoders[0].vllm.token_delay_s = 0.0
         assert sum(await asyncio.gather(*streams)) == held  # its clients' streams broke, the others' did not
         await eventually(lambda: len(c.proxy.coordinator) == 0)
-        c.decoders[0].vllm.token_delay_s = 0.0
         ids = tokenize(PROMPT)
         for _ in range(4):  # whichever worker takes them, answers are whole
             async with httpx.AsyncClient(base_url=c.client.base_url, timeout=30, trust_env=False) as own:
