@@ -250,12 +250,13 @@ async def test_a_decoder_that_cannot_pull_continues_elsewhere():
 @pytest.mark.parametrize("hang", ["hang_first_pull", "hang_first_pull_headers"])
 async def test_a_pull_that_hangs_moves_the_decode_after_the_kv_timeout(hang):
     """The decoder holds the decode's first event, or its response headers too, while its pull stalls."""
-    cm, c, network, (p,), decoders = await nixl_cluster(n_decode=2, kv_timeout_s=0.5, decode_idle_timeout_s=30.0)
+    # --kv-timeout-s also bounds the first event of the decode that moves on: no shorter than a loaded machine's step
+    cm, c, network, (p,), decoders = await nixl_cluster(n_decode=2, kv_timeout_s=3.0, decode_idle_timeout_s=60.0)
     try:
         setattr(network, hang, True)
         started = time.monotonic()
         events = await c.stream("/v1/completions", {**BODY, "stream": True})
-        assert time.monotonic() - started < 5.0  # --kv-timeout-s, not --decode-idle-timeout-s
+        assert time.monotonic() - started < 30.0  # --kv-timeout-s, not --decode-idle-timeout-s
         assert client_tokens(events) == generate(tokenize(PROMPT), 6)
         hung = next(d for d in decoders if d.calls("/v1/completions") and d.name not in [w for w, _, _ in network.pulls])
         assert len(hung.calls("/v1/completions")) == 1 and len(network.pulls) == 1
@@ -268,7 +269,8 @@ async def test_a_pull_that_hangs_moves_the_decode_after_the_kv_timeout(hang):
 @pytest.mark.parametrize("workers", [1, 2])  # 2: the decode's X-Request-Id crosses the relay to its worker
 async def test_a_push_connector_decode_gets_the_kv_its_own_prefill_wrote(workers):
     # NixlPushConnector pairs a prefill and its decode by vLLM's request id: they must carry one X-Request-Id
-    cm, c, network, (p,), (d,) = await nixl_cluster(kv_timeout_s=1.0, decode_idle_timeout_s=30.0, workers=workers)
+    # (the cluster's --kv-timeout-s bounds each decode's first event; a push that never came is in unmatched_pushes)
+    cm, c, network, (p,), (d,) = await nixl_cluster(decode_idle_timeout_s=30.0, workers=workers)
     network.push = True
     try:
         ids = tokenize(PROMPT)
@@ -286,8 +288,9 @@ async def test_a_push_connector_decode_gets_the_kv_its_own_prefill_wrote(workers
 
 async def test_a_chat_prefill_on_a_push_pair_is_retried_as_a_completion_its_decode_pairs_with():
     # a chat prefill's vLLM id (chatcmpl-...) never pairs with the decode's (cmpl-...): waiting for that push
-    # would cost --kv-timeout-s, so the KV counts as failed at once and the retry prefills the prompt ids
-    cm, c, network, (p,), (d,) = await nixl_cluster(kv_timeout_s=1.0, decode_idle_timeout_s=30.0)
+    # would cost --kv-timeout-s (the cluster's bounds the retry's first event too), so the KV counts as failed at once
+    # and the retry prefills the prompt ids
+    cm, c, network, (p,), (d,) = await nixl_cluster(decode_idle_timeout_s=30.0)
     network.push = True
     try:
         ids = tokenize(chat_prompt(MESSAGES))

@@ -167,7 +167,8 @@ def expected(prompt: list[int], n: int) -> str:
 
 async def test_concurrent_requests_beyond_the_buffer_wait_for_credit_and_all_get_their_kv():
     """24 concurrent prompts of 4 chunks into one decoder buffer of 8 slots: none refused, none recomputed."""
-    async with make_cluster(n_decode=0) as c:
+    # the last waits for eleven pairs to prefill and decode a token: on a loaded machine far beyond the default 5 s
+    async with make_cluster(n_decode=0, admission_timeout_s=60.0) as c:
         decoder = await c.add_node(Role.RECEIVER, capacity_slots=8)
         decoder.vllm.token_delay_s = 0.005
         prompts = [ids_prompt(i, 64) for i in range(24)]  # 64 tokens = 4 chunks of 16
