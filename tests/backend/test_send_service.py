@@ -218,8 +218,10 @@ def make_service(transport: FakeTransport) -> Iterator[Any]:
     services: list[SendService] = []
 
     def make(**overrides: Any) -> SendService:
-        cfg = P2PConfig(role=Role.SENDER, **{"connect_timeout_s": 5.0, "alloc_timeout_s": 5.0,
-                                              "transfer_timeout_s": 5.0, **overrides})
+        # deadlines a test does not run into bound only its normal steps: far beyond what a loaded machine takes
+        # (a test of a deadline sets its own)
+        cfg = P2PConfig(role=Role.SENDER, **{"connect_timeout_s": 30.0, "alloc_timeout_s": 30.0,
+                                              "transfer_timeout_s": 30.0, **overrides})
         service = SendService(cfg, tp_rank=0, tp_size=1, transport=transport).start()
         services.append(service)
         return service
@@ -245,16 +247,16 @@ def _keys(chunks: list[Chunk]) -> list[str]:
 
 def test_a_write_is_aborted_within_the_receivers_window_counted_from_its_alloc(
         make_service, transport, receiver, chunks) -> None:
-    """Our transfer_timeout_s is 5 s, the receiver's 0.4 s: a write still in flight 0.4 s after its Alloc left
+    """Our transfer_timeout_s is 30 s, the receiver's 0.4 s: a write still in flight 0.4 s after its Alloc left
     is aborted, since the receiver may then have given its slots up and granted them again."""
     transport.auto_complete = False
-    service = make_service()  # transfer_timeout_s 5.0
+    service = make_service()  # transfer_timeout_s 30.0
     service.submit("req-1", receiver.target, chunks.make(1), last=True)
     receiver.welcome(transfer_timeout_s=0.4)
-    started = time.monotonic()
     receiver.grant()
+    # within WAIT_S: the receiver's 0.4 s, not our 30 s
     wait_for(lambda: service.stats().requests_failed == 1, "the write to pass the receiver's window")
-    assert transport.writes[0].aborted and time.monotonic() - started < 3.0
+    assert transport.writes[0].aborted
 
 
 def test_a_grant_that_comes_after_the_write_window_is_not_written(make_service, transport, receiver, chunks) -> None:
@@ -482,14 +484,20 @@ def test_a_silent_receiver_fails_every_request_to_it(make_service, transport, re
 
 def test_request_without_its_last_batch_fails_at_request_timeout(make_service, transport, receiver, chunks) -> None:
     service = make_service(request_timeout_s=0.5)
-    first = chunks.make(2)
-    service.submit("req-gone", receiver.target, first, last=False)
+    # a request before pairs us with the receiver: the next one's Alloc goes out as it is taken in, within its 0.5 s
+    # however loaded the machine (a Hello answered later than that failed it before any Alloc, with no Cancel)
+    paired = chunks.make(1)
+    service.submit("req-paired", receiver.target, paired, last=True)
     receiver.welcome()
     receiver.grant()
+    wait_for(lambda: service.stats().requests_done == 1, "the pairing request")
+    first = chunks.make(2)
+    service.submit("req-gone", receiver.target, first, last=False)
+    receiver.grant()  # granted in time or not, the request ends at its timeout with a Cancel
     assert receiver.recv(protocol.Cancel, timeout_s=5.0).req_id == "req-gone"
     assert service.stats().requests_failed == 1
     assert service.pending_requests() == 0
-    assert sorted(chunks.released) == sorted(_keys(first))
+    assert sorted(chunks.released) == sorted(_keys(paired + first))
 
 
 # ---- item 5: a slow pairing does not stall other receivers ---------------------------------------
@@ -805,8 +813,10 @@ def _store_failed(service: SendService, receiver: ScriptedReceiver, chunks: Chun
     (_store_failed, protocol.KvFailCause.SENDER),
 ])
 def test_kv_failed_says_what_is_known_about_the_decoder(make_service, receiver, chunks, proxy, case, cause) -> None:
-    service = make_service(proxy_url=proxy.url, heartbeat_interval_s=0.05, alloc_timeout_s=0.5,
-                           connect_timeout_s=0.5)
+    # short deadlines for the silent decoders; the others answer, in the time a loaded machine takes
+    silent = cause is protocol.KvFailCause.UNREACHABLE
+    service = make_service(proxy_url=proxy.url, heartbeat_interval_s=0.05,
+                           **({"alloc_timeout_s": 0.5, "connect_timeout_s": 0.5} if silent else {}))
     proxy.recv(protocol.Announce)
     case(service, receiver, chunks)
     failed = proxy.recv(protocol.KvFailed)
