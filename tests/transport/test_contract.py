@@ -90,7 +90,7 @@ def test_several_writes_in_flight(pair: Pair) -> None:
 def test_wait_notifications_with_nothing_pending_returns_empty_within_timeout(pair: Pair) -> None:
     notifs, elapsed_s = pair.rx.call("wait_notifications", 0.3)
     assert notifs == []
-    assert 0.3 <= elapsed_s < 1.3
+    assert 0.3 <= elapsed_s < 5.0  # its timeout, then at most what a loaded machine adds to a wake-up
 
 
 def test_disconnect_then_reconnect(pair: Pair) -> None:
@@ -139,7 +139,7 @@ def test_stalled_receiver_times_out_or_completes_one_sided(fresh_receiver: Pair)
                 pair.tx.call("wait", handle, 1.0)
             except TransportTimeout:
                 pass
-            assert time.monotonic() - start < 3.0
+            assert time.monotonic() - start < 10.0  # by its deadline: a stopped receiver would hold it for good
         pair.rx.signal(signal.SIGCONT)
         handle, digests, notif = _write(pair, [3], [5555], [1])
         pair.rx.begin("notifications_until", notif, WAIT_S)
@@ -149,11 +149,11 @@ def test_stalled_receiver_times_out_or_completes_one_sided(fresh_receiver: Pair)
         start = time.monotonic()
         with pytest.raises(TransportTimeout):
             pair.tx.call("wait", first, 0.0)
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 5.0  # at once (a call to the peer): a stopped receiver would hold it for good
         start = time.monotonic()
         with pytest.raises(TransportTimeout):
             pair.tx.call("wait", second, 1.0)
-        assert 1.0 <= time.monotonic() - start < 3.0
+        assert 1.0 <= time.monotonic() - start < 10.0
         pair.rx.signal(signal.SIGCONT)
         # The pair recovers: a new write lands (aborted writes may or may not notify).
         handle, digests, notif = _write(pair, [3], [5555], [1])
