@@ -66,10 +66,12 @@ def kill_when_up(pid_dir: Path, port: int, then=None, after: threading.Event | N
     return thread
 
 
-def test_on_exit_stop_stops_everything(fake_launch) -> None:
+def test_on_exit_stop_stops_everything(fake_launch, monkeypatch) -> None:
     build, pid_dir = fake_launch
+    up = serving(monkeypatch)
     args = build("--on-exit", "stop")
-    kill_when_up(pid_dir, args.decode_port)
+    # once it serves: killed during start-up, the launcher stops a child that may not have started yet
+    kill_when_up(pid_dir, args.decode_port, after=up)
 
     assert launch.run(args) == 1
 
