@@ -34,14 +34,21 @@ def rig():
     with NetRig(["a", "b", "c"]) as built:
         server = subprocess.Popen(built.argv("b", [sys.executable, "-c", ECHO, built.addr("b")]))
         try:
-            for _ in range(100):  # until the server listens
-                if _reaches(built, "a", "b"):
-                    break
-                time.sleep(0.1)
+            _wait_listening(built, server)
             yield built
         finally:
             server.kill()
             server.wait(10)
+
+
+def _wait_listening(rig: NetRig, server: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Until the echo server on ``b`` answers ``a`` (a loaded machine can take seconds to start it: the tests
+    below would then fail as unreachable)."""
+    deadline = time.monotonic() + timeout_s
+    while not _reaches(rig, "a", "b"):
+        assert server.poll() is None, f"the echo server exited with {server.returncode}"
+        assert time.monotonic() < deadline, f"the echo server on b did not answer within {timeout_s:.0f} s"
+        time.sleep(0.1)
 
 
 def test_hosts_have_their_own_addresses_and_reach_each_other(rig):
