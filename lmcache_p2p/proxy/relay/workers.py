@@ -35,12 +35,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import lmcache_p2p
+from lmcache_p2p.proxy.http.tokenizer import NONE
 from lmcache_p2p.proxy.relay.messages import PROTOCOL_VERSION, Hello
 from lmcache_p2p.proxy.settings import ProxySettings
 
 logger = logging.getLogger(__name__)
 
-WORKER_START_TIMEOUT_S = 60.0  # one worker's start: Python, imports, first hello
+WORKER_START_TIMEOUT_S = 60.0  # one worker's start: Python, imports, first hello (its tokenizer's waits come on top)
 _MAX_RESTARTS = 5
 _RESTART_WINDOW_S = 60.0
 _KILL_WAIT_S = 5.0
@@ -55,6 +56,14 @@ def coordinator_call_timeout_s(s: ProxySettings) -> float:
     a prefill that may be retried once; a plan covers two KV waits and a retry prefill."""
     return (s.tokenizer_wait_s + s.admission_timeout_s + 2 * s.prefill_timeout_s + 2 * s.kv_timeout_s
             + 2 * s.connect_timeout_s)
+
+
+def worker_start_timeout_s(s: ProxySettings) -> float:
+    """The longest a worker may take to say hello: its start, and what it waits for before it serves, each for up
+    to --tokenizer-load-timeout-s: the tokenizer library's import (unless --tokenizer none), a --tokenizer folder's
+    load."""
+    waits = 0 if s.tokenizer == NONE else 2 if os.path.isdir(s.tokenizer) else 1
+    return WORKER_START_TIMEOUT_S + waits * s.tokenizer_load_timeout_s
 
 
 class WorkerPool:
@@ -140,12 +149,12 @@ class WorkerPool:
         watch = asyncio.get_running_loop().create_task(self._watch(index, proc), name=f"relay-worker-{index}")
         self._watches.add(watch)
         watch.add_done_callback(self._watches.discard)
+        timeout_s = worker_start_timeout_s(s)
         try:
-            await asyncio.wait_for(ready.wait(), WORKER_START_TIMEOUT_S)
+            await asyncio.wait_for(ready.wait(), timeout_s)
         except TimeoutError:
-            raise WorkerFailure(f"relay worker {index} (pid {proc.pid}) did not serve within "
-                                f"{WORKER_START_TIMEOUT_S:.0f} s (exit status {proc.returncode}); see its log "
-                                "lines above") from None
+            raise WorkerFailure(f"relay worker {index} (pid {proc.pid}) did not serve within {timeout_s:.0f} s "
+                                f"(exit status {proc.returncode}); see its log lines above") from None
 
     async def _watch(self, index: int, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()

@@ -19,13 +19,15 @@ import httpx
 import pytest
 
 from lmcache_p2p.proxy.errors import ProxyError
+from lmcache_p2p.proxy.http import tokenizer as http_tokenizer
 from lmcache_p2p.proxy.relay import tokenizers as relay_tokenizers
+from lmcache_p2p.proxy.relay import workers as relay_workers
 from lmcache_p2p.proxy.relay.link import CoordinatorLink
 from lmcache_p2p.proxy.relay.worker import WorkerApp
 from lmcache_p2p.proxy.upstream import Upstream
 
 from ..conftest import eventually, make_cluster
-from ..fakes import MODEL, PROMPT
+from ..fakes import MODEL, PROMPT, expected_text, tokenize
 from ..router.test_routing import assert_idle
 
 pytestmark = pytest.mark.timeout(300)
@@ -99,3 +101,37 @@ async def test_a_request_whose_worker_cannot_load_the_tokenizer_in_time_frees_wh
         await eventually(lambda: len(c.proxy.coordinator) == 0)  # closed there: its lease and KV waiter freed
         await eventually(lambda: len(c.proxy.waiters) == 0)
         assert_idle(c)
+
+
+# ---- a relay worker's start ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def slow_worker_import(tmp_path, monkeypatch):
+    """Relay workers started from now on import a tokenizer library that takes 4 s (their ``transformers``, first on
+    their PYTHONPATH); this process imports a quick one of its own."""
+    slow = tmp_path / "slow"
+    auto = slow / "transformers" / "models" / "auto"
+    auto.mkdir(parents=True)
+    for package in (slow / "transformers", slow / "transformers" / "models", auto):
+        (package / "__init__.py").write_text("")
+    (auto / "tokenization_auto.py").write_text("import time\ntime.sleep(4)\n\n\nclass AutoTokenizer:\n    pass\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(slow), os.environ.get("PYTHONPATH")) if p))
+    name = "quick_tokenizer_library_for_test"
+    (tmp_path / f"{name}.py").write_text("class AutoTokenizer:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(http_tokenizer, "TOKENIZER_MODULE", name)
+    yield
+    sys.modules.pop(name, None)
+
+
+@pytest.mark.anyio
+async def test_a_relay_worker_is_given_its_tokenizer_imports_wait_to_start(slow_worker_import, monkeypatch):
+    """A worker imports the tokenizer library before it serves, for up to --tokenizer-load-timeout-s (the import
+    takes seconds, many more on a loaded machine): the pool waits for its hello that much longer than for a start
+    without one, rather than stopping the proxy as if the worker never started."""
+    monkeypatch.setattr(relay_workers, "WORKER_START_TIMEOUT_S", 3.0)  # shorter than the import: the base alone fails
+    async with make_cluster(workers=2, tokenizer="auto", tokenizer_load_timeout_s=60.0) as c:
+        assert len(c.proxy.workers.pids) == 2
+        resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        assert resp.json()["choices"][0]["text"] == expected_text(tokenize(PROMPT), 4)
