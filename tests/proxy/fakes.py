@@ -44,6 +44,7 @@ from lmcache_p2p.vllm_plugin.router_addressing import MARKER_KEY
 
 EOS = 2
 MODEL = "fake-model"
+START_TIMEOUT_S = 30.0  # a fake server starts at once, unless a loaded machine stalls this event loop for seconds
 
 
 def fingerprint(model: str = MODEL, **changes: Any) -> Fingerprint:
@@ -162,7 +163,7 @@ class HttpServer:
         self._server = server = uvicorn.Server(uvicorn.Config(self._app, log_config=None, access_log=False,
                                                               lifespan="off", timeout_graceful_shutdown=1))
         self._task = task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + START_TIMEOUT_S
         while not server.started:
             assert time.monotonic() < deadline and not task.done(), "fake server did not start"
             await asyncio.sleep(0.005)
