@@ -1,8 +1,10 @@
 """Reports to the proxy: Announce (start + heartbeat), KvReady / KvFailed, Goodbye.
 
 Owned and called by exactly one thread (the backend's service thread): ZMQ sockets are not
-thread-safe. Sends never block: a proxy that is down or slow costs a dropped heartbeat (the next
-one repeats it), never a stuck engine.
+thread-safe. Sends never block: a proxy that is down or slow costs a dropped heartbeat, never a
+stuck engine. A dropped heartbeat is tried again soon (50 ms, doubling up to the interval), not a
+whole interval later: the first one races the TCP connect (the socket queues nothing until the
+proxy is connected), and an instance whose start announcement is lost stays unknown to the proxy.
 
 Every frame is addressed to the proxy's control address as we dial it (``host:port`` of
 ``p2p.proxy_url``): under a shared secret a frame captured on its way to this proxy is refused by
@@ -19,6 +21,8 @@ import zmq
 from lmcache_p2p import protocol
 from lmcache_p2p.config import ZMQ_HEARTBEAT_IVL_MS, ZMQ_HEARTBEAT_TIMEOUT_MS
 
+_RETRY_FIRST_S = 0.05  # a dropped heartbeat is tried again this soon, the gap doubling up to the interval
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,6 +34,7 @@ class Announcer:
         self._interval_s = interval_s
         self._next_heartbeat = 0.0
         self._last_heartbeat = -float("inf")
+        self._retry_s = _RETRY_FIRST_S
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._dropped = 0
@@ -68,10 +73,16 @@ class Announcer:
         news the proxy waits for (freed buffer credit) leaves at once, at most one per gap."""
         self._next_heartbeat = min(self._next_heartbeat, self._last_heartbeat + min_gap_s)
 
-    def heartbeat(self, announce: protocol.Announce) -> None:
+    def heartbeat(self, announce: protocol.Announce) -> bool:
+        """Send ``announce`` and schedule the next one: an interval on, or soon if it was dropped."""
         self._last_heartbeat = time.monotonic()
-        self._next_heartbeat = self._last_heartbeat + self._interval_s
-        self.send(announce)
+        if self.send(announce):
+            self._retry_s = _RETRY_FIRST_S
+            self._next_heartbeat = self._last_heartbeat + self._interval_s
+            return True
+        self._next_heartbeat = self._last_heartbeat + min(self._retry_s, self._interval_s)
+        self._retry_s = min(2 * self._retry_s, self._interval_s)
+        return False
 
     def close(self, goodbye: protocol.Goodbye | None = None) -> None:
         if self._sock is None:

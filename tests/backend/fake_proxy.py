@@ -13,11 +13,16 @@ from lmcache_p2p import protocol
 class FakeProxy:
     """The proxy's control PULL socket: what the service reports."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
+        """Bind ``port`` on loopback, or any free one."""
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self.url = f"tcp://127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
+        if port:
+            self._sock.bind(f"tcp://127.0.0.1:{port}")
+        else:
+            port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.url = f"tcp://127.0.0.1:{port}"
         self._codec = protocol.Codec()
 
     def recv(self, kind: type, timeout_s: float = 10.0) -> Any:
