@@ -26,9 +26,10 @@ API can hand over: each instance's starts afresh, so there the output after the 
 a migration, is another sample than one instance's for that seed. Greedy output never depends on it.
 
 What cannot be split between two instances is refused with 400: ``n``/``best_of`` > 1, beam
-search, ``echo``, batched prompts, prompt embeddings, ``prompt_logprobs``, structured outputs and a forced
+search, ``echo``, batched prompts, prompt embeddings, ``prompt_logprobs``, structured outputs, a forced
 ``tool_choice`` ("required" or a named tool: the decoder's grammar would restart after the prefiller's
-first token).
+first token) and chat content parts other than text (a decode prompted with the prompt's ids would get an
+image's placeholder tokens, not the image).
 """
 
 from __future__ import annotations
@@ -280,11 +281,26 @@ def _refuse_unsplittable(endpoint: Endpoint, body: dict[str, Any]) -> None:
                          "('auto' and 'none' are)")
     if endpoint is Endpoint.CHAT and (not isinstance(body.get("messages"), list) or not body["messages"]):
         raise BadRequest("messages must be a non-empty list")
+    if endpoint is Endpoint.CHAT:
+        _refuse_media(body["messages"])
     limit = body.get("truncate_prompt_tokens")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < -1):
         raise BadRequest(f"truncate_prompt_tokens must be an integer >= -1, got {limit!r}")
     if body.get("truncation_side") not in (None, "left", "right"):
         raise BadRequest(f"truncation_side must be 'left' or 'right', got {body['truncation_side']!r}")
+
+
+def _refuse_media(messages: list[Any]) -> None:
+    """Only text content parts: every decode and continuation is prompted with the prompt's token ids, in
+    which an image, audio or video is its placeholder tokens alone, without the media itself."""
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", None):
+                raise BadRequest(f"messages[{i}].content[{j}] is of type {kind!r}: only text content parts are "
+                                 "supported by the disaggregated proxy (a decoder prompted with the prompt's token ids "
+                                 "would get the media's placeholder tokens, not the media)")
 
 
 def _max_tokens(body: dict[str, Any], keys: tuple[str, ...], default: int | None) -> int | None:

@@ -66,6 +66,9 @@ def test_prefiller_returns_token_ids_only_where_the_proxy_lacks_them():
     (Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
                      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     (Endpoint.CHAT, ["not", "an", "object"], "JSON object"),
+    (Endpoint.CHAT, {"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+     r"messages\[1\]\.content\[1\] is of type 'image_url': only text content parts"),
     (Endpoint.COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be"),
     (Endpoint.COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": "5"}, "truncate_prompt_tokens must be"),
     (Endpoint.COMPLETIONS, {"prompt": "x", "truncation_side": "middle"}, "truncation_side must be"),
@@ -74,6 +77,11 @@ def test_unsplittable_or_invalid_requests_are_400(endpoint, body, message):
     with pytest.raises(BadRequest, match=message) as info:
         parse_client_request(endpoint, body, 4)
     assert info.value.status_code == 400
+
+
+def test_chat_text_content_parts_are_split():
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    assert parse_client_request(Endpoint.CHAT, body, 4).is_chat
 
 
 @pytest.mark.parametrize("tool_choice", ["auto", "none", None])
