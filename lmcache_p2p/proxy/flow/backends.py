@@ -15,9 +15,12 @@ the same one) picks the strategy here, which answers three questions:
     blocks nobody pulls are the prefiller's to free (its ``kv_lease_duration``). The prefill and its decode
     carry one ``X-Request-Id`` (the attempt's ``req_id``), as vllm-router sends them: vLLM's
     NixlPushConnector (the prefiller writes into blocks the decoder registered) pairs the two by vLLM's
-    request id, made of it; its prefiller answers ``transfer_mode: push``. A chat prefill's id
-    (``chatcmpl-...``) never pairs with the decode's (a completion, ``cmpl-...``), so such a KV counts as
-    failed at once and ``--on-kv-failure`` applies (``retry``: a /v1/completions prefill of the prompt ids).
+    request id, made of it; its prefiller answers ``transfer_mode: push``, which the proxy learns
+    (``Instance.pushes_kv``). A chat prefill's id (``chatcmpl-...``) never pairs with the decode's (a
+    completion, ``cmpl-...``), so on a prefiller known to push a chat prefill goes as a /v1/completions of
+    the prompt's ids (:meth:`KvBackend.prefills_ids`; the prefiller's /tokenize renders its chat template,
+    as its chat endpoint would). A chat KV on a push prefiller not yet known to push counts as failed at
+    once and ``--on-kv-failure`` applies (``retry``: a /v1/completions prefill of the prompt ids).
 * what the decode carries (:attr:`KvBackend.decode_prompt_is_prefill_prompt`): ours takes prompt + every
   token the client has (it computes the first token's KV itself); a NixlConnector decoder must be
   prompted with exactly the prompt the prefiller computed (its blocks cover that prompt and no more), so
@@ -218,6 +221,13 @@ class KvBackend(abc.ABC):
         """The client's first token is the prefiller's (else the decoder generates the whole output)."""
         return True
 
+    def prefills_ids(self, req: ClientRequest, prefiller: Instance) -> bool:
+        """The prefill goes to /v1/completions with the prompt's ids (else to the client's endpoint as sent)."""
+        return False
+
+    def learn(self, prefiller: Instance, answer: dict[str, Any]) -> None:
+        """What a prefill's answer tells of its prefiller."""
+
 
 class LmcacheP2PBackend(KvBackend):
     backend = Backend.LMCACHE_P2P
@@ -245,6 +255,15 @@ class VllmNixlBackend(KvBackend):
     def first_from_prefill(self, req: ClientRequest) -> bool:
         """Greedy only: the decoder generates the first token again, and only a greedy draw is the same."""
         return greedy(req)
+
+    def prefills_ids(self, req: ClientRequest, prefiller: Instance) -> bool:
+        """A chat prefill on a push prefiller: its vLLM request id must pair with the decode's, a completion's."""
+        return req.is_chat and prefiller.pushes_kv
+
+    def learn(self, prefiller: Instance, answer: dict[str, Any]) -> None:
+        params = answer.get("kv_transfer_params")
+        if isinstance(params, dict):
+            prefiller.pushes_kv = params.get("transfer_mode") == PUSH_MODE
 
 
 _BACKENDS: dict[Backend, KvBackend] = {b.backend: b for b in (LmcacheP2PBackend(), VllmNixlBackend())}

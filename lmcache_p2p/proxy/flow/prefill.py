@@ -18,6 +18,7 @@ from typing import Any
 from lmcache_p2p.config import Role
 from lmcache_p2p.proxy.router.admission import Admission, Outcome
 from lmcache_p2p.proxy.errors import ProxyError, UpstreamConnectError, UpstreamMalformed, UpstreamUnreachable
+from lmcache_p2p.proxy.flow.backends import backend_of
 from lmcache_p2p.proxy.flow.context import RequestContext, Services, nothing_routable
 from lmcache_p2p.proxy.flow.handover import KvHandover
 from lmcache_p2p.proxy.observe.metrics import RequestReuse
@@ -27,6 +28,7 @@ from lmcache_p2p.proxy.http.responses import FirstToken, first_token
 from lmcache_p2p.proxy.router.routing import ColocatedReason, RequestCost, chunks_needed
 from lmcache_p2p.proxy.http.shaping import (
     Endpoint,
+    ids_prefill_body,
     prefill_body,
     reads_output_tokens,
     retry_prefill_body,
@@ -155,11 +157,11 @@ class PrefillAttempts:
         if not self._placement.compatible_prefillers(decoder):  # gone while the request waited for admission
             return await self._colocate_on(decoder, cost, ColocatedReason.NO_PREFILLER)
         prefiller = self._placement.pick_prefiller(decoder)
+        path, build = await self._prefill_request(prefiller)
         broken = 0
         while True:
             try:
-                prefiller, answer = await self._send(prefiller, req.endpoint.value, lambda kv: prefill_body(req, kv),
-                                                     cost.prompt_tokens)
+                prefiller, answer = await self._send(prefiller, path, build, cost.prompt_tokens)
                 break
             except UpstreamConnectError as exc:  # every compatible prefiller refused: nothing was sent
                 logger.warning("request %s: no prefiller reachable (%s); decoder %s computes the prompt",
@@ -180,6 +182,19 @@ class PrefillAttempts:
         self._placement.lease().resize_commit(chunks_needed(len(self._ctx.prompt_ids), decoder.chunk_tokens))
         self._note_prefill(prefiller, decoder, answer)
         return first
+
+    async def _prefill_request(self, prefiller: Instance) -> tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]:
+        """The prefill's path and body: the client's request on its endpoint, or, where the pair's backend
+        asks for it (``KvBackend.prefills_ids``), a /v1/completions of the prompt's ids as ``prefiller``'s
+        /tokenize renders them (any prefiller of the pair's backend serves that, should it be retried)."""
+        req = self._ctx.req
+        if not backend_of(prefiller).prefills_ids(req, prefiller):
+            return req.endpoint.value, lambda kv: prefill_body(req, kv)
+        try:
+            ids = await self._tokenize(prefiller)
+        except UpstreamUnreachable:  # a connection failure is the prefill's to handle, where it is sent
+            return req.endpoint.value, lambda kv: prefill_body(req, kv)
+        return Endpoint.COMPLETIONS.value, lambda kv: ids_prefill_body(req, ids, kv)
 
     def _after_broken(self, broke: _PrefillBroken, broken: int, decoder: Instance) -> Instance | None:
         """Where a broken prefill is retried (None: the decoder computes the prompt); raises after the last."""
@@ -239,6 +254,7 @@ class PrefillAttempts:
             self._handover.not_sent()
             raise
         self._placement.prefilled_on = answered[0]
+        backend_of(answered[0]).learn(answered[0], answered[1])
         self._handover.answered(answered[1], path)
         return answered
 

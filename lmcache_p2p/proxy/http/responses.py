@@ -35,7 +35,7 @@ class FirstToken:
     text: str
     finish_reason: str | None
     stop_reason: Any
-    logprobs: Any  # already in the client's format (the prefill ran on the client's endpoint)
+    logprobs: Any  # in the client's format
     prompt_ids: list[int] | None
     model: str
     created: int
@@ -64,19 +64,22 @@ def first_token(req: ClientRequest, answer: dict[str, Any]) -> FirstToken:
     if not isinstance(token_id, int):
         raise UpstreamMalformed("prefill answer carries no first token (kv_transfer_params.first_tok): is the "
                                 "prefiller running LMCacheConnectorV1 as kv_producer?")
-    if req.is_chat:
+    logprobs = choice.get("logprobs")
+    if "message" in choice:  # the chat endpoint answered
         message = choice.get("message") or {}
         text = message.get("content") or message.get("reasoning_content") or ""
         prompt_ids = answer.get("prompt_token_ids")
-    else:
+    else:  # the completions endpoint: the client's, or a chat prompt's ids prefilled there
         text = choice.get("text") or ""
         prompt_ids = choice.get("prompt_token_ids")
+        if req.is_chat:
+            logprobs = chat_logprobs(logprobs, req.top_logprobs or 0)
     return FirstToken(
         token_id=token_id,
         text=text,
         finish_reason=choice.get("finish_reason"),
         stop_reason=choice.get("stop_reason"),
-        logprobs=choice.get("logprobs"),
+        logprobs=logprobs,
         prompt_ids=prompt_ids if isinstance(prompt_ids, list) and prompt_ids else None,
         model=str(answer.get("model", "")),
         created=int(answer.get("created") or 0),
@@ -234,26 +237,29 @@ class ChatRenderer(Renderer):
         answer["prompt_token_ids"] = self._prompt_ids
 
     def _convert_logprobs(self, logprobs: dict[str, Any] | None) -> Any:
-        """Completion-format logprobs -> chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-        if not logprobs:
-            return None
-        top_n = self._req.top_logprobs or 0
-        content = []
-        for i, token in enumerate(logprobs.get("tokens") or []):
-            top = (logprobs.get("top_logprobs") or [None] * (i + 1))[i] or {}
-            ranked = sorted(top.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
-            content.append({
-                "token": token,
-                "logprob": (logprobs.get("token_logprobs") or [None] * (i + 1))[i],
-                "bytes": list(token.encode()),
-                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in ranked],
-            })
-        return {"content": content}
+        return chat_logprobs(logprobs, self._req.top_logprobs or 0)
 
     def _merge_logprobs(self, parts: list[Any]) -> Any:
         if not parts:
             return None
         return {"content": [item for part in parts for item in part.get("content") or ()]}
+
+
+def chat_logprobs(logprobs: dict[str, Any] | None, top_n: int) -> Any:
+    """Completion-format logprobs -> chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if not logprobs:
+        return None
+    content = []
+    for i, token in enumerate(logprobs.get("tokens") or []):
+        top = (logprobs.get("top_logprobs") or [None] * (i + 1))[i] or {}
+        ranked = sorted(top.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
+        content.append({
+            "token": token,
+            "logprob": (logprobs.get("token_logprobs") or [None] * (i + 1))[i],
+            "bytes": list(token.encode()),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in ranked],
+        })
+    return {"content": content}
 
 
 def _token_strings_length(logprobs: Any) -> int:

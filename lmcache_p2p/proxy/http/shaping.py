@@ -159,6 +159,21 @@ def prefill_body(req: ClientRequest, kv_params: dict[str, Any] | None) -> dict[s
     return body
 
 
+def ids_prefill_body(req: ClientRequest, prompt_ids: Sequence[int], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The client's request as a /v1/completions prefill of ``prompt_ids`` (its chat prompt as the prefiller's
+    /tokenize rendered it, truncated already), cut to its first token, which comes back with the ids."""
+    body = _completion_sampling_params(req)
+    # kept as in prefill_body (idempotent on ids cut already; -1 against a context the proxy does not know)
+    body.update({key: req.body[key] for key in _PROMPT_TRUNCATION_KEYS if key in req.body})
+    body.update(prompt=list(prompt_ids), max_tokens=1, stream=False, return_token_ids=True,
+                kv_transfer_params=kv_params)
+    if req.top_logprobs is not None:
+        body["logprobs"] = req.top_logprobs
+    if body.get("min_tokens"):
+        body["min_tokens"] = 1
+    return body
+
+
 def retry_prefill_body(req: ClientRequest, prompt_ids: list[int], kv_params: dict[str, Any]) -> dict[str, Any]:
     """A /v1/completions prefill of known token ids: only its KV matters, not its first token."""
     body: dict[str, Any] = {"prompt": prompt_ids, "max_tokens": 1, "stream": False, "kv_transfer_params": kv_params}

@@ -99,6 +99,9 @@ class Instance:
     # had text), so an empty first text of it is the token's own (vLLM started with --skip-tokenizer-init
     # answers "" for every token); unlearned when it may have restarted
     makes_text: bool = False
+    # a vLLM NixlPushConnector prefiller (an answer of it said ``transfer_mode: push``): a chat prefill on it
+    # goes as a completion of the prompt's ids (``flow/backends.py``); unlearned when it may have restarted
+    pushes_kv: bool = False
     inflight_requests: int = 0
     inflight_tokens: int = 0
     commits: list[Commit] = dataclasses.field(default_factory=list)
@@ -107,6 +110,11 @@ class Instance:
     # ``registered_until_s``; None (a flag's registration, an announced instance) never expires so
     registration_ttl_s: float | None = None
     registered_until_s: float = math.inf
+
+    def forget_learned(self) -> None:
+        """Forget what its answers taught (it may come back restarted, with other flags)."""
+        self.makes_text = False
+        self.pushes_kv = False
 
     @property
     def complete(self) -> bool:

@@ -187,7 +187,7 @@ class Registry:
         inst.connect_failures += 1
         if inst.health is Health.UP and inst.connect_failures >= self._max_connect_failures:
             inst.health = Health.DOWN
-            inst.makes_text = False  # it may come back restarted, with other flags
+            inst.forget_learned()
             logger.warning(
                 "%s %s (%s): %d connection(s) in a row failed (--max-connect-failures): out of rotation until "
                 "GET /health answers 200", role_name(inst.role), inst.instance_id, inst.http_url,
@@ -291,7 +291,7 @@ class Registry:
     def _set_pending(self, inst: Instance) -> None:
         inst.health = Health.PENDING
         inst.connect_failures = 0
-        inst.makes_text = False
+        inst.forget_learned()
         self._notify(self.on_pending, inst)
 
     def released(self, inst: Instance) -> None:

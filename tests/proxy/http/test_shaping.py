@@ -8,7 +8,8 @@ import pytest
 
 from lmcache_p2p.proxy.errors import BadRequest, UpstreamMalformed
 from lmcache_p2p.proxy.http.responses import Delta, first_token, renderer_for
-from lmcache_p2p.proxy.http.shaping import Endpoint, decode_body, parse_client_request, prefill_body, truncate_prompt
+from lmcache_p2p.proxy.http.shaping import (Endpoint, decode_body, ids_prefill_body, parse_client_request, prefill_body,
+                                            truncate_prompt)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
         "temperature": 0.5, "logprobs": True, "top_logprobs": 2, "tools": [], "min_tokens": 3,
@@ -88,6 +89,25 @@ def test_chat_text_content_parts_are_split():
 def test_unforced_tool_choice_is_split(tool_choice):
     body = {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}], "tool_choice": tool_choice}
     assert parse_client_request(Endpoint.CHAT, body, 4).is_chat
+
+
+def test_a_chat_prompt_prefilled_as_ids_is_a_completion_with_its_sampling_and_its_first_token_in_chat_shape():
+    req = parse_client_request(Endpoint.CHAT, {**CHAT, "truncate_prompt_tokens": 4}, chars_per_token=4)
+    body = ids_prefill_body(req, [1, 2, 3], {"do_remote_decode": True})
+    assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 1 and body["stream"] is False
+    assert body["temperature"] == 0.5 and body["logprobs"] == 2 and body["min_tokens"] == 1
+    assert body["return_token_ids"] is True and body["kv_transfer_params"] == {"do_remote_decode": True}
+    assert body["truncate_prompt_tokens"] == 4  # idempotent on ids cut already
+    assert not {"messages", "tools", "max_completion_tokens", "top_logprobs", "stream_options"} & body.keys()
+    answer = {"model": "m", "created": 1, "kv_transfer_params": {"transfer_mode": "push"},
+              "choices": [{"text": "A", "token_ids": [5], "prompt_token_ids": [1, 2, 3], "finish_reason": "length",
+                           "logprobs": {"tokens": ["A"], "token_logprobs": [-0.1], "top_logprobs": [{"A": -0.1,
+                                                                                                     "B": -2.0}],
+                                        "text_offset": [0]}}]}
+    first = first_token(req, answer)
+    assert first.token_id == 5 and first.text == "A" and first.prompt_ids == [1, 2, 3]
+    assert first.logprobs == {"content": [{"token": "A", "logprob": -0.1, "bytes": [65], "top_logprobs": [
+        {"token": "A", "logprob": -0.1, "bytes": [65]}, {"token": "B", "logprob": -2.0, "bytes": [66]}]}]}
 
 
 def test_first_token_needs_a_token_id():
