@@ -116,5 +116,11 @@ def test_our_proxy_in_front_of_the_push_connector_serves_every_request_as_one_in
             for stream in (False, True):
                 assert complete(proxy, model, prompt, stream=stream) == reference[prompt], (prompt, stream)
         assert chat_text(proxy, model) == chat_reference
+        assert chat_text(proxy, model) == chat_reference
         recent = httpx.get(f"{proxy}/stats", timeout=10).json()["recent"]
-        assert len(recent) == 2 * len(PROMPTS) + 1 and {r["backend"] for r in recent} == {"vllm-nixl"}
+        assert len(recent) == 2 * len(PROMPTS) + 2 and {r["backend"] for r in recent} == {"vllm-nixl"}
+    # the completions taught the proxy that the prefiller pushes: each chat prefill went as a completion of its
+    # ids, never as a chat whose KV can never pair with its decode
+    proxy_log = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("proxy*.log"))
+    assert "is serving" in open(tmp_path / "launch.out").read() and proxy_log
+    assert "can never be pushed" not in proxy_log
