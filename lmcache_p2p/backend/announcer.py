@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -27,8 +28,10 @@ logger = logging.getLogger(__name__)
 
 
 class Announcer:
-    def __init__(self, proxy_url: str | None, codec: protocol.Codec, interval_s: float) -> None:
+    def __init__(self, proxy_url: str | None, codec: protocol.Codec, interval_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._url = proxy_url
+        self._clock = clock
         self.proxy_name = protocol.dialled_name(proxy_url) if proxy_url else ""  # the name we address it by
         self._codec = codec
         self._interval_s = interval_s
@@ -66,7 +69,7 @@ class Announcer:
             return False
 
     def heartbeat_due(self) -> bool:
-        return self._sock is not None and time.monotonic() >= self._next_heartbeat
+        return self._sock is not None and self._clock() >= self._next_heartbeat
 
     def expedite(self, min_gap_s: float) -> None:
         """Make the next heartbeat due ``min_gap_s`` after the last one instead of a whole interval:
@@ -75,7 +78,7 @@ class Announcer:
 
     def heartbeat(self, announce: protocol.Announce) -> bool:
         """Send ``announce`` and schedule the next one: an interval on, or soon if it was dropped."""
-        self._last_heartbeat = time.monotonic()
+        self._last_heartbeat = self._clock()
         if self.send(announce):
             self._retry_s = _RETRY_FIRST_S
             self._next_heartbeat = self._last_heartbeat + self._interval_s

@@ -7,7 +7,6 @@ import time
 import pytest
 
 from lmcache_p2p import protocol
-from lmcache_p2p.backend import announcer as announcer_module
 from lmcache_p2p.backend.announcer import Announcer
 
 from engines import free_port
@@ -54,9 +53,8 @@ class _Clock:
 
 def test_dropped_heartbeats_back_off_doubling_up_to_the_interval_and_a_sent_one_resets_the_pace(monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr(announcer_module.time, "monotonic", clock.monotonic)
     sent: list[bool] = []
-    announcer = Announcer(f"tcp://127.0.0.1:{free_port()}", protocol.Codec(), interval_s=0.5)
+    announcer = Announcer(f"tcp://127.0.0.1:{free_port()}", protocol.Codec(), interval_s=0.5, clock=clock.monotonic)
     monkeypatch.setattr(announcer, "send", lambda msg: sent[-1])
 
     def gap_after(delivered: bool) -> float:
