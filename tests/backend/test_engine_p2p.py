@@ -215,7 +215,9 @@ def test_pinned_cached_chunks_are_never_evicted_by_another_request(make_pair):
     # 4 slots. Turn 1 leaves 2 chunks cached; turn 2 pins them (held) and takes 1 slot; a third
     # request needing 2 slots finds only 1 (the pinned ones are not credit) and is refused, the
     # KV of turn 2 stays bit-exact; once turn 2 is loaded, the third request fits (evicting).
-    pair = make_pair(buffer_size="512KB", alloc_timeout_s=1.0)
+    # "other" runs into the credit timeout, which also bounds each Grant of this pair (a normal step, that a loaded
+    # machine can hold for a second or more): the engine pairs' 5 s
+    pair = make_pair(buffer_size="512KB", alloc_timeout_s=5.0)
     store(pair.sender, pair.port, seed=45, n=768, end=512, req_id="pin-1")
     pair.receiver.call(op="wait_ready", seed=45, num_tokens=768, end=512, timeout_s=READY_TIMEOUT_S)
     assert pair.receiver.call(op="load", seed=45, num_tokens=768, end=512, req_id="pin-1")["equal"]
