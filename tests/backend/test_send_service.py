@@ -710,7 +710,9 @@ def test_a_receiver_restarted_at_the_same_address_is_greeted_again_at_once(make_
         rx.welcome()  # greeted again
         alloc = rx.grant()
         wait_for(lambda: service.stats().requests_done == 2, "the second request to finish on the new incarnation")
-        assert alloc.req_id.startswith("req-2") and time.monotonic() - started < 5.0
+        # within half the 60 s alloc timeout that a request greeted too late would wait out: a loaded machine can stretch
+        # this exchange of five messages past a few seconds
+        assert alloc.req_id.startswith("req-2") and time.monotonic() - started < 30.0
         assert service.stats().requests_failed == 0 and len(transport.writes) == 2
         assert service.stats().rejected_frames == {}
     finally:
