@@ -186,12 +186,18 @@ class Cluster:
 
 
 def wait_registered(url: str, prefillers: int, decoders: int, timeout_s: float, log_path: Path) -> dict:
-    """Until our proxy at ``url`` routes to ``prefillers`` prefillers and ``decoders`` decoders (its /health)."""
+    """Until our proxy at ``url`` routes to ``prefillers`` prefillers and ``decoders`` decoders (its /health). A probe
+    that gets no answer is tried again until ``timeout_s``, as the launcher's own wait does: a loaded machine can
+    hold the proxy's answer past one probe's timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
-        health = httpx.get(f"{url}/health", timeout=5).json()
-        if (health["prefillers"], health["decoders"]) == (prefillers, decoders):
-            return health
+        try:
+            health = httpx.get(f"{url}/health", timeout=5).json()
+        except httpx.HTTPError as exc:
+            health = {"error": f"{type(exc).__name__}: {exc}"}
+        else:
+            if (health["prefillers"], health["decoders"]) == (prefillers, decoders):
+                return health
         if time.monotonic() > deadline:
             raise StartupError(f"the proxy's registry never showed {prefillers}P{decoders}D within "
                                f"{timeout_s:.0f}s: {health}; see {log_path}")

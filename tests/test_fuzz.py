@@ -556,7 +556,10 @@ def test_sender_and_receiver_secrets(sender_secret, receiver_secret, outcome):
     receiver = ReceiveService(receiver_config(receiver_secret), tp_rank=0, tp_size=1,
                               transport=LoopbackTransport("recv", net), pool=pool, slot_bytes=SLOT_BYTES,
                               region_addr=0, chunk_tokens=16, dtype="bfloat16").start()
-    cfg = P2PConfig(role=Role.SENDER, shared_secret=sender_secret, connect_timeout_s=1.0)
+    # a refusal signed with a key the sender lacks is nothing it takes: it gives up at its connect timeout, short
+    # here; a Welcome comes in whatever time a loaded machine takes (1 s failed the delivered cases when slower)
+    connect_timeout_s = 1.0 if outcome == "refused" else WAIT_S
+    cfg = P2PConfig(role=Role.SENDER, shared_secret=sender_secret, connect_timeout_s=connect_timeout_s)
     sender = SendService(cfg, tp_rank=0, tp_size=1, transport=LoopbackTransport("send", net)).start()
     released: list[str] = []
     try:

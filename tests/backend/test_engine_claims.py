@@ -23,6 +23,10 @@ SECRET = "claims-secret"
 TINY_CHUNK = 256  # tokens per chunk in engine_proc.py
 FOUR_SLOTS = "512KB"  # engine_proc's tiny model: one 256-token bf16 chunk is 128 KiB
 LONG_LEASE_S = 600  # leases far beyond the test: a slot freed here was freed by the code under test
+# A signed pair's Hello, Welcome and transport pairing: a normal step, which a loaded machine can hold for seconds.
+# A sender that must give up on a receiver whose answers it cannot take waits REFUSED_CONNECT_TIMEOUT_S instead.
+PAIRING_TIMEOUT_S = 30
+REFUSED_CONNECT_TIMEOUT_S = 3
 
 
 def restart_sender(pair, **p2p) -> None:
@@ -56,13 +60,13 @@ def wait_failed(sender, count: int) -> dict:
 
 def test_shared_secret_pair_works_and_a_mismatch_is_refused_with_nothing_reserved(make_pair):
     pair = make_pair(shared_secret=SECRET, reserve_lease_s=LONG_LEASE_S, ready_lease_s=LONG_LEASE_S,
-                     sender_opts={"shared_secret": SECRET, "connect_timeout_s": 3})
+                     sender_opts={"shared_secret": SECRET, "connect_timeout_s": PAIRING_TIMEOUT_S})
     store(pair.sender, pair.port, seed=31, n=600, req_id="signed")
     assert_received(pair.receiver, seed=31, n=600)
     assert all_free(pair.receiver)
 
     for other in (None, "another-secret"):
-        restart_sender(pair, shared_secret=other)
+        restart_sender(pair, shared_secret=other, connect_timeout_s=REFUSED_CONNECT_TIMEOUT_S)
         store(pair.sender, pair.port, seed=32, n=600, req_id=f"unsigned-{other}")
         wait_failed(pair.sender, 1)
         assert pair.receiver.call(op="lookup", seed=32, num_tokens=600) == {"hit_tokens": 0}
@@ -70,14 +74,16 @@ def test_shared_secret_pair_works_and_a_mismatch_is_refused_with_nothing_reserve
         assert slots["free"] == slots["capacity"], slots  # leases are 600 s: nothing was ever reserved
         assert "shared-secret" in pair.receiver.log_path.read_text()  # the receiver saw and dropped the frames
 
-    restart_sender(pair, shared_secret=SECRET)  # the receiver still serves a signed sender afterwards
+    # the receiver still serves a signed sender afterwards
+    restart_sender(pair, shared_secret=SECRET, connect_timeout_s=PAIRING_TIMEOUT_S)
     store(pair.sender, pair.port, seed=33, n=300, req_id="signed-again")
     assert_received(pair.receiver, seed=33, n=300)
     assert all_free(pair.receiver)
 
 
 def test_sender_with_a_secret_refuses_an_unsigned_receiver(make_pair):
-    pair = make_pair(reserve_lease_s=LONG_LEASE_S, sender_opts={"shared_secret": SECRET, "connect_timeout_s": 3})
+    pair = make_pair(reserve_lease_s=LONG_LEASE_S,
+                     sender_opts={"shared_secret": SECRET, "connect_timeout_s": REFUSED_CONNECT_TIMEOUT_S})
     store(pair.sender, pair.port, seed=34, n=600, req_id="to-unsigned")
     wait_failed(pair.sender, 1)
     assert pair.receiver.call(op="lookup", seed=34, num_tokens=600) == {"hit_tokens": 0}
@@ -228,7 +234,7 @@ def test_a_member_cannot_speak_as_another_sender_nor_replay_another_receivers_fr
     from engines import free_port
 
     pair = make_pair(shared_secret=SECRET, reserve_lease_s=LONG_LEASE_S, ready_lease_s=LONG_LEASE_S,
-                     sender_opts={"shared_secret": SECRET, "connect_timeout_s": 3})
+                     sender_opts={"shared_secret": SECRET, "connect_timeout_s": PAIRING_TIMEOUT_S})
     detail = pair.receiver.call(op="slots", detail=True)
     fingerprint = msgspec.convert(detail["fingerprint"], protocol.Fingerprint)
     shape = protocol.ChunkShape([1], "bfloat16", 1024)  # fits a slot of B and has B's dtype: B would grant it

@@ -110,6 +110,7 @@ def test_a_restarted_decoder_never_claims_the_chunks_its_previous_incarnation_ca
 
 DOCS = {d: [f"{d}{i}" for i in range(3)] for d in ("a", "b", "c")}  # chunk keys are prefix-chained
 SENDERS = {b"id-1": ("sender-1", "tx-1"), b"id-2": ("sender-2", "tx-2")}
+STOP_TIMEOUT_S = 30.0
 
 
 @dataclasses.dataclass
@@ -141,7 +142,10 @@ class ServiceMachine(RuleBasedStateMachine):
         super().__init__()
         self.rig = Rig(num_slots=3)
         self.rig.service._stop.set()  # its thread stops; this machine is its control thread now
-        self.rig.service._thread.join(5)
+        # Stopped for sure before the flag is cleared: a thread still in its loop then (a loaded machine can hold
+        # it past a short join) would go on serving, expiring and forgetting beside this machine.
+        self.rig.service._thread.join(STOP_TIMEOUT_S)
+        assert not self.rig.service._thread.is_alive(), f"the service thread did not stop within {STOP_TIMEOUT_S}s"
         self.rig.service._stop.clear()  # (a set stop flag refuses every Alloc as "shutting down")
         self.svc, self.pool, self.clock = self.rig.service, self.rig.pool, self.rig.clock
         self.memory: list[str | None] = [None] * self.pool.num_slots
