@@ -48,7 +48,7 @@ def vllm_command(args: argparse.Namespace, spec: InstanceSpec) -> list[str]:
     if server is None:
         return spec.argv
     return [args.python, "-m", WAIT_MODULE, "--url", server.health_url, "--timeout-s", f"{args.startup_timeout_s:g}",
-            "--what", "the pod's LMCache server", "--timeout-flag", "--startup-timeout-s", "--", *spec.argv]
+            "--what", "the pod's LMCache server", "--timeout-flag=--startup-timeout-s", "--", *spec.argv]
 
 
 def startup_allowance_s(args: argparse.Namespace, spec: InstanceSpec) -> float:
@@ -73,7 +73,7 @@ def server_container(args: argparse.Namespace, spec: InstanceSpec, base: dict[st
              "--what", "this pod's LMCache server"]
     # vLLM binds the pod's IP (or every interface with --bind-all): the pod's IP reaches it either way
     vllm_gone = (f'exec {args.python} -m {WAIT_MODULE} --url "http://$POD_IP:{inst.http_port}/health" --until down '
-                 f'--timeout-s {grace_period_s} --what "this pod\'s vLLM" --timeout-flag --drain-timeout-s')
+                 f'--timeout-s {grace_period_s} --what "this pod\'s vLLM" --timeout-flag=--drain-timeout-s')
     return {
         "name": CONTAINER, **{k: base[k] for k in ("image", "imagePullPolicy")}, "command": command,
         "env": base["env"] + env,
