@@ -116,7 +116,7 @@ def _add_deployment_args(p: argparse.ArgumentParser, local: bool) -> None:
                             "vllm-router (vllm-project's router in its vLLM PD mode, unchanged; docs/ROUTERS.md says "
                             "what each gives up) (default %(default)s)")
     registered = "registered with the proxy by URL" if local else "each pod registered with the proxy by a sidecar"
-    server = "an LMCache server per instance" if local else "an LMCache server container in each pod"
+    server = "an LMCache server per instance" if local else "an LMCache server container in each pod (vLLM-CPU only)"
     mp = (f"; nixl-lmcache-mp / nixl-push-lmcache-mp: the same beside LMCacheMPConnector in vLLM's MultiConnector, "
           f"with {server} (LMCache's multi-process PD recipe)")
     p.add_argument("--connector", choices=[c.value for c in connectors.Connector],
