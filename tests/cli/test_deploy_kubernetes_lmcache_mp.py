@@ -26,20 +26,11 @@ from lmcache_p2p.cli.main import build_parser, main
 
 from .conftest import free_port
 from .test_deploy_helm import k8s_checks
+from .test_deploy_kubernetes_connector import _clean_env, pod  # noqa: F401 (_clean_env: an autouse fixture)
 from .test_deploy_kubernetes import K8S_VERSIONS, POD_ENV, by_kind, expand, render
 
 MP = ["--prefill", "2", "--decode", "2", "--model", "/models/tiny", "--connector", "nixl-lmcache-mp"]
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("LMCACHE_P2P_SECRET", "UCX_TLS", "UCX_NET_DEVICES", "CUDA_VISIBLE_DEVICES"):
-        monkeypatch.delenv(name, raising=False)
-
-
-def pod(objects: list[dict], role: str) -> dict:
-    return by_kind(objects, "StatefulSet")[f"lmcache-p2p-{role}"]["spec"]["template"]["spec"]
 
 
 def named(objects: list[dict], role: str) -> dict[str, dict]:
