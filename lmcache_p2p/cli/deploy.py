@@ -15,6 +15,9 @@ Resources, scheduling and the image's user are the flags below; the image is dep
 --prefill/--decode are the replicas (instances join and leave through the proxy's registry).
 --connector nixl (or nixl-push): plain vLLM pods running vLLM's own NIXL connector, no LMCache, each
 registered with the proxy by a sidecar (lmcache-p2p register) and drained by the id it registered.
+--connector nixl-lmcache-mp (or nixl-push-lmcache-mp), vLLM-CPU only: the same, with LMCache's multi-process
+recipe: each pod also runs its LMCache server (--lmcache-l1-size, --lmcache-server-port) on 127.0.0.1 in a
+container of its own, and vLLM starts once the server answers.
 See docs/KUBERNETES.md.
 """
 
@@ -27,7 +30,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from lmcache_p2p.cli import connectors, kube_policy, kube_values, kube_yaml, launch
+from lmcache_p2p.cli import connectors, kube_lmcache, kube_policy, kube_values, kube_yaml, launch
 from lmcache_p2p.errors import ConfigError, GpuPlanError
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -132,6 +135,7 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.image.strip():
         raise ConfigError("--image", "must name a container image")
     connectors.check_flags(args)
+    kube_lmcache.check_args(args)
     kube_policy.check_port_range(args, [use.port for use in launch.planned_ports(args)])
 
 

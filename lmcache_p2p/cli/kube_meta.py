@@ -13,7 +13,8 @@ from typing import Any
 
 from lmcache_p2p.cli.instance import InstanceSpec
 from lmcache_p2p.cli.kube_values import Values
-from lmcache_p2p.cli.layout import instance_ports
+from lmcache_p2p.cli.layout import LMCACHE_SERVER_PORTS, Instance, decoder_instance, instance_ports
+from lmcache_p2p.cli.tensor_parallel import tp_sizes
 
 # Checks a deployment cannot meet as rendered, and why.
 SKIP_NAMESPACE = ("CKV_K8S_21", "the namespace is kubectl's (kubectl apply -n); --namespace writes it")
@@ -67,10 +68,20 @@ class Deployment:
     namespace: str | None  # metadata.namespace (None: kubectl's)
 
 
-def container_ports(spec: InstanceSpec, args: argparse.Namespace) -> list[dict[str, Any]]:
+def pod_instances(args: argparse.Namespace) -> dict[str, Instance]:
+    """The instance every pod of a role runs: the plan's first of that role. A pod is alone at its address, so it
+    is first in its own launch order too: a vLLM connector's handshake port is --kv-port in every pod (an LMCache MP
+    server's --lmcache-server-port), and a change of --prefill leaves the decoders' pods as they are."""
+    return {"prefiller": Instance("prefiller", 0, args.prefill_port, tp_size=tp_sizes(args).prefill, slot=0),
+            "decoder": dataclasses.replace(decoder_instance(args, 0), slot=0)}
+
+
+def container_ports(spec: InstanceSpec, args: argparse.Namespace, server: bool = False) -> list[dict[str, Any]]:
     """The instance's ports (layout.instance_ports) by their names: http, kv-R (control, rank R), nccl-R (store),
-    side-channel (a vLLM connector's NIXL handshake)."""
-    return [{"name": use.name, "containerPort": use.port} for use in instance_ports(spec.instance, args)]
+    side-channel (a vLLM connector's NIXL handshake); ``server``: instead its LMCache MP server's, lmcache and
+    lmcache-http (on loopback: in no Service and no NetworkPolicy)."""
+    return [{"name": use.name, "containerPort": use.port} for use in instance_ports(spec.instance, args)
+            if (use.name in LMCACHE_SERVER_PORTS) == server]
 
 
 def labels_of(name: str, component: str) -> dict[str, str]:

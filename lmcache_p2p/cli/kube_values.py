@@ -37,6 +37,9 @@ PROXY_WORKER_MEMORY_GIB = 1  # a relay worker with its tokenizer
 SCRATCH_SIZE = "20Gi"  # HOME and /tmp of an instance pod: torch, Triton and vLLM compile caches
 PROXY_SCRATCH_SIZE = "1Gi"
 REGISTRAR_CPU, REGISTRAR_MEMORY = "100m", "128Mi"  # an HTTP call every few seconds; Python with httpx
+# An LMCache MP server beside its L1 (--lmcache-l1-size): Python with torch and lmcache imported, its request and
+# HTTP servers; one core serves one instance's lookups, stores and loads.
+LMCACHE_SERVER_CPU, LMCACHE_SERVER_MEMORY_GIB = "1", 2
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 _QUANTITY = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
@@ -257,9 +260,14 @@ def instance_resources(args: argparse.Namespace, spec: InstanceSpec, flag: str) 
 
 def registrar_resources(args: argparse.Namespace) -> dict[str, Any]:
     """The registration sidecar of a vLLM connector's instance pod: a small Python loop (fixed, not a value)."""
-    cpu, memory = REGISTRAR_CPU, REGISTRAR_MEMORY
-    limits = {"cpu": cpu, "memory": memory} if args.cpu_limit == "equal" else {"memory": memory}
-    return {"requests": {"cpu": cpu, "memory": memory}, "limits": limits}
+    return _fixed(args, REGISTRAR_CPU, REGISTRAR_MEMORY)
+
+
+def lmcache_server_resources(args: argparse.Namespace) -> dict[str, Any]:
+    """The LMCache server container of an LMCache MP instance pod: its L1 in host memory and what it runs beside
+    it (fixed by the plan, not a value: --lmcache-l1-size is rendered into its command)."""
+    l1 = parse_size_bytes("--lmcache-l1-size", args.lmcache_l1_size)
+    return _fixed(args, LMCACHE_SERVER_CPU, _gib(l1 + LMCACHE_SERVER_MEMORY_GIB * 2**30))
 
 
 def proxy_resources(args: argparse.Namespace) -> dict[str, Any]:
@@ -270,6 +278,11 @@ def proxy_resources(args: argparse.Namespace) -> dict[str, Any]:
     else:
         workers = args.proxy_workers if args.proxy_workers > 1 else 0  # one process loads no tokenizer
         memory = f"{PROXY_MEMORY_GIB + PROXY_WORKER_MEMORY_GIB * workers}Gi"
+    return _fixed(args, cpu, memory)
+
+
+def _fixed(args: argparse.Namespace, cpu: str, memory: str) -> dict[str, Any]:
+    """requests = limits; the CPU limit only with --cpu-limit equal."""
     limits = {"cpu": cpu, "memory": memory} if args.cpu_limit == "equal" else {"memory": memory}
     return {"requests": {"cpu": cpu, "memory": memory}, "limits": limits}
 

@@ -15,19 +15,20 @@ an instance's change never restarts the proxy.
 
 With a vLLM connector (``--connector nixl``: connectors.py says what differs) a pod runs plain vLLM, whose
 ConfigMap holds vLLM's logging config only, and beside it a registration sidecar (``registrar_container``):
-such an instance cannot announce itself, so the sidecar registers it with the proxy by its pod's URL.
+such an instance cannot announce itself, so the sidecar registers it with the proxy by its pod's URL. With
+LMCache's multi-process recipe (``--connector nixl-lmcache-mp``) the pod also runs the instance's LMCache server,
+and vLLM starts once it answers (kube_lmcache.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 from typing import Any
 
 import yaml
 
-from lmcache_p2p.cli import connectors, kube_policy
+from lmcache_p2p.cli import connectors, kube_lmcache, kube_policy
 from lmcache_p2p.cli.instance import (
     SECRET_ENV, GpuAssignment, InstanceSpec, Site, instance_spec, instance_utilization, proxy_command,
 )
@@ -35,9 +36,7 @@ from lmcache_p2p.cli.kube_values import (
     PROXY_SCRATCH_SIZE, PodValues, registrar_resources, shm_size, values_from_args,
 )
 from lmcache_p2p.cli.kube_yaml import config_hash
-from lmcache_p2p.cli.kube_meta import Deployment, Names, Part, container_ports, labels_of, meta
-from lmcache_p2p.cli.layout import Instance, decoder_instance
-from lmcache_p2p.cli.tensor_parallel import tp_sizes
+from lmcache_p2p.cli.kube_meta import Deployment, Names, Part, container_ports, labels_of, meta, pod_instances
 from lmcache_p2p.cli.vllm_env import logging_config_text
 
 CONFIG_DIR = "/etc/lmcache-p2p"
@@ -69,13 +68,9 @@ def pod_site(args: argparse.Namespace, names: Names) -> Site:
 
 
 def role_specs(args: argparse.Namespace, site: Site) -> dict[str, InstanceSpec]:
-    """The instance every pod of a role runs: the plan's first of that role. A pod is alone at its address, so it
-    is first in its own launch order too: a vLLM connector's handshake port is --kv-port in every pod, and a
-    change of --prefill leaves the decoders' pods as they are."""
-    first = {"prefiller": Instance("prefiller", 0, args.prefill_port, tp_size=tp_sizes(args).prefill, slot=0),
-             "decoder": dataclasses.replace(decoder_instance(args, 0), slot=0)}
+    """The instance every pod of a role runs (kube_meta.pod_instances), as instance_spec makes it."""
     specs = {}
-    for role, inst in first.items():
+    for role, inst in pod_instances(args).items():
         gpu = None
         if args.device == "cuda":
             gpu = GpuAssignment((), instance_utilization(inst, args, int(args.gpu_memory_gib * 2**30)))
@@ -164,9 +159,13 @@ def role_objects(d: Deployment, role: str) -> list[dict[str, Any]]:
     volumes = [{"name": "config", "configMap": {"name": names.configs[role]}}, {"name": "dshm", "emptyDir": shm},
                *_scratch_volumes(args.scratch_size), *_model_volumes(args)]
     values = d.values.role(role)
-    registrar = [] if connectors.announces(args) else [registrar_container(d, spec)]
-    pod = pod_spec(d, values, [instance_container(d, spec, ports), *registrar], volumes,
-                   terminationGracePeriodSeconds=int(args.drain_timeout_s) + 30)
+    grace_s = int(args.drain_timeout_s) + 30
+    server = kube_lmcache.server_container(args, spec, {
+        **_image(d), "env": [e for e in _pod_env(names) if e["name"] != SECRET_ENV],  # it takes no secret
+        "volumeMounts": _scratch_mounts()}, grace_s)
+    sidecars = [c for c in (server, None if connectors.announces(args) else registrar_container(d, spec)) if c]
+    pod = pod_spec(d, values, [instance_container(d, spec, ports), *sidecars], volumes,
+                   terminationGracePeriodSeconds=grace_s)
     statefulset = meta(d, "apps/v1", "StatefulSet", names.role(role), role, workload=True) | {"spec": {
         "serviceName": names.role(role), "replicas": values.replicas,
         "podManagementPolicy": "Parallel",  # instances join the registry independently: no start order
@@ -197,18 +196,19 @@ def pod_spec(d: Deployment, values: PodValues, containers: list[dict[str, Any]],
 
 
 def instance_container(d: Deployment, spec: InstanceSpec, ports: list[dict[str, Any]]) -> dict[str, Any]:
-    """vLLM; its preStop drains it through the proxy, by the id the proxy lists the pod under (its name, or its
-    URL's registration: ``$POD_NAME`` and ``$POD_IP`` as the shell fills them in)."""
+    """vLLM (with LMCache MP started once its server answers: kube_lmcache.py); its preStop drains it through the
+    proxy, by the id the proxy lists the pod under (its name, or its URL's registration: ``$POD_NAME`` and
+    ``$POD_IP`` as the shell fills them in)."""
     args, names, inst = d.args, d.names, spec.instance
     instance_id = connectors.registry_id(args, inst.role, "$POD_NAME", f"http://$POD_IP:{inst.http_port}")
     drain = (f'exec {args.python} -m lmcache_p2p.cli.main drain "{instance_id}" '
              f'--proxy {_proxy_url(d)} --timeout-s {args.drain_timeout_s:g} --missing-ok')
     return {
-        "name": "vllm", **_image(d), "command": spec.argv,
+        "name": "vllm", **_image(d), "command": kube_lmcache.vllm_command(args, spec),
         "env": _pod_env(names) + [_env_var(k, v) for k, v in spec.env.items()],
         "ports": ports,
         "resources": d.values.role(spec.instance.role).resources,
-        **_probes(startup_s=args.startup_timeout_s),
+        **_probes(startup_s=kube_lmcache.startup_allowance_s(args, spec)),
         "lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", drain]}}},
         # UCX pins (registers) the buffers it sends from and into
         "securityContext": kube_policy.container_security(args, capabilities=("IPC_LOCK",) if args.rdma else ()),

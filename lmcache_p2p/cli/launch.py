@@ -116,10 +116,11 @@ def _add_deployment_args(p: argparse.ArgumentParser, local: bool) -> None:
                             "vllm-router (vllm-project's router in its vLLM PD mode, unchanged; docs/ROUTERS.md says "
                             "what each gives up) (default %(default)s)")
     registered = "registered with the proxy by URL" if local else "each pod registered with the proxy by a sidecar"
-    choices = [c.value for c in connectors.Connector if local or not c.lmcache_mp]  # MP: the launcher starts servers
-    mp = ("; nixl-lmcache-mp / nixl-push-lmcache-mp: the same beside LMCacheMPConnector in vLLM's MultiConnector, "
-          "with an LMCache server per instance (LMCache's multi-process PD recipe)") if local else ""
-    p.add_argument("--connector", choices=choices, default=connectors.Connector.LMCACHE_P2P.value,
+    server = "an LMCache server per instance" if local else "an LMCache server container in each pod (vLLM-CPU only)"
+    mp = (f"; nixl-lmcache-mp / nixl-push-lmcache-mp: the same beside LMCacheMPConnector in vLLM's MultiConnector, "
+          f"with {server} (LMCache's multi-process PD recipe)")
+    p.add_argument("--connector", choices=[c.value for c in connectors.Connector],
+                   default=connectors.Connector.LMCACHE_P2P.value,
                    help=f"the instances' KV connector: lmcache_p2p (LMCache with our plugin), nixl (vLLM's own "
                         f"NixlConnector, the pull connector: plain vLLM servers, {registered}) or nixl-push (vLLM's "
                         f"NixlPushConnector; on one node without RDMA the one to run){mp} (default %(default)s)")
@@ -160,11 +161,11 @@ def _add_port_args(g: argparse._ArgumentGroup, local: bool) -> None:
                         f"(+ its TP rank); with --transport nccl its NCCL store {TRANSPORT_PORT_OFFSET} above "
                         f"(7400 + {KV_PORT_STRIDE}*i by default); with --connector nixl/nixl-push the i-th instance "
                         f"(prefillers first) takes --kv-port + i for its NIXL handshake (default %(default)s)")
-    if local:
-        g.add_argument("--lmcache-server-port", type=int, default=7600, action=connectors.Given,
-                       help="--connector nixl-lmcache-mp / nixl-push-lmcache-mp: the i-th instance's LMCache server "
-                            "(prefillers first) takes --lmcache-server-port + 2*i for its requests and the next port "
-                            "for its HTTP API (default %(default)s)")
+    where = ("the i-th instance's LMCache server (prefillers first) takes --lmcache-server-port + 2*i" if local
+             else "each pod's LMCache server takes --lmcache-server-port")
+    g.add_argument("--lmcache-server-port", type=int, default=7600, action=connectors.Given,
+                   help=f"--connector nixl-lmcache-mp / nixl-push-lmcache-mp: {where} for its requests and the next "
+                        "port for its HTTP API, on 127.0.0.1 (default %(default)s)")
 
 
 def _add_instance_args(p: argparse.ArgumentParser, local: bool) -> None:
@@ -180,10 +181,9 @@ def _add_instance_args(p: argparse.ArgumentParser, local: bool) -> None:
                             "decoder's API server and engine core stay off the prefillers' worker cores (decode steps "
                             "and token streaming never take the core a prefill, and so time to first token, waits "
                             "for); workers: only the workers are pinned, everything else runs anywhere")
-    if local:
-        p.add_argument("--lmcache-l1-size", default="2GB", action=connectors.Given,
-                       help="--connector nixl-lmcache-mp / nixl-push-lmcache-mp: each LMCache server's L1 cache, in "
-                            "host memory (allocated as it fills) (default %(default)s)")
+    p.add_argument("--lmcache-l1-size", default="2GB", action=connectors.Given,
+                   help="--connector nixl-lmcache-mp / nixl-push-lmcache-mp: each LMCache server's L1 cache, in "
+                        "host memory (allocated as it fills) (default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="every vLLM server's --max-model-len: the longest prompt + output (default %(default)s)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

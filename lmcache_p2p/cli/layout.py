@@ -26,6 +26,7 @@ LOOPBACK = "127.0.0.1"
 KV_PORT_STRIDE = 10  # decoder i's KV ports start at --kv-port + 10*i (one per TP rank from there)
 TRANSPORT_PORT_OFFSET = 100  # a decoder's NCCL store ports sit this far above its control ports
 SIDE_CHANNEL = "side-channel"  # the name of a vLLM connector's NIXL handshake port (vLLM's word for it)
+LMCACHE_SERVER_PORTS = ("lmcache", "lmcache-http")  # the names of an LMCache MP server's ports (loopback only)
 
 
 class CpuPlacement(str, enum.Enum):
@@ -104,9 +105,10 @@ def instance_ports(inst: Instance, args: argparse.Namespace) -> list[ports.PortU
                                   SIDE_CHANNEL))
         server = lmcache_server(inst, args)
         if server is not None:
-            uses += [ports.PortUse(server.port, f"{inst.name}'s LMCache server (--lmcache-server-port)", "lmcache"),
+            uses += [ports.PortUse(server.port, f"{inst.name}'s LMCache server (--lmcache-server-port)",
+                                   LMCACHE_SERVER_PORTS[0]),
                      ports.PortUse(server.http_port, f"{inst.name}'s LMCache server HTTP (--lmcache-server-port + 1)",
-                                   "lmcache-http")]
+                                   LMCACHE_SERVER_PORTS[1])]
         return uses
     uses += [ports.PortUse(port, f"{inst.name} rank {r}'s KV control port (--kv-port)", f"kv-{r}")
              for r, port in enumerate(inst.control_ports)]

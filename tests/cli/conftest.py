@@ -8,7 +8,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -120,3 +120,31 @@ def stub_server() -> Callable[[dict[tuple[str, str], str]], str]:
     yield serve
     for server in servers:
         server.shutdown()
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    """What LMCache's HTTP API answers on /healthcheck: 503 until its engine is up, then 200 (``status``)."""
+
+    status = 503
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.send_response(type(self).status)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def health() -> Iterator[tuple[type[Health], int]]:
+    """A fake LMCache HTTP API on a free port: its handler class (set ``status``) and its port."""
+    handler = type("H", (Health,), {"status": 503})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, name="fake-lmcache-http", daemon=True)
+    thread.start()
+    try:
+        yield handler, server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
