@@ -305,17 +305,30 @@ def _refuse_unsplittable(endpoint: Endpoint, body: dict[str, Any]) -> None:
         raise BadRequest(f"truncation_side must be 'left' or 'right', got {body['truncation_side']!r}")
 
 
+# vLLM 0.32's own test (renderers/chat_utils.py, has_non_text_content): a part is text when it has no media key
+# and its type (default "text") is one of these
+_TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking", "tool_reference"})
+_MEDIA_PART_KEYS = ("image_url", "input_image", "image_pil", "image_embeds", "audio_url", "input_audio",
+                    "audio_embeds", "video_url", "video_embeds", "prompt_embeds")
+
+
 def _refuse_media(messages: list[Any]) -> None:
     """Only text content parts: every decode and continuation is prompted with the prompt's token ids, in
     which an image, audio or video is its placeholder tokens alone, without the media itself."""
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("text", None):
-                raise BadRequest(f"messages[{i}].content[{j}] is of type {kind!r}: only text content parts are "
-                                 "supported by the disaggregated proxy (a decoder prompted with the prompt's token ids "
-                                 "would get the media's placeholder tokens, not the media)")
+            if not isinstance(part, dict):
+                continue
+            kind = part.get("type", "text")
+            media = next((key for key in _MEDIA_PART_KEYS if key in part), None)
+            text_kind = isinstance(kind, str) and kind in _TEXT_PART_TYPES
+            if media is None and text_kind:
+                continue
+            what = f"is of type {kind!r}" if not text_kind else f"has {media!r}"
+            raise BadRequest(f"messages[{i}].content[{j}] {what}: only text content parts are supported by the "
+                             "disaggregated proxy (a decoder prompted with the prompt's token ids would get the "
+                             "media's placeholder tokens, not the media)")
 
 
 def _max_tokens(body: dict[str, Any], keys: tuple[str, ...], default: int | None) -> int | None:

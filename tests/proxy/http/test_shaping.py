@@ -70,6 +70,11 @@ def test_prefiller_returns_token_ids_only_where_the_proxy_lacks_them():
     (Endpoint.CHAT, {"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
      r"messages\[1\]\.content\[1\] is of type 'image_url': only text content parts"),
+    (Endpoint.CHAT, {"messages": [{"role": "user", "content": [{"image_url": {"url": "data:,"}}]}]},
+     r"messages\[0\]\.content\[0\] has 'image_url'"),  # vLLM reads media by its key, typed or not
+    (Endpoint.CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "input_audio": {}}]}]},
+     r"messages\[0\]\.content\[0\] has 'input_audio'"),
+    (Endpoint.CHAT, {"messages": [{"role": "user", "content": [{"type": 3}]}]}, r"is of type 3"),
     (Endpoint.COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be"),
     (Endpoint.COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": "5"}, "truncate_prompt_tokens must be"),
     (Endpoint.COMPLETIONS, {"prompt": "x", "truncation_side": "middle"}, "truncation_side must be"),
@@ -81,7 +86,11 @@ def test_unsplittable_or_invalid_requests_are_400(endpoint, body, message):
 
 
 def test_chat_text_content_parts_are_split():
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    # the part types vLLM 0.32 renders as text (renderers/chat_utils.py): an assistant's refusal or thinking
+    # sent back in the history, the Responses API's input_text, an untyped part, a bare string
+    parts = [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}, {"type": "output_text", "text": "c"},
+             {"type": "refusal", "refusal": "d"}, {"type": "thinking", "thinking": "e"}, {"text": "f"}, "g"]
+    body = {"messages": [{"role": "user", "content": parts}]}
     assert parse_client_request(Endpoint.CHAT, body, 4).is_chat
 
 
