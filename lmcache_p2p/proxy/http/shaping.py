@@ -188,13 +188,33 @@ def tokenize_body(req: ClientRequest) -> dict[str, Any]:
     if req.is_chat:
         keys = ("model", "messages", "add_generation_prompt", "continue_final_message", "chat_template",
                 "chat_template_kwargs", "tools", "add_special_tokens", "mm_processor_kwargs")
-        return {k: req.body[k] for k in keys if k in req.body}
+        body = {k: req.body[k] for k in keys if k in req.body}
+        template_kwargs = _chat_only_template_kwargs(req.body)
+        if template_kwargs:
+            body["chat_template_kwargs"] = {**_client_template_kwargs(req.body), **template_kwargs}
+        return body
     prompt = req.body["prompt"]
     return {
         "model": req.body.get("model"),
         "prompt": prompt[0] if isinstance(prompt, list) else prompt,
         "add_special_tokens": req.body.get("add_special_tokens", True),
     }
+
+
+def _chat_only_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM 0.32's chat endpoint adds to the chat template's kwargs and its /tokenize does not
+    (``ChatCompletionRequest.build_chat_params``): ``documents``, ``reasoning_effort`` and, with an effort
+    and no ``enable_thinking`` of the client's, ``enable_thinking`` (false for "none"). Unset: None or "auto"."""
+    kwargs = {k: body[k] for k in ("documents", "reasoning_effort") if body.get(k) not in (None, "auto")}
+    effort = body.get("reasoning_effort")
+    if effort is not None and "enable_thinking" not in _client_template_kwargs(body):
+        kwargs["enable_thinking"] = effort != "none"
+    return kwargs
+
+
+def _client_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    kwargs = body.get("chat_template_kwargs")
+    return kwargs if isinstance(kwargs, dict) else {}
 
 
 def decode_body(req: ClientRequest, prompt_ids: Sequence[int], output_ids: Sequence[int], *,

@@ -9,7 +9,7 @@ import pytest
 from lmcache_p2p.proxy.errors import BadRequest, UpstreamMalformed
 from lmcache_p2p.proxy.http.responses import Delta, first_token, renderer_for
 from lmcache_p2p.proxy.http.shaping import (Endpoint, decode_body, ids_prefill_body, parse_client_request, prefill_body,
-                                            truncate_prompt)
+                                            tokenize_body, truncate_prompt)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
         "temperature": 0.5, "logprobs": True, "top_logprobs": 2, "tools": [], "min_tokens": 3,
@@ -117,6 +117,24 @@ def test_a_chat_prompt_prefilled_as_ids_is_a_completion_with_its_sampling_and_it
     assert first.token_id == 5 and first.text == "A" and first.prompt_ids == [1, 2, 3]
     assert first.logprobs == {"content": [{"token": "A", "logprob": -0.1, "bytes": [65], "top_logprobs": [
         {"token": "A", "logprob": -0.1, "bytes": [65]}, {"token": "B", "logprob": -2.0, "bytes": [66]}]}]}
+
+
+@pytest.mark.parametrize("fields, kwargs", [
+    ({}, None),  # nothing the chat endpoint adds: the client's own kwargs, or none
+    ({"reasoning_effort": "none"}, {"reasoning_effort": "none", "enable_thinking": False}),
+    ({"reasoning_effort": "high", "chat_template_kwargs": {"x": 1}}, {"x": 1, "reasoning_effort": "high",
+                                                                      "enable_thinking": True}),
+    ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+     {"enable_thinking": True, "reasoning_effort": "none"}),  # the client's own enable_thinking stands
+    ({"documents": [{"title": "t", "text": "d"}]}, {"documents": [{"title": "t", "text": "d"}]}),
+])
+def test_a_chat_prompt_is_tokenized_with_what_vllms_chat_endpoint_adds_to_the_template(fields, kwargs):
+    # vLLM 0.32's /tokenize takes no reasoning_effort or documents; its chat endpoint passes them (and
+    # enable_thinking) to the chat template (ChatCompletionRequest.build_chat_params)
+    req = parse_client_request(Endpoint.CHAT, {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}, 4)
+    body = tokenize_body(req)
+    assert body.get("chat_template_kwargs") == kwargs
+    assert not {"reasoning_effort", "documents"} & body.keys()
 
 
 def test_first_token_needs_a_token_id():
