@@ -260,7 +260,8 @@ _CHAT_SAMPLING_KEYS = (
     "user", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
     "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
     "spaces_between_special_tokens", "allowed_token_ids", "bad_words", "priority", "cache_salt", "vllm_xargs",
-    "repetition_detection", "logprob_token_ids", "return_tokens_as_token_ids",
+    "repetition_detection", "logprob_token_ids", "return_tokens_as_token_ids", "thinking_token_budget",
+    "watermarking", "session_id",
 )
 
 

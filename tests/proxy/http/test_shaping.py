@@ -23,6 +23,10 @@ def test_chat_request_maps_onto_completion_decode():
     assert body["prompt"] == [1, 2, 3, 9] and body["max_tokens"] == 4 and body["min_tokens"] == 2
     assert body["temperature"] == 0.5 and body["logprobs"] == 2 and body["stream"] is True
     assert "messages" not in body and "tools" not in body and "max_completion_tokens" not in body
+    # fields both vLLM 0.32 endpoints take go on (a thinking budget counts the thinking in the decode's prompt)
+    kept = {"thinking_token_budget": 64, "watermarking": True, "session_id": "s"}
+    with_them = parse_client_request(Endpoint.CHAT, {**CHAT, **kept}, chars_per_token=4)
+    assert kept.items() <= decode_body(with_them, [1], [2], proxy_text=False).items()
     prefill = prefill_body(req, {"k": 1})
     assert prefill["max_tokens"] == prefill["max_completion_tokens"] == 1 and prefill["min_tokens"] == 1
     assert prefill["stream"] is False and "stream_options" not in prefill and prefill["kv_transfer_params"] == {"k": 1}
