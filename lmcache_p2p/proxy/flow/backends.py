@@ -18,9 +18,10 @@ the same one) picks the strategy here, which answers three questions:
     request id, made of it; its prefiller answers ``transfer_mode: push``, which the proxy learns
     (``Instance.pushes_kv``). A chat prefill's id (``chatcmpl-...``) never pairs with the decode's (a
     completion, ``cmpl-...``), so on a prefiller known to push a chat prefill goes as a /v1/completions of
-    the prompt's ids (:meth:`KvBackend.prefills_ids`; the prefiller's /tokenize renders its chat template,
-    as its chat endpoint would). A chat KV on a push prefiller not yet known to push counts as failed at
-    once and ``--on-kv-failure`` applies (``retry``: a /v1/completions prefill of the prompt ids).
+    the prompt's ids (:meth:`KvBackend.prefills_ids`) as the prefiller's /tokenize renders them, where that
+    is how its chat endpoint renders them (no tools or tool calls: ``shaping.tokenizes_as_chat``). Any
+    other chat KV on a push prefiller counts as failed at once and ``--on-kv-failure`` applies (``retry``:
+    a /v1/completions prefill of the ids the chat prefill answered with).
 * what the decode carries (:attr:`KvBackend.decode_prompt_is_prefill_prompt`): ours takes prompt + every
   token the client has (it computes the first token's KV itself); a NixlConnector decoder must be
   prompted with exactly the prompt the prefiller computed (its blocks cover that prompt and no more), so
@@ -58,7 +59,7 @@ from typing import Any
 from lmcache_p2p.proxy.flow.context import Services
 from lmcache_p2p.proxy.handover.waiters import KvOutcome, KvStatus, KvWaiter
 from lmcache_p2p.proxy.http.held_text import greedy
-from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint, kv_transfer_params
+from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint, kv_transfer_params, tokenizes_as_chat
 from lmcache_p2p.proxy.router.instances import Backend, Instance
 from lmcache_p2p.proxy.router.lease import Lease
 from lmcache_p2p.vllm_plugin.router_addressing import Marker
@@ -257,8 +258,9 @@ class VllmNixlBackend(KvBackend):
         return greedy(req)
 
     def prefills_ids(self, req: ClientRequest, prefiller: Instance) -> bool:
-        """A chat prefill on a push prefiller: its vLLM request id must pair with the decode's, a completion's."""
-        return req.is_chat and prefiller.pushes_kv
+        """A chat prefill on a push prefiller: its vLLM request id must pair with the decode's, a completion's.
+        Only where /tokenize renders the chat as the chat endpoint would (else: retried, as before learning)."""
+        return prefiller.pushes_kv and tokenizes_as_chat(req)
 
     def learn(self, prefiller: Instance, answer: dict[str, Any]) -> None:
         params = answer.get("kv_transfer_params")

@@ -201,6 +201,17 @@ def tokenize_body(req: ClientRequest) -> dict[str, Any]:
     }
 
 
+def tokenizes_as_chat(req: ClientRequest) -> bool:
+    """vLLM 0.32's /tokenize renders this chat request's prompt as its chat endpoint does: no tools and no
+    tool calls, which its chat endpoint alone may render otherwise (tools left out for tool_choice "none"
+    under --exclude-tools-when-tool-choice-none, a tool parser's or a Mistral tokenizer's changes to the
+    request, ``online_renderer.render_chat``)."""
+    if not req.is_chat or req.body.get("tools"):
+        return False
+    return not any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
+                   for m in req.body["messages"])
+
+
 def _chat_only_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     """What vLLM 0.32's chat endpoint adds to the chat template's kwargs and its /tokenize does not
     (``ChatCompletionRequest.build_chat_params``): ``documents``, ``reasoning_effort`` and, with an effort

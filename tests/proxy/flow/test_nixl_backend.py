@@ -330,6 +330,13 @@ async def test_once_a_prefiller_is_known_to_push_its_chat_prefills_go_as_complet
         assert len(p.calls("/tokenize")) == 2  # vLLM renders the chat template: the ids its chat endpoint uses
         assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="failed") == 1  # the first request's alone
         assert not network.unmatched_pushes and [prompt for _, _, prompt in network.pulls] == [ids, ids, ids]
+        # with tools vLLM's chat endpoint may render the prompt unlike its /tokenize: the chat prefill again,
+        # and its KV retried from the ids that prefill answered with
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        answer = (await c.post("/v1/chat/completions", {**chat, "tools": tools, "tool_choice": "none"})).json()
+        assert answer["choices"][0]["token_ids"] == generate(ids, 5)
+        assert len(p.calls("/v1/chat/completions")) == 2 and len(p.calls("/tokenize")) == 2
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="failed") == 2
     finally:
         await _close(cm, c)
 
@@ -357,6 +364,13 @@ async def test_once_a_prefiller_is_known_to_push_its_chat_prefills_go_as_complet
         assert len(p.calls("/tokenize")) == 2  # vLLM renders the chat template: the ids its chat endpoint uses
         assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="failed") == 1  # the first request's alone
         assert not network.unmatched_pushes and [prompt for _, _, prompt in network.pulls] == [ids, ids, ids]
+        # with tools vLLM's chat endpoint may render the prompt unlike its /tokenize: the chat prefill again,
+        # and its KV retried from the ids that prefill answered with
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        answer = (await c.post("/v1/chat/completions", {**chat, "tools": tools, "tool_choice": "none"})).json()
+        assert answer["choices"][0]["token_ids"] == generate(ids, 5)
+        assert len(p.calls("/v1/chat/completions")) == 2 and len(p.calls("/tokenize")) == 2
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="failed") == 2
     finally:
         await _close(cm, c)
 

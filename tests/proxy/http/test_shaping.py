@@ -9,7 +9,7 @@ import pytest
 from lmcache_p2p.proxy.errors import BadRequest, UpstreamMalformed
 from lmcache_p2p.proxy.http.responses import Delta, first_token, renderer_for
 from lmcache_p2p.proxy.http.shaping import (Endpoint, decode_body, ids_prefill_body, parse_client_request, prefill_body,
-                                            tokenize_body, truncate_prompt)
+                                            tokenize_body, tokenizes_as_chat, truncate_prompt)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
         "temperature": 0.5, "logprobs": True, "top_logprobs": 2, "tools": [], "min_tokens": 3,
@@ -139,6 +139,19 @@ def test_a_chat_prompt_is_tokenized_with_what_vllms_chat_endpoint_adds_to_the_te
     body = tokenize_body(req)
     assert body.get("chat_template_kwargs") == kwargs
     assert not {"reasoning_effort", "documents"} & body.keys()
+
+
+@pytest.mark.parametrize("fields, alike", [
+    ({}, True),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, False),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                                        "function": {"name": "f", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "42"}]}, False),
+])
+def test_only_a_chat_without_tools_is_tokenized_as_its_chat_endpoint_renders_it(fields, alike):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    assert tokenizes_as_chat(parse_client_request(Endpoint.CHAT, body, 4)) is alike
+    assert not tokenizes_as_chat(parse_client_request(Endpoint.COMPLETIONS, {"prompt": "hi"}, 4))
 
 
 def test_first_token_needs_a_token_id():
