@@ -23,31 +23,56 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 
-ATTEMPT_TIMEOUT_S = 2.0  # one request's limit: an endpoint slower than this counts as not answering
+ATTEMPT_TIMEOUT_S = 2.0  # one request's limit
 EVERY_S = 1.0  # between attempts
+DOWN_AFTER_SILENT = 3  # --until down: attempts in a row with no answer in time that count as down
 
 
 class Until(str, enum.Enum):
     UP = "up"  # the endpoint answers 200
-    DOWN = "down"  # the endpoint no longer answers 200 (refused, an error status, or no answer in time)
+    DOWN = "down"  # the endpoint no longer answers 200: refused, an error status, or DOWN_AFTER_SILENT silences
 
 
-def answers(url: str, timeout_s: float = ATTEMPT_TIMEOUT_S) -> bool:
-    """Whether ``url`` answers 200 within ``timeout_s`` (no proxy from the environment: the pod's own)."""
+class Answer(enum.Enum):
+    OK = "ok"  # 200
+    NOT_OK = "not ok"  # a refused connection, an error status, a bad URL
+    SILENT = "silent"  # no answer within the attempt's limit: a busy server, or a stuck one
+
+
+def probe(url: str, timeout_s: float = ATTEMPT_TIMEOUT_S) -> Answer:
+    """One attempt at ``url`` (no proxy from the environment: the pod's own)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(url, timeout=timeout_s) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):  # HTTPError (an error status) is a URLError
-        return False
+            return Answer.OK if resp.status == 200 else Answer.NOT_OK
+    except urllib.error.HTTPError:  # an error status (a URLError too)
+        return Answer.NOT_OK
+    except urllib.error.URLError as exc:
+        return Answer.SILENT if isinstance(exc.reason, TimeoutError) else Answer.NOT_OK
+    except TimeoutError:  # the answer did not come in time
+        return Answer.SILENT
+    except (OSError, ValueError):
+        return Answer.NOT_OK
+
+
+def answers(url: str, timeout_s: float = ATTEMPT_TIMEOUT_S) -> bool:
+    """Whether ``url`` answers 200 within ``timeout_s``."""
+    return probe(url, timeout_s) is Answer.OK
 
 
 def wait(url: str, until: Until, timeout_s: float, every_s: float = EVERY_S,
-         probe: Callable[[str], bool] = answers) -> bool:
-    """Whether ``url`` reached ``until`` within ``timeout_s`` (at least one attempt, one every ``every_s``)."""
+         probe: Callable[[str], Answer] = probe) -> bool:
+    """Whether ``url`` reached ``until`` within ``timeout_s`` (at least one attempt, one every ``every_s``).
+    Down is a refused connection or an error status at once, but no answer in time only when it repeats:
+    a draining server that answers its health check late is still up."""
     deadline = time.monotonic() + timeout_s
+    silent = 0
     while True:
-        if probe(url) == (until is Until.UP):
+        answer = probe(url)
+        silent = silent + 1 if answer is Answer.SILENT else 0
+        if until is Until.UP and answer is Answer.OK:
+            return True
+        if until is Until.DOWN and (answer is Answer.NOT_OK or silent >= DOWN_AFTER_SILENT):
             return True
         if time.monotonic() + every_s > deadline:
             return False

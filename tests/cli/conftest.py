@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -126,8 +127,10 @@ class Health(http.server.BaseHTTPRequestHandler):
     """What LMCache's HTTP API answers on /healthcheck: 503 until its engine is up, then 200 (``status``)."""
 
     status = 503
+    delay_s = 0.0  # before each answer: a busy server
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        time.sleep(type(self).delay_s)
         self.send_response(type(self).status)
         self.end_headers()
 
@@ -138,7 +141,7 @@ class Health(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def health() -> Iterator[tuple[type[Health], int]]:
     """A fake LMCache HTTP API on a free port: its handler class (set ``status``) and its port."""
-    handler = type("H", (Health,), {"status": 503})
+    handler = type("H", (Health,), {"status": 503, "delay_s": 0.0})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, name="fake-lmcache-http", daemon=True)
     thread.start()

@@ -30,11 +30,26 @@ def test_an_error_status_is_not_up_and_a_refused_connection_is_down(health) -> N
 
 def test_a_zero_timeout_makes_exactly_one_attempt_and_the_deadline_bounds_the_wait() -> None:
     seen: list[str] = []
-    assert not http_wait.wait("u", http_wait.Until.UP, timeout_s=0, probe=lambda u: seen.append(u) or False)
+    assert not http_wait.wait("u", http_wait.Until.UP, timeout_s=0,
+                              probe=lambda u: seen.append(u) or http_wait.Answer.NOT_OK)
     assert seen == ["u"]
     start = time.monotonic()
-    assert not http_wait.wait("u", http_wait.Until.UP, timeout_s=0.5, every_s=0.1, probe=lambda u: False)
+    assert not http_wait.wait("u", http_wait.Until.UP, timeout_s=0.5, every_s=0.1,
+                              probe=lambda u: http_wait.Answer.NOT_OK)
     assert time.monotonic() - start < 2.0
+
+
+def test_an_answer_late_once_is_not_down_three_in_a_row_are(health) -> None:
+    """A draining vLLM that answers /health late is still up: the LMCache server must outlive it."""
+    handler, port = health
+    handler.status, handler.delay_s = 200, 0.6
+    url = f"http://127.0.0.1:{port}/health"
+    assert http_wait.probe(url, timeout_s=0.2) is http_wait.Answer.SILENT
+    Answer = http_wait.Answer
+    answers = iter([Answer.SILENT, Answer.OK, Answer.SILENT, Answer.SILENT, Answer.OK])
+    assert not http_wait.wait("u", http_wait.Until.DOWN, timeout_s=0.5, every_s=0.1, probe=lambda u: next(answers))
+    answers = iter([Answer.SILENT, Answer.OK, Answer.SILENT, Answer.SILENT, Answer.SILENT])
+    assert http_wait.wait("u", http_wait.Until.DOWN, timeout_s=5, every_s=0.01, probe=lambda u: next(answers))
 
 
 def test_the_proxy_of_the_environment_is_not_used(health, monkeypatch: pytest.MonkeyPatch) -> None:
