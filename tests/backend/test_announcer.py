@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 
@@ -43,18 +44,11 @@ def test_a_start_announcement_dropped_before_the_proxy_listens_is_sent_again_lon
             proxy.close()
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-
 def test_dropped_heartbeats_back_off_doubling_up_to_the_interval_and_a_sent_one_resets_the_pace(monkeypatch):
-    clock = _Clock()
+    clock = types.SimpleNamespace(now=1000.0)  # the test's own monotonic clock
     sent: list[bool] = []
-    announcer = Announcer(f"tcp://127.0.0.1:{free_port()}", protocol.Codec(), interval_s=0.5, clock=clock.monotonic)
+    announcer = Announcer(f"tcp://127.0.0.1:{free_port()}", protocol.Codec(), interval_s=0.5,
+                          clock=lambda: clock.now)
     monkeypatch.setattr(announcer, "send", lambda msg: sent[-1])
 
     def gap_after(delivered: bool) -> float:

@@ -341,40 +341,6 @@ async def test_once_a_prefiller_is_known_to_push_its_chat_prefills_go_as_complet
         await _close(cm, c)
 
 
-async def test_once_a_prefiller_is_known_to_push_its_chat_prefills_go_as_completions_of_the_prompt_ids():
-    # the first chat prefill teaches the proxy that the prefiller pushes (transfer_mode in its answer); from then
-    # on a chat prefill is one /v1/completions of the ids its /tokenize renders, named like its decode: no
-    # prefill twice, no KV failure
-    cm, c, network, (p,), (d,) = await nixl_cluster(decode_idle_timeout_s=30.0)
-    network.push = True
-    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "temperature": 0, "return_token_ids": True}
-    try:
-        ids = tokenize(chat_prompt(MESSAGES))
-        await c.post("/v1/chat/completions", chat)  # learns: one chat prefill, its retry as a completion
-        assert len(p.calls("/v1/chat/completions")) == 1 and len(p.calls("/v1/completions")) == 1
-        answer = (await c.post("/v1/chat/completions", chat)).json()
-        events = await c.stream("/v1/chat/completions", {**chat, "stream": True})
-        assert answer["choices"][0]["token_ids"] == generate(ids, 5)
-        assert answer["choices"][0]["message"]["content"] == "".join(token_text(t) for t in generate(ids, 5))
-        assert client_tokens(events) == generate(ids, 5)
-        assert len(p.calls("/v1/chat/completions")) == 1  # none since it was learnt
-        learnt = p.calls("/v1/completions")[1:]
-        assert [b["prompt"] for b in learnt] == [ids, ids] and all(b["max_tokens"] == 1 for b in learnt)
-        assert all(b["kv_transfer_params"] == NIXL_PREFILL_PARAMS and b["temperature"] == 0 for b in learnt)
-        assert len(p.calls("/tokenize")) == 2  # vLLM renders the chat template: the ids its chat endpoint uses
-        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="failed") == 1  # the first request's alone
-        assert not network.unmatched_pushes and [prompt for _, _, prompt in network.pulls] == [ids, ids, ids]
-        # with tools vLLM's chat endpoint may render the prompt unlike its /tokenize: the chat prefill again,
-        # and its KV retried from the ids that prefill answered with
-        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-        answer = (await c.post("/v1/chat/completions", {**chat, "tools": tools, "tool_choice": "none"})).json()
-        assert answer["choices"][0]["token_ids"] == generate(ids, 5)
-        assert len(p.calls("/v1/chat/completions")) == 2 and len(p.calls("/tokenize")) == 2
-        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="failed") == 2
-    finally:
-        await _close(cm, c)
-
-
 async def test_join_and_drain_live():
     cm, c, network, _, _ = await nixl_cluster(n_prefill=0, n_decode=0)
     try:
