@@ -42,7 +42,12 @@ from lmcache_p2p.proxy.errors import (
 logger = logging.getLogger(__name__)
 
 _FORWARDED_HEADERS = ("authorization",)
-_KEEPALIVE_S = 4.0
+# An idle pooled connection is let go this long after its answer was read. vLLM's server (uvicorn) closes its end
+# 5 s after it wrote the answer (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a call that goes out on a connection as the
+# instance closes it is reset, and a reset decode is moved to another instance, which computes the prompt again.
+# The margin covers a busy proxy that reads an answer's end late and takes the connection again late (CI saw
+# such a reset with a 1 s margin).
+_KEEPALIVE_S = 2.0
 REQUEST_ID_HEADER = "X-Request-Id"  # vLLM names a request after it (cmpl-{id}-{prompt index}-{8 random})
 
 
@@ -150,8 +155,6 @@ class Upstream:
             import aiohttp
 
             self._aio = aiohttp.ClientSession(
-                # An idle connection is let go before vLLM's server (uvicorn's keep-alive timeout) closes
-                # its end, so a call never goes out on a connection the instance is closing.
                 connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S,
                                                socket_factory=dead_peer_sockets(self._dead_peer_timeout_s)),
                 trust_env=False, auto_decompress=False)  # never through an environment proxy; SSE is not compressed

@@ -38,6 +38,9 @@ def anyio_backend() -> str:
 WORKERS_ENV = "LMCACHE_P2P_TEST_PROXY_WORKERS"  # run the proxy suite with --workers N (default 1: one process)
 EVENTUALLY_TIMEOUT_S = 10.0  # a deadline for conditions that normally hold within milliseconds (busy 2-core CI)
 PROXY_START_TIMEOUT_S = 60.0
+# Between the reads of an answer from the proxy (a busy 2-core CI machine stretches a 1 s test to 10 s and more);
+# a request that hangs still fails its test
+CLIENT_TIMEOUT_S = 30.0
 
 
 async def eventually(condition: Callable[[], Any], timeout_s: float = EVENTUALLY_TIMEOUT_S) -> None:
@@ -116,8 +119,12 @@ class Cluster:
         waiter = self.proxy.waiters._waiters.get(req_id)
         return waiter is None or waiter.ready_at_s is not None  # None: the request is over
 
-    async def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        return await self.client.post(path, json=body)
+    async def post(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> httpx.Response:
+        """``timeout_s``: between the answer's reads, for a request meant to wait longer (the client's default:
+        ``CLIENT_TIMEOUT_S``)."""
+        if timeout_s is None:
+            return await self.client.post(path, json=body)
+        return await self.client.post(path, json=body, timeout=timeout_s)
 
     async def stream(self, path: str, body: dict[str, Any]) -> list[dict[str, Any] | str]:
         """The SSE events of a streaming request ("[DONE]" as a string)."""
@@ -151,7 +158,7 @@ async def make_cluster(n_prefill: int = 1, n_decode: int = 1, *, tp_size: int = 
     proxy = Proxy(ProxySettings(**{**defaults, "shared_secret": secret, **settings}))
     await proxy.start()
     await proxy.start_http()
-    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy.port}", timeout=10, trust_env=False)
+    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy.port}", timeout=CLIENT_TIMEOUT_S, trust_env=False)
     cluster = Cluster(proxy, client, KvNetwork(), [], [], secret, encode=_hf_encode(settings.get("tokenizer")),
                       setup_vllm=setup_vllm, kv_before_answers=kv_before_answers)
     try:

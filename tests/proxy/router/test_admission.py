@@ -157,6 +157,9 @@ async def test_a_cancelled_waiter_leaves_and_a_late_grant_is_released():
 # ---- through the proxy -----------------------------------------------------------------------------
 
 
+TOKEN_DELAY_S = 0.005
+
+
 def ids_prompt(i: int, n_tokens: int) -> list[int]:
     return [(i * 13 + k) % 150 + 3 for k in range(n_tokens)]
 
@@ -167,13 +170,16 @@ def expected(prompt: list[int], n: int) -> str:
 
 async def test_concurrent_requests_beyond_the_buffer_wait_for_credit_and_all_get_their_kv():
     """24 concurrent prompts of 4 chunks into one decoder buffer of 8 slots: none refused, none recomputed."""
-    # the last waits for eleven pairs to prefill and decode a token: on a loaded machine far beyond the default 5 s
-    async with make_cluster(n_decode=0, admission_timeout_s=60.0) as c:
+    # the last waits for eleven pairs to prefill and decode: under 1 s here, on a loaded machine far beyond the
+    # default 5 s admission timeout and the client's own (CI once took more than 10 s), so both are a minute
+    wait_s = 60.0
+    async with make_cluster(n_decode=0, admission_timeout_s=wait_s) as c:
         decoder = await c.add_node(Role.RECEIVER, capacity_slots=8)
-        decoder.vllm.token_delay_s = 0.005
+        decoder.vllm.token_delay_s = TOKEN_DELAY_S
         prompts = [ids_prompt(i, 64) for i in range(24)]  # 64 tokens = 4 chunks of 16
         answers = await asyncio.gather(*(
-            c.post("/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 4}) for p in prompts))
+            c.post("/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 4}, timeout_s=wait_s)
+            for p in prompts))
         assert [r.status_code for r in answers] == [200] * 24
         for prompt, resp in zip(prompts, answers):
             assert resp.json()["choices"][0]["text"] == expected(prompt, 4)
