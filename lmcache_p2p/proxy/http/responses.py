@@ -67,7 +67,8 @@ def first_token(req: ClientRequest, answer: dict[str, Any]) -> FirstToken:
     logprobs = choice.get("logprobs")
     if "message" in choice:  # the chat endpoint answered
         message = choice.get("message") or {}
-        text = message.get("content") or message.get("reasoning_content") or ""
+        # a reasoning parser's (vLLM 0.32: ``reasoning``; earlier ``reasoning_content``)
+        text = message.get("content") or message.get("reasoning") or message.get("reasoning_content") or ""
         prompt_ids = answer.get("prompt_token_ids")
     else:  # the completions endpoint: the client's, or a chat prompt's ids prefilled there
         text = choice.get("text") or ""

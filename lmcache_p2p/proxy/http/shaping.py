@@ -28,7 +28,8 @@ a migration, is another sample than one instance's for that seed. Greedy output 
 What cannot be split between two instances is refused with 400: ``n``/``best_of`` > 1, beam
 search, ``echo``, batched prompts, prompt embeddings, ``prompt_logprobs``, structured outputs, a forced
 ``tool_choice`` ("required" or a named tool: the decoder's grammar would restart after the prefiller's
-first token) and chat content parts other than text (a decode prompted with the prompt's ids would get an
+first token), tools with any ``tool_choice`` but "none" (vLLM's tool parser makes ``tool_calls`` on its chat
+endpoint only, and the decodes here are completions of token ids) and chat content parts other than text (a decode prompted with the prompt's ids would get an
 image's placeholder tokens, not the image).
 """
 
@@ -325,7 +326,14 @@ def _refuse_unsplittable(endpoint: Endpoint, body: dict[str, Any]) -> None:
     if endpoint is Endpoint.CHAT and body.get("tools") and (tool_choice == "required" or isinstance(tool_choice, dict)):
         raise BadRequest("tool_choice 'required' or a named tool is not supported by the disaggregated proxy: vLLM "
                          "enforces it with a grammar, which the decoder would restart after the first token "
-                         "('auto' and 'none' are)")
+                         "(tool_choice 'none' is)")
+    if endpoint is Endpoint.CHAT and body.get("tools") and tool_choice != "none":
+        # vLLM defaults tool_choice to "auto" when tools are given, which it serves only with a tool parser
+        # (--enable-auto-tool-choice --tool-call-parser, a Mistral tokenizer or gpt-oss's harmony)
+        raise BadRequest(f"tool_choice {tool_choice or 'auto'!r} is not supported by the disaggregated proxy: the "
+                         "instance's tool parser turns a tool call into tool_calls on its chat endpoint, and the "
+                         "proxy's decodes are token ids whose text it returns as content, so a call would come back "
+                         "as plain text (tool_choice 'none' is supported)")
     if endpoint is Endpoint.CHAT and (not isinstance(body.get("messages"), list) or not body["messages"]):
         raise BadRequest("messages must be a non-empty list")
     if endpoint is Endpoint.CHAT:

@@ -98,10 +98,18 @@ def test_chat_text_content_parts_are_split():
     assert parse_client_request(Endpoint.CHAT, body, 4).is_chat
 
 
-@pytest.mark.parametrize("tool_choice", ["auto", "none", None])
-def test_unforced_tool_choice_is_split(tool_choice):
-    body = {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}], "tool_choice": tool_choice}
+def test_tools_with_tool_choice_none_are_split():
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}], "tool_choice": "none"}
     assert parse_client_request(Endpoint.CHAT, body, 4).is_chat
+
+
+@pytest.mark.parametrize("choice", [{"tool_choice": "auto"}, {}, {"tool_choice": None}])
+def test_tools_a_parser_would_turn_into_tool_calls_are_400(choice):
+    # vLLM makes tool_calls of the output on its chat endpoint alone; the decodes are completions of token ids
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}], **choice}
+    with pytest.raises(BadRequest, match="tool_choice 'auto' is not supported .* plain text") as info:
+        parse_client_request(Endpoint.CHAT, body, 4)
+    assert info.value.status_code == 400
 
 
 def test_a_chat_prompt_prefilled_as_ids_is_a_completion_with_its_sampling_and_its_first_token_in_chat_shape():
@@ -160,6 +168,15 @@ def test_first_token_needs_a_token_id():
         first_token(req, {"choices": [{"text": "a", "finish_reason": "length"}]})
     first = first_token(req, {"choices": [{"text": "a", "token_ids": [7]}], "kv_transfer_params": {"first_tok": 7}})
     assert first.token_id == 7 and first.text == "a"
+
+
+@pytest.mark.parametrize("key", ["reasoning", "reasoning_content"])
+def test_a_chat_first_token_a_reasoning_parser_answered_keeps_its_text(key):
+    # a prefiller with --reasoning-parser answers a thinking token there, not in content (vLLM 0.32: reasoning)
+    req = parse_client_request(Endpoint.CHAT, CHAT, 4)
+    answer = {"choices": [{"message": {"role": "assistant", "content": None, key: "Let"}, "token_ids": [7]}],
+              "kv_transfer_params": {"first_tok": 7}}
+    assert first_token(req, answer).text == "Let"
 
 
 def test_chat_renderer_converts_completion_logprobs():
