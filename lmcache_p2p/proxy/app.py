@@ -175,7 +175,9 @@ class ProxyApp:
             flow.first_byte_written()  # resumed: the server has handed the first token to the client
             if decode is not None:
                 async for delta in decode:
-                    yield sse(renderer.delta_chunk(delta))
+                    chunk = renderer.delta_chunk(delta)
+                    if chunk is not None:
+                        yield sse(chunk)
             if req.include_usage:
                 yield sse(renderer.usage_chunk(flow.usage()))
         except Exception as exc:  # after the first token the status is sent: report in the stream

@@ -97,6 +97,7 @@ class ProxySettings:
     # in its scheduler until the KV arrived (p2p.router_kv_timeout_s) while the proxy still waits for the KV's
     # outcome, and closes that decode and fails over when the KV fails before the decode's first output.
     early_decode: bool = False
+    chat_parsers: bool = False  # every chat decodes on its decoder's chat endpoint (flow/flow.py: instance_renders)
     instance_ttl_s: float = 10.0
     connect_timeout_s: float = 5.0
     # An upstream connection whose peer acknowledges nothing (TCP keepalive probes, data sent) this long
@@ -179,9 +180,8 @@ class ProxySettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ProxySettings:
         for name in ("kv_timeout_s", "auth_window_s", "instance_ttl_s", "connect_timeout_s", "dead_peer_timeout_s",
-                     "prefill_timeout_s",
-                     "decode_idle_timeout_s", "graceful_shutdown_s", "chars_per_token", "health_probe_interval_s",
-                     "health_probe_timeout_s", "max_connect_failures", "kv_metrics_interval_s"):
+                     "prefill_timeout_s", "decode_idle_timeout_s", "graceful_shutdown_s", "chars_per_token",
+                     "health_probe_interval_s", "health_probe_timeout_s", "max_connect_failures", "kv_metrics_interval_s"):
             if getattr(args, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')}", f"must be positive, got {getattr(args, name)}")
         if args.kv_probe_after_s < 0:
@@ -214,6 +214,7 @@ class ProxySettings:
             kv_timeout_s=args.kv_timeout_s,
             kv_probe_after_s=args.kv_probe_after_s,
             early_decode=args.early_decode,
+            chat_parsers=args.chat_parsers,
             instance_ttl_s=args.instance_ttl_s,
             connect_timeout_s=args.connect_timeout_s,
             dead_peer_timeout_s=args.dead_peer_timeout_s,
@@ -438,6 +439,10 @@ _FLAGS: tuple[_Flag, ...] = (
           "probe the decoder's GET /health when its KV is not ready this long after the prefill answered, and "
           "again at this interval: a decoder that does not answer ends the wait and the request fails over "
           "(0: never; default %(default)s)"),
+    _Flag("--chat-parsers", "chat_parsers",
+          "the instances run vLLM with --reasoning-parser: every chat decodes on its decoder's chat endpoint, whose "
+          "parsers make the answer (a chat with tools, tool_choice not 'none', always does); such a decode is not "
+          "continued elsewhere once it has output (default %(default)s)"),
     _Flag("--early-decode", "early_decode",
           "send an lmcache_p2p pair's decode as soon as the prefill answered, before its KV is ready: the decoder "
           "holds it until the KV arrived (its p2p.router_kv_timeout_s bounds that) while its HTTP intake overlaps "

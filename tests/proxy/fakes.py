@@ -202,6 +202,8 @@ class FakeVllm:
         self.models_card: dict[str, Any] = {}  # extra fields of GET /v1/models' model card (root, max_model_len)
         self.die_after: int | None = None  # a stream breaks (connection dropped) after this many tokens
         self.cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (None: not reported)
+        self.reasoning_tokens: int | None = None  # a reasoning parser's: the chat output's first N are reasoning
+        self.held_deltas = 0  # a parser's: the chat output's first N tokens make no delta (streamed: an empty one)
         self.cancelled_streams = 0
         self.finished_streams = 0
         # a decode carrying the early-decode marker waits on this before its first token, as a decoder's scheduler
@@ -256,20 +258,73 @@ class FakeVllm:
         if self.errors:
             status, error = self.errors.pop(0)
             return JSONResponse(error, status_code=status)
-        ids = self._truncate(self.encode(chat_prompt(body["messages"])), body)  # chat: no special tokens added
+        forwarded = (body.get("kv_transfer_params") or {}).get("prompt_token_ids")  # vLLM 0.32: no rendering
+        ids = forwarded or self._truncate(self.encode(chat_prompt(body["messages"])), body)  # no special tokens
         await self._maybe_send_kv(body)
         if self.break_next:
             return self._broken()
         tokens, finish = self._generate(ids, body.get("max_completion_tokens") or body.get("max_tokens") or 16,
                                         penalized(body), seeded(body))
-        choice = {"index": 0, "message": {"role": "assistant", "content": self._text(tokens)},
-                  "logprobs": None, "finish_reason": finish}
+        deltas = self._parsed(body, tokens)
+        if any(d.get("tool_calls") for d in deltas):
+            finish = "tool_calls"
+        if body.get("stream"):
+            return StreamingResponse(self._chat_stream(body, ids, tokens, deltas, finish),
+                                     media_type="text/event-stream")
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(d.get("content", "") for d in deltas)}
+        if any("reasoning" in d for d in deltas):
+            message["reasoning"] = "".join(d.get("reasoning", "") for d in deltas)
+        if any(d.get("tool_calls") for d in deltas):
+            message.update(content=None, tool_calls=[{"id": "call_f", "type": "function", "function": {
+                "name": "f", "arguments": "".join(d["tool_calls"][0]["function"].get("arguments", "")
+                                                  for d in deltas if d.get("tool_calls"))}}])
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         answer = self._answer("chat.completion", [choice], ids, tokens, body)
         if body.get("return_token_ids"):
             choice["token_ids"] = tokens
             if not self.omit_prompt_ids:
                 answer["prompt_token_ids"] = ids
         return JSONResponse(answer)
+
+    def _parsed(self, body: dict[str, Any], tokens: list[int]) -> list[dict[str, Any]]:
+        """Each output token's chat delta, as a parser makes them: the first ``reasoning_tokens`` are reasoning (a
+        reasoning parser, None: none); with tools and tool_choice auto the output is one call of "f" whose
+        arguments are the tokens' text (a tool parser)."""
+        if body.get("tools") and body.get("tool_choice", "auto") in ("auto", None):
+            return [{"tool_calls": [{"index": 0, "id": "call_f", "type": "function",
+                                     "function": {"name": "f", "arguments": token_text(t)}}]} if i == 0 else
+                    {"tool_calls": [{"index": 0, "function": {"arguments": token_text(t)}}]}
+                    for i, t in enumerate(tokens)]
+        thinking = self.reasoning_tokens or 0
+        return [{} if i < self.held_deltas else {"reasoning": token_text(t)} if i < thinking else
+                {"content": token_text(t)} for i, t in enumerate(tokens)]
+
+    async def _chat_stream(self, body: dict[str, Any], ids: list[int], tokens: list[int],
+                           deltas: list[dict[str, Any]], finish: str) -> Any:
+        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": 1700000000,
+                "model": MODEL}
+        try:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield f"data: {json.dumps({**base, 'choices': [role]})}\n\n"
+            for i, (token, delta) in enumerate(zip(tokens, deltas)):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                if self.die_after is not None and i == self.die_after:
+                    raise ConnectionAbortedError("fake decoder died mid-stream")
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                          "finish_reason": finish if i == len(tokens) - 1 else None}
+                if body.get("return_token_ids"):
+                    choice["token_ids"] = [token]
+                yield f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
+                         "total_tokens": len(ids) + len(tokens)}
+                yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+            self.finished_streams += 1
+        except asyncio.CancelledError:
+            self.cancelled_streams += 1
+            raise
 
     async def _tokenize(self, request: Request) -> Any:
         body = await request.json()

@@ -116,37 +116,47 @@ class FakeNixlVllm(FakeVllm):
 
     async def _chat(self, request: Request) -> Any:
         _request_id.set(vllm_request_id("chatcmpl", request))
-        return await super()._chat(request)
+        body = await request.json()
+        # vLLM 0.32 prompts a chat with the ids forwarded for decode-side reuse (kv_transfer_params.prompt_token_ids)
+        forwarded = (body.get("kv_transfer_params") or {}).get("prompt_token_ids")
+        refused = await self._kv_load(body, "/v1/chat/completions", forwarded or [])
+        return refused if refused is not None else await super()._chat(request)
 
     async def _completions(self, request: Request) -> Any:
         _request_id.set(vllm_request_id("cmpl", request))
         body = await request.json()
+        refused = await self._kv_load(body, "/v1/completions", self._prompt_of(body))
+        return refused if refused is not None else await super()._completions(request)
+
+    async def _kv_load(self, body: dict[str, Any], path: str, prompt_ids: list[int]) -> Any:
+        """A decode's pull (or wait for a push) of the KV its params name: None when it got it (or needs none),
+        else what the decoder answers instead."""
         params = body.get("kv_transfer_params") or {}
         if params.get("do_remote_prefill") and self.network.push:
             matched = self.network.pushed_to(_request_id.get())
             if matched is None:
-                self.requests.append(("/v1/completions", body))
+                self.requests.append((path, body))
                 return StreamingResponse(_silent(), media_type="text/event-stream")
             params = body["kv_transfer_params"] = {**params, "remote_request_id": matched}  # what it was written
         if params.get("do_remote_prefill") and self.network.hang_first_pull_headers:
             self.network.hang_first_pull_headers = False
-            self.requests.append(("/v1/completions", body))
+            self.requests.append((path, body))
             await asyncio.sleep(3600)  # cancelled when the proxy closes the connection
         if params.get("do_remote_prefill") and self.network.hang_first_pull:
             self.network.hang_first_pull = False
-            self.requests.append(("/v1/completions", body))
+            self.requests.append((path, body))
             return StreamingResponse(_silent(), media_type="text/event-stream")
         if params.get("do_remote_prefill"):
-            problem = self.network.pull(self.name, params, self._prompt_of(body))
+            problem = self.network.pull(self.name, params, prompt_ids)
             if problem is not None:
-                self.requests.append(("/v1/completions", body))
+                self.requests.append((path, body))
                 return _stream_error(f"KV load failed: {problem}")
             if self.network.die_first_stream_after is not None and body.get("stream"):
                 # this decoder's streams die from now on (a killed engine); the proxy moves this one elsewhere
                 self.die_after, self.network.die_first_stream_after = self.network.die_first_stream_after, None
         if params.get("do_remote_decode") and self.network.break_first_prefill:
             self.network.break_first_prefill, self.break_next = False, 1
-        return await super()._completions(request)
+        return None
 
     def _answer(self, obj: str, choices: list[Any], ids: list[int], tokens: list[int],
                 body: dict[str, Any]) -> dict[str, Any]:

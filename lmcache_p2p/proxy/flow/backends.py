@@ -59,7 +59,7 @@ from typing import Any
 from lmcache_p2p.proxy.flow.context import Services
 from lmcache_p2p.proxy.handover.waiters import KvOutcome, KvStatus, KvWaiter
 from lmcache_p2p.proxy.http.held_text import greedy
-from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint, kv_transfer_params, tokenizes_as_chat
+from lmcache_p2p.proxy.http.shaping import ClientRequest, kv_transfer_params, tokenizes_as_chat
 from lmcache_p2p.proxy.router.instances import Backend, Instance
 from lmcache_p2p.proxy.router.lease import Lease
 from lmcache_p2p.vllm_plugin.router_addressing import Marker
@@ -98,8 +98,8 @@ class KvAttempt(abc.ABC):
         """The ``X-Request-Id`` the prefill and the decode that takes its KV both carry (None: none)."""
         return None
 
-    def answered(self, answer: dict[str, Any], endpoint: str) -> None:
-        """The prefill's answer, to a prefill sent to ``endpoint``."""
+    def answered(self, answer: dict[str, Any], endpoint: str, decode_endpoint: str) -> None:
+        """The prefill's answer, to a prefill sent to ``endpoint`` (its decode goes to ``decode_endpoint``)."""
 
     @abc.abstractmethod
     async def wait(self, timeout_s: float) -> KvOutcome:
@@ -181,7 +181,7 @@ class PulledAttempt(KvAttempt):
     def request_id(self) -> str | None:
         return self.req_id
 
-    def answered(self, answer: dict[str, Any], endpoint: str) -> None:
+    def answered(self, answer: dict[str, Any], endpoint: str, decode_endpoint: str) -> None:
         params = answer.get("kv_transfer_params")
         missing = [k for k in NIXL_DECODE_KEYS if not isinstance(params, dict) or params.get(k) is None]
         if missing:
@@ -189,10 +189,10 @@ class PulledAttempt(KvAttempt):
                              "to pull its KV from: is it running vLLM's NixlConnector (kv_role kv_both or "
                              "kv_producer)?")
             return
-        if params.get("transfer_mode") == PUSH_MODE and endpoint != Endpoint.COMPLETIONS.value:  # type: ignore[union-attr]
+        if params.get("transfer_mode") == PUSH_MODE and endpoint != decode_endpoint:  # type: ignore[union-attr]
             self._problem = (f"the prefiller runs NixlPushConnector, which pairs a prefill with its decode by vLLM's "
-                             f"request id, and a prefill on {endpoint} is named unlike the decode (a completion): "
-                             "its KV can never be pushed")
+                             f"request id, and a prefill on {endpoint} is named unlike its decode (on "
+                             f"{decode_endpoint}): its KV can never be pushed")
             return
         self._params = dict(params)  # type: ignore[arg-type]
 

@@ -39,6 +39,7 @@ class ClientFlow:
         self._text: OutputText | None = None
         self._first_byte_s: float | None = None
         self._ended = False
+        self._rendered_usage: dict[str, int] | None = None
 
     async def prefill(self) -> FirstToken:
         opened = self._opened = await self._steps.prefill()
@@ -70,6 +71,8 @@ class ClientFlow:
             self._first_byte_s = self._clock()
 
     def usage(self) -> dict[str, int]:
+        if self._rendered_usage is not None:  # the decoder's chat endpoint counted it (its parsers may hide ids)
+            return self._rendered_usage
         return usage(len(self.prompt_ids), len(self._output_ids) or 1)
 
     async def decode(self) -> AsyncIterator[Delta]:
@@ -77,8 +80,11 @@ class ClientFlow:
         opened = self._open()
         session = DecodeSession(self._steps, self._upstream, self.req, self._headers, opened.decode_idle_timeout_s,
                                 self._text, self._output_ids, self._clock)
-        async for delta in session.deltas(opened.regenerates_first, opened.first.text):
-            yield delta
+        try:
+            async for delta in session.deltas(opened.regenerates_first, opened.first.text):
+                yield delta
+        finally:
+            self._rendered_usage = session.rendered_usage
 
     async def end(self) -> None:
         """The answer is complete (before the client's [DONE] or its body): the owner closes the request

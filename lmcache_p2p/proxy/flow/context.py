@@ -41,6 +41,7 @@ class FlowSettings:
     admission_timeout_s: float
     admission_queue_max: int
     migration_limit: int  # mid-stream moves of one request's decode to another instance
+    chat_parsers: bool  # every chat decode goes to the decoder's chat endpoint (RequestContext.instance_renders)
     tokenizer_wait_s: float  # longest a request waits for the tokenizer's first load
 
     @classmethod
@@ -79,6 +80,8 @@ class RequestContext:
     reuse: RequestReuse | None = None  # what the prefill and the KV handover reused and moved
     prefill_done_s: float = 0.0
     first_text_final: bool = False  # the first token's text is the prefiller's, even when empty (it detokenizes)
+    # the decoder's chat endpoint renders the answer (its reasoning and tool parsers): see flow/flow.py
+    instance_renders: bool = False
 
 
 def nothing_routable() -> NoInstanceAvailable:

@@ -34,7 +34,7 @@ from lmcache_p2p.proxy.errors import UpstreamConnectError, UpstreamError, Upstre
 from lmcache_p2p.proxy.http.held_text import HeldText, Replay
 from lmcache_p2p.proxy.flow.output import end_of_context, shape_delta
 from lmcache_p2p.proxy.flow.steps import RequestSteps, Target
-from lmcache_p2p.proxy.http.responses import Delta, decode_delta
+from lmcache_p2p.proxy.http.responses import USAGE_KEYS, Delta, decode_delta
 from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint
 from lmcache_p2p.proxy.upstream import Upstream, with_request_id
 
@@ -57,6 +57,8 @@ class DecodeSession:
         self._decode_sent_s: float | None = None
         self._decode_accepted_s: float | None = None
         self._started = False
+        # a decode on the decoder's chat endpoint (it renders the answer): the usage it reported
+        self.rendered_usage: dict[str, int] | None = None
 
     async def deltas(self, regenerates_first: bool, first_text: str) -> AsyncIterator[Delta]:
         """The output after the first token (all of it when ``regenerates_first``); a stream that breaks
@@ -105,6 +107,9 @@ class DecodeSession:
                 async for event in opened.events():
                     if not self._started:
                         self._report_first(opened.first_s or self._clock(), target.kv_pending)
+                    if target.path == Endpoint.CHAT.value and isinstance(event.get("usage"), dict):
+                        self.rendered_usage = {k: int(event["usage"][k]) for k in USAGE_KEYS
+                                               if isinstance(event["usage"].get(k), int)}
                     delta = self._take(decode_delta(event))
                     if delta is None:
                         continue
@@ -132,7 +137,7 @@ class DecodeSession:
             if self._decode_sent_s is None:
                 self._decode_sent_s = self._clock()
             events = await stack.enter_async_context(self._upstream.stream_events(
-                target.url, Endpoint.COMPLETIONS.value, target.body, idle_timeout_s=self._idle_timeout_s,
+                target.url, target.path, target.body, idle_timeout_s=self._idle_timeout_s,
                 headers=with_request_id(self._headers, target.request_id)))
             if self._decode_accepted_s is None:
                 self._decode_accepted_s = self._clock()

@@ -74,6 +74,14 @@ one instance's, even at temperature 0. Such a request is served whole by one ins
 (``colocated{reason=output_aware_sampling}``), and a stream of it that breaks after its first output
 token ends with an error rather than continue elsewhere (a wrong answer is worse than an error).
 
+A chat whose answer vLLM's output parsers make (``RequestContext.instance_renders``: tools with a ``tool_choice``
+other than "none", or every chat under ``--chat-parsers``) is decoded on the decoder's chat endpoint, where
+alone they run: the client's request, prompted with the prefill's ids (``shaping.chat_decode_body``; colocated,
+the instance renders the messages itself), generating the whole answer, whose chat deltas (content,
+reasoning, tool_calls) go to the client as they come. The prefill stays a chat (a push connector pairs the two
+by their ``chatcmpl-`` ids). Its parsers' state cannot move to another instance, so a stream of it that breaks
+after its first output ends with an error; one that breaks before goes elsewhere.
+
 A request's KV handover (its ``req_id`` on decoder D) ends in one of two ways: the decode request
 reaches D (once D produced its first token the proxy cancels the ``req_id``, so that slots the
 engine did not load, e.g. an unused partial last chunk, are freed now rather than at lease
@@ -109,7 +117,8 @@ from lmcache_p2p.proxy.router.registry import Registry
 from lmcache_p2p.proxy.flow.steps import Answer, Count, Opened, Target
 from lmcache_p2p.proxy.http.responses import FirstToken
 from lmcache_p2p.proxy.router.routing import ColocatedReason, RequestCost, Router
-from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint, decode_body, reads_output_tokens
+from lmcache_p2p.proxy.http.shaping import (ClientRequest, Endpoint, calls_tools, chat_decode_body, decode_body,
+                                            reads_output_tokens)
 from lmcache_p2p.proxy.observe.timeline import DecodePart, Timeline
 from lmcache_p2p.proxy.http.tokenizer import ProxyTokenizer, TokenizerProvider
 from lmcache_p2p.proxy.upstream import Upstream
@@ -173,6 +182,7 @@ class RequestFlow:
         self._s = services
         self._on_closed = on_closed
         ctx = self._ctx = RequestContext(req, headers, received_s, uuid.uuid4().hex, Timeline(received_s))
+        ctx.instance_renders = req.is_chat and (services.settings.chat_parsers or calls_tools(req))
         self._phases = Phases(ctx.response_id)
         self._placement = Placement(services, ctx)
         self._handover = KvHandover(services, ctx, self._placement)
@@ -230,7 +240,7 @@ class RequestFlow:
         first token included (its last chunk is recomputed). Token-id prompts (``--skip-tokenizer-init``
         instances have no text at all) always get prompt + first.
         """
-        if self.colocated is not None:
+        if self.colocated is not None or self._ctx.instance_renders:
             return True  # the serving instance generates the whole output
         first = self._first_or_raise()
         if not self.needs_decode:
@@ -242,7 +252,7 @@ class RequestFlow:
     def needs_decode(self) -> bool:
         """False when the first token already ended the output (max_tokens 1, EOS, a stop string, or the
         prompt + first token fill the context: ``max_model_len`` from the instances' /v1/models)."""
-        if self.colocated is not None:
+        if self.colocated is not None or self._ctx.instance_renders:
             return True  # the serving instance generates the whole output
         return self._output.needs_decode_after(self._first_or_raise())
 
@@ -382,6 +392,8 @@ class RequestFlow:
         ctx = self._ctx
         req, self._output.tokenizer = await measure(self._s, ctx, ctx.req)
         ctx.req = req
+        if ctx.instance_renders:
+            self._output.tokenizer = None  # the decoder makes the text (its parsers read it)
         first = await self._prefill.run(RequestCost(req.prompt_tokens, req.output_tokens_estimate))
         self.first = self._output.shape_first(first)
         ctx.prefill_done_s = self._s.clock()
@@ -415,8 +427,14 @@ class RequestFlow:
         # a decoder that pulls the prefill's KV is prompted with exactly that prompt: it generates the output
         # tokens after it again, which the client has (``replays``)
         upto = min(kv.output_tokens, continues_at) if kv is not None and kv.prompt_fixed else continues_at
-        body = decode_body(self.req, self.prompt_ids, ids[:upto], proxy_text=self.proxy_text,
-                           kv_params=kv.params if kv is not None else None)
+        kv_params = kv.params if kv is not None else None
+        path = Endpoint.COMPLETIONS.value
+        if self._ctx.instance_renders:  # the whole answer, from the prompt: nothing is output before it
+            # the prefill's ids, as its chat endpoint rendered them; colocated, the instance renders the messages
+            body = chat_decode_body(self.req, self.prompt_ids if self.colocated is None else None, kv_params)
+            path = Endpoint.CHAT.value
+        else:
+            body = decode_body(self.req, self.prompt_ids, ids[:upto], proxy_text=self.proxy_text, kv_params=kv_params)
         if self.timeline.decode_sent_s is None:
             self.timeline.decode_sent_s = self._s.clock()
         self.timeline.decode_parts.append(DecodePart(instance.instance_id, continues_at))
@@ -425,10 +443,15 @@ class RequestFlow:
         # wait is bounded by the KV wait beside it
         first_output_timeout_s = self._s.settings.kv_timeout_s if kv is not None and kv.portable else None
         return Target(instance.http_url, body, continues_at - upto, first_output_timeout_s,
-                      request_id=kv.request_id if kv is not None else None, kv_pending=kv_pending)
+                      request_id=kv.request_id if kv is not None else None, kv_pending=kv_pending, path=path)
 
     def _may_continue_elsewhere(self) -> bool:
         """Another instance prompted with prompt + output so far would decode as this one did."""
+        if self._output.ids and self._ctx.instance_renders:
+            logger.warning("request %s: its answer is rendered by the decoder's chat endpoint, whose parsers would "
+                           "start afresh after the %d output token(s) so far: the output ends here with an error",
+                           self.response_id, len(self._output.ids))
+            return False
         if self._output.ids and reads_output_tokens(self.req):
             logger.warning("request %s: its sampling (penalties / bad_words) reads the %d output token(s) so far, "
                            "which another instance would take as prompt: the output ends here with an error",

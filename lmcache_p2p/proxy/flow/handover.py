@@ -99,10 +99,11 @@ class KvHandover:
         """The ``X-Request-Id`` the current attempt's prefill carries (None: none)."""
         return self._current.request_id if self._current is not None else None
 
-    def answered(self, answer: dict[str, Any], endpoint: str) -> None:
-        """The prefill of the current attempt answered (it was sent to ``endpoint``)."""
+    def answered(self, answer: dict[str, Any], endpoint: str, decode_endpoint: str) -> None:
+        """The prefill of the current attempt answered (it was sent to ``endpoint``; its decode goes to
+        ``decode_endpoint``)."""
         if self._current is not None:
-            self._current.answered(answer, endpoint)
+            self._current.answered(answer, endpoint, decode_endpoint)
 
     def not_sent(self) -> None:
         """Every prefiller refused the connection: no KV is on its way (nothing to cancel)."""

@@ -188,7 +188,8 @@ class PrefillAttempts:
         asks for it (``KvBackend.prefills_ids``), a /v1/completions of the prompt's ids as ``prefiller``'s
         /tokenize renders them (any prefiller of the pair's backend serves that, should it be retried)."""
         req = self._ctx.req
-        if not backend_of(prefiller).prefills_ids(req, prefiller):
+        # a chat decoded on the decoder's chat endpoint pairs with a chat prefill (vLLM names both chatcmpl-)
+        if self._ctx.instance_renders or not backend_of(prefiller).prefills_ids(req, prefiller):
             return req.endpoint.value, lambda kv: prefill_body(req, kv)
         try:
             ids = await self._tokenize(prefiller)
@@ -255,7 +256,8 @@ class PrefillAttempts:
             raise
         self._placement.prefilled_on = answered[0]
         backend_of(answered[0]).learn(answered[0], answered[1])
-        self._handover.answered(answered[1], path)
+        decode_path = Endpoint.CHAT.value if self._ctx.instance_renders else Endpoint.COMPLETIONS.value
+        self._handover.answered(answered[1], path, decode_path)
         return answered
 
     async def _post_prefill(self, prefiller: Instance, path: str, body: dict[str, Any], prompt_tokens: int,

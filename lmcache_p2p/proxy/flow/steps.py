@@ -55,6 +55,7 @@ class Target(msgspec.Struct, frozen=True):
     first_output_timeout_s: float | None = None  # its first output's deadline (a decoder that pulls the KV first)
     request_id: str | None = None  # its X-Request-Id: the prefill's whose KV it takes (vLLM pairs them by it)
     kv_pending: bool = False  # sent before its KV is ready (--early-decode): race its first output against settled()
+    path: str = "/v1/completions"  # the decode's endpoint: /v1/chat/completions when the decoder renders the answer
 
 
 class Count(msgspec.Struct, frozen=True):

@@ -1,11 +1,11 @@
 """Response shapes: the first token from the prefill answer, decode events, and what the client sees.
 
-The decoder always answers in ``/v1/completions`` stream format; a renderer turns the prefiller's
-first token plus those events into the client's format (``text_completion`` or
-``chat.completion``, chunks when streaming), so the client receives the whole output, first token
-included, exactly once. Chat output is plain ``content`` (no reasoning / tool-call parsing on
-this path). The text of every chunk is the one ``flow/flow.py`` gives (made in the proxy from token ids
-when it has the tokenizer). Usage is recomputed: prompt = the prompt's ids, completion = the
+The decoder answers in ``/v1/completions`` stream format (or chat chunks, when its chat endpoint renders the
+answer); a renderer turns the prefiller's first token plus those events into the client's format
+(``text_completion`` or ``chat.completion``, chunks when streaming), so the client receives the whole output,
+first token included, exactly once. Chat output is plain ``content`` (no reasoning / tool-call parsing), except
+from a decode on the decoder's chat endpoint, whose parsers' deltas are kept (``ChatRenderer``). The text of
+every chunk is the one ``flow/flow.py`` gives (made in the proxy from token ids when it has the tokenizer). Usage is recomputed: prompt = the prompt's ids, completion = the
 output's token ids (first token included). Completion logprobs' ``text_offset`` is recomputed as
 vLLM does: the running length of the token strings reported so far.
 """
@@ -43,13 +43,15 @@ class FirstToken:
 
 @dataclasses.dataclass(frozen=True)
 class Delta:
-    """One decode event's output (completion format)."""
+    """One decode event's output (completion format; a chat decode's: ``message`` and chat logprobs)."""
 
     text: str
     token_ids: list[int]
     logprobs: dict[str, Any] | None
     finish_reason: str | None
     stop_reason: Any
+    # a decode on the decoder's chat endpoint: its delta as its parsers made it (content, reasoning, tool_calls)
+    message: dict[str, Any] | None = None
 
 
 def first_token(req: ClientRequest, answer: dict[str, Any]) -> FirstToken:
@@ -93,13 +95,22 @@ def decode_delta(event: dict[str, Any]) -> Delta | None:
     if not choices:
         return None
     choice = choices[0]
+    message = choice.get("delta")  # a chat decode's chunk
+    if isinstance(message, dict):
+        message = {k: v for k, v in message.items() if k != "role"}  # the client has its role chunk
+        if not any(message.values()) and not choice.get("token_ids") and choice.get("finish_reason") is None:
+            return None  # the role chunk vLLM opens a chat stream with
     return Delta(
-        text=choice.get("text") or "",
+        text=(message.get("content") or "") if isinstance(message, dict) else choice.get("text") or "",
         token_ids=list(choice.get("token_ids") or ()),
         logprobs=choice.get("logprobs"),
         finish_reason=choice.get("finish_reason"),
         stop_reason=choice.get("stop_reason"),
+        message=message if isinstance(message, dict) else None,
     )
+
+
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -138,7 +149,8 @@ class Renderer:
         return [self._chunk([self._stream_choice(first.text, first.logprobs, [first.token_id], first.finish_reason,
                                                  first.stop_reason)])]
 
-    def delta_chunk(self, delta: Delta) -> dict[str, Any]:
+    def delta_chunk(self, delta: Delta) -> dict[str, Any] | None:
+        """The client's chunk of ``delta`` (None: nothing to send)."""
         logprobs = self._convert_logprobs(delta.logprobs)
         return self._chunk([self._stream_choice(delta.text, logprobs, delta.token_ids, delta.finish_reason,
                                                 delta.stop_reason)])
@@ -212,8 +224,46 @@ class Renderer:
 
 
 class ChatRenderer(Renderer):
+    """Chat shape. A decode on the decoder's chat endpoint (``Delta.message``) keeps its parsers' delta as it
+    is; the whole answer then merges them as vLLM's stream would add up: content, reasoning, and each
+    tool call by its index."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reasoning: list[str] = []
+        self._tool_calls: dict[int, dict[str, Any]] = {}
+
+    def delta_chunk(self, delta: Delta) -> dict[str, Any] | None:
+        if delta.message is None:
+            return super().delta_chunk(delta)
+        if not any(delta.message.values()) and delta.logprobs is None and delta.finish_reason is None \
+                and not self._req.return_token_ids:
+            return None  # its parsers held these tokens back: vLLM sends a client that asked for no ids nothing
+        choice = {"index": 0, "delta": delta.message, "logprobs": delta.logprobs,
+                  "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        if self._req.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return self._chunk([choice])
+
+    def add(self, delta: Delta) -> None:
+        super().add(delta)
+        message = delta.message or {}
+        reasoning = message.get("reasoning") or message.get("reasoning_content")
+        if reasoning:
+            self._reasoning.append(reasoning)
+        for call in message.get("tool_calls") or ():
+            merged = self._tool_calls.setdefault(int(call.get("index", len(self._tool_calls))),
+                                                 {"id": None, "type": "function",
+                                                  "function": {"name": "", "arguments": ""}})
+            for key in ("id", "type"):
+                if call.get(key):
+                    merged[key] = call[key]
+            function = call.get("function") or {}
+            merged["function"]["name"] += function.get("name") or ""
+            merged["function"]["arguments"] += function.get("arguments") or ""
 
     def first_chunks(self) -> list[dict[str, Any]]:
         role = self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -232,12 +282,20 @@ class ChatRenderer(Renderer):
         return choice
 
     def _final_content(self) -> dict[str, Any]:
-        return {"message": {"role": "assistant", "content": "".join(self._text)}}
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self._text)}
+        if self._reasoning:
+            message["reasoning"] = "".join(self._reasoning)
+        if self._tool_calls:
+            message["content"] = message["content"] or None
+            message["tool_calls"] = [self._tool_calls[i] for i in sorted(self._tool_calls)]
+        return {"message": message}
 
     def _place_prompt_ids(self, answer: dict[str, Any], choice: dict[str, Any]) -> None:
         answer["prompt_token_ids"] = self._prompt_ids
 
     def _convert_logprobs(self, logprobs: dict[str, Any] | None) -> Any:
+        if isinstance(logprobs, dict) and "content" in logprobs:
+            return logprobs  # a chat decode's: in chat shape already
         return chat_logprobs(logprobs, self._req.top_logprobs or 0)
 
     def _merge_logprobs(self, parts: list[Any]) -> Any:

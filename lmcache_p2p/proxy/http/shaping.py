@@ -6,6 +6,10 @@
   ``/tokenize`` is needed; it remains the fallback) and
   ``kv_transfer_params={"ret_first_tok": true, "disagg_spec": {...}}`` naming the decoder.
 * retry prefill: ``/v1/completions`` with the prompt's token ids (its first token is not used).
+* chat decode (``chat_decode_body``), for a chat whose answer the decoder's chat endpoint renders (its
+  reasoning and tool parsers: ``calls_tools``, ``--chat-parsers``): the client's request, prompted with the
+  prefill's ids (vLLM 0.32 reads them from ``kv_transfer_params.prompt_token_ids`` instead of rendering the
+  messages), streamed with usage and token ids; the decoder generates the whole output.
 * decode: ``/v1/completions`` with prompt ids + the output so far (the first token; after a
   mid-stream migration also what the client already received), the remaining ``max_tokens`` and
   ``min_tokens``, the client's sampling parameters (chat ones mapped), always streamed with usage
@@ -28,8 +32,7 @@ a migration, is another sample than one instance's for that seed. Greedy output 
 What cannot be split between two instances is refused with 400: ``n``/``best_of`` > 1, beam
 search, ``echo``, batched prompts, prompt embeddings, ``prompt_logprobs``, structured outputs, a forced
 ``tool_choice`` ("required" or a named tool: the decoder's grammar would restart after the prefiller's
-first token), tools with any ``tool_choice`` but "none" (vLLM's tool parser makes ``tool_calls`` on its chat
-endpoint only, and the decodes here are completions of token ids) and chat content parts other than text (a decode prompted with the prompt's ids would get an
+first token) and chat content parts other than text (a decode prompted with the prompt's ids would get an
 image's placeholder tokens, not the image).
 """
 
@@ -261,6 +264,33 @@ def decode_body(req: ClientRequest, prompt_ids: Sequence[int], output_ids: Seque
     return body
 
 
+def calls_tools(req: ClientRequest) -> bool:
+    """A chat whose answer vLLM's tool parser may turn into ``tool_calls``: tools with any ``tool_choice`` but
+    "none" (vLLM takes a missing one as "auto", which it serves only with a tool parser, a Mistral tokenizer or
+    gpt-oss's harmony). The parsers act on the chat endpoint alone."""
+    return req.is_chat and bool(req.body.get("tools")) and req.body.get("tool_choice") != "none"
+
+
+def chat_decode_body(req: ClientRequest, prompt_ids: Sequence[int] | None,
+                     kv_params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The decoder's chat endpoint generates the whole answer and renders it (its reasoning and tool parsers).
+
+    ``prompt_ids``: the prompt as the prefill rendered it, which vLLM 0.32 takes from
+    ``kv_transfer_params.prompt_token_ids`` instead of rendering the messages again (None: it renders them).
+    ``kv_params``: what else the decode carries (vLLM's NixlConnector: where to pull the KV).
+    """
+    body = {k: v for k, v in req.body.items() if k not in _NOT_FOR_CHAT_DECODE}
+    body.update(stream=True, stream_options={"include_usage": True}, return_token_ids=True)
+    params = dict(kv_params or {})
+    if prompt_ids is not None:
+        params["prompt_token_ids"] = list(prompt_ids)
+    if params:
+        body["kv_transfer_params"] = params
+    return body
+
+
+# the proxy's to set; the client's request_id would name the decode unlike its prefill (X-Request-Id does)
+_NOT_FOR_CHAT_DECODE = frozenset({"kv_transfer_params", "stream", "stream_options", "return_token_ids", "request_id"})
 _PROXY_TEXT_KEYS = ("stop", "include_stop_str_in_output")
 _PROMPT_TRUNCATION_KEYS = ("truncate_prompt_tokens", "truncation_side")
 _COMPLETION_ONLY_KEYS = frozenset({
@@ -327,13 +357,6 @@ def _refuse_unsplittable(endpoint: Endpoint, body: dict[str, Any]) -> None:
         raise BadRequest("tool_choice 'required' or a named tool is not supported by the disaggregated proxy: vLLM "
                          "enforces it with a grammar, which the decoder would restart after the first token "
                          "(tool_choice 'none' is)")
-    if endpoint is Endpoint.CHAT and body.get("tools") and tool_choice != "none":
-        # vLLM defaults tool_choice to "auto" when tools are given, which it serves only with a tool parser
-        # (--enable-auto-tool-choice --tool-call-parser, a Mistral tokenizer or gpt-oss's harmony)
-        raise BadRequest(f"tool_choice {tool_choice or 'auto'!r} is not supported by the disaggregated proxy: the "
-                         "instance's tool parser turns a tool call into tool_calls on its chat endpoint, and the "
-                         "proxy's decodes are token ids whose text it returns as content, so a call would come back "
-                         "as plain text (tool_choice 'none' is supported)")
     if endpoint is Endpoint.CHAT and (not isinstance(body.get("messages"), list) or not body["messages"]):
         raise BadRequest("messages must be a non-empty list")
     if endpoint is Endpoint.CHAT:

@@ -69,6 +69,7 @@ class _WireTarget(msgspec.Struct, frozen=True):
     first_output_timeout_s: float | None = None
     request_id: str | None = None
     kv_pending: bool = False
+    path: str = "/v1/completions"
 
 
 class WirePlanned(msgspec.Struct, frozen=True, tag="planned"):
@@ -80,7 +81,7 @@ class WirePlanned(msgspec.Struct, frozen=True, tag="planned"):
     def planned(self) -> Planned:
         t = self.target
         return Planned(None if t is None else Target(t.url, t.body, t.replays, t.first_output_timeout_s,
-                                                     request_id=t.request_id, kv_pending=t.kv_pending))
+                                                     request_id=t.request_id, kv_pending=t.kv_pending, path=t.path))
 
 
 class Step(msgspec.Struct, frozen=True):

@@ -16,6 +16,9 @@ from ..conftest import eventually, make_cluster
 from ..fakes import MESSAGES, MODEL, PROMPT, chat_prompt, expected_text, generate, token_text, tokenize
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+# a test that loads the folder's tokenizer imports transformers in this process: on a loaded 2-core machine that
+# alone took 30 s
+TOKENIZER_TIMEOUT_S = 120
 
 def assert_idle(cluster) -> None:
     """Every lease released, every waiter dropped."""
@@ -392,6 +395,7 @@ def use_model(cluster, model, hf) -> None:
         node.vllm.encode = hf.encode
 
 
+@pytest.mark.timeout(TOKENIZER_TIMEOUT_S)
 async def test_a_first_token_without_text_still_sends_prompt_plus_first_and_the_text_is_the_single_instances(
         tokenizer_dir):
     path, hf = tokenizer_dir
@@ -430,6 +434,7 @@ async def restart_prefiller(c, node) -> Instance:
     return c.proxy.registry.routable(Role.SENDER)[0]
 
 
+@pytest.mark.timeout(TOKENIZER_TIMEOUT_S)
 async def test_an_empty_first_text_is_taken_only_from_a_prefiller_known_to_tokenize_as_the_proxy(tokenizer_dir):
     """vLLM run without a tokenizer answers "" for every token, one with it "" for a token that ends no character:
     the proxy makes the first token's text unless the prefiller's /tokenize agreed with its tokenizer when it came
@@ -466,6 +471,7 @@ async def test_an_empty_first_text_is_taken_only_from_a_prefiller_known_to_token
         assert_idle(c)
 
 
+@pytest.mark.timeout(TOKENIZER_TIMEOUT_S)
 async def test_stop_strings_are_applied_to_the_proxys_text_not_the_decoders(tokenizer_dir):
     path, hf = tokenizer_dir
     cycle = hf.encode("中文☃", add_special_tokens=False)
@@ -483,6 +489,7 @@ async def test_stop_strings_are_applied_to_the_proxys_text_not_the_decoders(toke
         assert_idle(c)
 
 
+@pytest.mark.timeout(TOKENIZER_TIMEOUT_S)
 async def test_the_router_gets_the_exact_prompt_token_count(tokenizer_dir):
     path, hf = tokenizer_dir
     async with make_cluster(tokenizer=str(path)) as c:
@@ -501,6 +508,7 @@ async def test_the_router_gets_the_exact_prompt_token_count(tokenizer_dir):
         assert seen == [len(hf.encode(PROMPT)), len(hf.encode(rendered, add_special_tokens=False))]
 
 
+@pytest.mark.timeout(TOKENIZER_TIMEOUT_S)
 @pytest.mark.parametrize("inline_max_tokens", [2048, 0], ids=["on-the-event-loop", "in-a-thread"])
 async def test_a_text_completion_reaches_the_prefiller_as_the_tokenizers_ids(tokenizer_dir, monkeypatch,
                                                                              inline_max_tokens):
@@ -807,6 +815,7 @@ async def test_a_penalized_stream_that_breaks_after_output_ends_with_an_error_no
 # ---- the proxy's tokenizer must be the instances' -----------------------------------------------------
 
 
+@pytest.mark.timeout(TOKENIZER_TIMEOUT_S)
 async def test_a_tokenizer_other_than_the_instances_is_not_used(tokenizer_dir):
     """vLLM started with its own --tokenizer: the proxy's prompt ids and text would be wrong, so it goes without."""
     path, hf = tokenizer_dir

@@ -341,6 +341,31 @@ async def test_once_a_prefiller_is_known_to_push_its_chat_prefills_go_as_complet
         await _close(cm, c)
 
 
+@pytest.mark.parametrize("push", [False, True])
+async def test_a_chat_the_decoder_renders_takes_the_prefills_kv_on_its_chat_endpoint(push):
+    # tools with tool_choice auto: the decoder's tool parser makes the answer, so the decode is a chat prompted with
+    # the prefill's ids (kv_transfer_params.prompt_token_ids beside the pull's): it pulls the blocks of exactly
+    # that prompt, and a push prefill (chatcmpl-) pairs with it (chatcmpl-), so no KV fails
+    cm, c, network, (p,), (d,) = await nixl_cluster(decode_idle_timeout_s=30.0)
+    network.push = push
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    chat = {"model": MODEL, "messages": MESSAGES, "tools": tools, "max_tokens": 5, "temperature": 0}
+    try:
+        ids = tokenize(chat_prompt(MESSAGES))
+        for _ in range(2):  # the second after a push prefiller is known as one
+            answer = (await c.post("/v1/chat/completions", chat)).json()
+            call, = answer["choices"][0]["message"]["tool_calls"]
+            assert call["function"]["arguments"] == "".join(token_text(t) for t in generate(ids, 5))
+        assert len(p.calls("/v1/chat/completions")) == 2 and not p.calls("/v1/completions")
+        decodes = d.calls("/v1/chat/completions")
+        assert [b["kv_transfer_params"]["prompt_token_ids"] for b in decodes] == [ids, ids]
+        assert all(b["kv_transfer_params"]["do_remote_prefill"] for b in decodes) and not d.calls("/v1/completions")
+        assert not network.unmatched_pushes and [prompt for _, _, prompt in network.pulls] == [ids, ids]
+        assert c.metric("lmcache_p2p_proxy_kv_outcomes_total", outcome="failed") == 0
+    finally:
+        await _close(cm, c)
+
+
 async def test_join_and_drain_live():
     cm, c, network, _, _ = await nixl_cluster(n_prefill=0, n_decode=0)
     try:

@@ -8,8 +8,9 @@ import pytest
 
 from lmcache_p2p.proxy.errors import BadRequest, UpstreamMalformed
 from lmcache_p2p.proxy.http.responses import Delta, first_token, renderer_for
-from lmcache_p2p.proxy.http.shaping import (Endpoint, decode_body, ids_prefill_body, parse_client_request, prefill_body,
-                                            tokenize_body, tokenizes_as_chat, truncate_prompt)
+from lmcache_p2p.proxy.http.shaping import (Endpoint, calls_tools, chat_decode_body, decode_body, ids_prefill_body,
+                                            parse_client_request, prefill_body, tokenize_body, tokenizes_as_chat,
+                                            truncate_prompt)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
         "temperature": 0.5, "logprobs": True, "top_logprobs": 2, "tools": [], "min_tokens": 3,
@@ -103,13 +104,25 @@ def test_tools_with_tool_choice_none_are_split():
     assert parse_client_request(Endpoint.CHAT, body, 4).is_chat
 
 
-@pytest.mark.parametrize("choice", [{"tool_choice": "auto"}, {}, {"tool_choice": None}])
-def test_tools_a_parser_would_turn_into_tool_calls_are_400(choice):
-    # vLLM makes tool_calls of the output on its chat endpoint alone; the decodes are completions of token ids
+@pytest.mark.parametrize("choice, calls", [
+    ({"tool_choice": "auto"}, True), ({}, True), ({"tool_choice": None}, True), ({"tool_choice": "none"}, False)])
+def test_tools_a_parser_may_turn_into_tool_calls_decode_on_the_chat_endpoint(choice, calls):
     body = {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}], **choice}
-    with pytest.raises(BadRequest, match="tool_choice 'auto' is not supported .* plain text") as info:
-        parse_client_request(Endpoint.CHAT, body, 4)
-    assert info.value.status_code == 400
+    assert calls_tools(parse_client_request(Endpoint.CHAT, body, 4)) is calls
+    assert not calls_tools(parse_client_request(Endpoint.CHAT, {"messages": body["messages"]}, 4))
+
+
+def test_a_chat_decode_is_the_clients_request_prompted_with_the_prefills_ids():
+    body = {**CHAT, "tools": [{"type": "function"}], "stream": False, "stream_options": {"continuous_usage_stats": 1},
+            "kv_transfer_params": {"from": "client"}, "request_id": "mine", "max_completion_tokens": 9}
+    req = parse_client_request(Endpoint.CHAT, body, 4)
+    decode = chat_decode_body(req, [1, 2, 3], {"remote_engine_id": "e"})
+    assert decode["kv_transfer_params"] == {"remote_engine_id": "e", "prompt_token_ids": [1, 2, 3]}
+    assert decode["stream"] is True and decode["stream_options"] == {"include_usage": True}
+    assert decode["return_token_ids"] is True and "request_id" not in decode
+    assert decode["messages"] == CHAT["messages"] and decode["tools"] == body["tools"]
+    assert decode["max_completion_tokens"] == 9 and decode["temperature"] == CHAT["temperature"]
+    assert "kv_transfer_params" not in chat_decode_body(req, None)  # colocated: the instance renders the messages
 
 
 def test_a_chat_prompt_prefilled_as_ids_is_a_completion_with_its_sampling_and_its_first_token_in_chat_shape():
