@@ -13,7 +13,7 @@ import json
 import httpx
 import pytest
 
-from cluster import lookups_in_log  # tests/ is on sys.path
+from cluster import lookups_by_request  # tests/ is on sys.path
 from test_launch_nixl_vllm import launch_1p1d, stop, wait_serving  # tests/e2e is on sys.path
 from vllm_server import free_cluster_base_port
 
@@ -42,7 +42,8 @@ def answer(url: str, model: str, body: dict, stream: bool) -> dict:
         message = choice["message"]
         calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ()]
         return {"content": message.get("content") or "", "reasoning": message.get("reasoning") or "",
-                "tool_calls": calls, "finish": choice["finish_reason"]}
+                "tool_calls": calls, "finish": choice["finish_reason"], "prompt_tokens": resp.json()["usage"][
+                    "prompt_tokens"]}
     content, reasoning, calls, finish = "", "", {}, None
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as resp:
         assert resp.status_code == 200, resp.read()
@@ -78,13 +79,17 @@ def test_a_chat_with_tools_is_answered_by_the_decoders_parser_from_the_prefiller
         decoder_log = tmp_path / "logs" / "decoder-0.log"
         for i, case in enumerate(cases):
             reference = answer(decoder, model, case, stream=False)  # one instance, the same flags
+            prompt_tokens = reference.pop("prompt_tokens")
             for stream in (False, True):
-                before = set(lookups_in_log(decoder_log))
-                assert answer(front, model, case, stream) == reference, (i, stream)
-                new = [lookup for req, lookup in lookups_in_log(decoder_log).items() if req not in before]
-                # every full chunk of the prompt (the decode is the prompt alone: vLLM computes its last token, so
-                # LMCache's lookup leaves the partial last chunk out)
-                assert new and all(hit > 0 and hit >= (total - 1) // 256 * 256 for total, hit in new), (i, stream, new)
+                before = set(lookups_by_request(decoder_log))
+                got = answer(front, model, case, stream)
+                assert {k: v for k, v in got.items() if k != "prompt_tokens"} == reference, (i, stream)
+                new = [lookup for req, lookup in lookups_by_request(decoder_log).items() if req not in before]
+                # a decode of the prompt alone (the chat endpoint's: a completion decode is prompt + first token)
+                # that loaded every full chunk of it (vLLM computes the last token itself, so LMCache's lookup
+                # leaves the partial last chunk out)
+                assert [total for total, _ in new] == [prompt_tokens], (i, stream, new)
+                assert all(hit > 0 and hit >= (total - 1) // 256 * 256 for total, hit in new), (i, stream, new)
         recent = httpx.get(f"{front}/stats", timeout=10).json()["recent"]
         assert len(recent) == 2 * len(cases)
     finally:
