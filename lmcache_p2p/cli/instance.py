@@ -229,8 +229,12 @@ def proxy_command(args: argparse.Namespace, site: Site, tokenizer: str | None = 
     """The proxy's command line: HTTP on --proxy-port, the registry on --proxy-control-port (instances dial it
     by ``advertise_host`` when that is not the bind address)."""
     named = any(a.startswith("--tokenizer") for a in args.proxy_arg)
+    # instances that split reasoning out of the answer do it on their chat endpoint: the proxy decodes chats there
+    parsers = any(a.startswith("--reasoning-parser") for a in getattr(args, "vllm_arg", None) or ()) and not any(
+        a.startswith(("--chat-parsers", "--no-chat-parsers")) for a in args.proxy_arg)
     host = site.bind_host or getattr(args, "host", HOST)
     return [site.python, "-m", "lmcache_p2p.cli.main", "proxy", "--host", host,
             "--port", str(args.proxy_port), "--control-port", str(args.proxy_control_port), "--policy", args.policy,
             "--workers", str(args.proxy_workers), *(["--advertise-host", advertise_host] if advertise_host else []),
-            *(["--tokenizer", tokenizer] if tokenizer and not named else []), *args.proxy_arg]
+            *(["--tokenizer", tokenizer] if tokenizer and not named else []), *(["--chat-parsers"] if parsers else []),
+            *args.proxy_arg]

@@ -186,3 +186,24 @@ def test_proxy_arg_passes_early_decode_to_the_proxy_which_takes_it(tmp_path: Pat
     assert ProxySettings.from_args(parser.parse_args(default_argv[default_argv.index("proxy") + 1:])).early_decode \
         is False
     assert parser.parse_args(["--no-early-decode"]).early_decode is False
+
+
+@pytest.mark.parametrize("argv, chat_parsers", [
+    (["--vllm-arg=--reasoning-parser=qwen3"], True),  # vLLM splits the reasoning on its chat endpoint alone
+    (["--vllm-arg=--reasoning-parser", "--vllm-arg=deepseek_r1"], True),
+    (["--vllm-arg=--reasoning-parser=qwen3", "--proxy-arg=--no-chat-parsers"], False),  # the operator's word holds
+    (["--vllm-arg=--tool-call-parser=hermes"], False),  # tool chats go to the chat endpoint whatever the flag
+    ([], False),
+])
+def test_instances_with_a_reasoning_parser_get_a_proxy_that_decodes_chats_on_their_chat_endpoint(
+        tmp_path: Path, argv: list[str], chat_parsers: bool) -> None:
+    import argparse
+
+    from lmcache_p2p.proxy.server import add_arguments
+    from lmcache_p2p.proxy.settings import ProxySettings
+
+    child = launch.proxy_child(build_parser().parse_args(["launch", *argv]), tmp_path)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    proxy_argv = list(child.argv[child.argv.index("proxy") + 1:])
+    assert ProxySettings.from_args(parser.parse_args(proxy_argv)).chat_parsers is chat_parsers
