@@ -304,6 +304,8 @@ class FakeVllm:
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": 1700000000,
                 "model": MODEL}
         try:
+            if self.kv_park is not None and MARKER_KEY in (body.get("kv_transfer_params") or {}):
+                await self.kv_park(body["kv_transfer_params"][MARKER_KEY])
             role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             yield f"data: {json.dumps({**base, 'choices': [role]})}\n\n"
             for i, (token, delta) in enumerate(zip(tokens, deltas)):

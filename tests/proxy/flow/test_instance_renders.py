@@ -4,9 +4,13 @@ reasoning as one instance would answer them, and the decoder still takes the pre
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from ..conftest import make_cluster
+from lmcache_p2p.vllm_plugin.router_addressing import MARKER_KEY
+
+from ..conftest import eventually, make_cluster
 from ..fakes import MESSAGES, MODEL, chat_prompt, generate, token_text, tokenize
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -139,3 +143,24 @@ async def test_served_colocated_the_instance_renders_the_messages_itself(stream)
             message = (await c.post("/v1/chat/completions", body)).json()["choices"][0]["message"]
             assert message["tool_calls"][0]["function"]["arguments"] == "".join(map(token_text, generate(ids, 3)))
         assert "kv_transfer_params" not in chat_decode(c)
+
+
+async def test_with_early_decode_the_chat_decode_carries_the_marker_and_waits_for_its_kv():
+    async with make_cluster(early_decode=True) as c:
+        decoder = c.decoders[0]
+        decoder.agent.kv_mode = "silent"  # reported below, once the decode is parked on the decoder
+        ids = tokenize(chat_prompt(MESSAGES))
+        body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 4, "stream": True}
+        request = asyncio.ensure_future(c.stream("/v1/chat/completions", body))
+        await eventually(lambda: decoder.vllm.calls("/v1/chat/completions"))
+        await asyncio.sleep(0.1)
+        assert not request.done()  # held by the decoder while its KV is missing
+        decode = chat_decode(c)
+        req_id = c.network.specs[-1]["req_id"]
+        assert decode["kv_transfer_params"]["prompt_token_ids"] == ids
+        assert decode["kv_transfer_params"][MARKER_KEY]["req_id"] == req_id
+        await decoder.agent.report_ready(req_id)
+        events = await request
+        arguments = [e["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] for e in events[1:-1]]
+        assert arguments == [token_text(t) for t in generate(ids, 4)]
+        assert c.metric("lmcache_p2p_proxy_early_decodes_total", first="kv_ready") == 1
