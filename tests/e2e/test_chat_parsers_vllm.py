@@ -2,8 +2,11 @@
 backend) with every instance run as ``--enable-auto-tool-choice --tool-call-parser pythonic`` and the proxy as
 ``--chat-parsers``. The decode goes to the decoder's chat endpoint prompted with the prefill's ids
 (``kv_transfer_params.prompt_token_ids``), so the answer is its parsers' and equals the decoder's own answer to
-the same request sent straight to it (one instance, the same flags), plain and streamed; and the decoder loaded
-the prompt's KV from the prefiller rather than computing it (its LMCache lookups).
+the same request sent straight to it afterwards (one instance, the same flags), plain and streamed; and the
+decoder loaded the prompt's KV from the prefiller rather than computing it (its LMCache lookups, before it had
+computed the prompt itself). The tiny model's random weights never write a tool call the parser recognizes, so
+this checks the path (and that it changes no answer), not the parsing: the fakes check that
+(tests/proxy/flow/test_instance_renders.py).
 """
 
 from __future__ import annotations
@@ -78,13 +81,15 @@ def test_a_chat_with_tools_is_answered_by_the_decoders_parser_from_the_prefiller
                                                               "tool_choice": "auto"}, {"messages": messages(5)}]
         decoder_log = tmp_path / "logs" / "decoder-0.log"
         for i, case in enumerate(cases):
+            answers, loaded = [], []
+            for stream in (False, True):  # first: the decoder has not computed this prompt itself
+                before = set(lookups_by_request(decoder_log))
+                answers.append(answer(front, model, case, stream))
+                loaded.append([lookup for req, lookup in lookups_by_request(decoder_log).items() if req not in before])
             reference = answer(decoder, model, case, stream=False)  # one instance, the same flags
             prompt_tokens = reference.pop("prompt_tokens")
-            for stream in (False, True):
-                before = set(lookups_by_request(decoder_log))
-                got = answer(front, model, case, stream)
+            for stream, got, new in zip((False, True), answers, loaded):
                 assert {k: v for k, v in got.items() if k != "prompt_tokens"} == reference, (i, stream)
-                new = [lookup for req, lookup in lookups_by_request(decoder_log).items() if req not in before]
                 # a decode of the prompt alone (the chat endpoint's: a completion decode is prompt + first token)
                 # that loaded every full chunk of it (vLLM computes the last token itself, so LMCache's lookup
                 # leaves the partial last chunk out)

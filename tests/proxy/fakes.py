@@ -280,7 +280,7 @@ class FakeVllm:
                                                   for d in deltas if d.get("tool_calls"))}}])
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         answer = self._answer("chat.completion", [choice], ids, tokens, body)
-        if body.get("return_token_ids"):
+        if body.get("return_token_ids") and not self._hides_ids(body):
             choice["token_ids"] = tokens
             if not self.omit_prompt_ids:
                 answer["prompt_token_ids"] = ids
@@ -299,6 +299,10 @@ class FakeVllm:
         return [{} if i < self.held_deltas else {"reasoning": token_text(t)} if i < thinking else
                 {"content": token_text(t)} for i, t in enumerate(tokens)]
 
+    def _hides_ids(self, body: dict[str, Any]) -> bool:
+        """vLLM 0.32 leaves a chat's token ids out under include_reasoning false when a parser runs."""
+        return body.get("include_reasoning") is False and bool(self.reasoning_tokens or body.get("tools"))
+
     async def _chat_stream(self, body: dict[str, Any], ids: list[int], tokens: list[int],
                            deltas: list[dict[str, Any]], finish: str) -> Any:
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": 1700000000,
@@ -315,12 +319,14 @@ class FakeVllm:
                     raise ConnectionAbortedError("fake decoder died mid-stream")
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
                                           "finish_reason": finish if i == len(tokens) - 1 else None}
-                if body.get("return_token_ids"):
+                if body.get("return_token_ids") and not self._hides_ids(body):
                     choice["token_ids"] = [token]
                 yield f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
             if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
-                         "total_tokens": len(ids) + len(tokens)}
+                usage: dict[str, Any] = {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
+                                         "total_tokens": len(ids) + len(tokens)}
+                if self.reasoning_tokens:
+                    usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
                 yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
             self.finished_streams += 1

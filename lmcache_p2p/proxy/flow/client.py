@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
 from lmcache_p2p.proxy.flow.decode import DecodeSession
 from lmcache_p2p.proxy.flow.steps import Answer, Count, Opened, RequestOwner
@@ -39,7 +40,7 @@ class ClientFlow:
         self._text: OutputText | None = None
         self._first_byte_s: float | None = None
         self._ended = False
-        self._rendered_usage: dict[str, int] | None = None
+        self._rendered_usage: dict[str, Any] | None = None
 
     async def prefill(self) -> FirstToken:
         opened = self._opened = await self._steps.prefill()
@@ -70,7 +71,7 @@ class ClientFlow:
         if self._first_byte_s is None:
             self._first_byte_s = self._clock()
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         if self._rendered_usage is not None:  # the decoder's chat endpoint counted it (its parsers may hide ids)
             return self._rendered_usage
         return usage(len(self.prompt_ids), len(self._output_ids) or 1)

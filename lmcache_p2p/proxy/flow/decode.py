@@ -34,7 +34,7 @@ from lmcache_p2p.proxy.errors import UpstreamConnectError, UpstreamError, Upstre
 from lmcache_p2p.proxy.http.held_text import HeldText, Replay
 from lmcache_p2p.proxy.flow.output import end_of_context, shape_delta
 from lmcache_p2p.proxy.flow.steps import RequestSteps, Target
-from lmcache_p2p.proxy.http.responses import USAGE_KEYS, Delta, decode_delta
+from lmcache_p2p.proxy.http.responses import Delta, decode_delta
 from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint
 from lmcache_p2p.proxy.upstream import Upstream, with_request_id
 
@@ -57,8 +57,10 @@ class DecodeSession:
         self._decode_sent_s: float | None = None
         self._decode_accepted_s: float | None = None
         self._started = False
-        # a decode on the decoder's chat endpoint (it renders the answer): the usage it reported
-        self.rendered_usage: dict[str, int] | None = None
+        # a decode on the decoder's chat endpoint (it renders the answer): the usage it reported, and whether the
+        # client has output of it
+        self.rendered_usage: dict[str, Any] | None = None
+        self._rendered_output = False
 
     async def deltas(self, regenerates_first: bool, first_text: str) -> AsyncIterator[Delta]:
         """The output after the first token (all of it when ``regenerates_first``); a stream that breaks
@@ -80,8 +82,8 @@ class DecodeSession:
                     self.finished = True
                     yield end_of_context(self._text)
                     return
-                if not migratable(exc) or self.finished:
-                    raise
+                if not migratable(exc) or self.finished or self._rendered_output:
+                    raise  # a rendered answer's parsers cannot go on elsewhere (its ids may be hidden: this side knows)
                 replay = self._held.replay()
                 moved = await self._steps.broken(list(self.output_ids), self.finished, replay.rewound, exc)
                 if moved is None:
@@ -107,15 +109,19 @@ class DecodeSession:
                 async for event in opened.events():
                     if not self._started:
                         self._report_first(opened.first_s or self._clock(), target.kv_pending)
-                    if target.path == Endpoint.CHAT.value and isinstance(event.get("usage"), dict):
-                        self.rendered_usage = {k: int(event["usage"][k]) for k in USAGE_KEYS
-                                               if isinstance(event["usage"].get(k), int)}
+                    rendered = target.path == Endpoint.CHAT.value
+                    if rendered and isinstance(event.get("usage"), dict):
+                        self.rendered_usage = dict(event["usage"])
                     delta = self._take(decode_delta(event))
                     if delta is None:
                         continue
+                    # the client gets this delta (a parser's held tokens alone go out only with ids asked for)
+                    self._rendered_output |= rendered and bool(delta.message or delta.logprobs or delta.finish_reason
+                                                               or self._req.return_token_ids)
                     yield delta
-                    if self.finished:
+                    if self.finished and not rendered:
                         return  # a stop string the proxy found: closing the stream aborts the decoder's request
+                    # a rendered answer is read to its end: the decoder's usage follows its last chunk
             return
 
     async def _open(self, target: Target, read_first: bool = False) -> _Opened:

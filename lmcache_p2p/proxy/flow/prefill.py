@@ -65,6 +65,8 @@ class PrefillAttempts:
     async def run(self, cost: RequestCost) -> FirstToken:
         """The first token (colocated: an empty one; the serving instance generates the whole output)."""
         if self._ctx.req.max_tokens == 1:  # nothing to decode: no decoder, no KV transfer
+            if self._ctx.instance_renders:  # its parsers answer it: on one instance's chat endpoint, whole
+                return await self._colocate(cost, ColocatedReason.ONE_TOKEN_RENDERED)
             return await self._alone(cost)
         return await self._routed(cost)
 

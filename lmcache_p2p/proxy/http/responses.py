@@ -97,9 +97,11 @@ def decode_delta(event: dict[str, Any]) -> Delta | None:
     choice = choices[0]
     message = choice.get("delta")  # a chat decode's chunk
     if isinstance(message, dict):
-        message = {k: v for k, v in message.items() if k != "role"}  # the client has its role chunk
-        if not any(message.values()) and not choice.get("token_ids") and choice.get("finish_reason") is None:
-            return None  # the role chunk vLLM opens a chat stream with
+        opening = "role" in message  # the role chunk vLLM opens a chat stream with: the client has the proxy's
+        message = {k: v for k, v in message.items() if k != "role"}
+        if (not message or opening and not any(message.values())) and not choice.get("token_ids") \
+                and choice.get("finish_reason") is None:
+            return None
     return Delta(
         text=(message.get("content") or "") if isinstance(message, dict) else choice.get("text") or "",
         token_ids=list(choice.get("token_ids") or ()),
@@ -108,9 +110,6 @@ def decode_delta(event: dict[str, Any]) -> Delta | None:
         stop_reason=choice.get("stop_reason"),
         message=message if isinstance(message, dict) else None,
     )
-
-
-USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -239,7 +238,7 @@ class ChatRenderer(Renderer):
     def delta_chunk(self, delta: Delta) -> dict[str, Any] | None:
         if delta.message is None:
             return super().delta_chunk(delta)
-        if not any(delta.message.values()) and delta.logprobs is None and delta.finish_reason is None \
+        if not delta.message and delta.logprobs is None and delta.finish_reason is None \
                 and not self._req.return_token_ids:
             return None  # its parsers held these tokens back: vLLM sends a client that asked for no ids nothing
         choice = {"index": 0, "delta": delta.message, "logprobs": delta.logprobs,
@@ -286,8 +285,9 @@ class ChatRenderer(Renderer):
         if self._reasoning:
             message["reasoning"] = "".join(self._reasoning)
         if self._tool_calls:
-            message["content"] = message["content"] or None
             message["tool_calls"] = [self._tool_calls[i] for i in sorted(self._tool_calls)]
+        if (self._reasoning or self._tool_calls) and not message["content"]:
+            message["content"] = None  # as vLLM's message: no content beside the parsed parts
         return {"message": message}
 
     def _place_prompt_ids(self, answer: dict[str, Any], choice: dict[str, Any]) -> None:

@@ -144,7 +144,9 @@ def prefill_body(req: ClientRequest, kv_params: dict[str, Any] | None) -> dict[s
     ``ret_first_tok``, which returns it: vLLM's NixlConnector has none). A prompt of 16k ids costs the prefiller's API server ~2 ms to put in its
     answer, on the request's TTFT.
     """
-    drop = ("stream_options", "request_id", "n", "kv_transfer_params")
+    # include_reasoning false makes a vLLM with a reasoning parser leave the answer's token ids out; the prefill's
+    # answer is the proxy's to read (its first token and prompt ids), not the client's
+    drop = ("stream_options", "request_id", "n", "kv_transfer_params", "include_reasoning")
     body = {k: v for k, v in req.body.items() if k not in drop}
     ids = req.prompt_ids if req.prompt_ids is not None else req.tokenized_ids
     # truncate_prompt_tokens stays: it truncates a text or chat prompt as vLLM does, and ids the proxy has

@@ -66,6 +66,7 @@ class ColocatedReason(str, enum.Enum):
     TOO_LARGE = "too_large"  # the prompt's KV is larger than every decoder buffer
     PLUGIN_NOT_RUNNING = "plugin_not_running"  # no prefiller or no decoder announces a running LMCache plugin
     OUTPUT_AWARE_SAMPLING = "output_aware_sampling"  # penalties / bad_words read output tokens: one instance (flow/flow.py)
+    ONE_TOKEN_RENDERED = "one_token_rendered"  # max_tokens 1 of a chat its parsers answer: one chat endpoint serves it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -164,3 +164,46 @@ async def test_with_early_decode_the_chat_decode_carries_the_marker_and_waits_fo
         arguments = [e["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] for e in events[1:-1]]
         assert arguments == [token_text(t) for t in generate(ids, 4)]
         assert c.metric("lmcache_p2p_proxy_early_decodes_total", first="kv_ready") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_token_of_a_rendered_chat_is_answered_whole_by_one_chat_endpoint(stream):
+    async with make_cluster() as c:
+        ids = tokenize(chat_prompt(MESSAGES))
+        body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 1, "stream": stream}
+        if stream:
+            events = await c.stream("/v1/chat/completions", body)
+            call = events[1]["choices"][0]["delta"]["tool_calls"][0]
+        else:
+            resp = await c.post("/v1/chat/completions", body)
+            assert resp.status_code == 200, resp.text
+            call, = resp.json()["choices"][0]["message"]["tool_calls"]
+        assert call["function"]["arguments"] == token_text(generate(ids, 1)[0])
+        decode = chat_decode(c)
+        assert decode["max_tokens"] == 1 and "kv_transfer_params" not in decode  # it renders the messages itself
+        assert not c.prefillers[0].vllm.requests and c.metric(
+            "lmcache_p2p_proxy_colocated_total", reason="one_token_rendered", role="receiver") == 1
+
+
+async def test_with_reasoning_hidden_the_decoders_usage_counts_and_a_break_after_output_is_not_continued():
+    # include_reasoning false: vLLM with a parser sends no token ids at all, so the proxy knows the output only by
+    # what it passed on
+    async with make_cluster(chat_parsers=True, n_decode=2) as c:
+        for node in c.prefillers + c.decoders:
+            node.vllm.reasoning_tokens = 2
+        ids = tokenize(chat_prompt(MESSAGES))
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "stream": True, "include_reasoning": False,
+                "stream_options": {"include_usage": True}}
+        events = await c.stream("/v1/chat/completions", body)
+        prefill, = c.prefillers[0].vllm.calls("/v1/chat/completions")
+        assert "include_reasoning" not in prefill  # the proxy reads its ids
+        assert events[-2]["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 4,
+                                       "total_tokens": len(ids) + 4,
+                                       "completion_tokens_details": {"reasoning_tokens": 2}}  # the decoder's
+        for d in c.decoders:
+            d.vllm.die_after = 2
+        events = await c.stream("/v1/chat/completions", body)
+        deltas = [e["choices"][0]["delta"] for e in events[1:-1] if "choices" in e]
+        out = generate(ids, 4)
+        assert deltas == [{"reasoning": token_text(t)} for t in out[:2]]  # once: nothing continued elsewhere
+        assert "error" in events[-2]
