@@ -11,13 +11,12 @@ this checks the path (and that it changes no answer), not the parsing: the fakes
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
 from cluster import lookups_by_request  # tests/ is on sys.path
 from test_launch_nixl_vllm import launch_1p1d, stop, wait_serving  # tests/e2e is on sys.path
+from test_nixl_backend_vllm import stream_events
 from vllm_server import free_cluster_base_port
 
 # Two vLLM servers for ~2 min: in `make test-long`.
@@ -48,23 +47,16 @@ def answer(url: str, model: str, body: dict, stream: bool) -> dict:
                 "tool_calls": calls, "finish": choice["finish_reason"], "prompt_tokens": resp.json()["usage"][
                     "prompt_tokens"]}
     content, reasoning, calls, finish = "", "", {}, None
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            for choice in event.get("choices") or ():
-                delta = choice["delta"]
-                content += delta.get("content") or ""
-                reasoning += delta.get("reasoning") or ""
-                for call in delta.get("tool_calls") or ():
-                    name, args = calls.get(call["index"], ("", ""))
-                    function = call.get("function") or {}
-                    calls[call["index"]] = (name + (function.get("name") or ""), args + (function.get("arguments")
-                                                                                         or ""))
-                finish = choice.get("finish_reason") or finish
+    for event in stream_events(url, body, path="/v1/chat/completions"):
+        for choice in event.get("choices") or ():
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            reasoning += delta.get("reasoning") or ""
+            for call in delta.get("tool_calls") or ():
+                name, args = calls.get(call["index"], ("", ""))
+                function = call.get("function") or {}
+                calls[call["index"]] = (name + (function.get("name") or ""), args + (function.get("arguments") or ""))
+            finish = choice.get("finish_reason") or finish
     return {"content": content, "reasoning": reasoning, "tool_calls": [calls[i] for i in sorted(calls)],
             "finish": finish}
 

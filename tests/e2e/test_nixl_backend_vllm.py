@@ -148,9 +148,9 @@ def complete(url: str, model: str, prompt: str, *, stream: bool = False, max_tok
             for t in event["choices"][0].get("token_ids") or ()]
 
 
-def stream_events(url: str, body: dict, on_event=lambda event: None) -> list[dict]:
+def stream_events(url: str, body: dict, on_event=lambda event: None, path: str = "/v1/completions") -> list[dict]:
     events = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as resp:
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=REQUEST_TIMEOUT_S) as resp:
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":

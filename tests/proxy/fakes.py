@@ -322,17 +322,24 @@ class FakeVllm:
                 if body.get("return_token_ids") and not self._hides_ids(body):
                     choice["token_ids"] = [token]
                 yield f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
-            if (body.get("stream_options") or {}).get("include_usage"):
-                usage: dict[str, Any] = {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
-                                         "total_tokens": len(ids) + len(tokens)}
-                if self.reasoning_tokens:
-                    usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
-                yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
+            details = {"completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}} \
+                if self.reasoning_tokens else {}
+            yield self._stream_end(base, body, ids, tokens, **details)
             self.finished_streams += 1
         except asyncio.CancelledError:
             self.cancelled_streams += 1
             raise
+
+    @staticmethod
+    def _stream_end(base: dict[str, Any], body: dict[str, Any], ids: list[int], tokens: list[int],
+                    **details: Any) -> str:
+        """A stream's last events: its usage when asked for (with ``details``), then [DONE]."""
+        end = "data: [DONE]\n\n"
+        if not (body.get("stream_options") or {}).get("include_usage"):
+            return end
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens),
+                 **details}
+        return f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n" + end
 
     async def _tokenize(self, request: Request) -> Any:
         body = await request.json()
@@ -459,11 +466,7 @@ class FakeVllm:
                     if i == 0:
                         choice["prompt_token_ids"] = ids
                 yield f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
-            if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
-                         "total_tokens": len(ids) + len(tokens)}
-                yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
+            yield self._stream_end(base, body, ids, tokens)
             self.finished_streams += 1
         except asyncio.CancelledError:
             self.cancelled_streams += 1

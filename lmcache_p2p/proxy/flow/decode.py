@@ -105,11 +105,11 @@ class DecodeSession:
             if isinstance(opened, Target):  # the early decode's KV failed first: its stream was closed
                 target = opened
                 continue
+            rendered = target.path == Endpoint.CHAT.value
             async with opened.stack:
                 async for event in opened.events():
                     if not self._started:
                         self._report_first(opened.first_s or self._clock(), target.kv_pending)
-                    rendered = target.path == Endpoint.CHAT.value
                     if rendered and isinstance(event.get("usage"), dict):
                         self.rendered_usage = dict(event["usage"])
                     delta = self._take(decode_delta(event))
