@@ -35,6 +35,32 @@ def _answer(status: int, body: bytes) -> bytes:
             + body)
 
 
+def _answers_once_then_silent(answer: bytes, connections: list[int]) -> Handler:
+    """A server that answers its first request and none after it, on any connection (each counted in
+    ``connections``). A deadline test calls it twice: the second call rides the first's pooled
+    connection, so its deadline can only pass waiting for the answer, however long a loaded machine
+    takes to open a connection (a connect past the deadline is a connect error, which is not the case
+    under test)."""
+    answered = False
+
+    async def handler(reader, writer) -> None:
+        nonlocal answered
+        connections.append(1)
+        try:
+            while True:
+                await _read_request(reader)
+                if answered:
+                    await asyncio.sleep(10)
+                    return
+                answered = True
+                writer.write(answer)
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            return  # the client closed the connection
+
+    return handler
+
+
 @pytest.fixture
 async def serve() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
     servers: list[asyncio.Server] = []
@@ -95,13 +121,12 @@ async def test_a_connection_that_breaks_after_the_request_is_not_a_connect_error
 
 
 async def test_no_answer_within_the_deadline_is_a_timeout(serve, upstream) -> None:
-    async def handler(reader, writer) -> None:
-        await _read_request(reader)
-        await asyncio.sleep(10)
-
-    url = await serve(handler)
+    connections: list[int] = []
+    url = await serve(_answers_once_then_silent(_answer(200, b"{}"), connections))
+    assert await upstream.post_json(url, "/v1/completions", {}, timeout_s=5) == {}
     with pytest.raises(UpstreamTimeout, match="no answer within 0.3 s"):
         await upstream.post_json(url, "/v1/completions", {}, timeout_s=0.3)
+    assert len(connections) == 1
 
 
 @pytest.mark.parametrize("status, error_status", [(400, 400), (404, 404), (500, 502), (503, 502)])
@@ -152,13 +177,13 @@ async def test_a_health_probe_reports_the_status_and_maps_failures_as_every_call
         writer.write(b"HTTP/1.1 503 X\r\ncontent-length: 0\r\n\r\n")
         await writer.drain()
 
-    async def silent(reader, writer) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        await asyncio.sleep(10)
-
     assert await upstream.get_status(await serve(handler), "/health", timeout_s=5) == 503
+    connections: list[int] = []
+    silent_after_one = await serve(_answers_once_then_silent(_answer(200, b""), connections))
+    assert await upstream.get_status(silent_after_one, "/health", timeout_s=5) == 200
     with pytest.raises(UpstreamTimeout, match="no answer within 0.3 s"):
-        await upstream.get_status(await serve(silent), "/health", timeout_s=0.3)
+        await upstream.get_status(silent_after_one, "/health", timeout_s=0.3)
+    assert len(connections) == 1
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
