@@ -123,6 +123,8 @@ set -o pipefail
   start=$(date +%s)
   eval "$(bash "$GPU_BUILD/gpu-kit/install_bundle.sh" "$GPU_BUILD/gpu-bundle/bundle.sha")" || exit 1
   export PYTHONPATH="$ROOT:$PYTHONPATH" PYTHONUNBUFFERED=1
+  # vLLM loads our plugin only through an installed entry point; this copy is on PYTHONPATH, not installed
+  python3 "$ROOT/scripts/plugin_metadata.py" "${SITE:-/tmp/site}" >/dev/null || exit 1
   # vllm-router for the vllm-nixl system, the LMCache MP server's imports for vllm-nixl-lmcache-mp
   if compgen -G "$GPU_BUILD/gpu-kit/wheels/*.whl" >/dev/null; then
     [ -d "${SITE:-/tmp/site}/vllm_router" ] && [ -d "${SITE:-/tmp/site}/blake3" ] || python3 -m pip install -q \

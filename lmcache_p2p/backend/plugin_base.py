@@ -8,6 +8,7 @@ from typing import Any
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
+from lmcache_p2p import vllm_plugin
 from lmcache_p2p.backend.full_graph_load import install as install_full_graph_load
 from lmcache_p2p.errors import ClosedError
 
@@ -21,6 +22,7 @@ class P2PPlugin(StoragePluginInterface):
     _unload: Callable[[], None] | None = None
 
     def _load_in_full_graphs(self) -> None:
+        vllm_plugin.check_registered()  # where the backend is built inside vLLM, the plugin must be there too
         self._unload = install_full_graph_load()
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:

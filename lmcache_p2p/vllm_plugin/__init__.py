@@ -28,13 +28,16 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_MODULE = "lmcache.integration.vllm.vllm_v1_adapter"
 CACHE_ENGINE_MODULE = "lmcache.v1.cache_engine"
+_registered = False  # register() ran in this process
 
 
 def register() -> None:
     """vLLM general-plugin entry point (idempotent). Raises ConfigError for a bad ``p2p`` section."""
+    global _registered
     from lmcache_p2p import compat
     from lmcache_p2p.vllm_plugin import foreign_router, producer_lookup, startup
 
+    _registered = True
     startup.check_config_file()
     on_cpu = _running_on_cpu()
     compat.warn_untested(compat.Platform.CPU if on_cpu else compat.Platform.GPU)
@@ -52,6 +55,25 @@ def register() -> None:
     spin_s = spin_from_env()
     if spin_s is not None:
         cap_busy_loop(spin_s)
+
+
+def check_registered() -> bool:
+    """Called where LMCache builds our backend: inside vLLM (LMCache's vLLM adapter is loaded) the plugin
+    must have registered in this process too. vLLM finds it only through the installed package's entry
+    point: lmcache_p2p put on ``PYTHONPATH`` alone serves, but without what the plugin adds (the ``p2p``
+    section checked at start-up, the decoder's wait for KV still arriving, vllm-router's addressing, the
+    CPU connector), so that is logged as an ERROR naming the fix. False when it was missing."""
+    import sys
+
+    if _registered or ADAPTER_MODULE not in sys.modules:
+        return True
+    logger.error("lmcache_p2p's vLLM plugin did not run in this process: lmcache_p2p is importable but not "
+                 "installed (vLLM loads plugins from the entry point 'vllm.general_plugins: lmcache_p2p'), so "
+                 "this instance serves without it: no check of the p2p section at start-up, a decode that "
+                 "arrives before its KV (--early-decode, vllm-router) computes its prompt, vllm-router's "
+                 "requests send no KV. Install the package (pip install lmcache-p2p, or pip install -e . "
+                 "from a checkout) in the environment vLLM runs in")
+    return False
 
 
 def _running_on_cpu() -> bool:
