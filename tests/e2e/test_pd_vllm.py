@@ -319,3 +319,12 @@ def test_decoder_joins_and_leaves_while_requests_flow(cluster, reference, tiny_m
     wrong = [n for n, text in results if text != reference[n]["text"]]
     assert not wrong, wrong
     assert len(results) >= 8
+
+
+def test_vllm_ran_our_plugin_in_every_process_that_built_our_backend(cluster, reference):
+    """The plugin is loaded through the installed package's entry point in the processes where LMCache built our
+    backend (``vllm_plugin.check_registered`` stays silent): the check may not fire on a healthy instance."""
+    for name in ("prefiller-0", "decoder-0"):
+        text = cluster.children[name].log_path.read_text(errors="replace")
+        assert re.search(r"lmcache_p2p (sender rank \d+ ready|receiver rank \d+:)", text), f"{name}: no backend"
+        assert "vLLM plugin did not run in this process" not in text, name
