@@ -109,7 +109,10 @@ def test_full_buffer_fails_after_alloc_timeout_with_its_slots_freed_then_backoff
     store(pair.sender, pair.port, seed=42, n=3 * TINY_CHUNK, req_id="blocked", skip=TINY_CHUNK, last=True)
     wait_failed(pair.sender, 1)
     assert time.monotonic() - started >= alloc_timeout_s  # it backed off and retried until the deadline
-    log = pair.sender.log_path.read_text()
+    # the failure is counted, then logged: the log may lag the count by a moment
+    log = wait_for(pair.sender.log_path.read_text,
+                   lambda text: "p2p.alloc_timeout_s" in text and "last refusal: 1 of 4 slots free, 2 needed" in text,
+                   FREE_TIMEOUT_S)
     assert "p2p.alloc_timeout_s" in log and "last refusal: 1 of 4 slots free, 2 needed" in log
     # B's granted slot is back in the pool; A is untouched.
     assert wait_for(lambda: pair.receiver.call(op="slots"), lambda s: s["free"] == 2, FREE_TIMEOUT_S)["free"] == 2

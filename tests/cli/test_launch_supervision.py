@@ -89,7 +89,8 @@ def test_killed_decoder_is_restarted_while_the_rest_keeps_serving(fake_launch, m
 
     def after_kill() -> None:  # once the decoder is back, stop the launcher as Ctrl-C / SIGTERM would
         wait_for(lambda: len(pids_of(pid_dir, args.decode_port)) == 2, "decoder restart")
-        time.sleep(0.5)
+        log = Path(args.log_dir) / "decoder-0.log"  # the restarted server wrote its pid file before its line
+        wait_for(lambda: log.read_text().count("fake server pid") == 2, "the restarted decoder's log line")
         if running.is_set():  # never signal pytest itself once the launcher has returned
             os.kill(os.getpid(), signal.SIGTERM)
 

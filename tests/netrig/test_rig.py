@@ -20,7 +20,11 @@ ECHO = ("import socket,sys\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,soc
         "s.bind((sys.argv[1],5000));s.listen()\nwhile True:\n c,_=s.accept();c.sendall(b'hi');c.close()")
 
 
-def _reaches(rig: NetRig, src: str, dst: str, timeout_s: float = 1.5) -> bool:
+REACH_S = 10.0  # a reach expected to succeed: a loaded machine's echo server and emulator may answer late
+UNREACHABLE_S = 1.5  # a reach expected to fail: its packets are dropped, so it ends at this timeout
+
+
+def _reaches(rig: NetRig, src: str, dst: str, timeout_s: float = REACH_S) -> bool:
     with rig.inside(src):
         try:
             with socket.create_connection((rig.addr(dst), 5000), timeout=timeout_s) as c:
@@ -60,7 +64,7 @@ def test_hosts_have_their_own_addresses_and_reach_each_other(rig):
 def test_a_partition_drops_one_pair_only_and_heals(rig):
     rig.partition("a", "b")
     try:
-        assert not _reaches(rig, "a", "b")
+        assert not _reaches(rig, "a", "b", UNREACHABLE_S)
         assert _reaches(rig, "c", "b")
         assert rig.emulator_counts()["blocked"] > 0
     finally:
@@ -71,7 +75,7 @@ def test_a_partition_drops_one_pair_only_and_heals(rig):
 def test_a_cut_link_isolates_the_host_until_restored(rig):
     rig.cut("b")
     try:
-        assert not _reaches(rig, "a", "b") and not _reaches(rig, "c", "b")
+        assert not _reaches(rig, "a", "b", UNREACHABLE_S) and not _reaches(rig, "c", "b", UNREACHABLE_S)
     finally:
         rig.restore("b")
     assert _reaches(rig, "a", "b", timeout_s=5)

@@ -112,6 +112,7 @@ class FakeNixlVllm(FakeVllm):
         self.usage = 0.0  # vllm:kv_cache_usage_perc
         self.metrics_status = 200
         self.metrics_delay_s = 0.0
+        self.metrics_asked = 0  # GET /metrics requests received
         self.server._app.router.routes.append(Route("/metrics", self._metrics, methods=["GET"]))
 
     async def _chat(self, request: Request) -> Any:
@@ -177,6 +178,7 @@ class FakeNixlVllm(FakeVllm):
         return list(prompt) if isinstance(prompt, list) else tokenize(prompt)
 
     async def _metrics(self, request: Request) -> Any:
+        self.metrics_asked += 1
         if self.metrics_delay_s:
             await asyncio.sleep(self.metrics_delay_s)
         if self.metrics_status != 200:

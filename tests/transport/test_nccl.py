@@ -377,8 +377,8 @@ def test_a_posted_write_that_never_lands_is_reported_failed_once_its_pair_is_dow
         events.append("torn down")
 
     def failed(sender, payload, why):
-        events.append("reported")
         real_failed(sender, payload, why)
+        events.append("reported")  # once queued: the test reads the failure when it sees this
 
     rx._receiver.hooks = dataclasses.replace(rx._receiver.hooks, write_failed=failed)
     peer = _connect(rx, tx)

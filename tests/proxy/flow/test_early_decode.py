@@ -86,6 +86,8 @@ async def test_a_non_streamed_early_decode_answers_as_one_instance(workers):
         resp = await c.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": N})
         assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == expected_text(IDS, N)
         assert MARKER_KEY in decodes(c.decoders[0])[0]["kv_transfer_params"]
+        if workers > 1:  # a worker tells the coordinator that a non-streamed answer closed after the client has it
+            await eventually(lambda: len(c.proxy.coordinator) == 0)
         assert_idle(c)
 
 

@@ -450,16 +450,19 @@ async def test_a_dead_nixl_instance_leaves_rotation_through_its_metrics_poll():
 
 
 async def test_a_slow_or_failing_metrics_answer_does_not_take_an_instance_out():
-    cm, c, network, (p,), (d,) = await nixl_cluster(max_connect_failures=2, health_probe_timeout_s=0.1)
+    # the probe's 1 s also bounds each poll's connect: a loaded machine's connect stays well inside it
+    cm, c, network, (p,), (d,) = await nixl_cluster(max_connect_failures=2, health_probe_timeout_s=1.0)
     try:
         decoder = next(i for i in c.proxy.registry.instances() if i.http_url == d.url)
         await eventually(lambda: decoder.capacity_slots == 64)
         taken_out: list[str] = []
         c.proxy.registry.on_pending.append(lambda inst: taken_out.append(inst.instance_id))
-        d.metrics_delay_s = 0.3  # a busy engine's API server answers late
-        await asyncio.sleep(1.0)  # several polls
+        d.metrics_delay_s = 3.0  # a busy engine's API server answers later than the poll waits
+        asked = d.metrics_asked
+        await eventually(lambda: d.metrics_asked >= asked + 3, timeout_s=30)  # two polls timed out, a third asks
         d.metrics_delay_s, d.metrics_status = 0.0, 500
-        await asyncio.sleep(0.5)
+        asked = d.metrics_asked
+        await eventually(lambda: d.metrics_asked >= asked + 3, timeout_s=30)  # and polls answered 500
         assert taken_out == [] and decoder.connect_failures == 0  # never out of rotation, not even briefly
         assert routable(c, d.url) and decoder.capacity_slots == 64  # the last reading stands
         events = await c.stream("/v1/completions", {**BODY, "stream": True})
