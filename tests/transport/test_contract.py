@@ -194,7 +194,7 @@ def test_aborted_write_settles_only_once_its_reads_ended(fresh_receiver: Pair, t
     addrs = [pair.slot_addr(i) for i in range(count)]
     pair.rx.signal(signal.SIGSTOP)
     handle, _ = pair.tx.call("write", pair.peer, chunks, addrs, b"to-abort")
-    time.sleep(0.3)  # two-sided transports post from a pair thread: let it reach the wire
+    assert pair.tx.call("posted_within", handle, WAIT_S), "the write never reached the wire"  # NCCL posts it later
     pair.tx.call("abort", handle)
     if then_disconnect:
         pair.tx.call("disconnect", pair.peer)  # as the sender service does when a request to it fails

@@ -144,6 +144,20 @@ class PeerState:
             return type(exc).__name__
         return ""
 
+    def posted_within(self, handle_id: int, timeout_s: float) -> bool:
+        """Until the write is on the wire (then True) or ``timeout_s`` passed (then False). NCCL posts it from its
+        pair thread (the handle's ``PendingWrite.posted``); NIXL posts it inside ``write``."""
+        handle, _ = self.handles[handle_id]
+        write = handle.token[1] if isinstance(handle.token, tuple) and len(handle.token) == 2 else None
+        if not hasattr(write, "posted"):
+            return True
+        deadline = time.monotonic() + timeout_s
+        while not write.posted:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
     def settle_within(self, handle_id: int, timeout_s: float) -> bool:
         """Poll ``settled`` until it is True (then True) or ``timeout_s`` passed (then False)."""
         handle, _ = self.handles[handle_id]
