@@ -21,6 +21,7 @@ LMCache module is an import hook (:mod:`lmcache_p2p.import_hooks`) that runs whe
 from __future__ import annotations
 
 import logging
+import sys
 
 from lmcache_p2p.import_hooks import patch_on_import
 
@@ -63,8 +64,6 @@ def check_registered() -> bool:
     point: lmcache_p2p put on ``PYTHONPATH`` alone serves, but without what the plugin adds (the ``p2p``
     section checked at start-up, the decoder's wait for KV still arriving, vllm-router's addressing, the
     CPU connector), so that is logged as an ERROR naming the fix. False when it was missing."""
-    import sys
-
     if _registered or ADAPTER_MODULE not in sys.modules:
         return True
     logger.error("lmcache_p2p's vLLM plugin did not run in this process: lmcache_p2p is importable but not "
