@@ -34,7 +34,7 @@ from lmcache_p2p.proxy.errors import UpstreamConnectError, UpstreamError, Upstre
 from lmcache_p2p.proxy.http.held_text import HeldText, Replay
 from lmcache_p2p.proxy.flow.output import end_of_context, shape_delta
 from lmcache_p2p.proxy.flow.steps import RequestSteps, Target
-from lmcache_p2p.proxy.http.responses import Delta, decode_delta
+from lmcache_p2p.proxy.http.responses import Delta, decode_delta, held_back
 from lmcache_p2p.proxy.http.shaping import ClientRequest, Endpoint
 from lmcache_p2p.proxy.upstream import Upstream, with_request_id
 
@@ -115,9 +115,7 @@ class DecodeSession:
                     delta = self._take(decode_delta(event))
                     if delta is None:
                         continue
-                    # the client gets this delta (a parser's held tokens alone go out only with ids asked for)
-                    self._rendered_output |= rendered and bool(delta.message or delta.logprobs or delta.finish_reason
-                                                               or self._req.return_token_ids)
+                    self._rendered_output |= rendered and not held_back(delta, self._req.return_token_ids)
                     yield delta
                     if self.finished and not rendered:
                         return  # a stop string the proxy found: closing the stream aborts the decoder's request

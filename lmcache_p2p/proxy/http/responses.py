@@ -112,6 +112,12 @@ def decode_delta(event: dict[str, Any]) -> Delta | None:
     )
 
 
+def held_back(delta: Delta, return_token_ids: bool) -> bool:
+    """A rendered chat delta with nothing for a client that asked for no ids: tokens its parsers held back, whose
+    ids vLLM sends in an empty delta (it sends such a client nothing)."""
+    return not delta.message and delta.logprobs is None and delta.finish_reason is None and not return_token_ids
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -238,9 +244,8 @@ class ChatRenderer(Renderer):
     def delta_chunk(self, delta: Delta) -> dict[str, Any] | None:
         if delta.message is None:
             return super().delta_chunk(delta)
-        if not delta.message and delta.logprobs is None and delta.finish_reason is None \
-                and not self._req.return_token_ids:
-            return None  # its parsers held these tokens back: vLLM sends a client that asked for no ids nothing
+        if held_back(delta, self._req.return_token_ids):
+            return None
         choice = {"index": 0, "delta": delta.message, "logprobs": delta.logprobs,
                   "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
         if self._req.return_token_ids:
